@@ -1,0 +1,80 @@
+"""The provider contract every backend implements (DESIGN.md section 2).
+
+Providers are synchronous, like the cloud SDKs they wrap; activities run them
+in threads so the worker's event loop never blocks. Every operation is
+idempotent, because Temporal retries activities after crashes and timeouts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from providers.squid import ProxySettings
+
+
+class InstanceState(enum.StrEnum):
+    """Common lifecycle states every provider maps its own states onto."""
+
+    PROVISIONING = "PROVISIONING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    TERMINATED = "TERMINATED"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One proxy instance as a provider sees it.
+
+    `ip` is empty until a client could use it, and a provider only reports
+    RUNNING once `ip` is set, so an empty endpoint is never published.
+    """
+
+    provider_id: str
+    name: str
+    state: InstanceState
+    ip: str
+    port: int
+    tags: dict[str, str]
+    created_at: datetime
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.ip}:{self.port}" if self.ip else ""
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """Everything a provider needs to create one proxy instance.
+
+    `proxy` carries the credentials; it is built inside the worker from its
+    config and never travels through a workflow payload.
+    """
+
+    name: str
+    proxy: ProxySettings
+    tags: dict[str, str]
+    placement: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """Four idempotent operations; errors are only those of providers.errors."""
+
+    def create(self, req: CreateRequest) -> Instance:
+        """Create the instance named `req.name`, or return it if it already exists."""
+        ...
+
+    def get(self, provider_id: str) -> Instance:
+        """Return the current state; raise NotFound when the instance is gone."""
+        ...
+
+    def delete(self, provider_id: str) -> None:
+        """Start deleting the instance; an instance already gone is success."""
+        ...
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        """Every instance carrying tag `key=value`, in every namespace or zone."""
+        ...
