@@ -1,0 +1,94 @@
+"""Inputs and outputs of the activities: single typed dataclasses, JSON on the wire.
+
+Workflows import these, so they hold plain data only, and never a secret:
+credentials are added inside the worker, after the payload has been decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class InstanceRef:
+    """What a workflow remembers about one instance it owns."""
+
+    provider: str
+    provider_id: str
+    name: str
+    generation: int
+    ip: str = ""
+    port: int = 0
+    created_at: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.ip}:{self.port}" if self.ip else ""
+
+
+@dataclass(frozen=True)
+class ValidateTargetInput:
+    provider: str
+    port: int | None
+    placement: dict[str, str]
+    health_target: str
+
+
+@dataclass(frozen=True)
+class CreateInstanceInput:
+    provider: str
+    owner_id: str
+    generation: int
+    port: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    placement: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InstanceInput:
+    """Names one instance for get-like activities (wait, delete)."""
+
+    instance: InstanceRef
+    timeout_seconds: float = 600.0
+
+
+@dataclass(frozen=True)
+class ProbeInput:
+    instance: InstanceRef
+    target: str
+    timeout_seconds: float = 5.0
+    deadline_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class MonitorInput:
+    instance: InstanceRef
+    target: str
+    interval_seconds: float
+    failure_threshold: int
+    # Return after this long even when nothing changed, so the workflow can
+    # rotate, continue-as-new and refresh its status about once an hour.
+    max_duration_seconds: float
+    probe_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class ProbeSummary:
+    """The JSON-friendly part of a probe result that status and heartbeats show."""
+
+    ok: bool
+    at: str
+    total_ms: float | None = None
+    failure: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class MonitorOutcome:
+    """Why the monitor returned: `unhealthy`, `gone` or `elapsed`."""
+
+    reason: str
+    last_probe: ProbeSummary | None
+    consecutive_failures: int = 0
+    probes: int = 0
+    detail: str = ""

@@ -1,0 +1,302 @@
+"""Activities that drive providers and probe proxies for ProxyLifecycle and OrphanGC.
+
+One class holds the provider registry and the worker's config, so tests can
+inject providers and credentials never travel through a workflow payload: the
+workflow names a provider and an owner, the activity adds the password.
+Provider calls are synchronous SDK calls; they run on a dedicated thread pool
+so the worker's event loop (and the probes on it) never block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.errors import INVALID_INPUT, instance_lost, to_application_error
+from activities.models import (
+    CreateInstanceInput,
+    InstanceInput,
+    InstanceRef,
+    MonitorInput,
+    MonitorOutcome,
+    ProbeInput,
+    ProbeSummary,
+    ValidateTargetInput,
+)
+from activities.probe import ProbeResult, probe_connect
+from providers.base import CreateRequest, Instance, InstanceState, Provider
+from providers.config import Config
+from providers.errors import NotFound, classify
+from providers.naming import instance_name, owner_tags
+
+T = TypeVar("T")
+
+# Placement keys each provider type understands.
+PLACEMENT_KEYS: dict[str, frozenset[str]] = {
+    "local": frozenset(),
+    "kubernetes": frozenset({"namespace"}),
+    "gcp": frozenset({"zone"}),
+}
+# Poll quickly at first (a local Squid is up in tens of milliseconds), then
+# back off so a slow VM boot costs few provider calls.
+FIRST_POLL_SECONDS = 0.05
+MAX_POLL_SECONDS = 2.0
+# A delete that has not taken effect after this long is issued again.
+REDELETE_AFTER_SECONDS = 30.0
+GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
+
+
+class ProviderActivities:
+    """Activities over the worker's configured providers."""
+
+    def __init__(
+        self,
+        providers: Mapping[str, Provider],
+        config: Config,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_threads: int = 32,
+    ) -> None:
+        self._providers = dict(providers)
+        self._config = config
+        # One context for every probe: building one loads the CA bundle.
+        self._ssl = ssl_context or ssl.create_default_context()
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="provider")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @activity.defn(name="validate_target")
+    async def validate_target(self, inp: ValidateTargetInput) -> list[str]:
+        """Check what only the worker knows: provider names, placement, ports.
+
+        Returns every problem, each naming its input field, so the workflow can
+        fail with all of them at once before creating anything.
+        """
+        problems: list[str] = []
+        entry = next((p for p in self._config.providers if p.name == inp.provider), None)
+        if entry is None or inp.provider not in self._providers:
+            known = ", ".join(sorted(self._providers)) or "none"
+            problems.append(f"provider: unknown provider {inp.provider!r} (configured: {known})")
+        else:
+            allowed = PLACEMENT_KEYS.get(entry.type, frozenset())
+            for key in sorted(set(inp.placement) - allowed):
+                problems.append(
+                    f"placement.{key}: not supported by provider {inp.provider!r} "
+                    f"(type {entry.type})"
+                )
+        ports = self._config.proxy.allowed_connect_ports
+        target_port = _port_of(inp.health_target)
+        if target_port is not None and target_port not in ports:
+            problems.append(
+                f"health.target: port {target_port} is not in the proxies' "
+                f"allowed_connect_ports {ports}, so every probe would be refused"
+            )
+        return problems
+
+    @activity.defn(name="create_instance")
+    async def create_instance(self, inp: CreateInstanceInput) -> InstanceRef:
+        """Create (or adopt) the instance for this owner and generation."""
+        name = instance_name(inp.owner_id, inp.generation)
+        request = CreateRequest(
+            name=name,
+            proxy=self._config.proxy_settings(inp.port),
+            tags=owner_tags(self._config.installation, inp.owner_id, inp.generation, inp.labels),
+            placement=dict(inp.placement),
+        )
+        provider = self._provider(inp.provider)
+        instance = await self._call(provider.create, request)
+        return _ref(inp.provider, inp.generation, instance)
+
+    @activity.defn(name="wait_running")
+    async def wait_running(self, inp: InstanceInput) -> InstanceRef:
+        """Poll until the instance is RUNNING with an address.
+
+        An instance that dies or vanishes meanwhile is reported as
+        InstanceLost (non-retryable): the workflow replaces it.
+        """
+        ref = inp.instance
+        provider = self._provider(ref.provider)
+        delay = FIRST_POLL_SECONDS
+        while True:
+            try:
+                instance = await self._call(provider.get, ref.provider_id)
+            except ApplicationError as err:
+                if err.type == NotFound.__name__:
+                    raise instance_lost(f"{ref.name} vanished while provisioning") from err
+                raise
+            if instance.state is InstanceState.RUNNING and instance.ip:
+                return _ref(ref.provider, ref.generation, instance)
+            if instance.state in GONE_STATES:
+                raise instance_lost(f"{ref.name} is {instance.state.value} while provisioning")
+            activity.heartbeat(instance.state.value)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_SECONDS)
+
+    @activity.defn(name="wait_healthy")
+    async def wait_healthy(self, inp: ProbeInput) -> ProbeSummary:
+        """Probe until one CONNECT succeeds or the deadline passes.
+
+        Returns the last result either way; the workflow decides what a
+        proxy that never became healthy means.
+        """
+        deadline = time.monotonic() + inp.deadline_seconds
+        delay = FIRST_POLL_SECONDS
+        while True:
+            summary = _summarise(await self._probe(inp.instance, inp.target, inp.timeout_seconds))
+            if summary.ok or time.monotonic() >= deadline:
+                return summary
+            activity.heartbeat(summary)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_SECONDS)
+
+    @activity.defn(name="monitor")
+    async def monitor(self, inp: MonitorInput) -> MonitorOutcome:
+        """Probe every interval; return only when something changed.
+
+        This loop is what keeps steady state cheap: no history event per
+        probe, just throttled heartbeats whose details show the last probe in
+        the Web UI. It returns `unhealthy` after `failure_threshold`
+        consecutive failures, `gone` as soon as a failed probe finds the
+        instance dead or deleted, and `elapsed` after `max_duration_seconds`.
+        """
+        info = activity.info()
+        previous = info.heartbeat_details[0] if info.heartbeat_details else None
+        failures = int(previous["consecutive_failures"]) if isinstance(previous, dict) else 0
+        started = time.monotonic()
+        probes = 0
+        while True:
+            tick = time.monotonic()
+            summary = _summarise(
+                await self._probe(inp.instance, inp.target, inp.probe_timeout_seconds)
+            )
+            probes += 1
+            failures = 0 if summary.ok else failures + 1
+            activity.heartbeat({"last_probe": summary, "consecutive_failures": failures})
+            if not summary.ok:
+                gone = await self._gone_reason(inp.instance)
+                if gone:
+                    return MonitorOutcome("gone", summary, failures, probes, gone)
+                if failures >= inp.failure_threshold:
+                    return MonitorOutcome(
+                        "unhealthy", summary, failures, probes, f"{failures} failed probes in a row"
+                    )
+            if time.monotonic() - started >= inp.max_duration_seconds:
+                return MonitorOutcome("elapsed", summary, failures, probes)
+            await asyncio.sleep(max(0.0, inp.interval_seconds - (time.monotonic() - tick)))
+
+    @activity.defn(name="delete_instance")
+    async def delete_instance(self, inp: InstanceInput) -> None:
+        """Start deleting; an instance already gone is success."""
+        ref = inp.instance
+        try:
+            await self._call(self._provider(ref.provider).delete, ref.provider_id)
+        except ApplicationError as err:
+            if err.type != NotFound.__name__:
+                raise
+
+    @activity.defn(name="wait_gone")
+    async def wait_gone(self, inp: InstanceInput) -> None:
+        """Poll until the provider no longer knows the instance.
+
+        Re-issues the delete now and then: a delete accepted by an API is not
+        always a delete carried out, and a leaked instance keeps costing.
+        """
+        ref = inp.instance
+        provider = self._provider(ref.provider)
+        delay = FIRST_POLL_SECONDS
+        last_delete = time.monotonic()
+        while True:
+            try:
+                instance = await self._call(provider.get, ref.provider_id)
+            except ApplicationError as err:
+                if err.type == NotFound.__name__:
+                    return
+                raise
+            activity.heartbeat(instance.state.value)
+            if time.monotonic() - last_delete >= REDELETE_AFTER_SECONDS:
+                await self.delete_instance(inp)
+                last_delete = time.monotonic()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_SECONDS)
+
+    async def _probe(self, ref: InstanceRef, target: str, timeout: float) -> ProbeResult:
+        auth = self._config.proxy.auth
+        return await probe_connect(
+            ref.ip,
+            ref.port,
+            auth.username,
+            self._config.proxy_settings().password,
+            target,
+            timeout=timeout,
+            ssl_context=self._ssl,
+        )
+
+    async def _gone_reason(self, ref: InstanceRef) -> str:
+        """Why the instance can no longer serve, or "" while it still exists."""
+        try:
+            instance = await self._call(self._provider(ref.provider).get, ref.provider_id)
+        except ApplicationError as err:
+            if err.type == NotFound.__name__:
+                return f"{ref.name} no longer exists"
+            return ""  # cannot tell right now: keep counting failed probes
+        if instance.state in GONE_STATES:
+            return f"{ref.name} is {instance.state.value}"
+        return ""
+
+    def _provider(self, name: str) -> Provider:
+        try:
+            return self._providers[name]
+        except KeyError:
+            raise ApplicationError(
+                f"provider: unknown provider {name!r}", type=INVALID_INPUT, non_retryable=True
+            ) from None
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a sync provider call on the pool; taxonomy errors become ApplicationErrors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, fn, *args)
+        except Exception as err:
+            raise to_application_error(classify(err)) from err
+
+
+def _ref(provider: str, generation: int, instance: Instance) -> InstanceRef:
+    return InstanceRef(
+        provider=provider,
+        provider_id=instance.provider_id,
+        name=instance.name,
+        generation=generation,
+        ip=instance.ip,
+        port=instance.port,
+        created_at=instance.created_at.isoformat(),
+    )
+
+
+def _port_of(url: str) -> int | None:
+    """The port a probe would CONNECT to, or None for a URL not worth checking."""
+    if not url:
+        return None
+    try:
+        return urlsplit(url).port or 443
+    except ValueError:
+        return None
+
+
+def _summarise(result: ProbeResult) -> ProbeSummary:
+    return ProbeSummary(
+        ok=result.ok,
+        at=datetime.now(UTC).isoformat(timespec="seconds"),
+        total_ms=None if result.total_ms is None else round(result.total_ms, 1),
+        failure=result.failure,
+        error=result.error,
+    )

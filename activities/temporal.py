@@ -1,0 +1,58 @@
+"""Temporal look-ups the worker makes at start: registering our search attributes.
+
+Workflows upsert ProxyState, ProxyProvider and ProxyEndpoint; if the namespace
+does not know them, every workflow task would fail. So the worker checks at
+start, registers them where it may (dev server, self-hosted), and otherwise
+says exactly what an operator has to run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import (
+    AddSearchAttributesRequest,
+    ListSearchAttributesRequest,
+)
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from workflows.lifecycle import SEARCH_ATTRIBUTES
+
+log = logging.getLogger(__name__)
+
+
+class SearchAttributesMissing(RuntimeError):
+    pass
+
+
+async def ensure_search_attributes(client: Client) -> None:
+    """Register the Keyword search attributes our workflows upsert, if missing."""
+    namespace = client.namespace
+    listed = await client.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=namespace)
+    )
+    known = set(listed.custom_attributes) | set(listed.system_attributes)
+    missing = [key.name for key in SEARCH_ATTRIBUTES if key.name not in known]
+    if not missing:
+        return
+    try:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(
+                namespace=namespace,
+                search_attributes=dict.fromkeys(missing, IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD),
+            )
+        )
+    except RPCError as err:
+        commands = "\n".join(
+            f"  temporal operator search-attribute create --namespace {namespace} "
+            f"--name {name} --type Keyword"
+            for name in missing
+        )
+        raise SearchAttributesMissing(
+            f"search attributes {', '.join(missing)} are not registered in namespace "
+            f"{namespace!r} and this worker may not register them ({err.message}). "
+            f"Register them once:\n{commands}"
+        ) from err
+    log.info("registered search attributes %s in namespace %s", ", ".join(missing), namespace)

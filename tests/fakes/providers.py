@@ -1,0 +1,71 @@
+"""A fault-injecting wrapper around a real provider, for workflow tests.
+
+It is the only stand-in provider in the suite, used where a fault must be
+injected (quota, transient errors, a create that hangs, instances that die);
+everything else passes through to the real provider underneath, so probes
+still tunnel through real Squid processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict, deque
+
+from providers.base import CreateRequest, Instance, InstanceState, Provider
+from providers.errors import ProviderError
+
+
+class FaultyProvider:
+    def __init__(self, inner: Provider) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+        self._faults: defaultdict[str, deque[ProviderError]] = defaultdict(deque)
+        self._lock = threading.Lock()
+        # While cleared, create blocks (a slow cloud); set it to let creates through.
+        self.create_gate = threading.Event()
+        self.create_gate.set()
+        self.create_entered = threading.Event()
+        # When set, every instance is destroyed right after it is created.
+        self.doomed = False
+
+    def fail(self, operation: str, *errors: ProviderError) -> None:
+        """Queue errors that the next calls of `operation` raise, one each."""
+        with self._lock:
+            self._faults[operation].extend(errors)
+
+    def create(self, req: CreateRequest) -> Instance:
+        self._enter("create")
+        self.create_entered.set()
+        self.create_gate.wait(timeout=120)
+        instance = self.inner.create(req)
+        if self.doomed:
+            self.inner.delete(instance.provider_id)
+        return instance
+
+    def get(self, provider_id: str) -> Instance:
+        self._enter("get")
+        return self.inner.get(provider_id)
+
+    def delete(self, provider_id: str) -> None:
+        self._enter("delete")
+        self.inner.delete(provider_id)
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        self._enter("list_by_tag")
+        return self.inner.list_by_tag(key, value)
+
+    def running(self) -> list[Instance]:
+        """Instances that still exist underneath, in any state but gone."""
+        return [
+            i
+            for i in self.inner.list_by_tag("managed-by", "proxy-operator")
+            if i.state is not InstanceState.TERMINATED
+        ]
+
+    def _enter(self, operation: str) -> None:
+        with self._lock:
+            self.calls[operation] += 1
+            queue = self._faults[operation]
+            error = queue.popleft() if queue else None
+        if error is not None:
+            raise error

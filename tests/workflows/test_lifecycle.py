@@ -1,0 +1,132 @@
+"""ProxyLifecycle against a real dev server and real Squid processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from activities.probe import probe_connect
+from providers.errors import Permanent, Transient
+from tests.workflows.conftest import (
+    PASSWORD,
+    USERNAME,
+    Stack,
+    squid_alive,
+    status_of,
+    wait_for,
+    wait_status,
+)
+
+pytestmark = pytest.mark.slow
+
+
+async def test_ready_serves_then_terminate_deletes(stack: Stack) -> None:
+    handle = await stack.start()
+    status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+
+    host, port = status.endpoint.rsplit(":", 1)
+    assert status.provider == "local" and status.provider_id == f"local/{status.instance}"
+    assert status.last_probe is not None and status.last_probe.ok
+    probe = await probe_connect(
+        host, int(port), USERNAME, PASSWORD, stack.origin.url,
+        ssl_context=stack.origin.client_ssl_context,
+    )
+    assert probe.ok, probe
+    assert stack.instances() == [status.instance]
+
+    async def listed_as_ready() -> bool:
+        query = f"WorkflowId = '{handle.id}' AND ProxyState = 'Ready'"
+        return [w.id async for w in stack.client.list_workflows(query)] == [handle.id]
+
+    await wait_for(listed_as_ready, "visibility to list the proxy as Ready")
+
+    await handle.signal("terminate", {"reason": "test done"})
+    result = await handle.result()
+    assert result["state"] == "Terminated" and result["reason"] == "test done"
+    assert stack.instances() == []
+    final = await status_of(handle)
+    assert final.state == "Terminated" and final.endpoint == ""
+
+
+async def test_transient_errors_are_retried_until_ready(stack: Stack) -> None:
+    stack.provider.fail("create", Transient("503 from the API"), Transient("connection reset"))
+    stack.provider.fail("get", Transient("timeout"))
+    handle = await stack.start()
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready after transient errors")
+    assert stack.provider.calls["create"] == 3
+    assert len(stack.instances()) == 1
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+
+
+async def test_permanent_error_fails_fast_with_the_providers_message(stack: Stack) -> None:
+    stack.provider.fail("create", Permanent("invalid machine type 'e2-huge'"))
+    handle = await stack.start()
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(handle.result(), timeout=30)
+    assert "invalid machine type 'e2-huge'" in str(failure.value.cause)
+    assert stack.provider.calls["create"] == 1
+    assert (await status_of(handle)).state == "Failed"
+    assert stack.instances() == []
+
+
+async def test_instance_that_dies_while_ready_is_replaced(stack: Stack) -> None:
+    handle = await stack.start()
+    first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    pid = stack.pid_of(first.instance)
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    second = await wait_status(
+        handle,
+        lambda s: s.state == "Ready" and s.generation == 1,
+        "a replacement to become Ready",
+    )
+    assert second.instance != first.instance and second.replacements == 1
+    await wait_for(lambda: stack.instances() == [second.instance], "the dead instance deleted")
+    assert not squid_alive(pid)
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+
+
+async def test_terminate_during_provisioning_leaves_nothing(stack: Stack) -> None:
+    stack.provider.create_gate.clear()
+    handle = await stack.start()
+    await wait_for(stack.provider.create_entered.is_set, "create to start")
+    await handle.signal("terminate")
+    await wait_status(handle, lambda s: s.state == "Terminating", "Terminating")
+    stack.provider.create_gate.set()  # the slow create finishes after terminate
+    result = await handle.result()
+    assert result["state"] == "Terminated"
+    assert stack.instances() == []
+
+
+async def test_terminate_during_replacement_leaves_nothing(stack: Stack) -> None:
+    handle = await stack.start()
+    first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    stack.provider.create_gate.clear()
+    stack.provider.create_entered.clear()
+    import os
+    import signal
+
+    os.kill(stack.pid_of(first.instance), signal.SIGKILL)
+    await wait_for(stack.provider.create_entered.is_set, "the replacement's create to start")
+    await handle.signal("terminate")
+    stack.provider.create_gate.set()
+    await handle.result()
+    assert stack.instances() == []
+
+
+async def test_cancel_deletes_the_instance(stack: Stack) -> None:
+    handle = await stack.start()
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    assert stack.instances() == []
+    assert (await status_of(handle)).state == "Terminated"

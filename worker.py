@@ -1,0 +1,259 @@
+"""The composition root: config -> providers -> Temporal worker.
+
+    python worker.py --providers-config deploy/local/providers.yaml
+
+Validates the providers config before connecting anywhere (every problem
+printed, exit code 2), builds the providers through the registry, connects
+with Temporal's standard environment configuration (TEMPORAL_ADDRESS,
+TEMPORAL_NAMESPACE, TLS, API key, profiles), serves /metrics and /healthz, and
+drains gracefully on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, make_wsgi_app
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from temporalio.client import Client
+from temporalio.envconfig import ClientConfig
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.worker import Worker
+
+from activities.provider import ProviderActivities
+from activities.temporal import SearchAttributesMissing, ensure_search_attributes
+from providers.base import Provider
+from providers.config import Config, ConfigError, ProviderEntry, load_config
+from providers.registry import Constructor, build_providers
+from workflows.lifecycle import ProxyLifecycle
+
+TASK_QUEUE = "proxy-operator"
+DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
+DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
+# Each monitored proxy holds one activity slot for as long as it is Ready.
+DEFAULT_MAX_ACTIVITIES = 2000
+GRACEFUL_SHUTDOWN = timedelta(seconds=20)
+
+log = logging.getLogger("proxy_operator.worker")
+
+
+def _local(entry: ProviderEntry, config: Config) -> Provider:
+    from providers.local import LocalProvider
+
+    return LocalProvider.from_config(entry, config)
+
+
+def _kubernetes(entry: ProviderEntry, config: Config) -> Provider:
+    from providers.kubernetes import KubernetesProvider
+
+    return KubernetesProvider.from_config(entry, config)
+
+
+def _gcp(entry: ProviderEntry, config: Config) -> Provider:
+    from providers.gcp import GcpProvider
+
+    return GcpProvider.from_config(entry, config)
+
+
+# Imports stay lazy so a worker only loads the SDKs its config uses.
+CONSTRUCTORS: Mapping[str, Constructor] = {"local": _local, "kubernetes": _kubernetes, "gcp": _gcp}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="proxy-operator-worker", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--providers-config",
+        default=os.environ.get("PROXY_OPERATOR_CONFIG"),
+        help="providers YAML file (env PROXY_OPERATOR_CONFIG)",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default=os.environ.get("PROXY_OPERATOR_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
+        help="host:port for /metrics and /healthz; empty turns it off "
+        "(env PROXY_OPERATOR_METRICS_ADDRESS, default %(default)s)",
+    )
+    parser.add_argument("--task-queue", default=TASK_QUEUE, help="default %(default)s")
+    parser.add_argument(
+        "--max-concurrent-activities",
+        type=int,
+        default=DEFAULT_MAX_ACTIVITIES,
+        help="one slot per monitored proxy; default %(default)s",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = parse_args(argv)
+    if not args.providers_config:
+        print("error: --providers-config (or PROXY_OPERATOR_CONFIG) is required", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.providers_config)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config, args))
+    except SearchAttributesMissing as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def serve(config: Config, args: argparse.Namespace) -> int:
+    providers = build_providers(config, CONSTRUCTORS)
+    health = _Health()
+    runtime = _runtime_with_metrics(args.metrics_address, health)
+    client = await connect(runtime)
+    await ensure_search_attributes(client)
+    activities = ProviderActivities(providers, config)
+    worker = build_worker(
+        client,
+        activities,
+        task_queue=args.task_queue,
+        max_concurrent_activities=args.max_concurrent_activities,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "worker on task queue %s (namespace %s), providers: %s",
+        args.task_queue,
+        client.namespace,
+        ", ".join(f"{e.name} ({e.type})" for e in config.providers),
+    )
+    async with worker:
+        health.ready = True
+        await stop.wait()
+        log.info("draining: finishing tasks in flight (up to %s)", GRACEFUL_SHUTDOWN)
+        health.ready = False
+    activities.close()
+    return 0
+
+
+def build_worker(
+    client: Client,
+    activities: ProviderActivities,
+    *,
+    task_queue: str = TASK_QUEUE,
+    max_concurrent_activities: int = DEFAULT_MAX_ACTIVITIES,
+) -> Worker:
+    """The one place that says which workflows and activities a worker serves."""
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[ProxyLifecycle],
+        activities=[
+            activities.validate_target,
+            activities.create_instance,
+            activities.wait_running,
+            activities.wait_healthy,
+            activities.monitor,
+            activities.delete_instance,
+            activities.wait_gone,
+        ],
+        max_concurrent_activities=max_concurrent_activities,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+
+
+async def connect(runtime: Runtime | None = None) -> Client:
+    """Connect with the standard env config; a bare dev setup gets localhost:7233."""
+    connect_config = ClientConfig.load_client_connect_config()
+    connect_config.setdefault("target_host", DEFAULT_TEMPORAL_ADDRESS)
+    return await Client.connect(**connect_config, runtime=runtime)
+
+
+# ---- metrics and health ---------------------------------------------------------------
+
+
+class _Health:
+    ready = False
+
+
+class _SdkMetrics(Collector):
+    """Re-exports the Temporal SDK's own Prometheus metrics on our endpoint.
+
+    The SDK's exporter listens on a private loopback port; one scrape of
+    /metrics returns our series and the SDK's together.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            with urllib.request.urlopen(self._url, timeout=2) as response:
+                text = response.read().decode()
+        except OSError:
+            return []
+        return list(text_string_to_metric_families(text))
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+def _runtime_with_metrics(address: str, health: _Health) -> Runtime | None:
+    if not address:
+        return None
+    sdk_address = f"127.0.0.1:{_free_port()}"
+    runtime = Runtime(
+        telemetry=TelemetryConfig(
+            metrics=PrometheusConfig(bind_address=sdk_address, durations_as_seconds=True)
+        )
+    )
+    REGISTRY.register(_SdkMetrics(f"http://{sdk_address}/metrics"))
+    metrics_app = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/healthz":
+            status = "200 OK" if health.ready else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain")])
+            return [b"ok\n" if health.ready else b"starting\n"]
+        return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+
+    host, _, port = address.rpartition(":")
+    server = make_server(
+        host or "0.0.0.0", int(port), app, _ThreadingWSGIServer, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    log.info("serving /metrics and /healthz on %s", address)
+    return runtime
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+if __name__ == "__main__":
+    sys.exit(main())

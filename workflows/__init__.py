@@ -1,0 +1,5 @@
+"""Deterministic workflow code: ProxyLifecycle and OrphanGC.
+
+Nothing here does I/O, reads clocks or draws random numbers outside the
+workflow API, and nothing imports a provider SDK.
+"""

@@ -1,0 +1,585 @@
+"""ProxyLifecycle: one durable workflow per proxy, from create to gone.
+
+    Provisioning -> Ready -> (Replacing -> Ready)* -> Terminating -> Terminated
+                                                  \\-> Failed
+
+The workflow id is the proxy's identity. Steady state costs a handful of
+history events an hour: a single long-running `monitor` activity probes and
+heartbeats, and returns only when health changes, the instance vanishes, or
+an hour has passed. Every instance the workflow creates is remembered in
+`owned` until it is confirmed gone, so terminate, cancel and failure all end
+with nothing left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (
+        CreateInstanceInput,
+        InstanceInput,
+        InstanceRef,
+        MonitorInput,
+        MonitorOutcome,
+        ProbeInput,
+        ProbeSummary,
+        ValidateTargetInput,
+    )
+    from activities.provider import ProviderActivities
+    from workflows import policies
+    from workflows.inputs import ProxyInput, parse_input
+
+WORKFLOW_TYPE = "ProxyLifecycle"
+
+STATE = SearchAttributeKey.for_keyword("ProxyState")
+PROVIDER = SearchAttributeKey.for_keyword("ProxyProvider")
+ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
+SEARCH_ATTRIBUTES = (STATE, PROVIDER, ENDPOINT)
+
+PROVISIONING = "Provisioning"
+READY = "Ready"
+UNHEALTHY = "Unhealthy"
+REPLACING = "Replacing"
+TERMINATING = "Terminating"
+TERMINATED = "Terminated"
+FAILED = "Failed"
+
+# Crash-loop budget: this many instances in a row that fail before staying
+# healthy for STABLE_AFTER end the workflow as Failed. Between them the
+# workflow waits, doubling from REPLACE_BACKOFF up to MAX_REPLACE_BACKOFF;
+# the first replacement after a healthy spell starts at once.
+CRASH_BUDGET = 5
+STABLE_AFTER = timedelta(minutes=10)
+REPLACE_BACKOFF = timedelta(seconds=10)
+MAX_REPLACE_BACKOFF = timedelta(minutes=5)
+FIRST_PROBE_DEADLINE = timedelta(minutes=2)
+CRASH_LOOP = "CrashLoop"
+
+
+@dataclass
+class ProxyStatus:
+    """What the `status` query returns."""
+
+    state: str = PROVISIONING
+    provider: str = ""
+    endpoint: str = ""
+    provider_id: str = ""
+    instance: str = ""
+    generation: int = 0
+    ready_since: str | None = None
+    last_probe: ProbeSummary | None = None
+    replacements: int = 0
+    failures_in_a_row: int = 0
+    waiting_for: str | None = None
+    last_error: str | None = None
+    terminate_reason: str | None = None
+
+
+@dataclass
+class CarriedState:
+    """Everything continue-as-new hands to the next run."""
+
+    status: ProxyStatus
+    current: InstanceRef | None = None
+    owned: list[InstanceRef] = field(default_factory=list)
+    ready_at: str | None = None
+    next_generation: int = 0
+    terminate_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ProxyResult:
+    """What a finished ProxyLifecycle returns."""
+
+    state: str
+    reason: str
+    generation: int
+    replacements: int
+
+
+class _InstanceFailed(Exception):
+    """An instance could not be brought to Ready; the workflow replaces it."""
+
+    def __init__(self, reason: str, ref: InstanceRef | None = None) -> None:
+        super().__init__(reason)
+        self.ref = ref
+
+
+@workflow.defn(name=WORKFLOW_TYPE)
+class ProxyLifecycle:
+    def __init__(self) -> None:
+        self._status = ProxyStatus()
+        self._current: InstanceRef | None = None
+        self._owned: dict[str, InstanceRef] = {}
+        self._ready_at: str | None = None
+        self._terminate_reason: str | None = None
+        self._input: ProxyInput | None = None
+        self._next_generation = 0
+        self._creating: asyncio.Task[InstanceRef] | None = None
+        self._deletions: dict[str, asyncio.Task[None]] = {}
+        self._published: dict[str, str] = {}
+
+    # ---- the contract: run, signal, query ------------------------------------------
+
+    @workflow.run
+    async def run(self, raw: Any = None, carried: CarriedState | None = None) -> ProxyResult:
+        if carried is not None:
+            self._restore(carried)
+        inp = await self._validated(raw)
+        self._input = inp
+        self._status.provider = inp.provider
+        self._publish()
+
+        lifecycle = asyncio.create_task(self._lifecycle(inp))
+        try:
+            await workflow.wait_condition(
+                lambda: self._terminate_reason is not None or lifecycle.done()
+            )
+        except asyncio.CancelledError:
+            # `temporal workflow cancel`: clean up, then end as cancelled.
+            self._terminate_reason = self._terminate_reason or "workflow cancelled"
+            await self._stop(lifecycle)
+            raise
+        if not lifecycle.done():
+            await self._stop(lifecycle)
+            return self._result(TERMINATED, self._terminate_reason or "terminated")
+        try:
+            lifecycle.result()
+        except (ApplicationError, ActivityError) as err:
+            reason = err.message if isinstance(err, ApplicationError) else _message(err)
+            self._status.last_error = reason
+            await self._cleanup()
+            self._show_instance(None)
+            self._set_state(FAILED)
+            raise ApplicationError(reason, type=_failure_type(err), non_retryable=True) from err
+        raise AssertionError("the lifecycle only ends by failure or continue-as-new")
+
+    @workflow.signal(name="terminate")
+    def terminate(self, request: Any = None) -> None:
+        """Delete the instance, wait until it is gone, complete. Input optional."""
+        reason = request.get("reason") if isinstance(request, dict) else None
+        self._terminate_reason = str(reason) if reason else "terminate signal"
+        self._status.terminate_reason = self._terminate_reason
+
+    @workflow.query(name="status")
+    def status(self) -> ProxyStatus:
+        return self._status
+
+    # ---- validation -----------------------------------------------------------------
+
+    async def _validated(self, raw: Any) -> ProxyInput:
+        inp, problems = parse_input(raw)
+        if isinstance(raw, dict) and isinstance(raw.get("provider"), str):
+            # Only the worker knows its providers and their allowed ports.
+            placement = raw.get("placement") if isinstance(raw.get("placement"), dict) else {}
+            problems += await workflow.execute_local_activity_method(
+                ProviderActivities.validate_target,
+                ValidateTargetInput(
+                    provider=raw["provider"],
+                    port=inp.port if inp else None,
+                    placement={k: str(v) for k, v in placement.items()},
+                    health_target=inp.health.target if inp else "",
+                ),
+                **policies.VALIDATE.options(),
+            )
+        if problems or inp is None:
+            message = "invalid input: " + "; ".join(problems)
+            self._status.last_error = message
+            self._set_state(FAILED)
+            raise ApplicationError(message, type=policies.INVALID_INPUT, non_retryable=True)
+        return inp
+
+    # ---- the lifecycle --------------------------------------------------------------
+
+    async def _lifecycle(self, inp: ProxyInput) -> None:
+        while True:
+            if self._current is None:
+                await self._provision(inp)
+            outcome = await self._monitor(inp)
+            if outcome is None:
+                await self._rotate(inp)
+            elif outcome.reason in ("unhealthy", "gone"):
+                self._forgive_if_stable()
+                self._set_state(UNHEALTHY)
+                self._retire(self._current)
+                await self._count_failure(f"{outcome.reason}: {outcome.detail}")
+            else:
+                self._forgive_if_stable()
+            if workflow.info().is_continue_as_new_suggested():
+                await self._continue_as_new()
+
+    async def _provision(self, inp: ProxyInput) -> None:
+        """Bring up a new generation, replacing failed ones within the crash budget."""
+        while True:
+            first = self._next_generation == 0
+            self._set_state(PROVISIONING if first else REPLACING)
+            try:
+                ref = await self._bring_up(inp)
+            except _InstanceFailed as failed:
+                self._retire(failed.ref)
+                await self._count_failure(str(failed))
+                continue
+            self._current = ref
+            self._ready_at = workflow.now().isoformat()
+            self._status.ready_since = self._ready_at
+            self._set_state(READY)
+            return
+
+    async def _bring_up(self, inp: ProxyInput) -> InstanceRef:
+        """Create a new generation, wait until it runs and passes one probe.
+
+        Raises _InstanceFailed (carrying the instance, if one was made) for
+        anything a replacement could fix; a Permanent error fails the workflow.
+        """
+        generation = self._next_generation
+        self._next_generation += 1
+        self._status.generation = generation
+        ref = await self._create(inp, generation)
+        self._show_instance(ref)
+        try:
+            ref = await self._provider_call(
+                ProviderActivities.wait_running,
+                InstanceInput(ref),
+                policies.WAIT_RUNNING,
+                f"wait for {ref.name} to run",
+            )
+            self._owned[ref.provider_id] = ref
+            self._show_instance(ref)
+            probe = await self._provider_call(
+                ProviderActivities.wait_healthy,
+                ProbeInput(
+                    ref,
+                    inp.health.target,
+                    timeout_seconds=inp.health.timeout_seconds,
+                    deadline_seconds=FIRST_PROBE_DEADLINE.total_seconds(),
+                ),
+                policies.WAIT_HEALTHY,
+                f"first probe of {ref.endpoint} via {inp.health.target}",
+            )
+        except ActivityError as err:
+            if _error_type(err) == policies.PERMANENT:
+                raise
+            raise _InstanceFailed(f"{ref.name}: {_message(err)}", ref) from err
+        self._status.last_probe = probe
+        if not probe.ok:
+            raise _InstanceFailed(
+                f"{ref.name} never passed a probe: {probe.failure} ({probe.error})", ref
+            )
+        return ref
+
+    async def _create(self, inp: ProxyInput, generation: int) -> InstanceRef:
+        """Create the instance; shielded so terminate never orphans a half-made one.
+
+        If terminate arrives mid-create, cleanup awaits this same task and
+        deletes what it made.
+        """
+        workflow_id = workflow.info().workflow_id
+        self._creating = asyncio.create_task(
+            self._provider_call(
+                ProviderActivities.create_instance,
+                CreateInstanceInput(
+                    provider=inp.provider,
+                    owner_id=workflow_id,
+                    generation=generation,
+                    port=inp.port,
+                    labels=dict(inp.labels),
+                    placement=inp.placement.as_dict(),
+                ),
+                policies.CREATE,
+                f"create generation {generation} on {inp.provider}",
+            )
+        )
+        try:
+            ref = await asyncio.shield(self._creating)
+        except ActivityError as err:
+            self._creating = None
+            if _error_type(err) == policies.PERMANENT:
+                raise ApplicationError(
+                    f"provider {inp.provider!r} refused to create: {_message(err)}",
+                    type=policies.PERMANENT,
+                    non_retryable=True,
+                ) from err
+            raise _InstanceFailed(f"create failed: {_message(err)}") from err
+        self._creating = None
+        self._owned[ref.provider_id] = ref
+        return ref
+
+    async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
+        """Run the monitor; None means the instance reached its max lifetime."""
+        ref = self._current
+        assert ref is not None
+        handle = workflow.start_activity_method(
+            ProviderActivities.monitor,
+            MonitorInput(
+                ref,
+                inp.health.target,
+                interval_seconds=inp.health.interval_seconds,
+                failure_threshold=inp.health.failure_threshold,
+                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
+                probe_timeout_seconds=inp.health.timeout_seconds,
+            ),
+            summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
+            **policies.MONITOR.options(),
+        )
+        lifetime_left = self._lifetime_left(inp)
+        if lifetime_left is not None:
+            try:
+                await workflow.wait_condition(
+                    handle.done, timeout=lifetime_left, timeout_summary="max lifetime reached"
+                )
+            except TimeoutError:
+                handle.cancel()
+                return None
+        outcome: MonitorOutcome = await handle
+        self._status.last_probe = outcome.last_probe
+        return outcome
+
+    async def _rotate(self, inp: ProxyInput) -> None:
+        """Make before break: the old instance serves until the new one is Ready."""
+        old = self._current
+        assert old is not None
+        try:
+            new = await self._bring_up(inp)
+        except _InstanceFailed as failed:
+            # Keep serving from the old instance; try again after a backoff.
+            self._retire(failed.ref)
+            self._status.generation = old.generation
+            self._show_instance(old)
+            await self._count_failure(f"rotation failed: {failed}")
+            return
+        self._current = new
+        self._ready_at = workflow.now().isoformat()
+        self._status.ready_since = self._ready_at
+        self._status.replacements += 1
+        self._set_state(READY)
+        await self._delete_and_wait(old)
+
+    def _retire(self, ref: InstanceRef | None) -> None:
+        """Stop using an instance and delete it in the background."""
+        if ref is None:
+            return
+        if ref == self._current:
+            self._current = None
+            self._status.replacements += 1
+            self._show_instance(None)
+        if ref.provider_id not in self._deletions:
+            self._deletions[ref.provider_id] = asyncio.create_task(self._delete_and_wait(ref))
+
+    def _forgive_if_stable(self) -> None:
+        """An instance that stayed healthy long enough resets the crash budget."""
+        if self._ready_for() >= STABLE_AFTER:
+            self._status.failures_in_a_row = 0
+
+    async def _count_failure(self, reason: str) -> None:
+        """Spend the crash budget; fail the workflow when it is gone, else back off.
+
+        The first failure after a healthy spell is replaced at once; repeated
+        ones wait longer each time.
+        """
+        self._status.failures_in_a_row += 1
+        self._status.last_error = reason
+        failures = self._status.failures_in_a_row
+        if failures >= CRASH_BUDGET:
+            raise ApplicationError(
+                f"gave up after {failures} failed instances in a row; last: {reason}",
+                type=CRASH_LOOP,
+                non_retryable=True,
+            )
+        if failures == 1:
+            return
+        delay = min(REPLACE_BACKOFF * 2 ** (failures - 2), MAX_REPLACE_BACKOFF)
+        self._status.waiting_for = f"backing off after {failures} failed instances in a row"
+        self._publish()
+        await workflow.sleep(delay, summary=f"back off {int(delay.total_seconds())}s")
+        self._status.waiting_for = None
+
+    # ---- provider calls -------------------------------------------------------------
+
+    async def _provider_call(
+        self, activity: Any, arg: Any, profile: policies.ActivityProfile, summary: str
+    ) -> Any:
+        """Execute one provider activity, waiting out quota errors on a visible timer."""
+        while True:
+            try:
+                result = await workflow.execute_activity_method(
+                    activity, arg, summary=summary, **profile.options()
+                )
+            except ActivityError as err:
+                if _error_type(err) != policies.QUOTA_EXCEEDED:
+                    raise
+                delay = _next_retry_delay(err) or policies.DEFAULT_QUOTA_DELAY
+                self._status.waiting_for = f"waiting for quota: {_message(err)}"
+                self._status.last_error = _message(err)
+                self._publish()
+                await workflow.sleep(delay, summary=f"waiting for quota ({summary})")
+                continue
+            if self._status.waiting_for and self._status.waiting_for.startswith(
+                "waiting for quota"
+            ):
+                self._status.waiting_for = None
+                self._publish()
+            return result
+
+    async def _delete_and_wait(self, ref: InstanceRef) -> None:
+        """Delete and wait until gone; never gives up, whatever the error."""
+        while True:
+            try:
+                await self._provider_call(
+                    ProviderActivities.delete_instance,
+                    InstanceInput(ref),
+                    policies.DELETE,
+                    f"delete {ref.name}",
+                )
+                await self._provider_call(
+                    ProviderActivities.wait_gone,
+                    InstanceInput(ref),
+                    policies.WAIT_GONE,
+                    f"wait for {ref.name} to be gone",
+                )
+            except ActivityError as err:
+                self._status.last_error = f"deleting {ref.name}: {_message(err)}"
+                await workflow.sleep(
+                    policies.PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
+                )
+                continue
+            self._owned.pop(ref.provider_id, None)
+            self._deletions.pop(ref.provider_id, None)
+            return
+
+    # ---- ending ---------------------------------------------------------------------
+
+    async def _stop(self, lifecycle: asyncio.Task[None]) -> None:
+        """Terminate or cancel: stop the lifecycle, delete everything, record why."""
+        self._set_state(TERMINATING)
+        lifecycle.cancel()
+        try:
+            await lifecycle
+        except (asyncio.CancelledError, ApplicationError, ActivityError):
+            pass
+        await self._cleanup()
+        self._current = None
+        self._show_instance(None)
+        self._set_state(TERMINATED)
+
+    async def _cleanup(self) -> None:
+        """Delete every instance this workflow still owns, including one mid-create."""
+        if self._creating is not None:
+            try:
+                ref = await self._creating
+                self._owned[ref.provider_id] = ref
+            except ActivityError:
+                pass  # nothing was made that we know of; orphan GC covers the rest
+            self._creating = None
+        for ref in list(self._owned.values()):
+            self._retire(ref)
+        await asyncio.gather(*self._deletions.values())
+
+    async def _continue_as_new(self) -> None:
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._terminate_reason is not None:
+            return  # run() is about to clean up; a new run would lose the signal
+        # Background deletions are remembered in `owned` and finished by the next run.
+        carried = CarriedState(
+            status=self._status,
+            current=self._current,
+            owned=list(self._owned.values()),
+            ready_at=self._ready_at,
+            next_generation=self._next_generation,
+            terminate_reason=self._terminate_reason,
+        )
+        assert self._input is not None
+        workflow.continue_as_new(args=[self._input.model_dump(mode="json"), carried])
+
+    def _restore(self, carried: CarriedState) -> None:
+        self._status = carried.status
+        self._current = carried.current
+        self._owned = {ref.provider_id: ref for ref in carried.owned}
+        self._ready_at = carried.ready_at
+        self._next_generation = carried.next_generation
+        self._terminate_reason = carried.terminate_reason
+        for ref in carried.owned:
+            if ref != carried.current:
+                self._retire(ref)
+
+    def _result(self, state: str, reason: str) -> ProxyResult:
+        return ProxyResult(state, reason, self._status.generation, self._status.replacements)
+
+    # ---- visibility -----------------------------------------------------------------
+
+    def _lifetime_left(self, inp: ProxyInput) -> timedelta | None:
+        if inp.max_lifetime_seconds is None:
+            return None
+        return max(timedelta(0), timedelta(seconds=inp.max_lifetime_seconds) - self._ready_for())
+
+    def _ready_for(self) -> timedelta:
+        if self._ready_at is None:
+            return timedelta(0)
+        return workflow.now() - datetime.fromisoformat(self._ready_at)
+
+    def _show_instance(self, ref: InstanceRef | None) -> None:
+        self._status.provider_id = ref.provider_id if ref else ""
+        self._status.instance = ref.name if ref else ""
+        self._status.endpoint = ref.endpoint if ref else ""
+        self._publish()
+
+    def _set_state(self, state: str) -> None:
+        self._status.state = state
+        if state == READY and self._current is not None:
+            self._show_instance(self._current)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Keep search attributes and the Web UI's current details in step with status."""
+        status = self._status
+        wanted = {
+            STATE.name: status.state,
+            PROVIDER.name: status.provider,
+            ENDPOINT.name: status.endpoint if status.state == READY else "",
+        }
+        if wanted != self._published:
+            workflow.upsert_search_attributes(
+                [
+                    key.value_set(wanted[key.name]) if wanted[key.name] else key.value_unset()
+                    for key in SEARCH_ATTRIBUTES
+                ]
+            )
+            self._published = wanted
+        lines = [f"**{status.state}** on `{status.provider or '?'}`"]
+        if status.endpoint:
+            lines.append(
+                f"endpoint `{status.endpoint}` ({status.instance}, generation {status.generation})"
+            )
+        if status.waiting_for:
+            lines.append(status.waiting_for)
+        if status.last_error:
+            lines.append(f"last error: {status.last_error}")
+        workflow.set_current_details("\n\n".join(lines))
+
+
+def _error_type(err: ActivityError) -> str | None:
+    cause = err.cause
+    return cause.type if isinstance(cause, ApplicationError) else None
+
+
+def _message(err: ActivityError) -> str:
+    cause = err.cause
+    return cause.message if isinstance(cause, ApplicationError) else str(cause or err)
+
+
+def _failure_type(err: ApplicationError | ActivityError) -> str:
+    if isinstance(err, ApplicationError):
+        return err.type or FAILED
+    return _error_type(err) or FAILED
+
+
+def _next_retry_delay(err: ActivityError) -> timedelta | None:
+    cause = err.cause
+    return cause.next_retry_delay if isinstance(cause, ApplicationError) else None

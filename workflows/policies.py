@@ -1,0 +1,89 @@
+"""Retry policies and timeouts for every activity, derived from the error taxonomy.
+
+Defined once here; call sites pick a profile by name and never spell out a
+policy of their own.
+
+| error          | behaviour                                                        |
+| -------------- | ---------------------------------------------------------------- |
+| Transient      | retried by Temporal, exponential backoff capped at a minute      |
+| QuotaExceeded  | handed to the workflow, which waits `next_retry_delay` (minutes) |
+|                | on a visible timer while `status` says "waiting for quota"       |
+| Permanent      | fails fast with the provider's message (non-retryable)           |
+| NotFound       | delete: success; while provisioning: the instance vanished, and  |
+|                | the activity reports InstanceLost so the workflow replaces it    |
+
+Deletes never give up: Temporal retries Transient forever, and the workflow
+loops on Quota and Permanent with a long delay, because a leaked VM bills
+every hour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from temporalio.common import RetryPolicy
+
+from activities.errors import INSTANCE_LOST, INVALID_INPUT
+from providers.errors import Permanent, QuotaExceeded
+
+# Error types are the taxonomy's class names (activities/errors.py).
+PERMANENT = Permanent.__name__
+QUOTA_EXCEEDED = QuotaExceeded.__name__
+
+TRANSIENT_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(minutes=1),
+    non_retryable_error_types=[PERMANENT, QUOTA_EXCEEDED, INSTANCE_LOST, INVALID_INPUT],
+)
+
+# Workflow-level waits for errors Temporal does not retry by itself.
+PERMANENT_DELETE_RETRY_DELAY = timedelta(minutes=5)
+DEFAULT_QUOTA_DELAY = timedelta(minutes=3)
+
+
+@dataclass(frozen=True)
+class ActivityProfile:
+    """Timeouts and retries for one kind of activity call."""
+
+    start_to_close: timedelta
+    heartbeat: timedelta | None = None
+    schedule_to_close: timedelta | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for execute_activity (and local activities, which take no heartbeat)."""
+        options: dict[str, Any] = {
+            "start_to_close_timeout": self.start_to_close,
+            "retry_policy": TRANSIENT_RETRY,
+        }
+        if self.heartbeat is not None:
+            options["heartbeat_timeout"] = self.heartbeat
+        if self.schedule_to_close is not None:
+            options["schedule_to_close_timeout"] = self.schedule_to_close
+        return options
+
+
+# A create that keeps failing transiently is given up after half an hour and
+# counted as a failed instance, so a broken provider cannot hang a workflow.
+CREATE = ActivityProfile(
+    start_to_close=timedelta(minutes=10), schedule_to_close=timedelta(minutes=30)
+)
+WAIT_RUNNING = ActivityProfile(
+    start_to_close=timedelta(minutes=15), heartbeat=timedelta(seconds=30)
+)
+WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=timedelta(seconds=30))
+# The monitor heartbeats after every probe; the SDK throttles heartbeats to
+# 80% of this timeout, which keeps steady state under 100 requests an hour.
+MONITOR = ActivityProfile(
+    start_to_close=timedelta(hours=1, minutes=10), heartbeat=timedelta(seconds=60)
+)
+DELETE = ActivityProfile(start_to_close=timedelta(minutes=10))
+WAIT_GONE = ActivityProfile(start_to_close=timedelta(minutes=20), heartbeat=timedelta(seconds=30))
+VALIDATE = ActivityProfile(
+    start_to_close=timedelta(seconds=10), schedule_to_close=timedelta(seconds=30)
+)
+
+# How long the monitor runs before it reports back even when all is well.
+MONITOR_PERIOD = timedelta(hours=1)
