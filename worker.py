@@ -75,7 +75,9 @@ CONSTRUCTORS: Mapping[str, Constructor] = {"local": _local, "kubernetes": _kuber
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="proxy-operator-worker", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="proxy-operator-worker", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "--providers-config",
         default=os.environ.get("PROXY_OPERATOR_CONFIG"),
@@ -216,7 +218,7 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

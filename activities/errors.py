@@ -12,8 +12,8 @@ from temporalio.exceptions import ApplicationError
 
 from providers.errors import Permanent, ProviderError, QuotaExceeded
 
-# Quota and capacity come back in minutes, not seconds; a provider's own
-# Retry-After wins when it asks for longer.
+# Quota and capacity come back in minutes, not seconds, unless the provider
+# says when to come back (Retry-After): its own hint wins.
 QUOTA_RETRY_DELAY = timedelta(minutes=3)
 
 INSTANCE_LOST = "InstanceLost"
@@ -25,8 +25,8 @@ def to_application_error(err: ProviderError) -> ApplicationError:
     delay: timedelta | None = None
     if err.retry_after_seconds is not None:
         delay = timedelta(seconds=err.retry_after_seconds)
-    if isinstance(err, QuotaExceeded):
-        delay = max(delay or QUOTA_RETRY_DELAY, QUOTA_RETRY_DELAY)
+    if isinstance(err, QuotaExceeded) and delay is None:
+        delay = QUOTA_RETRY_DELAY
     return ApplicationError(
         err.message,
         type=type(err).__name__,

@@ -22,6 +22,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import INVALID_INPUT, instance_lost, to_application_error
+from activities.metrics import PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
     InstanceInput,
@@ -229,17 +230,20 @@ class ProviderActivities:
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
-    async def _probe(self, ref: InstanceRef, target: str, timeout: float) -> ProbeResult:
-        auth = self._config.proxy.auth
-        return await probe_connect(
+    async def _probe(self, ref: InstanceRef, target: str, timeout_seconds: float) -> ProbeResult:
+        result = await probe_connect(
             ref.ip,
             ref.port,
-            auth.username,
+            self._config.proxy.auth.username,
             self._config.proxy_settings().password,
             target,
-            timeout=timeout,
+            timeout=timeout_seconds,
             ssl_context=self._ssl,
         )
+        PROBES.labels(ref.provider, "ok" if result.ok else str(result.failure)).inc()
+        if result.ok and result.total_ms is not None:
+            PROBE_SECONDS.labels(ref.provider).observe(result.total_ms / 1000)
+        return result
 
     async def _gone_reason(self, ref: InstanceRef) -> str:
         """Why the instance can no longer serve, or "" while it still exists."""

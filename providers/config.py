@@ -47,11 +47,15 @@ class ProxyDefaults(StrictModel):
     @field_validator("allowed_cidrs")
     @classmethod
     def _cidrs_are_networks(cls, cidrs: list[str]) -> list[str]:
+        # Report every bad entry, not just the first: the config fails once.
+        bad = []
         for cidr in cidrs:
             try:
                 ipaddress.ip_network(cidr, strict=True)
             except ValueError as exc:
-                raise ValueError(f"bad CIDR {cidr!r}: {exc}") from None
+                bad.append(f"bad CIDR {cidr!r}: {exc}")
+        if bad:
+            raise ValueError("; ".join(bad))
         return cidrs
 
 
@@ -71,7 +75,11 @@ class KubernetesConfig(StrictModel):
     """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
 
     namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
-    image: str = "ubuntu/squid:5.7-23.04_beta"
+    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
+    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
+    image: str = "ubuntu/squid:6.6-24.04_beta"
+    # Every API call gives up after this long; Temporal's retry policy retries.
+    request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
     service_account: str | None = None
     cpu_request: str = "50m"
     cpu_limit: str = "500m"
@@ -92,7 +100,10 @@ class GcpConfig(StrictModel):
     spot: bool = False
     network: str = "global/networks/default"
     subnetwork: str | None = None
-    network_tag: str = "proxy-operator"
+    # The network tag the installation's firewall rule targets. The default,
+    # `proxy-operator-<installation>`, keeps two installations sharing a network
+    # from opening each other's VMs to their own allowed_cidrs.
+    network_tag: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
 
 
 class ProviderEntry(StrictModel):

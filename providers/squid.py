@@ -50,6 +50,9 @@ class SquidPaths:
     coredump_dir: str = "/var/spool/squid"
     # Squid started as root drops to this user; None when it starts unprivileged.
     effective_user: str | None = SQUID_USER
+    # The address `http_port` binds; None binds every interface (containers,
+    # VMs). A local proxy must stay on the address its provider was given.
+    http_address: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def render(settings: ProxySettings, paths: SquidPaths | None = None) -> Rendered
 
     lines = [
         "# Rendered by proxy-operator; edits are overwritten.",
-        f"http_port {settings.port}",
+        f"http_port {_listen_on(paths.http_address, settings.port)}",
         f"pid_filename {paths.pid_file}",
         f"access_log {paths.access_log}",
         f"cache_log {paths.cache_log}",
@@ -90,7 +93,7 @@ def render(settings: ProxySettings, paths: SquidPaths | None = None) -> Rendered
         "auth_param basic realm proxy-operator",
         "auth_param basic credentialsttl 1 hour",
         "",
-        f"acl allowed_clients src {' '.join(settings.allowed_cidrs)}",
+        f"acl allowed_clients src {' '.join(_squid_cidr(c) for c in settings.allowed_cidrs)}",
         f"acl allowed_ports port {' '.join(str(p) for p in settings.allowed_connect_ports)}",
         "acl CONNECT method CONNECT",
         "acl authenticated proxy_auth REQUIRED",
@@ -104,6 +107,9 @@ def render(settings: ProxySettings, paths: SquidPaths | None = None) -> Rendered
         "# A forward proxy for tunnels only: no cache, no identifying headers.",
         "cache deny all",
         "cache_mem 8 MB",
+        "# No ICMP pinger: nothing here uses it, and it is a setuid helper in a",
+        "# session of its own that lingers after Squid exits.",
+        "pinger_enable off",
         "forwarded_for delete",
         "via off",
         "httpd_suppress_version_string on",
@@ -113,6 +119,19 @@ def render(settings: ProxySettings, paths: SquidPaths | None = None) -> Rendered
     ]
     htpasswd = f"{settings.username}:{md5_crypt(settings.password)}\n"
     return RenderedSquid(squid_conf="\n".join(lines), htpasswd=htpasswd)
+
+
+def _squid_cidr(cidr: str) -> str:
+    # Squid rewrites 0.0.0.0/0 to `all`, which admits IPv6 clients as well;
+    # its two halves admit exactly every IPv4 client.
+    return "0.0.0.0/1 128.0.0.0/1" if cidr == "0.0.0.0/0" else cidr
+
+
+def _listen_on(address: str | None, port: int) -> str:
+    if address is None:
+        return str(port)
+    # IPv6 literals need brackets, or Squid reads the last group as the port.
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 _ITOA64 = "./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

@@ -40,3 +40,7 @@ def _no_real_credentials(
     monkeypatch.setattr(k8s_config, "load_config", _forbidden)
     monkeypatch.setattr(google.auth, "default", _forbidden)
     yield
+
+
+from tests.fixtures.temporal import task_queue, temporal_env, time_skipping_env  # noqa: E402, F401
+from tests.fixtures.tls_origin import tls_origin  # noqa: E402, F401

@@ -14,15 +14,18 @@ with nothing left running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.errors import INVALID_INPUT
     from activities.models import (
         CreateInstanceInput,
         InstanceInput,
@@ -36,6 +39,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.provider import ProviderActivities
     from workflows import policies
     from workflows.inputs import ProxyInput, parse_input
+
+A = TypeVar("A")
+R = TypeVar("R")
 
 WORKFLOW_TYPE = "ProxyLifecycle"
 
@@ -179,22 +185,28 @@ class ProxyLifecycle:
         inp, problems = parse_input(raw)
         if isinstance(raw, dict) and isinstance(raw.get("provider"), str):
             # Only the worker knows its providers and their allowed ports.
-            placement = raw.get("placement") if isinstance(raw.get("placement"), dict) else {}
+            placement = raw.get("placement")
             problems += await workflow.execute_local_activity_method(
                 ProviderActivities.validate_target,
                 ValidateTargetInput(
                     provider=raw["provider"],
                     port=inp.port if inp else None,
-                    placement={k: str(v) for k, v in placement.items()},
+                    placement=(
+                        {k: str(v) for k, v in placement.items()}
+                        if isinstance(placement, dict)
+                        else {}
+                    ),
                     health_target=inp.health.target if inp else "",
                 ),
-                **policies.VALIDATE.options(),
+                start_to_close_timeout=policies.VALIDATE.start_to_close,
+                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+                retry_policy=policies.TRANSIENT_RETRY,
             )
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._status.last_error = message
             self._set_state(FAILED)
-            raise ApplicationError(message, type=policies.INVALID_INPUT, non_retryable=True)
+            raise ApplicationError(message, type=INVALID_INPUT, non_retryable=True)
         return inp
 
     # ---- the lifecycle --------------------------------------------------------------
@@ -241,9 +253,11 @@ class ProxyLifecycle:
         """
         generation = self._next_generation
         self._next_generation += 1
-        self._status.generation = generation
+        # While rotating, status keeps showing the instance that still serves.
+        visible = self._current is None
         ref = await self._create(inp, generation)
-        self._show_instance(ref)
+        if visible:
+            self._show_instance(ref)
         try:
             ref = await self._provider_call(
                 ProviderActivities.wait_running,
@@ -252,7 +266,8 @@ class ProxyLifecycle:
                 f"wait for {ref.name} to run",
             )
             self._owned[ref.provider_id] = ref
-            self._show_instance(ref)
+            if visible:
+                self._show_instance(ref)
             probe = await self._provider_call(
                 ProviderActivities.wait_healthy,
                 ProbeInput(
@@ -298,7 +313,7 @@ class ProxyLifecycle:
             )
         )
         try:
-            ref = await asyncio.shield(self._creating)
+            ref: InstanceRef = await asyncio.shield(self._creating)
         except ActivityError as err:
             self._creating = None
             if _error_type(err) == policies.PERMANENT:
@@ -327,7 +342,9 @@ class ProxyLifecycle:
                 probe_timeout_seconds=inp.health.timeout_seconds,
             ),
             summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
-            **policies.MONITOR.options(),
+            start_to_close_timeout=policies.MONITOR.start_to_close,
+            heartbeat_timeout=policies.MONITOR.heartbeat,
+            retry_policy=policies.TRANSIENT_RETRY,
         )
         lifetime_left = self._lifetime_left(inp)
         if lifetime_left is not None:
@@ -351,8 +368,6 @@ class ProxyLifecycle:
         except _InstanceFailed as failed:
             # Keep serving from the old instance; try again after a backoff.
             self._retire(failed.ref)
-            self._status.generation = old.generation
-            self._show_instance(old)
             await self._count_failure(f"rotation failed: {failed}")
             return
         self._current = new
@@ -404,13 +419,23 @@ class ProxyLifecycle:
     # ---- provider calls -------------------------------------------------------------
 
     async def _provider_call(
-        self, activity: Any, arg: Any, profile: policies.ActivityProfile, summary: str
-    ) -> Any:
+        self,
+        activity: Callable[[ProviderActivities, A], Awaitable[R]],
+        arg: A,
+        profile: policies.ActivityProfile,
+        summary: str,
+    ) -> R:
         """Execute one provider activity, waiting out quota errors on a visible timer."""
         while True:
             try:
                 result = await workflow.execute_activity_method(
-                    activity, arg, summary=summary, **profile.options()
+                    activity,
+                    arg,
+                    summary=summary,
+                    start_to_close_timeout=profile.start_to_close,
+                    heartbeat_timeout=profile.heartbeat,
+                    schedule_to_close_timeout=profile.schedule_to_close,
+                    retry_policy=policies.TRANSIENT_RETRY,
                 )
             except ActivityError as err:
                 if _error_type(err) != policies.QUOTA_EXCEEDED:
@@ -460,10 +485,8 @@ class ProxyLifecycle:
         """Terminate or cancel: stop the lifecycle, delete everything, record why."""
         self._set_state(TERMINATING)
         lifecycle.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
             await lifecycle
-        except (asyncio.CancelledError, ApplicationError, ActivityError):
-            pass
         await self._cleanup()
         self._current = None
         self._show_instance(None)
@@ -525,6 +548,8 @@ class ProxyLifecycle:
         return workflow.now() - datetime.fromisoformat(self._ready_at)
 
     def _show_instance(self, ref: InstanceRef | None) -> None:
+        if ref is not None:
+            self._status.generation = ref.generation
         self._status.provider_id = ref.provider_id if ref else ""
         self._status.instance = ref.name if ref else ""
         self._status.endpoint = ref.endpoint if ref else ""

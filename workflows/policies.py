@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from temporalio.common import RetryPolicy
 
@@ -51,18 +50,6 @@ class ActivityProfile:
     start_to_close: timedelta
     heartbeat: timedelta | None = None
     schedule_to_close: timedelta | None = None
-
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments for execute_activity (and local activities, which take no heartbeat)."""
-        options: dict[str, Any] = {
-            "start_to_close_timeout": self.start_to_close,
-            "retry_policy": TRANSIENT_RETRY,
-        }
-        if self.heartbeat is not None:
-            options["heartbeat_timeout"] = self.heartbeat
-        if self.schedule_to_close is not None:
-            options["schedule_to_close_timeout"] = self.schedule_to_close
-        return options
 
 
 # A create that keeps failing transiently is given up after half an hour and

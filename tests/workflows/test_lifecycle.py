@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 from temporalio.client import WorkflowFailureError
 
 from activities.probe import probe_connect
-from providers.errors import Permanent, Transient
+from providers.errors import Permanent, QuotaExceeded, Transient
 from tests.workflows.conftest import (
     PASSWORD,
     USERNAME,
+    ProxyStatus,
     Stack,
     squid_alive,
     status_of,
@@ -30,7 +33,11 @@ async def test_ready_serves_then_terminate_deletes(stack: Stack) -> None:
     assert status.provider == "local" and status.provider_id == f"local/{status.instance}"
     assert status.last_probe is not None and status.last_probe.ok
     probe = await probe_connect(
-        host, int(port), USERNAME, PASSWORD, stack.origin.url,
+        host,
+        int(port),
+        USERNAME,
+        PASSWORD,
+        stack.origin.url,
         ssl_context=stack.origin.client_ssl_context,
     )
     assert probe.ok, probe
@@ -77,9 +84,6 @@ async def test_instance_that_dies_while_ready_is_replaced(stack: Stack) -> None:
     handle = await stack.start()
     first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
     pid = stack.pid_of(first.instance)
-    import os
-    import signal
-
     os.kill(pid, signal.SIGKILL)
     second = await wait_status(
         handle,
@@ -111,9 +115,6 @@ async def test_terminate_during_replacement_leaves_nothing(stack: Stack) -> None
     first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
     stack.provider.create_gate.clear()
     stack.provider.create_entered.clear()
-    import os
-    import signal
-
     os.kill(stack.pid_of(first.instance), signal.SIGKILL)
     await wait_for(stack.provider.create_entered.is_set, "the replacement's create to start")
     await handle.signal("terminate")
@@ -130,3 +131,40 @@ async def test_cancel_deletes_the_instance(stack: Stack) -> None:
         await handle.result()
     assert stack.instances() == []
     assert (await status_of(handle)).state == "Terminated"
+
+
+async def test_quota_waits_on_a_timer_and_says_so(stack: Stack) -> None:
+    # The provider's own Retry-After is honoured; without one the wait is minutes.
+    stack.provider.fail(
+        "create", QuotaExceeded("Quota 'CPUS' exceeded in europe-west1", retry_after_seconds=3)
+    )
+    handle = await stack.start()
+    waiting = await wait_status(
+        handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "quota wait"
+    )
+    assert waiting.state == "Provisioning" and "CPUS" in (waiting.waiting_for or "")
+    assert stack.provider.calls["create"] == 1  # no hammering while quota is short
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready once quota frees")
+    assert ready.waiting_for is None and stack.provider.calls["create"] == 2
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+
+
+async def test_max_lifetime_rotates_make_before_break(stack: Stack) -> None:
+    handle = await stack.start(max_lifetime_seconds=10)
+    first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    seen_states: set[str] = set()
+
+    def rotated(s: ProxyStatus) -> bool:
+        seen_states.add(s.state)
+        return s.state == "Ready" and s.generation == 1
+
+    second = await wait_status(handle, rotated, "the rotated instance Ready", deadline=40)
+    assert second.instance != first.instance and second.replacements == 1
+    # Make before break: the proxy never left Ready while rotating.
+    assert seen_states == {"Ready"}
+    await wait_for(lambda: stack.instances() == [second.instance], "the old instance deleted")
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []

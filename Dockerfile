@@ -1,0 +1,24 @@
+# The proxy-operator worker: python worker.py as a console script.
+# Proxies never run in this image; providers start them elsewhere (Squid Pods
+# from ubuntu/squid, Compute Engine VMs, or Squid processes on the host).
+#   docker build -t proxy-operator-worker:0.1.0 .
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY providers/ providers/
+COPY activities/ activities/
+COPY workflows/ workflows/
+COPY worker.py ./
+RUN pip install . \
+    && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
+
+# Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.
+USER 10001:10001
+EXPOSE 9464
+CMD ["proxy-operator-worker", "--providers-config", "/etc/proxy-operator/providers.yaml"]

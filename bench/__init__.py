@@ -1,0 +1,1 @@
+"""Benchmarks: print tables for docs/benchmarks.md, never assert timings."""

@@ -1,0 +1,602 @@
+"""The `local` provider: real Squid processes on this machine.
+
+Each instance is one Squid bound to `bind_address`, on its own port from
+`first_port..last_port`, with everything it owns in `<state_dir>/<name>/`:
+
+    squid.conf, htpasswd      rendered by providers.squid
+    instance.json             port, pid (and its start time), created_at
+    tags.json                 what list_by_tag selects on
+    cache.log, access.log     Squid's own logs
+    squid.out                 Squid's stdout and stderr (early start-up errors)
+
+The directories are the only state, so a restarted worker, or a second
+provider object over the same `state_dir`, finds every instance again. Squid
+runs in the foreground (`-N`) in a session of its own: a worker killed with
+SIGKILL leaves it serving, and the next worker recognises it by its pid and
+start time. Squid started as root drops to the `proxy` user, so the
+directories are shared with that user's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
+import hashlib
+import ipaddress
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.config import Config, LocalConfig, ProviderEntry
+from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
+from providers.squid import SQUID_USER, SquidPaths, render
+
+PROVIDER_ID_PREFIX = "local/"
+CONF_FILE = "squid.conf"
+HTPASSWD_FILE = "htpasswd"
+METADATA_FILE = "instance.json"
+TAGS_FILE = "tags.json"
+PID_FILE = "squid.pid"
+CACHE_LOG = "cache.log"
+ACCESS_LOG = "access.log"
+SQUID_OUT = "squid.out"
+LOCK_FILE = ".lock"
+FALLBACK_BINARY = "/usr/sbin/squid"
+SHM_DIR = Path("/dev/shm")
+
+# Instance names become directory names and Squid service names: DNS labels only.
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# create waits this long for Squid to accept connections or fail, so a broken
+# start surfaces as an error with Squid's own message instead of a silent death.
+START_GRACE_SECONDS = 5.0
+# delete sends SIGTERM, and SIGKILL when Squid is still up after this long.
+STOP_GRACE_SECONDS = 5.0
+POLL_SECONDS = 0.01
+ACCEPT_CHECK_SECONDS = 0.5
+
+# Squids this worker process started, whichever provider object did it: any
+# of them may see one exit and must reap it. Kept for the process's lifetime,
+# as a Squid deliberately outlives the object that started it.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+_CHILDREN_LOCK = threading.Lock()
+
+# OS errors that mean "out of a resource", not "broken": retry after a while.
+_EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def service_name(name: str) -> str:
+    """Squid's `-n` service name for an instance; it also prefixes its /dev/shm segments.
+
+    Squid accepts at most 32 alphanumeric characters, so the hyphens go and a
+    short hash keeps apart names that differ only in their hyphens.
+    """
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return re.sub(r"[^a-z0-9]", "", name)[:24] + digest
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    """instance.json: what the provider needs to find the process again."""
+
+    port: int
+    pid: int
+    # _process_start(pid) when Squid was launched: tells it from a reused pid.
+    started: str
+    created_at: datetime
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["created_at"] = self.created_at.isoformat()
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> _Metadata:
+        data: dict[str, Any] = json.loads(text)
+        return cls(
+            port=int(data["port"]),
+            pid=int(data["pid"]),
+            started=str(data["started"]),
+            created_at=datetime.fromisoformat(data["created_at"]),
+        )
+
+
+class LocalProvider:
+    """Squid processes on this machine, one directory each under `state_dir`."""
+
+    def __init__(self, settings: LocalConfig) -> None:
+        try:
+            address = ipaddress.ip_address(settings.bind_address)
+        except ValueError as exc:
+            raise Permanent(f"local.bind_address: {exc}", cause=exc) from exc
+        self._settings = settings
+        # Absolute and canonical: squid.conf names its files by this path, and
+        # Squid's helpers are found by it in their command lines.
+        self._state_dir = Path(settings.state_dir).resolve()
+        self._bind = settings.bind_address
+        # A wildcard bind is reachable on loopback; never publish 0.0.0.0.
+        if address.is_unspecified:
+            self._client_ip = "::1" if address.version == 6 else "127.0.0.1"
+        else:
+            self._client_ip = settings.bind_address
+
+    @classmethod
+    def from_config(cls, entry: ProviderEntry, config: Config) -> LocalProvider:
+        """The registry's constructor; the proxy settings arrive with each request."""
+        settings = entry.settings
+        assert isinstance(settings, LocalConfig)
+        return cls(settings)
+
+    # -- the Provider contract ---------------------------------------------
+
+    def create(self, req: CreateRequest) -> Instance:
+        """Start Squid for `req.name`, adopt it if it runs, restart it if it died."""
+        name = _checked_name(req.name)
+        with _taxonomy(f"create local instance {name}"):
+            binary = self._squid_binary()
+            self._state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            with self._locked():
+                previous = self._metadata(name)
+                if previous is not None and self._alive(previous):
+                    return self._instance(name)
+                self._start(binary, req, previous)
+            return self._await_start(name)
+
+    def get(self, provider_id: str) -> Instance:
+        name = self._name(provider_id)
+        with _taxonomy(f"get {provider_id}"):
+            return self._instance(name)
+
+    def delete(self, provider_id: str) -> None:
+        """Stop Squid and its helpers, then remove the directory and shm segments.
+
+        Blocks until Squid has exited (it takes a few seconds to shut down), so
+        a get right after delete already raises NotFound.
+        """
+        name = self._name(provider_id)
+        with _taxonomy(f"delete {provider_id}"):
+            if not self._dir(name).exists():
+                return
+            # A create of the same name may restart Squid while it is being
+            # stopped without the lock; then it is stopped again.
+            while True:
+                self._stop(name, self._metadata(name))
+                with self._locked():
+                    meta = self._metadata(name)
+                    if meta is not None and self._alive(meta):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        shutil.rmtree(self._dir(name))
+                    _remove_shm(service_name(name))
+                    return
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        with _taxonomy(f"list local instances tagged {key}={value}"):
+            if not self._state_dir.is_dir():
+                return []
+            found: list[Instance] = []
+            for path in sorted(self._state_dir.iterdir()):
+                if path.name.startswith(".") or not path.is_dir():
+                    continue
+                try:
+                    if _read_tags(path).get(key) == value:
+                        found.append(self._instance(path.name))
+                except (NotFound, FileNotFoundError):
+                    continue  # deleted meanwhile, or a create still writing it
+            return found
+
+    # -- state on disk -------------------------------------------------------
+
+    def _name(self, provider_id: str) -> str:
+        prefix, _, name = provider_id.partition(PROVIDER_ID_PREFIX)
+        if prefix:
+            raise Permanent(f"{provider_id!r} is not a local provider id (local/<name>)")
+        return _checked_name(name)
+
+    def _dir(self, name: str) -> Path:
+        return self._state_dir / name
+
+    def _metadata(self, name: str) -> _Metadata | None:
+        """instance.json, or None before the first start finished writing it."""
+        try:
+            return _Metadata.from_json((self._dir(name) / METADATA_FILE).read_text())
+        except FileNotFoundError:
+            return None
+
+    def _instance(self, name: str) -> Instance:
+        """The instance as a client sees it: RUNNING only once Squid accepts."""
+        meta = self._metadata(name)
+        if meta is None:
+            raise NotFound(f"local instance {name} does not exist")
+        tags = _read_tags(self._dir(name))
+        if not self._alive(meta):
+            state, ip = InstanceState.TERMINATED, ""
+        elif _accepting(self._client_ip, meta.port):
+            state, ip = InstanceState.RUNNING, self._client_ip
+        else:
+            state, ip = InstanceState.PROVISIONING, ""
+        return Instance(
+            provider_id=PROVIDER_ID_PREFIX + name,
+            name=name,
+            state=state,
+            ip=ip,
+            port=meta.port,
+            tags=tags,
+            created_at=meta.created_at,
+        )
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Serialise starts and removals across threads and worker processes.
+
+        flock locks belong to an open file, so every call opens the file anew
+        and two threads of one worker exclude each other like two workers do.
+        """
+        with open(self._state_dir / LOCK_FILE, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    # -- starting --------------------------------------------------------------
+
+    def _squid_binary(self) -> str:
+        configured = self._settings.squid_binary
+        found = shutil.which(configured)
+        # A bare name may just be off PATH (/usr/sbin is, for most users); an
+        # explicit path that does not exist is a mistake to report, not to mask.
+        if found is None and os.sep not in configured:
+            found = shutil.which(FALLBACK_BINARY)
+        if found is None:
+            raise Permanent(
+                f"squid binary {configured!r} not found (nor {FALLBACK_BINARY}); "
+                "install Squid (apt-get install squid) or set local.squid_binary"
+            )
+        return found
+
+    def _start(self, binary: str, req: CreateRequest, previous: _Metadata | None) -> None:
+        """Render, check and launch Squid; the caller holds the lock."""
+        name = req.name
+        directory = self._dir(name)
+        account = _squid_account()
+        group = None
+        if account is not None:
+            _check_traversable(self._state_dir, *account)
+            group = account[1]
+        directory.mkdir(mode=0o770, exist_ok=True)
+        directory.chmod(0o770)  # mkdir's mode is narrowed by the umask
+        if group is not None:
+            os.chown(directory, -1, group)
+
+        port = self._allocate_port(name, previous.port if previous else None)
+        paths = SquidPaths(
+            htpasswd=str(directory / HTPASSWD_FILE),
+            pid_file=str(directory / PID_FILE),
+            # stdio: Squid writes the log itself instead of forking a log
+            # daemon, one process fewer per proxy.
+            access_log=f"stdio:{directory / ACCESS_LOG}",
+            cache_log=str(directory / CACHE_LOG),
+            coredump_dir=str(directory),
+            effective_user=SQUID_USER if group is not None else None,
+            http_address=self._bind,
+        )
+        try:
+            rendered = render(dataclasses.replace(req.proxy, port=port), paths)
+        except ValueError as exc:  # settings that could open the proxy: retrying cannot help
+            raise Permanent(f"cannot render squid.conf for {name}: {exc}", cause=exc) from exc
+        conf = directory / CONF_FILE
+        _write(conf, rendered.squid_conf, 0o640, group)
+        # Squid's auth helper reads the hash as `proxy`: group-readable, never world.
+        _write(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
+        _write(directory / TAGS_FILE, json.dumps(req.tags, indent=2, sort_keys=True) + "\n")
+        _check_config(binary, conf)
+
+        service = service_name(name)
+        # Segments left by a Squid that was killed would make the new one fail.
+        _remove_shm(service)
+        with open(directory / SQUID_OUT, "ab") as out:
+            process = subprocess.Popen(
+                [binary, "-N", "-f", str(conf), "-n", service],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=directory,
+                # Its own session: no signal aimed at the worker's process
+                # group reaches it, so it outlives a crashed or killed worker.
+                start_new_session=True,
+            )
+        with _CHILDREN_LOCK:
+            _CHILDREN[process.pid] = process
+        started = _process_start(process.pid)
+        if started is None:
+            raise Transient(
+                f"squid for {name} exited at once: "
+                + _log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
+            )
+        meta = _Metadata(
+            port=port,
+            pid=process.pid,
+            started=started,
+            created_at=previous.created_at if previous else datetime.now(UTC),
+        )
+        _write(directory / METADATA_FILE, meta.to_json())
+
+    def _allocate_port(self, name: str, preferred: int | None) -> int:
+        """The preferred port if free, else the first port in range that nobody uses.
+
+        Ports recorded by other instances stay reserved even while their Squid
+        is down, so a restart gets its port back.
+        """
+        taken = set()
+        for path in self._state_dir.iterdir():
+            if path.name != name and not path.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    taken.add(_Metadata.from_json((path / METADATA_FILE).read_text()).port)
+        first, last = self._settings.first_port, self._settings.last_port
+        candidates = ([preferred] if preferred else []) + list(range(first, last + 1))
+        for port in candidates:
+            if port not in taken and _bindable(self._bind, port):
+                return port
+        raise QuotaExceeded(
+            f"no free port for a local proxy in {first}..{last} on {self._bind} "
+            f"({len(taken)} reserved by local instances, the rest in use)"
+        )
+
+    def _await_start(self, name: str) -> Instance:
+        """Wait briefly for Squid to accept; raise with its log if it exits instead."""
+        deadline = time.monotonic() + START_GRACE_SECONDS
+        while True:
+            instance = self._instance(name)
+            if instance.state is InstanceState.TERMINATED:
+                directory = self._dir(name)
+                raise Transient(
+                    f"squid for {name} exited while starting: "
+                    + _log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
+                )
+            if instance.state is InstanceState.RUNNING or time.monotonic() >= deadline:
+                return instance
+            time.sleep(POLL_SECONDS)
+
+    # -- processes ---------------------------------------------------------
+
+    def _alive(self, meta: _Metadata) -> bool:
+        """Squid for this instance runs, or is still exiting and holding its port.
+
+        The start time guards against pid reuse (after a reboot or a long
+        downtime the pid may be another process's). It is a better witness
+        than the command line, which is already empty while an exiting
+        process still holds its listening socket.
+        """
+        _reap()
+        return _process_start(meta.pid) == meta.started
+
+    def _stop(self, name: str, meta: _Metadata | None) -> None:
+        """SIGTERM, SIGKILL after a bound, then make sure no helper outlives Squid.
+
+        Without metadata (a worker died between starting Squid and recording
+        it) there is no pid to signal, but the sweep below still finds Squid.
+        """
+        if meta is not None and self._alive(meta):
+            os.kill(meta.pid, signal.SIGTERM)
+            if not _wait_until(lambda: not self._alive(meta)):
+                os.kill(meta.pid, signal.SIGKILL)
+        # Squid puts each helper in a session of its own, so no process-group
+        # signal reaches them; they are found by the instance files they name.
+        # They exit once Squid closes their pipes: only a stuck one is killed.
+        directory = self._dir(name)
+        if _wait_until(lambda: not _processes_under(directory)):
+            return
+        for pid in _processes_under(directory):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if not _wait_until(lambda: not _processes_under(directory)):
+            raise Transient(f"processes of local instance {name} survive SIGKILL")
+
+
+# -- helpers without provider state ------------------------------------------
+
+
+def _reap() -> None:
+    """Collect the exit status of Squids that exited, so none stays a zombie."""
+    with _CHILDREN_LOCK:
+        for pid, process in list(_CHILDREN.items()):
+            if process.poll() is not None:
+                del _CHILDREN[pid]
+
+
+@functools.cache
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _process_start(pid: int) -> str | None:
+    """`<boot id>/<start time in ticks>` of a process; None once it is a zombie or gone.
+
+    A pid is reused sooner or later; a pid with this value never is, even
+    across reboots.
+    """
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Fields after the command name, which may itself contain ")": the first
+    # is the state (field 3 of proc(5)), the start time is field 22.
+    fields = text.rpartition(")")[2].split()
+    if fields[0] in ("Z", "X"):
+        return None  # exited, only waiting for its parent to reap it
+    return f"{_boot_id()}/{fields[19]}"
+
+
+def _processes_under(directory: Path) -> list[int]:
+    """Processes with an argument inside `directory`: Squid and its helpers.
+
+    Zombies drop out by themselves: their command line reads empty.
+    """
+    prefix = os.fsencode(directory) + b"/"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if any(arg.startswith(prefix) for arg in args):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float = STOP_GRACE_SECONDS) -> bool:
+    """Poll `condition` until it holds (True) or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def _checked_name(name: str) -> str:
+    if not NAME_PATTERN.fullmatch(name):
+        raise Permanent(f"invalid local instance name {name!r}: must be a DNS label")
+    return name
+
+
+@contextlib.contextmanager
+def _taxonomy(action: str) -> Iterator[None]:
+    """Raise only the taxonomy: OS errors by errno, anything else as Transient."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except OSError as exc:
+        message = f"{action}: {exc}"
+        if exc.errno in _EXHAUSTED:
+            raise QuotaExceeded(message, cause=exc) from exc
+        if exc.errno in _DENIED:
+            raise Permanent(message, cause=exc) from exc
+        raise Transient(message, cause=exc) from exc
+    except Exception as exc:
+        raise Transient(f"{action}: {type(exc).__name__}: {exc}", cause=exc) from exc
+
+
+def _squid_account() -> tuple[int, int] | None:
+    """The (uid, gid) Squid drops to and shares its files with; None when it runs as us."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        account = pwd.getpwnam(SQUID_USER)
+    except KeyError:
+        raise Permanent(
+            f"user {SQUID_USER!r} does not exist; Squid started as root needs it"
+        ) from None
+    return account.pw_uid, account.pw_gid
+
+
+def _check_traversable(directory: Path, uid: int, gid: int) -> None:
+    """Fail clearly when the `proxy` user could not reach the instance directories.
+
+    Otherwise Squid dies at start with a log it cannot write, e.g. for a
+    state_dir under root's home (mode 700).
+    """
+    for path in (directory, *directory.parents):
+        st = path.stat()
+        if st.st_uid == uid:
+            reachable = st.st_mode & stat.S_IXUSR
+        elif st.st_gid == gid:
+            reachable = st.st_mode & stat.S_IXGRP
+        else:
+            reachable = st.st_mode & stat.S_IXOTH
+        if not reachable:
+            raise Permanent(
+                f"user {SQUID_USER!r} cannot traverse {path} (mode {stat.filemode(st.st_mode)}), "
+                f"so Squid could not write its logs under {directory}; "
+                f"chmod o+x {path} or choose another local.state_dir"
+            )
+
+
+def _write(path: Path, text: str, mode: int = 0o644, group: int | None = None) -> None:
+    """Replace a file atomically, so no reader ever sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(tmp, mode)  # os.open's mode is narrowed by the umask
+    if group is not None:
+        os.chown(tmp, -1, group)
+    os.replace(tmp, path)
+
+
+def _read_tags(directory: Path) -> dict[str, str]:
+    tags: dict[str, str] = json.loads((directory / TAGS_FILE).read_text())
+    return tags
+
+
+def _check_config(binary: str, conf: Path) -> None:
+    """`squid -k parse` (tens of milliseconds): a rejected config is Permanent."""
+    result = subprocess.run(
+        [binary, "-k", "parse", "-f", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise Permanent(f"squid rejected {conf}: {_excerpt(result.stderr + result.stdout)}")
+
+
+def _log_excerpt(*paths: Path) -> str:
+    texts = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            texts.append(path.read_text(errors="replace"))
+    return _excerpt("\n".join(texts))
+
+
+def _excerpt(text: str) -> str:
+    """The lines that say what went wrong, or the last lines when none does."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    bad = [line for line in lines if re.search(r"FATAL|ERROR|unrecognized|Bungled", line)]
+    return " | ".join((bad or lines)[-3:]) or "no output"
+
+
+def _remove_shm(service: str) -> None:
+    for segment in SHM_DIR.glob(f"{service}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
+
+
+def _bindable(address: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Squid sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free
+        # while one with a listener (on this or the wildcard address) does not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _accepting(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=ACCEPT_CHECK_SECONDS):
+            return True
+    except OSError:
+        return False

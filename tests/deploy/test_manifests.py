@@ -1,0 +1,251 @@
+"""deploy/kubernetes, rendered and checked offline.
+
+The kustomization uses nothing but a resources list, so a few lines here
+render it without kubectl; where kubectl is installed, its `kustomize` output
+must be the same objects. Every object is validated against the Kubernetes
+OpenAPI schemas (kubernetes-validate, strict: unknown fields fail) for an
+older and the newest bundled version, and the policy that matters is asserted:
+RBAC grants exactly the provider's verbs, the worker is locked down and
+probed, and proxies accept connections only from whom the NetworkPolicy names.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from providers.config import parse_config
+from providers.kubernetes import PORT_NAME, RBAC_VERBS
+from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "deploy" / "kubernetes"
+SCHEMA_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
+# All this renderer understands; a kustomization that needs more fails here first.
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources"}
+
+Object = dict[str, Any]
+
+
+def render(base: Path = BASE) -> list[Object]:
+    """`kubectl kustomize` for a kustomization that only lists resources."""
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - KUSTOMIZATION_KEYS
+    assert not unsupported, f"the test renderer does not support {sorted(unsupported)}"
+    return [
+        doc
+        for resource in kustomization["resources"]
+        for doc in yaml.safe_load_all((base / resource).read_text())
+        if doc is not None
+    ]
+
+
+OBJECTS = render()
+
+
+def key(obj: Object) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def the(kind: str, name: str | None = None) -> Object:
+    (found,) = [o for o in OBJECTS if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    return found
+
+
+def worker_pod_spec() -> Object:
+    spec: Object = the("Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def worker_container() -> Object:
+    container: Object
+    (container,) = worker_pod_spec()["containers"]
+    return container
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_the_renderer_agrees_with_kubectl_kustomize() -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(BASE)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+    expected = {key(o): o for o in yaml.safe_load_all(rendered)}
+
+    assert {key(o): o for o in OBJECTS} == expected
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize("obj", OBJECTS, ids=["/".join(key(o)) for o in OBJECTS])
+def test_every_object_is_valid_kubernetes(obj: Object, version: str) -> None:
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_there_are_no_duplicates_and_no_secrets_in_git() -> None:
+    keys = [key(o) for o in OBJECTS]
+
+    assert len(keys) == len(set(keys))
+    assert not [o for o in OBJECTS if o["kind"] == "Secret"]
+
+
+def test_both_namespaces_exist_and_enforce_the_restricted_pod_security_standard() -> None:
+    namespaces = {o["metadata"]["name"]: o for o in OBJECTS if o["kind"] == "Namespace"}
+
+    assert set(namespaces) == {"proxy-operator", "proxies"}
+    for namespace in namespaces.values():
+        labels = namespace["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    namespaced = [
+        o for o in OBJECTS if o["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    ]
+    assert {o["metadata"]["namespace"] for o in namespaced} <= set(namespaces)
+
+
+# --- RBAC --------------------------------------------------------------------
+
+
+def test_the_cluster_role_grants_exactly_the_verbs_the_provider_uses() -> None:
+    rules = the("ClusterRole")["rules"]
+
+    granted: dict[str, set[str]] = {}
+    for rule in rules:
+        assert rule["apiGroups"] == [""], rule
+        for resource in rule["resources"]:
+            granted.setdefault(resource, set()).update(rule["verbs"])
+
+    assert granted == {resource: set(verbs) for resource, verbs in RBAC_VERBS.items()}
+    assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in rules)
+
+
+def test_the_cluster_role_is_bound_to_the_workers_service_account() -> None:
+    binding = the("ClusterRoleBinding")
+    account = the("ServiceAccount")
+
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": the("ClusterRole")["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": account["metadata"]["namespace"],
+        }
+    ]
+    assert worker_pod_spec()["serviceAccountName"] == account["metadata"]["name"]
+    assert the("Deployment")["metadata"]["namespace"] == account["metadata"]["namespace"]
+
+
+# --- the worker ----------------------------------------------------------------
+
+
+def test_the_worker_is_probed_and_scraped_on_its_metrics_port() -> None:
+    container = worker_container()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz", probe
+        assert ports[container[probe]["httpGet"]["port"]] == 9464, probe
+    annotations = the("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "9464",
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def test_the_worker_runs_unprivileged_with_limits() -> None:
+    pod = worker_pod_spec()
+    container = worker_container()
+
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
+    assert set(container["resources"]["limits"]) == {"cpu", "memory"}
+
+
+def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> None:
+    container = worker_container()
+    command = container["command"]
+    config_path = Path(command[command.index("--providers-config") + 1])
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
+    (volume,) = [v for v in worker_pod_spec()["volumes"] if v["name"] == mount["name"]]
+    config_map = the("ConfigMap", volume["configMap"]["name"])
+    env = {e["name"]: e for e in container["env"]}
+
+    assert command[0] == "proxy-operator-worker"
+    assert config_path.name in config_map["data"]
+    raw = yaml.safe_load(config_map["data"][config_path.name])
+    password_env = raw["proxy"]["auth"]["password_env"]
+    assert set(env[password_env]) == {"name", "valueFrom"}, "the password must not be a literal"
+    assert "secretKeyRef" in env[password_env]["valueFrom"]
+    assert env["TEMPORAL_ADDRESS"]["value"]
+    config = parse_config(raw, source="ConfigMap", environ={password_env: "not-a-real-password"})
+    (provider,) = config.providers
+    assert provider.type == "kubernetes"
+    assert provider.kubernetes is not None
+    assert provider.kubernetes.namespace == "proxies"
+
+
+def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+
+    (user,) = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
+    # Kubernetes verifies runAsNonRoot only for numeric users.
+    security = worker_pod_spec()["securityContext"]
+    assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
+    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
+    assert '"proxy-operator-worker", "--providers-config"' in dockerfile
+
+
+# --- who reaches the proxies -------------------------------------------------
+
+
+def network_policies() -> Iterator[Object]:
+    return (o for o in OBJECTS if o["kind"] == "NetworkPolicy")
+
+
+def test_the_proxies_namespace_denies_all_ingress_by_default() -> None:
+    (deny,) = [p for p in network_policies() if p["spec"]["podSelector"] == {}]
+
+    assert deny["metadata"]["namespace"] == "proxies"
+    assert deny["spec"]["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny["spec"]
+
+
+def test_proxy_pods_admit_only_the_worker_and_labelled_clients_on_the_proxy_port() -> None:
+    (allow,) = [p for p in network_policies() if p["spec"]["podSelector"] != {}]
+    deployment = the("Deployment")
+
+    assert allow["metadata"]["namespace"] == "proxies"
+    # The label every proxy Pod carries (the managed-by tag).
+    assert allow["spec"]["podSelector"] == {"matchLabels": {MANAGED_BY_KEY: MANAGED_BY_VALUE}}
+    (rule,) = allow["spec"]["ingress"]
+    # The container port the provider names, whatever number a workflow chose.
+    assert rule["ports"] == [{"protocol": "TCP", "port": PORT_NAME}]
+    worker, clients = rule["from"]
+    assert worker == {
+        "namespaceSelector": {
+            "matchLabels": {"kubernetes.io/metadata.name": deployment["metadata"]["namespace"]}
+        },
+        "podSelector": {"matchLabels": deployment["spec"]["template"]["metadata"]["labels"]},
+    }
+    assert clients == {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"proxy-operator/client": "true"}},
+    }

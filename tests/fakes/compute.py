@@ -1,0 +1,831 @@
+"""A fake Compute Engine REST API, small enough to read, for the GCP provider's tests.
+
+The real google-cloud-compute clients talk to it over HTTP on 127.0.0.1 with
+anonymous credentials, so requests are built, serialised and parsed exactly
+as they would be against compute.googleapis.com. It keeps instances per
+zone, zonal and global operations, and firewall rules, and it rejects what
+the real API would reject in the requests this project sends (invalid names,
+labels, metadata, spot scheduling): a provider bug shows up as a 400 here.
+
+Stable API (used by the provider tests and by workflow-level tests):
+
+    with FakeCompute(project="test-project") as fake:   # or the `fake_compute` fixture
+        provider = GcpProvider(settings, "prod-eu", **fake.clients())
+        fake.set_status("europe-west1-b", name, "RUNNING", nat_ip="203.0.113.10")
+        fake.inject_error("insert", "stockout", zone="europe-west1-b", times=None)
+        fake.inject_error("get", "unavailable", times=2)
+        fake.clear_errors()
+        fake.set_operations_paused(True)      # operations stay RUNNING until resumed
+        fake.instance(zone, name)             # stored resource (dict) or None
+        fake.calls("insert")                  # requests received, oldest first
+
+- Operations: a write returns a RUNNING operation that is DONE on the next
+  poll (`get` or `wait`), unless paused. An instance exists (PROVISIONING) as
+  soon as its insert is accepted and disappears when its delete operation is
+  DONE, as on the real API.
+- `auto_start_ip`: when set, an instance whose insert operation finishes is
+  RUNNING with that external IP (e.g. 127.0.0.1 in front of a local Squid).
+- Errors (`inject_error(method, kind, times=1, zone=None)`; `times=None`
+  means until cleared): METHODS lists the methods, ERROR_KINDS the kinds.
+  `stockout` and `quota_operation` fail the operation (as Compute Engine
+  reports them) and are accepted only for methods that return one.
+- From another process: `python -m tests.fakes.compute --port 8089` serves
+  it, and `remote(url, "inject_error", method="insert", kind="quota")`
+  (a POST to `/_fake/<name>` with the keyword arguments as JSON) calls any of
+  CONTROL_METHODS on it. `make_clients(url)` builds clients for it anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import itertools
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TypedDict
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1
+
+DEFAULT_PROJECT = "test-project"
+DEFAULT_ZONES = ("europe-west1-b", "europe-west1-c", "europe-west1-d", "us-central1-a")
+API_PREFIX = "/compute/v1"
+SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"
+
+# How long `wait` holds a request for a paused operation before answering
+# "still RUNNING" (the real API holds up to two minutes).
+WAIT_HOLD_SECONDS = 0.05
+
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+METADATA_KEY = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+METADATA_VALUE_MAX = 256 * 1024
+METADATA_TOTAL_MAX = 512 * 1024
+# The one filter form the provider sends: `<field> = "<value>"`.
+FILTER = re.compile(r'^\s*(?P<field>[a-z][a-zA-Z0-9_.-]*)\s*=\s*"(?P<value>[^"]*)"\s*$')
+
+OPERATION_METHODS = frozenset({"insert", "delete", "firewall_insert", "firewall_update"})
+METHODS = (
+    *sorted(OPERATION_METHODS),
+    "get",
+    "aggregated_list",
+    "firewall_get",
+    "zone_operation_get",
+    "zone_operation_wait",
+    "global_operation_get",
+    "global_operation_wait",
+)
+CONTROL_METHODS = frozenset(
+    {
+        "set_status",
+        "inject_error",
+        "clear_errors",
+        "set_operations_paused",
+        "add_instance",
+        "put_firewall",
+        "instance",
+        "firewall",
+    }
+)
+# Statuses in which an instance has released its ephemeral external IP.
+STOPPED_STATUSES = frozenset({"STOPPING", "STOPPED", "TERMINATED", "SUSPENDED"})
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """An error as Compute Engine reports it: HTTP status, reason or code, message."""
+
+    status: int
+    reason: str
+    message: str
+    in_operation: bool = False
+    retry_after: int | None = None
+
+
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "quota": ErrorKind(403, "quotaExceeded", "Quota 'CPUS' exceeded.  Limit: 8.0 in region."),
+    "quota_operation": ErrorKind(
+        403,
+        "QUOTA_EXCEEDED",
+        "Quota 'IN_USE_ADDRESSES' exceeded.  Limit: 8.0 in region.",
+        in_operation=True,
+    ),
+    "stockout": ErrorKind(
+        503,
+        "ZONE_RESOURCE_POOL_EXHAUSTED",
+        "The zone does not have enough resources available to fulfill the request.  "
+        "Try a different zone, or try again later.",
+        in_operation=True,
+    ),
+    "rate_limit": ErrorKind(403, "rateLimitExceeded", "Rate Limit Exceeded"),
+    "too_many_requests": ErrorKind(429, "tooManyRequests", "Too Many Requests", retry_after=7),
+    "unavailable": ErrorKind(503, "backendError", "The service is currently unavailable."),
+    "internal": ErrorKind(500, "internalError", "Internal error. Please try again."),
+    "forbidden": ErrorKind(403, "forbidden", "Required 'compute.instances.create' permission"),
+    "bad_request": ErrorKind(
+        400, "invalid", "Invalid value for field 'resource.machineType': machine type not found."
+    ),
+    "not_found": ErrorKind(
+        404, "notFound", "The resource 'projects/debian-cloud/global/images/family/x' was not found"
+    ),
+    "not_ready": ErrorKind(400, "resourceNotReady", "The resource is not ready"),
+}
+
+
+class ComputeClients(TypedDict):
+    """The clients GcpProvider takes, as keyword arguments: `GcpProvider(..., **clients)`."""
+
+    instances: compute_v1.InstancesClient
+    operations: compute_v1.ZoneOperationsClient
+    global_operations: compute_v1.GlobalOperationsClient
+    firewalls: compute_v1.FirewallsClient
+
+
+def make_clients(url: str) -> ComputeClients:
+    """Real REST clients pointed at `url`, with anonymous credentials."""
+    credentials = AnonymousCredentials()
+    options = {"api_endpoint": url}
+    return ComputeClients(
+        instances=compute_v1.InstancesClient(credentials=credentials, client_options=options),
+        operations=compute_v1.ZoneOperationsClient(credentials=credentials, client_options=options),
+        global_operations=compute_v1.GlobalOperationsClient(
+            credentials=credentials, client_options=options
+        ),
+        firewalls=compute_v1.FirewallsClient(credentials=credentials, client_options=options),
+    )
+
+
+def remote(url: str, name: str, /, **kwargs: Any) -> Any:
+    """Call control method `name` of a fake running in another process."""
+    request = urllib.request.Request(
+        f"{url}/_fake/{name}",
+        data=json.dumps(kwargs).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read() or b"null")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request the fake received."""
+
+    method: str
+    zone: str | None
+    path: str
+    query: dict[str, list[str]]
+    body: dict[str, Any] | None
+
+
+class ApiError(Exception):
+    """Answered as a Compute Engine error body."""
+
+    def __init__(self, kind: ErrorKind) -> None:
+        super().__init__(kind.message)
+        self.kind = kind
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(ErrorKind(400, "invalid", message))
+
+
+def _not_found(resource: str) -> ApiError:
+    return ApiError(ErrorKind(404, "notFound", f"The resource '{resource}' was not found"))
+
+
+@dataclass
+class _Injection:
+    method: str
+    kind: ErrorKind
+    remaining: int | None
+    zone: str | None
+
+
+@dataclass
+class _Operation:
+    name: str
+    zone: str | None
+    op_type: str
+    target: str
+    error: ErrorKind | None = None
+    on_done: Callable[[], None] | None = None
+    status: str = "RUNNING"
+
+
+@dataclass
+class _Route:
+    verb: str
+    pattern: re.Pattern[str]
+    method: str
+    handler: Callable[..., tuple[int, Any]] = field(repr=False)
+
+
+class FakeCompute:
+    """The fake server and its state; every public method is thread-safe."""
+
+    def __init__(
+        self,
+        project: str = DEFAULT_PROJECT,
+        zones: tuple[str, ...] = DEFAULT_ZONES,
+        *,
+        auto_start_ip: str | None = None,
+    ) -> None:
+        self.project = project
+        self.zones = zones
+        self.auto_start_ip = auto_start_ip
+        # Page size of aggregated lists when set (the client's maxResults otherwise).
+        self.page_size: int | None = None
+        self._cond = threading.Condition()
+        self._instances: dict[tuple[str, str], dict[str, Any]] = {}
+        self._firewalls: dict[str, dict[str, Any]] = {}
+        self._operations: dict[str, _Operation] = {}
+        self._errors: list[_Injection] = []
+        self._calls: list[Call] = []
+        self._paused = False
+        self._ids = itertools.count(1000)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._routes = self._build_routes()
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self, port: int = 0) -> FakeCompute:
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
+        self._server.daemon_threads = True
+        # A short poll interval makes stop() prompt: shutdown waits for a poll.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.01,), name="fake-compute", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> FakeCompute:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "not started"
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def clients(self) -> ComputeClients:
+        return make_clients(self.url)
+
+    # -- control ------------------------------------------------------------
+
+    def set_status(self, zone: str, name: str, status: str, *, nat_ip: str | None = None) -> None:
+        """Move an instance to `status`; `nat_ip` assigns its external IP.
+
+        Stopping statuses release the ephemeral IP, as Compute Engine does.
+        """
+        with self._cond:
+            inst = self._require(zone, name)
+            inst["status"] = status
+            access = inst["networkInterfaces"][0].setdefault("accessConfigs", [{}])[0]
+            if nat_ip is not None:
+                access["natIP"] = nat_ip
+            elif status in STOPPED_STATUSES:
+                access.pop("natIP", None)
+
+    def inject_error(
+        self, method: str, kind: str, *, times: int | None = 1, zone: str | None = None
+    ) -> None:
+        """Fail the next `times` calls of `method` (in `zone`, if given) with `kind`."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; one of {METHODS}")
+        spec = ERROR_KINDS[kind]
+        if spec.in_operation and method not in OPERATION_METHODS:
+            raise ValueError(f"{kind!r} fails an operation; {method!r} returns none")
+        with self._cond:
+            self._errors.append(_Injection(method, spec, times, zone))
+
+    def clear_errors(self) -> None:
+        with self._cond:
+            self._errors.clear()
+
+    def set_operations_paused(self, paused: bool) -> None:
+        """While paused, operations stay RUNNING however often they are polled."""
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
+
+    def add_instance(
+        self,
+        zone: str,
+        name: str,
+        *,
+        labels: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        status: str = "RUNNING",
+        nat_ip: str | None = None,
+    ) -> None:
+        """Seed an instance that did not come through `insert` (another tool's VM)."""
+        body: dict[str, Any] = {
+            "name": name,
+            "machineType": f"zones/{zone}/machineTypes/e2-small",
+            "labels": labels or {},
+            "metadata": {"items": [{"key": k, "value": v} for k, v in (metadata or {}).items()]},
+            "networkInterfaces": [{"network": "global/networks/default"}],
+        }
+        with self._cond:
+            self._store_instance(zone, body)
+        self.set_status(zone, name, status, nat_ip=nat_ip)
+
+    def put_firewall(self, body: dict[str, Any]) -> None:
+        """Seed or overwrite a firewall rule (e.g. one widened by hand)."""
+        with self._cond:
+            self._firewalls[body["name"]] = self._complete_firewall(body)
+
+    def instance(self, zone: str, name: str) -> dict[str, Any] | None:
+        with self._cond:
+            found = self._instances.get((zone, name))
+            return json.loads(json.dumps(found)) if found is not None else None
+
+    def instance_keys(self) -> set[tuple[str, str]]:
+        """(zone, name) of every instance."""
+        with self._cond:
+            return set(self._instances)
+
+    def firewall(self, name: str) -> dict[str, Any] | None:
+        with self._cond:
+            found = self._firewalls.get(name)
+            return json.loads(json.dumps(found)) if found is not None else None
+
+    def calls(self, method: str | None = None) -> list[Call]:
+        with self._cond:
+            return [c for c in self._calls if method is None or c.method == method]
+
+    # -- HTTP -----------------------------------------------------------------
+
+    def _build_routes(self) -> list[_Route]:
+        project = r"/projects/(?P<project>[^/]+)"
+        zone = project + r"/zones/(?P<zone>[^/]+)"
+        table: list[tuple[str, str, str, Callable[..., tuple[int, Any]]]] = [
+            ("POST", zone + r"/instances", "insert", self._insert),
+            ("GET", zone + r"/instances/(?P<name>[^/]+)", "get", self._get),
+            ("DELETE", zone + r"/instances/(?P<name>[^/]+)", "delete", self._delete),
+            ("GET", project + r"/aggregated/instances", "aggregated_list", self._aggregated),
+            ("GET", zone + r"/operations/(?P<op>[^/]+)", "zone_operation_get", self._op_get),
+            (
+                "POST",
+                zone + r"/operations/(?P<op>[^/]+)/wait",
+                "zone_operation_wait",
+                self._op_wait,
+            ),
+            (
+                "GET",
+                project + r"/global/operations/(?P<op>[^/]+)",
+                "global_operation_get",
+                self._op_get,
+            ),
+            (
+                "POST",
+                project + r"/global/operations/(?P<op>[^/]+)/wait",
+                "global_operation_wait",
+                self._op_wait,
+            ),
+            ("GET", project + r"/global/firewalls/(?P<name>[^/]+)", "firewall_get", self._fw_get),
+            ("POST", project + r"/global/firewalls", "firewall_insert", self._fw_insert),
+            (
+                "PUT",
+                project + r"/global/firewalls/(?P<name>[^/]+)",
+                "firewall_update",
+                self._fw_update,
+            ),
+        ]
+        return [
+            _Route(verb, re.compile(f"^{API_PREFIX}{path}$"), method, handler)
+            for verb, path, method, handler in table
+        ]
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                fake._serve(self)
+
+            do_POST = do_PUT = do_DELETE = do_GET
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # keep test output clean
+
+        return Handler
+
+    def _serve(self, request: BaseHTTPRequestHandler) -> None:
+        url = urlsplit(request.path)
+        length = int(request.headers.get("Content-Length") or 0)
+        raw = request.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        headers: dict[str, str] = {}
+        try:
+            if url.path.startswith("/_fake/"):
+                status, payload = 200, self._control(url.path.removeprefix("/_fake/"), body or {})
+            else:
+                status, payload = self._dispatch(
+                    request.command, url.path, parse_qs(url.query), body
+                )
+        except ApiError as err:
+            status, payload = err.kind.status, _error_body(err.kind)
+            if err.kind.retry_after is not None:
+                headers["Retry-After"] = str(err.kind.retry_after)
+        data = json.dumps(payload).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json; charset=UTF-8")
+        request.send_header("Content-Length", str(len(data)))
+        for name, value in headers.items():
+            request.send_header(name, value)
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _control(self, name: str, kwargs: dict[str, Any]) -> Any:
+        if name not in CONTROL_METHODS:
+            raise ApiError(ErrorKind(404, "notFound", f"no control method {name!r}"))
+        return getattr(self, name)(**kwargs)
+
+    def _dispatch(
+        self, verb: str, path: str, query: dict[str, list[str]], body: dict[str, Any] | None
+    ) -> tuple[int, Any]:
+        for route in self._routes:
+            match = route.pattern.match(path)
+            if route.verb != verb or match is None:
+                continue
+            params = match.groupdict()
+            zone = params.get("zone")
+            with self._cond:
+                self._calls.append(Call(route.method, zone, path, query, body))
+                if params.pop("project") != self.project:
+                    raise _not_found(f"projects/{self.project}")
+                if zone is not None and zone not in self.zones:
+                    raise _not_found(f"projects/{self.project}/zones/{zone}")
+                injected = self._take_error(route.method, zone)
+                if injected is not None and not injected.in_operation:
+                    raise ApiError(injected)
+                return route.handler(query=query, body=body, failure=injected, **params)
+        raise ApiError(ErrorKind(404, "notFound", f"no route for {verb} {path}"))
+
+    def _take_error(self, method: str, zone: str | None) -> ErrorKind | None:
+        for injection in self._errors:
+            if injection.method == method and injection.zone in (None, zone):
+                if injection.remaining is not None:
+                    injection.remaining -= 1
+                    if injection.remaining <= 0:
+                        self._errors.remove(injection)
+                return injection.kind
+        return None
+
+    # -- instances ------------------------------------------------------------
+
+    def _insert(
+        self, *, zone: str, body: dict[str, Any] | None, failure: ErrorKind | None, **_: Any
+    ) -> tuple[int, Any]:
+        if body is None:
+            raise _invalid("Required field 'resource' not specified")
+        _validate_instance(zone, body)
+        name = body["name"]
+        if (zone, name) in self._instances:
+            raise ApiError(
+                ErrorKind(
+                    409,
+                    "alreadyExists",
+                    f"The resource 'projects/{self.project}/zones/{zone}/instances/{name}' "
+                    "already exists",
+                )
+            )
+        if failure is None:
+            self._store_instance(zone, body)
+
+        def started() -> None:
+            if self.auto_start_ip is not None and (zone, name) in self._instances:
+                self._instances[zone, name]["status"] = "RUNNING"
+                access = self._instances[zone, name]["networkInterfaces"][0]["accessConfigs"][0]
+                access["natIP"] = self.auto_start_ip
+
+        return 200, self._new_operation(
+            zone, "insert", f"zones/{zone}/instances/{name}", failure, started
+        )
+
+    def _get(self, *, zone: str, name: str, **_: Any) -> tuple[int, Any]:
+        return 200, self._require(zone, name)
+
+    def _delete(
+        self, *, zone: str, name: str, failure: ErrorKind | None, **_: Any
+    ) -> tuple[int, Any]:
+        inst = self._require(zone, name)
+        if failure is None:
+            inst["status"] = "STOPPING"
+
+        def gone() -> None:
+            self._instances.pop((zone, name), None)
+
+        return 200, self._new_operation(
+            zone, "delete", f"zones/{zone}/instances/{name}", failure, gone
+        )
+
+    def _aggregated(self, *, query: dict[str, list[str]], **_: Any) -> tuple[int, Any]:
+        matches = self._filter(query.get("filter", [""])[0])
+        page_size = self.page_size or int(query.get("maxResults", ["500"])[0])
+        start = int(query.get("pageToken", ["0"])[0])
+        page = matches[start : start + page_size]
+        items: dict[str, Any] = {}
+        for zone, inst in page:
+            items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(inst)
+        if start == 0:
+            for zone in self.zones:
+                items.setdefault(f"zones/{zone}", _no_results(zone))
+        payload: dict[str, Any] = {
+            "kind": "compute#instanceAggregatedList",
+            "id": f"projects/{self.project}/aggregated/instances",
+            "items": items,
+        }
+        if start + page_size < len(matches):
+            payload["nextPageToken"] = str(start + page_size)
+        return 200, payload
+
+    def _filter(self, expression: str) -> list[tuple[str, dict[str, Any]]]:
+        selected = sorted(self._instances.items())
+        if not expression:
+            return [(zone, inst) for (zone, _), inst in selected]
+        match = FILTER.match(expression)
+        if match is None:
+            raise _invalid(f"Invalid list filter expression '{expression}'")
+        path, wanted = match["field"].split("."), match["value"]
+
+        def value(inst: dict[str, Any]) -> Any:
+            node: Any = inst
+            for part in path:
+                node = node.get(part) if isinstance(node, dict) else None
+            return node
+
+        return [(zone, inst) for (zone, _), inst in selected if value(inst) == wanted]
+
+    def _store_instance(self, zone: str, body: dict[str, Any]) -> None:
+        inst = json.loads(json.dumps(body))
+        name = inst["name"]
+        inst.update(
+            kind="compute#instance",
+            id=str(next(self._ids)),
+            status="PROVISIONING",
+            zone=f"{SELF_LINK_BASE}/projects/{self.project}/zones/{zone}",
+            selfLink=f"{SELF_LINK_BASE}/projects/{self.project}/zones/{zone}/instances/{name}",
+            creationTimestamp=datetime.now(UTC).isoformat(timespec="milliseconds"),
+            machineType=f"{SELF_LINK_BASE}/projects/{self.project}/{inst['machineType']}",
+            labelFingerprint="42WmSpB8rSM=",
+        )
+        inst.setdefault("metadata", {})["fingerprint"] = "fake-fp"
+        for i, nic in enumerate(inst.get("networkInterfaces", [])):
+            nic.update(name=f"nic{i}", networkIP=f"10.132.0.{next(self._ids) % 250 + 2}")
+        self._instances[zone, name] = inst
+
+    def _require(self, zone: str, name: str) -> dict[str, Any]:
+        inst = self._instances.get((zone, name))
+        if inst is None:
+            raise _not_found(f"projects/{self.project}/zones/{zone}/instances/{name}")
+        return inst
+
+    # -- operations -----------------------------------------------------------
+
+    def _new_operation(
+        self,
+        zone: str | None,
+        op_type: str,
+        target: str,
+        failure: ErrorKind | None,
+        on_done: Callable[[], None],
+    ) -> dict[str, Any]:
+        op = _Operation(
+            name=f"operation-{next(self._ids)}-fake",
+            zone=zone,
+            op_type=op_type,
+            target=target,
+            error=failure,
+            on_done=None if failure else on_done,
+        )
+        self._operations[op.name] = op
+        return self._op_json(op)
+
+    def _op_get(self, *, op: str, zone: str | None = None, **_: Any) -> tuple[int, Any]:
+        return 200, self._op_json(self._poll(op, zone))
+
+    def _op_wait(self, *, op: str, zone: str | None = None, **_: Any) -> tuple[int, Any]:
+        operation = self._poll(op, zone)
+        if operation.status != "DONE":
+            self._cond.wait(WAIT_HOLD_SECONDS)
+            operation = self._poll(op, zone)
+        return 200, self._op_json(operation)
+
+    def _poll(self, name: str, zone: str | None) -> _Operation:
+        op = self._operations.get(name)
+        if op is None or op.zone != zone:
+            scope = f"zones/{zone}" if zone else "global"
+            raise _not_found(f"projects/{self.project}/{scope}/operations/{name}")
+        if op.status != "DONE" and not self._paused:
+            op.status = "DONE"
+            if op.on_done is not None:
+                op.on_done()
+        return op
+
+    def _op_json(self, op: _Operation) -> dict[str, Any]:
+        scope = f"zones/{op.zone}" if op.zone else "global"
+        base = f"{SELF_LINK_BASE}/projects/{self.project}"
+        payload: dict[str, Any] = {
+            "kind": "compute#operation",
+            "id": op.name.split("-")[1],
+            "name": op.name,
+            "operationType": op.op_type,
+            "targetLink": f"{base}/{op.target}",
+            "selfLink": f"{base}/{scope}/operations/{op.name}",
+            "status": op.status,
+            "progress": 100 if op.status == "DONE" else 0,
+        }
+        if op.zone:
+            payload["zone"] = f"{base}/zones/{op.zone}"
+        if op.status == "DONE" and op.error is not None:
+            payload["error"] = {"errors": [{"code": op.error.reason, "message": op.error.message}]}
+            payload["httpErrorStatusCode"] = op.error.status
+            payload["httpErrorMessage"] = _HTTP_MESSAGES.get(op.error.status, "ERROR")
+        return payload
+
+    # -- firewalls --------------------------------------------------------------
+
+    def _fw_get(self, *, name: str, **_: Any) -> tuple[int, Any]:
+        found = self._firewalls.get(name)
+        if found is None:
+            raise _not_found(f"projects/{self.project}/global/firewalls/{name}")
+        return 200, found
+
+    def _fw_insert(
+        self, *, body: dict[str, Any] | None, failure: ErrorKind | None, **_: Any
+    ) -> tuple[int, Any]:
+        rule = self._complete_firewall(body or {})
+        name = rule["name"]
+        if name in self._firewalls:
+            raise ApiError(
+                ErrorKind(
+                    409,
+                    "alreadyExists",
+                    f"The resource 'projects/{self.project}/global/firewalls/{name}' "
+                    "already exists",
+                )
+            )
+
+        def store() -> None:
+            self._firewalls[name] = rule
+
+        return 200, self._new_operation(None, "insert", f"global/firewalls/{name}", failure, store)
+
+    def _fw_update(
+        self, *, name: str, body: dict[str, Any] | None, failure: ErrorKind | None, **_: Any
+    ) -> tuple[int, Any]:
+        self._fw_get(name=name)
+        rule = self._complete_firewall(body or {})
+        if rule["name"] != name:
+            raise _invalid("Invalid value for field 'resource.name'")
+
+        def store() -> None:
+            self._firewalls[name] = rule
+
+        return 200, self._new_operation(None, "update", f"global/firewalls/{name}", failure, store)
+
+    def _complete_firewall(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Validate a rule and fill in what the API defaults, as it would."""
+        rule: dict[str, Any] = json.loads(json.dumps(body))
+        if not RFC1035.match(rule.get("name", "")):
+            raise _invalid(f"Invalid value for field 'resource.name': '{rule.get('name')}'")
+        for cidr in rule.get("sourceRanges", []):
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError:
+                raise _invalid(
+                    f"Invalid value for field 'resource.sourceRanges': '{cidr}'"
+                ) from None
+        for allowed in rule.get("allowed", []):
+            if allowed.get("IPProtocol") not in ("tcp", "udp", "icmp", "all"):
+                raise _invalid("Invalid value for field 'resource.allowed[].IPProtocol'")
+        rule.setdefault("direction", "INGRESS")
+        rule.setdefault("priority", 1000)
+        rule.setdefault("network", "global/networks/default")
+        if (
+            rule["direction"] == "INGRESS"
+            and not rule.get("sourceRanges")
+            and not rule.get("sourceTags")
+        ):
+            rule["sourceRanges"] = ["0.0.0.0/0"]  # the API's default: everyone
+        if not rule["network"].startswith("https://"):
+            rule["network"] = f"{SELF_LINK_BASE}/projects/{self.project}/{rule['network']}"
+        rule.update(
+            kind="compute#firewall",
+            selfLink=f"{SELF_LINK_BASE}/projects/{self.project}/global/firewalls/{rule['name']}",
+        )
+        rule.setdefault("id", str(next(self._ids)))
+        return rule
+
+
+_HTTP_MESSAGES = {403: "FORBIDDEN", 404: "NOT FOUND", 409: "CONFLICT", 503: "SERVICE UNAVAILABLE"}
+
+
+def _error_body(kind: ErrorKind) -> dict[str, Any]:
+    return {
+        "error": {
+            "code": kind.status,
+            "message": kind.message,
+            "errors": [{"message": kind.message, "domain": "global", "reason": kind.reason}],
+        }
+    }
+
+
+def _no_results(zone: str) -> dict[str, Any]:
+    return {
+        "warning": {
+            "code": "NO_RESULTS_ON_PAGE",
+            "message": f"There are no results for scope 'zones/{zone}' on this page.",
+            "data": [{"key": "scope", "value": f"zones/{zone}"}],
+        }
+    }
+
+
+def _validate_instance(zone: str, body: dict[str, Any]) -> None:
+    """Reject what Compute Engine would reject in the fields this project sends."""
+    name = body.get("name", "")
+    if not RFC1035.match(name):
+        raise _invalid(f"Invalid value for field 'resource.name': '{name}'")
+    machine_type = body.get("machineType", "")
+    if not re.fullmatch(rf"(.*/)?zones/{re.escape(zone)}/machineTypes/[a-z0-9-]+", machine_type):
+        raise _invalid(f"Invalid value for field 'resource.machineType': '{machine_type}'")
+    labels = body.get("labels", {})
+    if len(labels) > 64:
+        raise _invalid("Invalid value for field 'resource.labels': at most 64 labels")
+    for key, value in labels.items():
+        if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
+            raise _invalid(f"Invalid value for field 'resource.labels': '{key}': '{value}'")
+    items = body.get("metadata", {}).get("items", [])
+    keys = [item.get("key", "") for item in items]
+    if len(set(keys)) != len(keys) or not all(METADATA_KEY.match(k) for k in keys):
+        raise _invalid(f"Invalid value for field 'resource.metadata': keys {keys}")
+    sizes = [len(k) + len(item.get("value", "")) for k, item in zip(keys, items, strict=True)]
+    if any(size > METADATA_VALUE_MAX for size in sizes) or sum(sizes) > METADATA_TOTAL_MAX:
+        raise _invalid("Value for field 'resource.metadata' is too large")
+    for tag in body.get("tags", {}).get("items", []):
+        if not RFC1035.match(tag):
+            raise _invalid(f"Invalid value for field 'resource.tags.items': '{tag}'")
+    boot = [d for d in body.get("disks", []) if d.get("boot")]
+    if len(boot) != 1 or not boot[0].get("initializeParams", {}).get("sourceImage"):
+        raise _invalid("Exactly one boot disk with initializeParams.sourceImage is required")
+    if not body.get("networkInterfaces"):
+        raise _invalid("At least one network interface is required")
+    scheduling = body.get("scheduling", {})
+    if scheduling.get("provisioningModel") == "SPOT" and (
+        scheduling.get("automaticRestart", True)
+        or scheduling.get("onHostMaintenance") != "TERMINATE"
+        or scheduling.get("instanceTerminationAction") not in ("STOP", "DELETE")
+    ):
+        raise _invalid(
+            "Spot VMs need automaticRestart false, onHostMaintenance TERMINATE "
+            "and an instanceTerminationAction"
+        )
+
+
+@pytest.fixture(name="fake_compute")
+def fake_compute_fixture() -> Iterator[FakeCompute]:
+    """A started FakeCompute, stopped after the test."""
+    with FakeCompute() as fake:
+        yield fake
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the fake Compute Engine API.")
+    parser.add_argument("--port", type=int, default=8089)
+    parser.add_argument("--project", default=DEFAULT_PROJECT)
+    parser.add_argument("--zones", default=",".join(DEFAULT_ZONES))
+    parser.add_argument("--auto-start-ip", default=None)
+    args = parser.parse_args()
+    fake = FakeCompute(args.project, tuple(args.zones.split(",")), auto_start_ip=args.auto_start_ip)
+    fake.start(args.port)
+    print(f"fake Compute Engine for project {args.project} at {fake.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        fake.stop()
+
+
+if __name__ == "__main__":
+    main()

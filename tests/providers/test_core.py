@@ -1,0 +1,360 @@
+"""The provider core: naming, error taxonomy, metrics decorator, registry, config."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from providers.base import CreateRequest, Instance, InstanceState, Provider
+from providers.config import Config, ConfigError, ProviderEntry, load_config, parse_config
+from providers.errors import TAXONOMY, ProviderError, Transient, classify
+from providers.metrics import MeteredProvider, ProviderMetrics
+from providers.naming import (
+    GENERATION_KEY,
+    INSTALLATION_KEY,
+    MANAGED_BY_KEY,
+    OWNER_KEY,
+    RFC1035_LABEL,
+    instance_name,
+    owner_tags,
+)
+from providers.registry import UnknownProviderType, build_providers
+from providers.squid import ProxySettings
+
+REPO = Path(__file__).resolve().parents[2]
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+# -- naming --------------------------------------------------------------------
+
+
+def test_names_are_unique_valid_and_deterministic() -> None:
+    owners = [f"proxy-eu-{i}" for i in range(10_000)]
+    names = [instance_name(owner, 0) for owner in owners]
+    assert len(set(names)) == len(owners)
+    for name in names:
+        assert len(name) == 22
+        assert RFC1035_LABEL.fullmatch(name), name
+        assert DNS1123_LABEL.fullmatch(name), name
+    assert names == [instance_name(owner, 0) for owner in owners]
+    next_generation = [instance_name(owner, 1) for owner in owners]
+    assert all(a != b for a, b in zip(names, next_generation, strict=True))
+    assert set(names).isdisjoint(next_generation)
+
+
+def test_user_labels_cannot_overwrite_the_tags_gc_relies_on() -> None:
+    tags = owner_tags("prod", "proxy-eu-1", 3, {"managed-by": "me", "team": "crawl"})
+    assert tags[MANAGED_BY_KEY] == "proxy-operator"
+    assert tags[INSTALLATION_KEY] == "prod"
+    assert tags[OWNER_KEY] == "proxy-eu-1"
+    assert tags[GENERATION_KEY] == "3"
+    assert tags["label/managed-by"] == "me"
+    assert tags["label/team"] == "crawl"
+
+
+# -- error taxonomy ------------------------------------------------------------
+
+
+def test_unknown_exceptions_are_transient_with_their_cause() -> None:
+    cause = ConnectionResetError("peer reset")
+    error = classify(cause)
+    assert type(error) is Transient
+    assert error.cause is cause
+    assert error.__cause__ is cause
+    assert "ConnectionResetError" in str(error) and "peer reset" in str(error)
+
+
+@pytest.mark.parametrize("kind", TAXONOMY)
+def test_classified_errors_pass_through(kind: type[ProviderError]) -> None:
+    error = kind("as is", retry_after_seconds=60)
+    assert classify(error) is error
+    assert error.retry_after_seconds == 60
+
+
+# -- metrics decorator ---------------------------------------------------------
+
+
+class StubProvider:
+    """Answers every operation with `outcome`: an exception to raise, or success."""
+
+    def __init__(self) -> None:
+        self.outcome: BaseException | None = None
+
+    def _answer(self) -> Instance:
+        if self.outcome is not None:
+            raise self.outcome
+        return Instance(
+            provider_id="stub/one",
+            name="one",
+            state=InstanceState.RUNNING,
+            ip="192.0.2.1",
+            port=3128,
+            tags={},
+            created_at=datetime.now(UTC),
+        )
+
+    def create(self, req: CreateRequest) -> Instance:
+        return self._answer()
+
+    def get(self, provider_id: str) -> Instance:
+        return self._answer()
+
+    def delete(self, provider_id: str) -> None:
+        self._answer()
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        return [self._answer()]
+
+
+OPERATIONS: dict[str, Callable[[Provider], object]] = {
+    "create": lambda p: p.create(
+        CreateRequest(
+            name="one",
+            proxy=ProxySettings(3128, "u", "p", ("10.0.0.0/8",), (443,)),
+            tags={},
+        )
+    ),
+    "get": lambda p: p.get("stub/one"),
+    "delete": lambda p: p.delete("stub/one"),
+    "list_by_tag": lambda p: p.list_by_tag("k", "v"),
+}
+
+
+def calls(registry: CollectorRegistry, operation: str, outcome: str) -> float:
+    labels = {"provider": "stub", "operation": operation, "outcome": outcome}
+    return registry.get_sample_value("proxy_operator_provider_calls_total", labels) or 0.0
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_metered_provider_counts_every_outcome(operation: str) -> None:
+    registry = CollectorRegistry()
+    stub = StubProvider()
+    metered = MeteredProvider(stub, "stub", ProviderMetrics(registry))
+    assert isinstance(metered, Provider)
+    call = OPERATIONS[operation]
+
+    call(metered)
+    assert calls(registry, operation, "ok") == 1
+
+    for kind in TAXONOMY:
+        stub.outcome = kind("boom")
+        with pytest.raises(kind):
+            call(metered)
+        assert calls(registry, operation, kind.__name__) == 1
+
+    # Outside the taxonomy: normalised to Transient at the edge, cause kept.
+    unexpected = RuntimeError("sdk exploded")
+    stub.outcome = unexpected
+    with pytest.raises(Transient) as caught:
+        call(metered)
+    assert caught.value.cause is unexpected
+    assert calls(registry, operation, "Transient") == 2
+
+    latency = registry.get_sample_value(
+        "proxy_operator_provider_call_seconds_count",
+        {"provider": "stub", "operation": operation, "outcome": "ok"},
+    )
+    assert latency == 1
+
+
+# -- registry ------------------------------------------------------------------
+
+
+def minimal_config(*providers: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "installation": "test",
+        "proxy": {"auth": {"password_env": "PROXY_PASSWORD"}, "allowed_cidrs": ["10.0.0.0/8"]},
+        "providers": list(providers) or [{"name": "local", "type": "local"}],
+    }
+
+
+ENVIRON = {"PROXY_PASSWORD": "from-the-environment"}
+
+
+def test_registry_builds_one_metered_provider_per_entry() -> None:
+    config = parse_config(
+        minimal_config({"name": "here", "type": "local"}, {"name": "there", "type": "local"}),
+        environ=ENVIRON,
+    )
+    built: list[str] = []
+
+    def construct(entry: ProviderEntry, cfg: Config) -> Provider:
+        assert cfg is config
+        built.append(entry.name)
+        return StubProvider()
+
+    providers = build_providers(config, {"local": construct})
+    assert built == ["here", "there"]
+    assert set(providers) == {"here", "there"}
+    assert all(isinstance(p, MeteredProvider) for p in providers.values())
+
+
+def test_registry_rejects_a_type_without_constructor() -> None:
+    config = parse_config(
+        minimal_config({"name": "cluster", "type": "kubernetes", "kubernetes": {}}),
+        environ=ENVIRON,
+    )
+    with pytest.raises(UnknownProviderType, match="kubernetes"):
+        build_providers(config, {"local": lambda entry, cfg: StubProvider()})
+
+
+# -- config --------------------------------------------------------------------
+
+
+def broken(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    raw = minimal_config()
+    change(raw)
+    return raw
+
+
+def add_providers(*entries: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    return lambda raw: raw["providers"].extend(copy.deepcopy(entries))
+
+
+def set_in(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """Set a dotted path (list indexes as numbers) in the raw config."""
+
+    def change(raw: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = raw
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node.setdefault(key, {})
+        node[last] = value
+
+    return change
+
+
+def several(*changes: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def change(raw: dict[str, Any]) -> None:
+        for one in changes:
+            one(raw)
+
+    return change
+
+
+BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
+    "missing gcp.project": (
+        broken(
+            add_providers(
+                {"name": "cluster", "type": "kubernetes", "kubernetes": {}},
+                {"name": "cloud", "type": "gcp", "gcp": {"zone": "europe-west1-b"}},
+            )
+        ),
+        ENVIRON,
+        ["providers[2].gcp.project: field required"],
+    ),
+    "duplicate name": (
+        broken(add_providers({"name": "local", "type": "local"})),
+        ENVIRON,
+        ["providers[1].name: duplicate 'local'"],
+    ),
+    "unknown type": (
+        broken(add_providers({"name": "aws", "type": "aws"})),
+        ENVIRON,
+        ["providers[1].type: unknown type 'aws' (expected one of local, kubernetes, gcp)"],
+    ),
+    "block of another type": (
+        broken(add_providers({"name": "cloud", "type": "gcp", "kubernetes": {}})),
+        ENVIRON,
+        [
+            "providers[1].kubernetes: block belongs to type 'kubernetes', not 'gcp'",
+            "providers[1].gcp: field required for type 'gcp'",
+        ],
+    ),
+    "unknown keys at every depth": (
+        broken(
+            several(
+                set_in("colour", "blue"),
+                set_in("proxy.auth.token", "x"),
+                set_in("providers.0.local", {"state_dir": "/tmp/x", "ports": 3}),
+            )
+        ),
+        ENVIRON,
+        [
+            "colour: unknown key",
+            "proxy.auth.token: unknown key",
+            "providers[0].local.ports: unknown key",
+        ],
+    ),
+    "bad CIDRs, all of them": (
+        broken(set_in("proxy.allowed_cidrs", ["10.0.0.1/8", "10.0.0.0/8", "nope"])),
+        ENVIRON,
+        [
+            "proxy.allowed_cidrs: bad CIDR '10.0.0.1/8': 10.0.0.1/8 has host bits set; "
+            "bad CIDR 'nope': 'nope' does not appear to be an IPv4 or IPv6 network"
+        ],
+    ),
+    "bad ports": (
+        broken(
+            several(
+                set_in("proxy.port", 0),
+                set_in("proxy.allowed_connect_ports", [443, 70000]),
+                set_in("providers.0.local", {"first_port": 0}),
+            )
+        ),
+        ENVIRON,
+        [
+            "proxy.port: input should be greater than or equal to 1",
+            "proxy.allowed_connect_ports[1]: input should be less than or equal to 65535",
+            "providers[0].local.first_port: input should be greater than or equal to 1",
+        ],
+    ),
+    "secret env var not set": (
+        broken(lambda raw: None),
+        {},
+        ["proxy.auth.password_env: environment variable PROXY_PASSWORD is not set"],
+    ),
+    "password_file missing": (
+        broken(set_in("proxy.auth", {"password_file": "/nonexistent/proxy-password"})),
+        ENVIRON,
+        [
+            "proxy.auth.password_file: cannot read /nonexistent/proxy-password: "
+            "No such file or directory"
+        ],
+    ),
+    "two password sources": (
+        broken(set_in("proxy.auth.password_file", "/etc/hostname")),
+        ENVIRON,
+        ["proxy.auth: set exactly one of password_env, password_file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_CONFIGS)
+def test_broken_configs_report_every_problem_with_its_path(case: str) -> None:
+    raw, environ, expected = BROKEN_CONFIGS[case]
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, source="broken.yaml", environ=environ)
+    assert sorted(caught.value.problems) == sorted(expected)
+    assert str(caught.value).startswith("invalid providers config broken.yaml:")
+
+
+def test_password_file_is_read_and_stripped(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("from-a-file\n")
+    raw = broken(set_in("proxy.auth", {"password_file": str(secret)}))
+    assert parse_config(raw, environ={}).proxy_settings().password == "from-a-file"
+
+
+def test_the_shipped_local_config_loads() -> None:
+    config = load_config(REPO / "deploy/local/providers.yaml", environ=ENVIRON)
+    assert config.provider("local").type == "local"
+    settings = config.proxy_settings()
+    assert settings.password == ENVIRON["PROXY_PASSWORD"]
+    assert settings.allowed_cidrs == ("127.0.0.0/8",)
+    assert ENVIRON["PROXY_PASSWORD"] not in repr(config) + repr(settings)
+
+
+def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read file"):
+        load_config(tmp_path / "missing.yaml", environ=ENVIRON)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("providers: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ=ENVIRON)

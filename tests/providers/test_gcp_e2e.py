@@ -1,0 +1,136 @@
+"""Opt-in: GcpProvider against a real GCP project. Costs a few cents per run.
+
+Creates one e2-micro proxy VM, waits until it is RUNNING, tunnels an HTTPS
+request through it, deletes it, and removes the firewall rule it made. Skipped
+unless these are set (see docs/providers.md, "GCP"):
+
+    PROXY_OPERATOR_E2E_GCP_PROJECT      project to create the VM in
+    PROXY_OPERATOR_E2E_GCP_ZONE         e.g. europe-west1-b
+    PROXY_OPERATOR_E2E_GCP_CLIENT_CIDR  this machine's public egress, e.g. 203.0.113.7/32
+
+Credentials are Application Default Credentials (`gcloud auth
+application-default login`, or GOOGLE_APPLICATION_CREDENTIALS):
+
+    pytest -m gcp_e2e tests/providers/test_gcp_e2e.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import google.auth
+import pytest
+from google.api_core import exceptions as api_exceptions
+from google.cloud import compute_v1
+
+from activities.probe import ProbeResult, probe_connect
+from providers.base import CreateRequest, InstanceState
+from providers.config import parse_config
+from providers.errors import NotFound
+from providers.gcp import GcpProvider, firewall_name
+from providers.naming import INSTALLATION_KEY, instance_name, owner_tags
+
+T = TypeVar("T")
+
+PROJECT = os.environ.get("PROXY_OPERATOR_E2E_GCP_PROJECT", "")
+ZONE = os.environ.get("PROXY_OPERATOR_E2E_GCP_ZONE", "")
+CLIENT_CIDR = os.environ.get("PROXY_OPERATOR_E2E_GCP_CLIENT_CIDR", "")
+TARGET = os.environ.get("PROXY_OPERATOR_E2E_GCP_TARGET", "https://www.google.com/")
+
+# Captured at import, before the suite's guard (tests/conftest.py) replaces
+# them for every test; only this test puts them back.
+_REAL_ADC = google.auth.default
+_REAL_ENV = {
+    name: os.environ.get(name) for name in ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
+}
+
+pytestmark = [
+    pytest.mark.gcp_e2e,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(
+        not (PROJECT and ZONE and CLIENT_CIDR),
+        reason="set PROXY_OPERATOR_E2E_GCP_PROJECT, _ZONE and _CLIENT_CIDR to run",
+    ),
+]
+
+
+def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float, every: float) -> T:
+    """Poll a real cloud until `done(fetch())`; fail with the last value past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fetch()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def test_proxy_vm_lifecycle_on_a_real_project(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(google.auth, "default", _REAL_ADC)
+    for name, value in _REAL_ENV.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+    installation = f"e2e-{secrets.token_hex(4)}"
+    owner = f"gcp-e2e-{secrets.token_hex(4)}"
+    password = secrets.token_urlsafe(24)
+    config = parse_config(
+        {
+            "installation": installation,
+            "proxy": {"auth": {"password_env": "E2E_PASSWORD"}, "allowed_cidrs": [CLIENT_CIDR]},
+            "providers": [
+                {"name": "gcp-e2e", "type": "gcp", "gcp": {"project": PROJECT, "zone": ZONE}}
+            ],
+        },
+        environ={"E2E_PASSWORD": password},
+    )
+    provider = GcpProvider.from_config(config.provider("gcp-e2e"), config)
+    settings = config.proxy_settings()
+    req = CreateRequest(
+        name=instance_name(owner, 1),
+        proxy=settings,
+        tags=owner_tags(installation, owner, 1),
+        placement={"zone": ZONE},
+    )
+    provider_id = f"{ZONE}/{req.name}"
+    try:
+        created = provider.create(req)
+        assert created.provider_id == provider_id
+
+        running = until(
+            lambda: provider.get(provider_id),
+            lambda i: i.state is InstanceState.RUNNING,
+            timeout=300,
+            every=5,
+        )
+        assert running.state is InstanceState.RUNNING, running
+        assert running.ip and running.tags == req.tags
+        assert req.name in {i.name for i in provider.list_by_tag(INSTALLATION_KEY, installation)}
+
+        # The startup script installs Squid after boot: allow it a few minutes.
+        def probe() -> ProbeResult:
+            return asyncio.run(
+                probe_connect(
+                    running.ip, running.port, settings.username, password, TARGET, timeout=10
+                )
+            )
+
+        result = until(probe, lambda r: r.ok, timeout=600, every=10)
+        assert result.ok, result
+    finally:
+        provider.delete(provider_id)
+        # The provider never deletes its installation's rule; this test's is throwaway.
+        with contextlib.suppress(api_exceptions.NotFound):
+            compute_v1.FirewallsClient().delete(
+                project=PROJECT, firewall=firewall_name(installation)
+            ).result(timeout=300)
+
+    with pytest.raises(NotFound):
+        provider.get(provider_id)

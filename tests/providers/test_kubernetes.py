@@ -1,0 +1,883 @@
+"""The Kubernetes provider against an HTTP-level fake API server.
+
+The provider runs unmodified with the real `kubernetes` client, which talks
+HTTP to tests/fakes/kubernetes.py (kmock plus the API-server behaviour the
+provider relies on). The fake validates every created object against the
+Kubernetes schema, as the API server does, so a create that succeeds here
+produced a schema-valid Pod and Secret. The tests play the scheduler and the
+kubelet by setting Pod status on the fake.
+
+What a fake cannot show is covered two other ways. Here, the local Squid
+runs the Secret's squid.conf the way the Pod runs it: as uid 13, with only
+its spool directory writable, logging to an inherited stdout, stopped by
+SIGTERM. And tests/providers/test_kubernetes_e2e.py (opt-in) runs a proxy
+Pod in a real cluster and tunnels through it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+import providers.kubernetes as kubernetes_provider
+from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.config import Config, KubernetesConfig, parse_config
+from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
+from providers.kubernetes import (
+    CONFIG_DIR,
+    RBAC_VERBS,
+    SPOOL_DIR,
+    SQUID_PATHS,
+    SQUID_UID,
+    TAGS_ANNOTATION,
+    KubernetesProvider,
+    label_key,
+    label_value,
+    labels,
+)
+from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
+from providers.squid import ProxySettings, md5_crypt, render
+from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
+from tests.fixtures.tls_origin import TlsOrigin
+
+INSTALLATION = "test-installation"
+NAMESPACE = "proxies"
+PASSWORD = "kubernetes-test-password"
+SETTINGS = KubernetesConfig(
+    image="ubuntu/squid:6.6-24.04_beta",
+    cpu_request="25m",
+    cpu_limit="250m",
+    memory_request="32Mi",
+    memory_limit="128Mi",
+    request_timeout_seconds=2.0,
+)
+SQUID = shutil.which("squid") or "/usr/sbin/squid"
+QUOTA_MESSAGE = (
+    'pods "proxy-x" is forbidden: exceeded quota: compute, requested: pods=1, '
+    "used: pods=10, limited: pods=10"
+)
+RBAC_MESSAGE = (
+    'pods is forbidden: User "system:serviceaccount:proxy-operator:proxy-operator" '
+    'cannot create resource "pods" in API group "" in the namespace "proxies"'
+)
+# Label keys and values as the API server accepts them.
+LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeKubernetes]:
+    with FakeKubernetes() as server:
+        yield server
+
+
+def provider_for(
+    configuration: kubernetes.client.Configuration,
+    installation: str = INSTALLATION,
+    settings: KubernetesConfig = SETTINGS,
+) -> KubernetesProvider:
+    # As in production (from_config): Temporal retries, the client does not.
+    configuration.retries = 0
+    return KubernetesProvider(settings, kubernetes.client.ApiClient(configuration), installation)
+
+
+@pytest.fixture
+def provider(fake: FakeKubernetes) -> KubernetesProvider:
+    return provider_for(fake.configuration())
+
+
+def proxy_settings(**changes: Any) -> ProxySettings:
+    settings = ProxySettings(
+        port=3128,
+        username="proxy",
+        password=PASSWORD,
+        allowed_cidrs=("10.244.0.0/16",),
+        allowed_connect_ports=(443,),
+    )
+    return replace(settings, **changes)
+
+
+def request(
+    owner: str = "proxy-eu-1",
+    *,
+    user_labels: dict[str, str] | None = None,
+    placement: dict[str, str] | None = None,
+    installation: str = INSTALLATION,
+    **proxy_changes: Any,
+) -> CreateRequest:
+    return CreateRequest(
+        name=instance_name(owner, 1),
+        proxy=proxy_settings(**proxy_changes),
+        tags=owner_tags(installation, owner, 1, user_labels),
+        placement=placement or {},
+    )
+
+
+def stored_pod(fake: FakeKubernetes, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+    pod = fake.get(PODS, namespace, name)
+    assert pod is not None, f"no pod {namespace}/{name}"
+    return pod
+
+
+def stored_secret(
+    fake: FakeKubernetes, pod_name: str, namespace: str = NAMESPACE
+) -> dict[str, Any]:
+    secret = fake.get(SECRETS, namespace, f"{pod_name}-squid")
+    assert secret is not None, f"no secret for pod {namespace}/{pod_name}"
+    return secret
+
+
+def secret_files(secret: dict[str, Any]) -> dict[str, str]:
+    return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+
+
+def raises_from(error: type[ProviderError], fn: Callable[[], object]) -> ProviderError:
+    with pytest.raises(error) as info:
+        fn()
+    return info.value
+
+
+# --- create: the objects ---------------------------------------------------
+
+
+def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request(user_labels={"team": "crawl"})
+
+    instance = provider.create(req)
+
+    assert instance.provider_id == f"{NAMESPACE}/{req.name}"
+    assert (instance.name, instance.state, instance.ip, instance.port) == (
+        req.name,
+        InstanceState.PROVISIONING,
+        "",
+        3128,
+    )
+    pod = stored_pod(fake, req.name)
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == SETTINGS.image
+    # Squid itself is the entrypoint, in the foreground: no shell to swallow SIGTERM.
+    assert container["command"] == ["/usr/sbin/squid"]
+    assert container["args"] == ["-N", "-f", f"{CONFIG_DIR}/squid.conf"]
+    assert container["ports"] == [{"name": "proxy", "containerPort": 3128, "protocol": "TCP"}]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "proxy"}
+    assert container["resources"] == {
+        "requests": {"cpu": "25m", "memory": "32Mi"},
+        "limits": {"cpu": "250m", "memory": "128Mi"},
+    }
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": SQUID_UID,
+        "runAsGroup": SQUID_UID,
+        "fsGroup": SQUID_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["restartPolicy"] == "Never"
+    assert "hostNetwork" not in spec
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts["config"] == {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+    assert volumes["config"]["secret"] == {"secretName": f"{req.name}-squid", "defaultMode": 0o440}
+    # The only writable path on a read-only root: Squid's working directory.
+    assert mounts["spool"]["mountPath"] == SPOOL_DIR
+    assert "emptyDir" in volumes["spool"]
+
+
+def test_create_labels_every_tag_and_keeps_the_exact_tags_in_an_annotation(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request("tenant:eu/Proxy #1", user_labels={"team": "crawl", "Cost Centre": "R&D 42"})
+
+    instance = provider.create(req)
+
+    assert instance.tags == req.tags
+    meta = stored_pod(fake, req.name)["metadata"]
+    assert json.loads(meta["annotations"][TAGS_ANNOTATION]) == req.tags
+    assert meta["labels"] == labels(req.tags)
+    assert meta["labels"]["managed-by"] == "proxy-operator"
+    assert meta["labels"][INSTALLATION_KEY] == INSTALLATION
+    assert meta["labels"]["proxy-operator/generation"] == "1"
+    assert meta["labels"][OWNER_KEY] == short_hash("tenant:eu/Proxy #1")
+    assert meta["labels"]["label/team"] == "crawl"
+    for key, value in meta["labels"].items():
+        assert LABEL_KEY.fullmatch(key), key
+        assert LABEL_VALUE.fullmatch(value), value
+
+
+def test_create_mounts_the_rendered_config_from_a_secret_owned_by_the_pod(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request()
+
+    provider.create(req)
+
+    pod = stored_pod(fake, req.name)
+    secret = stored_secret(fake, req.name)
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": req.name, "uid": pod["metadata"]["uid"]}
+    ]
+    assert secret["metadata"]["labels"] == pod["metadata"]["labels"]
+    files = secret_files(secret)
+    assert files["squid.conf"] == render(req.proxy, SQUID_PATHS).squid_conf
+    # Squid finds the htpasswd in the mounted directory, and it holds the password's hash.
+    assert f"basic_ncsa_auth {CONFIG_DIR}/passwords" in files["squid.conf"]
+    user, hashed = files["passwords"].strip().split(":", 1)
+    salt = hashed.split("$")[2]
+    assert (user, hashed) == ("proxy", md5_crypt(PASSWORD, salt))
+    assert PASSWORD not in json.dumps(pod) + files["squid.conf"]
+
+
+def test_create_uses_the_placement_namespace(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request(placement={"namespace": "team-a"})
+
+    instance = provider.create(req)
+
+    assert instance.provider_id == f"team-a/{req.name}"
+    assert fake.get(PODS, NAMESPACE, req.name) is None
+    assert stored_secret(fake, req.name, "team-a")["metadata"]["namespace"] == "team-a"
+
+
+@pytest.mark.parametrize(
+    ("req", "complaint"),
+    [
+        (request(placement={"namespace": "Not_A_Namespace"}), "namespace"),
+        (request(installation="someone-else"), INSTALLATION_KEY),
+        (request(allowed_cidrs=()), "allowed_cidrs"),
+    ],
+    ids=["bad-namespace", "other-installation", "open-proxy"],
+)
+def test_create_refuses_requests_it_must_not_carry_out(
+    fake: FakeKubernetes, provider: KubernetesProvider, req: CreateRequest, complaint: str
+) -> None:
+    error = raises_from(Permanent, lambda: provider.create(req))
+
+    assert complaint in str(error)
+    assert fake.verbs_used() == set()
+
+
+# --- create: adopting ------------------------------------------------------
+
+
+def test_create_again_adopts_the_pod_and_its_secret(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request()
+    first = provider.create(req)
+    uid = stored_pod(fake, req.name)["metadata"]["uid"]
+
+    again = provider.create(req)
+
+    assert again == first
+    assert stored_pod(fake, req.name)["metadata"]["uid"] == uid
+
+
+def test_create_after_the_secret_failed_adopts_the_pod_and_creates_the_secret(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request()
+    fake.fail("POST", f"/namespaces/{NAMESPACE}/secrets$", 503, "etcd leader changed")
+    raises_from(Transient, lambda: provider.create(req))
+    assert fake.get(SECRETS, NAMESPACE, f"{req.name}-squid") is None
+
+    instance = provider.create(req)
+
+    assert instance.name == req.name
+    pod_uid = stored_pod(fake, req.name)["metadata"]["uid"]
+    assert stored_secret(fake, req.name)["metadata"]["ownerReferences"][0]["uid"] == pod_uid
+
+
+# --- get: phases -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("phase", "pod_ip", "state", "ip"),
+    [
+        ("Pending", "", InstanceState.PROVISIONING, ""),
+        ("Running", "", InstanceState.PROVISIONING, ""),
+        ("Running", "10.244.1.7", InstanceState.RUNNING, "10.244.1.7"),
+        ("Succeeded", "10.244.1.7", InstanceState.TERMINATED, ""),
+        ("Failed", "10.244.1.7", InstanceState.TERMINATED, ""),
+        ("Unknown", "10.244.1.7", InstanceState.TERMINATED, ""),
+    ],
+)
+def test_get_maps_the_pod_phase(
+    fake: FakeKubernetes,
+    provider: KubernetesProvider,
+    phase: str,
+    pod_ip: str,
+    state: InstanceState,
+    ip: str,
+) -> None:
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, phase, pod_ip)
+
+    instance = provider.get(created.provider_id)
+
+    assert (instance.state, instance.ip, instance.endpoint) == (
+        state,
+        ip,
+        f"{ip}:3128" if ip else "",
+    )
+    assert instance.tags == created.tags
+    assert instance.created_at == created.created_at
+
+
+def test_get_of_a_missing_pod_is_not_found(provider: KubernetesProvider) -> None:
+    raises_from(NotFound, lambda: provider.get(f"{NAMESPACE}/proxy-gone"))
+
+
+@pytest.mark.parametrize(
+    "provider_id", ["", "proxies", "proxies/", "/proxy-x", "Proxies/proxy-x", "a/b/c", "ns/UPPER"]
+)
+def test_malformed_provider_ids_are_permanent(
+    fake: FakeKubernetes, provider: KubernetesProvider, provider_id: str
+) -> None:
+    raises_from(Permanent, lambda: provider.get(provider_id))
+    raises_from(Permanent, lambda: provider.delete(provider_id))
+    assert fake.verbs_used() == set()
+
+
+# --- delete ----------------------------------------------------------------
+
+
+def test_delete_is_graceful_then_not_found_and_takes_the_secret_along(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7")
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+    provider.delete(created.provider_id)
+
+    # Still there while Squid drains, but no longer an endpoint to hand out.
+    terminating = provider.get(created.provider_id)
+    assert (terminating.state, terminating.ip) == (InstanceState.TERMINATED, "")
+    provider.delete(created.provider_id)  # again, while terminating: still fine
+
+    fake.finish_deletion(NAMESPACE, created.name)
+
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
+    assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
+    provider.delete(created.provider_id)  # gone: deleting is still success
+
+
+def test_delete_of_a_pod_that_never_existed_is_success(provider: KubernetesProvider) -> None:
+    provider.delete(f"{NAMESPACE}/proxy-never-was")
+
+
+# --- list_by_tag -----------------------------------------------------------
+
+
+def foreign_pod(namespace: str, name: str, **meta: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, **meta},
+        "spec": {"containers": [{"name": "app", "image": "nginx:1.27"}]},
+    }
+
+
+def provider_ids(instances: list[Instance]) -> set[str]:
+    return {instance.provider_id for instance in instances}
+
+
+def test_list_by_tag_finds_tagged_pods_in_every_namespace_and_nothing_else(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    ours = provider.create(request("proxy-a", user_labels={"team": "crawl"}))
+    other_ns = provider.create(request("proxy-b", placement={"namespace": "team-b"}))
+    theirs = provider_for(fake.configuration(), installation="other").create(
+        request("proxy-c", installation="other", user_labels={"team": "crawl"})
+    )
+    fake.add(PODS, foreign_pod("default", "web"))
+    # Labelled like ours, hash collision included, but not carrying the tag.
+    fake.add(
+        PODS,
+        foreign_pod(
+            "default",
+            "impostor",
+            labels={"managed-by": "proxy-operator", OWNER_KEY: short_hash("proxy-a")},
+            annotations={TAGS_ANNOTATION: json.dumps({OWNER_KEY: "not-proxy-a"})},
+        ),
+    )
+
+    assert provider_ids(provider.list_by_tag(INSTALLATION_KEY, INSTALLATION)) == {
+        ours.provider_id,
+        other_ns.provider_id,
+    }
+    assert provider_ids(provider.list_by_tag(OWNER_KEY, "proxy-a")) == {ours.provider_id}
+    assert provider_ids(provider.list_by_tag("label/team", "crawl")) == {
+        ours.provider_id,
+        theirs.provider_id,
+    }
+    assert provider.list_by_tag(OWNER_KEY, "nobody") == []
+
+
+def test_list_by_tag_returns_instances_with_their_state(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    created = provider.create(request("proxy-a"))
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.3.9")
+
+    (listed,) = provider.list_by_tag(OWNER_KEY, "proxy-a")
+
+    assert listed == provider.get(created.provider_id)
+    assert listed.endpoint == "10.244.3.9:3128"
+
+
+def test_list_by_tag_reads_every_page(
+    fake: FakeKubernetes, provider: KubernetesProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kubernetes_provider, "LIST_PAGE_SIZE", 2)
+    created = {provider.create(request(f"proxy-{i}")).provider_id for i in range(5)}
+
+    assert provider_ids(provider.list_by_tag(INSTALLATION_KEY, INSTALLATION)) == created
+
+
+def test_tags_that_labels_cannot_hold_still_round_trip_through_list_by_tag(
+    provider: KubernetesProvider,
+) -> None:
+    req = request("tenant:eu/Proxy #1", user_labels={"Cost Centre": "R&D 42"})
+    created = provider.create(req)
+
+    assert provider.list_by_tag(OWNER_KEY, "tenant:eu/Proxy #1") == [created]
+    assert provider.list_by_tag("label/Cost Centre", "R&D 42") == [created]
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("managed-by", "managed-by"),
+        ("proxy-operator/installation", "proxy-operator/installation"),
+        ("label/team", "label/team"),
+        ("label/Team.Name_1", "label/Team.Name_1"),
+    ],
+)
+def test_valid_tag_keys_are_their_own_label_keys(key: str, expected: str) -> None:
+    assert label_key(key) == expected
+
+
+def test_invalid_tag_keys_become_distinct_valid_label_keys() -> None:
+    keys = ["label/Cost Centre", "label/Cost-Centre!", "label/a/b", "label/" + "x" * 80, "/"]
+
+    converted = [label_key(key) for key in keys]
+
+    assert all(LABEL_KEY.fullmatch(key) for key in converted), converted
+    assert len(set(converted)) == len(keys)
+    assert converted[0].startswith("proxy-operator/label-Cost-Centre-")
+
+
+def test_label_values_are_kept_when_valid_else_hashed_and_owners_always_hashed() -> None:
+    assert label_value("label/team", "crawl") == "crawl"
+    assert label_value("label/team", "") == ""
+    assert label_value("label/team", "R&D 42") == short_hash("R&D 42")
+    assert label_value(OWNER_KEY, "proxy-eu-1") == short_hash("proxy-eu-1")
+
+
+# --- errors at the edge ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "headers", "error", "retry_after"),
+    [
+        (403, QUOTA_MESSAGE, {}, QuotaExceeded, None),
+        (403, RBAC_MESSAGE, {}, Permanent, None),
+        (400, "the body of the request was in an unknown format", {}, Permanent, None),
+        (401, "Unauthorized", {}, Permanent, None),
+        (
+            422,
+            'Pod "proxy-x" is invalid: spec.containers[0].image: Required value',
+            {},
+            Permanent,
+            None,
+        ),
+        (429, "too many requests, please try again later", {"Retry-After": "7"}, Transient, 7.0),
+        (500, "Internal error occurred: etcdserver: request timed out", {}, Transient, None),
+        (
+            503,
+            "the server is currently unable to handle the request",
+            {"Retry-After": "3"},
+            Transient,
+            3.0,
+        ),
+    ],
+)
+def test_api_errors_on_create_map_to_the_taxonomy(
+    fake: FakeKubernetes,
+    provider: KubernetesProvider,
+    status: int,
+    message: str,
+    headers: dict[str, str],
+    error: type[ProviderError],
+    retry_after: float | None,
+) -> None:
+    req = request()
+    fake.fail("POST", f"/namespaces/{NAMESPACE}/pods$", status, message, headers=headers)
+
+    raised = raises_from(error, lambda: provider.create(req))
+
+    assert type(raised) is error
+    assert message in raised.message
+    assert raised.retry_after_seconds == retry_after
+    assert isinstance(raised.cause, ApiException)
+    assert raised.cause.status == status
+    assert fake.get(PODS, NAMESPACE, req.name) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "error", "call"),
+    [
+        ("GET", "/pods/proxy-x$", 404, NotFound, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
+        ("GET", "/pods/proxy-x$", 500, Transient, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
+        ("DELETE", "/pods/proxy-x$", 403, Permanent, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
+        ("DELETE", "/pods/proxy-x$", 409, Transient, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
+        ("GET", "^/api/v1/pods$", 429, Transient, lambda p: p.list_by_tag(OWNER_KEY, "x")),
+        ("GET", "^/api/v1/pods$", 403, Permanent, lambda p: p.list_by_tag(OWNER_KEY, "x")),
+    ],
+    ids=["get-404", "get-500", "delete-403", "delete-409", "list-429", "list-403"],
+)
+def test_every_operation_translates_api_errors(
+    fake: FakeKubernetes,
+    provider: KubernetesProvider,
+    method: str,
+    path: str,
+    status: int,
+    error: type[ProviderError],
+    call: Callable[[KubernetesProvider], object],
+) -> None:
+    fake.fail(method, path, status, "injected")
+
+    raised = raises_from(error, lambda: call(provider))
+
+    assert type(raised) is error
+
+
+def test_a_manifest_the_client_rejects_is_permanent(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """A value of the wrong type fails the client's own validation, on every retry."""
+    req = request(port="3128")
+
+    raised = raises_from(Permanent, lambda: provider.create(req))
+
+    assert "containerPort" in raised.message or "container_port" in raised.message
+    assert fake.verbs_used() == set()
+
+
+def test_a_conflict_is_only_adopted_by_create(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """409 on create means "already there"; elsewhere it is a race worth retrying."""
+    created = provider.create(request())
+    fake.fail("GET", f"/pods/{created.name}$", 409, "the object has been modified")
+
+    raises_from(Transient, lambda: provider.get(created.provider_id))
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+OPERATIONS: list[Callable[[KubernetesProvider], object]] = [
+    lambda p: p.create(request()),
+    lambda p: p.get(f"{NAMESPACE}/proxy-x"),
+    lambda p: p.delete(f"{NAMESPACE}/proxy-x"),
+    lambda p: p.list_by_tag(OWNER_KEY, "x"),
+]
+
+
+@pytest.mark.parametrize("call", OPERATIONS, ids=["create", "get", "delete", "list"])
+def test_a_refused_connection_is_transient(call: Callable[[KubernetesProvider], object]) -> None:
+    configuration = kubernetes.client.Configuration(host=f"http://127.0.0.1:{unused_port()}")
+
+    raised = raises_from(Transient, lambda: call(provider_for(configuration)))
+
+    assert "127.0.0.1" in raised.message
+
+
+def test_a_request_that_outlives_the_timeout_is_transient(fake: FakeKubernetes) -> None:
+    provider = provider_for(
+        fake.configuration(), settings=SETTINGS.model_copy(update={"request_timeout_seconds": 0.3})
+    )
+    fake.fail("GET", "/pods/proxy-x$", 504, "too late", delay=1.5)
+
+    raised = raises_from(Transient, lambda: provider.get(f"{NAMESPACE}/proxy-x"))
+
+    assert "timeout" in raised.message.lower()
+
+
+# --- RBAC ------------------------------------------------------------------
+
+
+def test_rbac_verbs_are_exactly_the_calls_the_provider_makes(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """deploy/kubernetes grants RBAC_VERBS; this keeps the constant honest."""
+    req = request()
+    created = provider.create(req)
+    provider.create(req)  # adopt: reads the existing Pod, keeps the existing Secret
+    provider.get(created.provider_id)
+    provider.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    provider.delete(created.provider_id)
+
+    assert fake.verbs_used() == {
+        (resource, verb) for resource, verbs in RBAC_VERBS.items() for verb in verbs
+    }
+
+
+# --- from_config: in-cluster first, then the kubeconfig ---------------------
+
+
+def config_with_kubernetes_provider() -> tuple[Config, Any]:
+    config = parse_config(
+        {
+            "installation": INSTALLATION,
+            "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": ["10.0.0.0/8"]},
+            "providers": [{"name": "cluster", "type": "kubernetes", "kubernetes": {}}],
+        },
+        environ={"PW": PASSWORD},
+    )
+    return config, config.provider("cluster")
+
+
+def test_from_config_prefers_the_in_cluster_service_account(
+    fake: FakeKubernetes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def in_cluster(client_configuration: kubernetes.client.Configuration) -> None:
+        client_configuration.host = fake.url
+
+    def kubeconfig(**_: Any) -> None:
+        raise AssertionError("the kubeconfig must not be read inside a cluster")
+
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", in_cluster)
+    monkeypatch.setattr(kubernetes.config, "load_kube_config", kubeconfig)
+    config, entry = config_with_kubernetes_provider()
+
+    provider = KubernetesProvider.from_config(entry, config)
+
+    assert provider.list_by_tag(INSTALLATION_KEY, INSTALLATION) == []
+    assert ("pods", "list") in fake.verbs_used()
+
+
+def test_from_config_falls_back_to_the_kubeconfig_outside_a_cluster(
+    fake: FakeKubernetes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def in_cluster(**_: Any) -> None:
+        raise kubernetes.config.ConfigException("Service host/port is not set.")
+
+    def kubeconfig(client_configuration: kubernetes.client.Configuration) -> None:
+        client_configuration.host = fake.url
+
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", in_cluster)
+    monkeypatch.setattr(kubernetes.config, "load_kube_config", kubeconfig)
+    config, entry = config_with_kubernetes_provider()
+
+    provider = KubernetesProvider.from_config(entry, config)
+
+    assert provider.create(request()).state is InstanceState.PROVISIONING
+
+
+def test_from_config_without_a_cluster_or_kubeconfig_is_permanent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(**_: Any) -> None:
+        raise kubernetes.config.ConfigException("Invalid kube-config file. No configuration found.")
+
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", missing)
+    monkeypatch.setattr(kubernetes.config, "load_kube_config", missing)
+    config, entry = config_with_kubernetes_provider()
+
+    error = raises_from(Permanent, lambda: KubernetesProvider.from_config(entry, config))
+
+    assert "kubeconfig" in str(error)
+
+
+# --- the container's squid.conf, run by a real Squid ------------------------
+
+requires_squid = pytest.mark.skipif(not Path(SQUID).exists(), reason="squid is not installed")
+
+
+def container_files(fake: FakeKubernetes, req: CreateRequest, root: Path) -> Path:
+    """The Secret's files, with the container's paths moved under `root`; returns squid.conf."""
+    files = secret_files(stored_secret(fake, req.name))
+    for directory in ("config", "spool"):
+        (root / directory).mkdir()
+    (root / "config" / "passwords").write_text(files["passwords"])
+    conf = root / "config" / "squid.conf"
+    localised = files["squid.conf"].replace(CONFIG_DIR, str(root / "config"))
+    conf.write_text(localised.replace(SPOOL_DIR, str(root / "spool")))
+    return conf
+
+
+@pytest.fixture
+def container_root() -> Iterator[Path]:
+    """A directory an unprivileged Squid can traverse (mkdtemp makes it 0700)."""
+    root = Path(tempfile.mkdtemp(prefix="k8s-squid-"))
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@requires_squid
+def test_the_secrets_squid_conf_passes_squid_parse(
+    fake: FakeKubernetes, provider: KubernetesProvider, container_root: Path
+) -> None:
+    req = request()
+    provider.create(req)
+    conf = container_files(fake, req, container_root)
+
+    parsed = subprocess.run(
+        [SQUID, "-k", "parse", "-f", str(conf)], capture_output=True, text=True, timeout=60
+    )
+
+    assert parsed.returncode == 0, parsed.stderr
+    assert "FATAL" not in parsed.stderr and "ERROR" not in parsed.stderr, parsed.stderr
+
+
+@dataclass
+class SquidRun:
+    returncode: int | None = None
+    output: list[bytes] = field(default_factory=list)
+
+    @property
+    def log(self) -> str:
+        return b"".join(self.output).decode(errors="replace")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def accepts_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def run_like_the_pod(args: list[str], root: Path, port: int) -> Iterator[SquidRun]:
+    """Squid as the Pod runs it: the container's args, as uid 13 (or this non-root
+    user), the config read-only and group-readable, the spool dir the only writable
+    one, stdout/stderr an inherited pipe owned by that user (runc does the same).
+    Leaving the block sends SIGTERM, as a Pod deletion does, and waits for the exit.
+
+    Only addition: a service name of its own (`-n`), because on this machine, unlike
+    in a Pod, /dev/shm is shared with every other Squid, named `squid` by default.
+    """
+    conf = root / "config" / "squid.conf"
+    as_root = os.geteuid() == 0
+    uid = SQUID_UID if as_root else os.geteuid()
+    os.chown(root / "spool", uid, uid)
+    for path in (conf, root / "config" / "passwords"):
+        os.chown(path, os.geteuid(), uid)
+        path.chmod(0o440)
+    run = SquidRun()
+    read_end, write_end = os.pipe()
+    os.fchown(write_end, uid, uid)
+    reader = threading.Thread(
+        target=lambda: run.output.extend(iter(lambda: os.read(read_end, 65536), b""))
+    )
+    reader.start()
+    squid = subprocess.Popen(
+        [SQUID, *args, "-n", f"k8stest{uuid.uuid4().hex[:12]}"],
+        stdout=write_end,
+        stderr=write_end,
+        cwd=root,
+        user=uid if as_root else None,
+        group=uid if as_root else None,
+        extra_groups=[] if as_root else None,
+    )
+    os.close(write_end)
+    try:
+        wait_until(lambda: accepts_connections(port), 30, "Squid to listen")
+        yield run
+    finally:
+        squid.send_signal(signal.SIGTERM)
+        run.returncode = squid.wait(timeout=30)
+        reader.join(timeout=10)
+        os.close(read_end)
+
+
+@requires_squid
+@pytest.mark.slow
+async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
+    fake: FakeKubernetes, provider: KubernetesProvider, container_root: Path, tls_origin: TlsOrigin
+) -> None:
+    """What the Pod does, minus Kubernetes: tunnel, refuse a wrong password, log, stop."""
+    port = unused_port()
+    req = request(
+        port=port, allowed_cidrs=("127.0.0.1/32",), allowed_connect_ports=(tls_origin.port,)
+    )
+    provider.create(req)
+    conf = container_files(fake, req, container_root)
+    (container,) = stored_pod(fake, req.name)["spec"]["containers"]
+    args = [arg.replace(CONFIG_DIR, str(conf.parent)) for arg in container["args"]]
+
+    with run_like_the_pod(args, container_root, port) as run:
+        tunnelled = await probe_connect(
+            "127.0.0.1",
+            port,
+            "proxy",
+            PASSWORD,
+            tls_origin.url,
+            ssl_context=tls_origin.client_ssl_context,
+        )
+        refused = await probe_connect(
+            "127.0.0.1",
+            port,
+            "proxy",
+            "wrong-password",
+            tls_origin.url,
+            ssl_context=tls_origin.client_ssl_context,
+        )
+
+    assert tunnelled.ok, tunnelled
+    assert refused.failure == PROXY_AUTH_REQUIRED
+    assert run.returncode == 0, run.log
+    assert f"CONNECT 127.0.0.1:{tls_origin.port}" in run.log
+    assert "TCP_DENIED/407" in run.log

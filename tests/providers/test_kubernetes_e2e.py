@@ -1,0 +1,198 @@
+"""Opt-in: the Kubernetes provider against a real cluster, tunnelling through the Pod.
+
+Everything the fake cannot show: the image pulls, admission accepts the Pod
+under the "restricted" Pod Security Standard, Squid starts as uid 13 on a
+read-only root filesystem with the Secret mounted and logs to stdout, the
+kubelet reports the Pod Running with an IP, a CONNECT through the Pod reaches
+an HTTPS origin, and deletion takes the Secret along. Skipped unless
+PROXY_OPERATOR_E2E_KUBECONFIG names a kubeconfig; only that file is read:
+
+    kind create cluster --name proxy-operator-e2e
+    kind get kubeconfig --name proxy-operator-e2e > /tmp/e2e.kubeconfig
+    PROXY_OPERATOR_E2E_KUBECONFIG=/tmp/e2e.kubeconfig \\
+        pytest -m kubernetes_e2e tests/providers/test_kubernetes_e2e.py
+
+The test works in a namespace of its own, which it deletes at the end. The
+kubeconfig's user needs to create and delete namespaces, Pods and Secrets,
+and to use pods/portforward and pods/log. The tunnel goes through a
+port-forward, so Squid sees the client as 127.0.0.1 inside the Pod; the
+origin (PROXY_OPERATOR_E2E_TARGET, default example.com:443) must be
+reachable from the cluster's nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import kubernetes
+import pytest
+from kubernetes.client.exceptions import ApiException
+from kubernetes.stream import portforward
+
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.config import KubernetesConfig
+from providers.errors import NotFound
+from providers.kubernetes import KubernetesProvider
+from providers.naming import OWNER_KEY, instance_name, owner_tags
+from providers.squid import ProxySettings
+
+KUBECONFIG = os.environ.get("PROXY_OPERATOR_E2E_KUBECONFIG", "")
+TARGET = os.environ.get("PROXY_OPERATOR_E2E_TARGET", "example.com:443")
+INSTALLATION = "e2e"
+PASSWORD = "e2e-" + uuid.uuid4().hex
+PORT = 3128
+
+pytestmark = [
+    pytest.mark.kubernetes_e2e,
+    pytest.mark.skipif(not KUBECONFIG, reason="set PROXY_OPERATOR_E2E_KUBECONFIG to run"),
+    # The first run pulls the Squid image.
+    pytest.mark.timeout(600),
+]
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def api_client() -> kubernetes.client.ApiClient:
+    # Exactly this file, into a Configuration of its own. The suite's guard
+    # replaces the package-level loaders, which this does not go through.
+    client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=KUBECONFIG
+    )
+    return client
+
+
+@pytest.fixture(scope="module")
+def namespace(api_client: kubernetes.client.ApiClient) -> Iterator[str]:
+    core = kubernetes.client.CoreV1Api(api_client)
+    name = f"proxy-operator-e2e-{uuid.uuid4().hex[:8]}"
+    # Admission rejects a proxy Pod that does not meet the "restricted" standard.
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    core.create_namespace(
+        kubernetes.client.V1Namespace(
+            metadata=kubernetes.client.V1ObjectMeta(name=name, labels=labels)
+        )
+    )
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+
+
+def connect_through(
+    api_client: kubernetes.client.ApiClient, instance: Instance, username: str, password: str
+) -> tuple[str, str]:
+    """CONNECT to TARGET through a port-forward to the Pod.
+
+    Returns the proxy's status line and, after a 200, the origin's status line
+    read over TLS through the tunnel (else "").
+    """
+    namespace, name = instance.provider_id.split("/")
+    core = kubernetes.client.CoreV1Api(api_client)
+    forward = portforward(
+        core.connect_get_namespaced_pod_portforward, name, namespace, ports=str(instance.port)
+    )
+    sock = forward.socket(instance.port)
+    sock.settimeout(30)
+    try:
+        credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+        sock.sendall(
+            f"CONNECT {TARGET} HTTP/1.1\r\nHost: {TARGET}\r\n"
+            f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+        )
+        proxy_reply = status_line(sock)
+        if not proxy_reply.startswith("HTTP/1.1 200"):
+            return proxy_reply, ""
+        host = TARGET.rsplit(":", 1)[0]
+        with ssl.create_default_context().wrap_socket(sock, server_hostname=host) as tls:
+            tls.sendall(f"HEAD / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            return proxy_reply, status_line(tls)
+    finally:
+        sock.close()
+        forward.close()
+
+
+def status_line(sock: socket.socket) -> str:
+    """The first line of an HTTP response head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").split("\r\n", 1)[0]
+
+
+def test_a_proxy_pod_runs_tunnels_and_goes_away(
+    api_client: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    provider = KubernetesProvider(KubernetesConfig(namespace=namespace), api_client, INSTALLATION)
+    owner = f"e2e-{uuid.uuid4().hex[:8]}"
+    req = CreateRequest(
+        name=instance_name(owner, 1),
+        proxy=ProxySettings(
+            port=PORT,
+            username="proxy",
+            password=PASSWORD,
+            allowed_cidrs=("127.0.0.1/32",),
+            allowed_connect_ports=(int(TARGET.rsplit(":", 1)[1]),),
+        ),
+        tags=owner_tags(INSTALLATION, owner, 1),
+    )
+    created = provider.create(req)
+
+    def running() -> bool:
+        state = provider.get(created.provider_id).state
+        assert state is not InstanceState.TERMINATED, f"{created.provider_id} died"
+        return state is InstanceState.RUNNING
+
+    eventually(running, 300, f"{created.provider_id} to run")
+    instance = provider.get(created.provider_id)
+    assert instance.ip and instance.port == PORT
+    assert provider.list_by_tag(OWNER_KEY, owner) == [instance]
+
+    refused, _ = connect_through(api_client, instance, "proxy", "wrong-password")
+    assert refused.startswith("HTTP/1.1 407"), refused
+    tunnelled, origin = connect_through(api_client, instance, "proxy", PASSWORD)
+    assert tunnelled.startswith("HTTP/1.1 200"), tunnelled
+    assert origin.startswith("HTTP/1.1 "), origin
+    core = kubernetes.client.CoreV1Api(api_client)
+    pod_name = instance.provider_id.split("/")[1]
+    # Squid, as uid 13 on a read-only root, logs to the container's stdout.
+    eventually(
+        lambda: "TCP_DENIED/407" in core.read_namespaced_pod_log(pod_name, namespace),
+        30,
+        "the access log in the Pod's log",
+    )
+
+    provider.delete(instance.provider_id)
+
+    def gone() -> bool:
+        try:
+            provider.get(instance.provider_id)
+        except NotFound:
+            return True
+        return False
+
+    eventually(gone, 120, f"{instance.provider_id} to be deleted")
+
+    def secret_collected() -> bool:
+        try:
+            core.read_namespaced_secret(f"{req.name}-squid", namespace)
+        except ApiException as exc:
+            return bool(exc.status == 404)
+        return False
+
+    eventually(secret_collected, 120, "the garbage collector to delete the Secret")

@@ -1,0 +1,455 @@
+"""The local provider against real Squid processes and a real TLS origin.
+
+Every Squid a test starts lives under a state_dir fixture whose finalizer
+deletes all instances in it, so a failing test leaks no process.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from activities.probe import FORBIDDEN, PROXY_AUTH_REQUIRED, probe_connect
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.config import LocalConfig, parse_config
+from providers.errors import NotFound, Permanent, QuotaExceeded
+from providers.local import (
+    CONF_FILE,
+    HTPASSWD_FILE,
+    METADATA_FILE,
+    SHM_DIR,
+    LocalProvider,
+    service_name,
+)
+from providers.squid import ProxySettings
+from tests.fixtures.tls_origin import TlsOrigin
+
+USERNAME = "probe"
+PASSWORD = "local-test-password"
+# Away from the default range (20000..20999) that other suites' workers use.
+FIRST_PORT = 24100
+LAST_PORT = 24199
+TAGS = {"managed-by": "proxy-operator", "suite": "test_local"}
+
+
+def proxy_settings(origin: TlsOrigin, **changes: object) -> ProxySettings:
+    settings = ProxySettings(
+        port=3128,  # ignored: the provider allocates the port
+        username=USERNAME,
+        password=PASSWORD,
+        allowed_cidrs=("127.0.0.1/32",),
+        allowed_connect_ports=(origin.port,),
+    )
+    return replace(settings, **changes)  # type: ignore[arg-type]
+
+
+def request(name: str, origin: TlsOrigin, **changes: object) -> CreateRequest:
+    return CreateRequest(name=name, proxy=proxy_settings(origin, **changes), tags=dict(TAGS))
+
+
+def provider_for(state_dir: Path, **changes: object) -> LocalProvider:
+    config = {"state_dir": str(state_dir), "first_port": FIRST_PORT, "last_port": LAST_PORT}
+    config.update(changes)
+    return LocalProvider(LocalConfig(**config))  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def fresh_state_dir() -> Iterator[Path]:
+    """A state_dir the `proxy` user can traverse, emptied of Squids afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="local-provider-"))
+    path.chmod(0o755)  # mkdtemp makes it 0700; Squid runs as `proxy`
+    try:
+        yield path
+    finally:
+        provider = provider_for(path)
+        names = [entry.name for entry in path.iterdir() if entry.is_dir()]
+        # Squid takes seconds to shut down: stop them all at once.
+        with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+            list(pool.map(lambda name: provider.delete(f"local/{name}"), names))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    with fresh_state_dir() as path:
+        yield path
+
+
+def wait_for_state(
+    provider: LocalProvider, provider_id: str, state: InstanceState, timeout: float = 15.0
+) -> Instance:
+    deadline = time.monotonic() + timeout
+    while True:
+        instance = provider.get(provider_id)
+        if instance.state is state:
+            return instance
+        assert time.monotonic() < deadline, f"{provider_id} still {instance.state} after {timeout}s"
+        time.sleep(0.02)
+
+
+def squid_pid(state_dir: Path, name: str) -> int:
+    pid: int = json.loads((state_dir / name / METADATA_FILE).read_text())["pid"]
+    return pid
+
+
+def live_processes_naming(path: Path) -> list[str]:
+    """`ps` lines of live (non-zombie) processes whose arguments mention `path`."""
+    out = subprocess.run(
+        ["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    return [line for line in out.splitlines() if f"{path}/" in line and not line.startswith("Z")]
+
+
+def shm_segments(name: str) -> list[Path]:
+    return list(SHM_DIR.glob(f"{service_name(name)}-*"))
+
+
+def process_exists(pid: int) -> bool:
+    """Running or a zombie: either way the pid is still taken."""
+    return Path(f"/proc/{pid}").exists()
+
+
+def assert_removed(directory: Path) -> None:
+    """Nothing of the instance is left: files, processes, shm segments."""
+    assert not directory.exists()
+    assert live_processes_naming(directory) == []
+    assert shm_segments(directory.name) == []
+
+
+async def test_create_probe_delete(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir)
+    created = provider.create(request("proxy-life", tls_origin))
+    assert created.provider_id == "local/proxy-life"
+    assert FIRST_PORT <= created.port <= LAST_PORT
+
+    running = wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
+    assert running.ip == "127.0.0.1"
+    assert running.port == created.port
+    assert running.tags == TAGS
+    assert running.created_at == created.created_at
+    assert shm_segments("proxy-life"), "Squid's shm segments are not where cleanup looks"
+
+    result = await probe_connect(
+        running.ip,
+        running.port,
+        USERNAME,
+        PASSWORD,
+        tls_origin.url,
+        ssl_context=tls_origin.client_ssl_context,
+    )
+    assert result.ok, result
+    assert result.status_code == 200
+
+    pid = squid_pid(state_dir, "proxy-life")
+    provider.delete(created.provider_id)
+
+    with pytest.raises(NotFound):
+        provider.get(created.provider_id)
+    assert_removed(state_dir / "proxy-life")
+    assert not process_exists(pid)  # exited, and reaped by the provider that started it
+    provider.delete(created.provider_id)  # already gone: success
+
+
+def test_files_are_shared_with_squid_but_keep_the_secret(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    provider = provider_for(state_dir)
+    provider.create(request("proxy-files", tls_origin))
+    directory = state_dir / "proxy-files"
+    htpasswd = (directory / HTPASSWD_FILE).stat()
+    assert not htpasswd.st_mode & stat.S_IROTH
+    assert PASSWORD not in (directory / CONF_FILE).read_text()
+    assert PASSWORD not in (directory / HTPASSWD_FILE).read_text()
+    if os.geteuid() == 0:
+        import grp
+
+        proxy_gid = grp.getgrnam("proxy").gr_gid
+        assert htpasswd.st_gid == proxy_gid
+        assert directory.stat().st_gid == proxy_gid
+
+
+def test_create_twice_adopts_one_process(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir)
+    first = provider.create(request("proxy-twice", tls_origin))
+    second = provider.create(request("proxy-twice", tls_origin))
+    assert (second.provider_id, second.port, second.created_at) == (
+        first.provider_id,
+        first.port,
+        first.created_at,
+    )
+    conf = state_dir / "proxy-twice" / CONF_FILE
+    squids = [line for line in live_processes_naming(state_dir) if f"-f {conf}" in line]
+    assert len(squids) == 1, squids
+
+
+def test_killed_squid_is_terminated_then_restarts_on_its_port(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    provider = provider_for(state_dir)
+    created = provider.create(request("proxy-crash", tls_origin))
+    wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
+    old_pid = squid_pid(state_dir, "proxy-crash")
+
+    os.kill(old_pid, signal.SIGKILL)
+    dead = wait_for_state(provider, created.provider_id, InstanceState.TERMINATED)
+    assert dead.ip == ""
+    # SIGKILL leaves Squid's shm segments behind; the restart must clear them.
+    assert shm_segments("proxy-crash")
+
+    restarted = provider.create(request("proxy-crash", tls_origin))
+    running = wait_for_state(provider, restarted.provider_id, InstanceState.RUNNING)
+    assert running.port == created.port
+    assert running.created_at == created.created_at
+    assert squid_pid(state_dir, "proxy-crash") != old_pid
+
+
+@pytest.mark.slow  # no pid to signal: waits out the grace period, then SIGKILL
+def test_delete_stops_a_squid_that_was_never_recorded(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    provider = provider_for(state_dir)
+    created = provider.create(request("proxy-unrecorded", tls_origin))
+    # As if the worker died between starting Squid and writing instance.json.
+    (state_dir / "proxy-unrecorded" / METADATA_FILE).unlink()
+    with pytest.raises(NotFound):
+        provider.get(created.provider_id)
+    provider.delete(created.provider_id)
+    assert_removed(state_dir / "proxy-unrecorded")
+
+
+def test_ports_are_distinct_skip_busy_ones_and_stay_reserved(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    provider = provider_for(state_dir)
+    with socket.create_server(("127.0.0.1", FIRST_PORT)):  # someone else's listener
+        a = provider.create(request("proxy-a", tls_origin))
+        assert a.port != FIRST_PORT
+
+        # While a is down its port stays reserved, so it can come back on it.
+        os.kill(squid_pid(state_dir, "proxy-a"), signal.SIGKILL)
+        wait_for_state(provider, a.provider_id, InstanceState.TERMINATED)
+        b = provider.create(request("proxy-b", tls_origin))
+        assert b.port not in (FIRST_PORT, a.port)
+
+    c = provider.create(request("proxy-c", tls_origin))
+    assert c.port == FIRST_PORT
+
+
+def test_concurrent_creates_get_distinct_ports(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir)
+    names = [f"proxy-concurrent-{i}" for i in range(3)]
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        instances = list(pool.map(lambda n: provider.create(request(n, tls_origin)), names))
+    assert len({i.port for i in instances}) == len(names)
+
+
+def test_no_free_port_is_quota_exceeded(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir, first_port=FIRST_PORT, last_port=FIRST_PORT)
+    with (
+        socket.create_server(("127.0.0.1", FIRST_PORT)),
+        pytest.raises(QuotaExceeded, match="no free port"),
+    ):
+        provider.create(request("proxy-full", tls_origin))
+
+
+def test_squid_survives_its_worker_and_a_new_provider_takes_over(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    worker_code = textwrap.dedent(
+        f"""
+        import sys
+        from providers.base import CreateRequest
+        from providers.config import LocalConfig
+        from providers.local import LocalProvider
+        from providers.squid import ProxySettings
+
+        provider = LocalProvider(LocalConfig(
+            state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT}))
+        settings = ProxySettings(3128, {USERNAME!r}, {PASSWORD!r}, ("127.0.0.1/32",),
+                                 ({tls_origin.port},))
+        instance = provider.create(CreateRequest("proxy-orphan", settings, {TAGS!r}))
+        print(instance.state.value, flush=True)
+        sys.stdin.read()  # stay alive until killed
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", worker_code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ) as worker:
+        try:
+            assert worker.stdout is not None
+            state = worker.stdout.readline().strip()
+        finally:
+            worker.kill()  # SIGKILL: the worker gets no chance to clean up
+    assert state in ("RUNNING", "PROVISIONING")
+
+    provider = provider_for(state_dir)
+    found = provider.list_by_tag("suite", "test_local")
+    assert [i.provider_id for i in found] == ["local/proxy-orphan"]
+    wait_for_state(provider, "local/proxy-orphan", InstanceState.RUNNING)
+    assert provider.list_by_tag("suite", "other") == []
+
+    provider.delete("local/proxy-orphan")
+    assert provider.list_by_tag("suite", "test_local") == []
+    assert_removed(state_dir / "proxy-orphan")
+
+
+def test_unknown_ids_and_bad_input(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir / "not-created-yet")
+    with pytest.raises(NotFound):
+        provider.get("local/proxy-missing")
+    provider.delete("local/proxy-missing")
+    assert provider.list_by_tag("suite", "test_local") == []
+    with pytest.raises(Permanent):
+        provider.get("zone-a/proxy-missing")
+    with pytest.raises(Permanent):
+        provider.create(request("../escape", tls_origin))
+    with pytest.raises(Permanent, match="bind_address"):
+        provider_for(state_dir, bind_address="localhost")
+    with pytest.raises(Permanent, match="cannot render"):
+        provider.create(request("proxy-nopassword", tls_origin, password=""))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Squid only drops to `proxy` when started as root")
+def test_state_dir_the_proxy_user_cannot_reach_is_permanent(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    private = state_dir / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    provider = provider_for(private / "proxies")
+    with pytest.raises(Permanent, match=f"cannot traverse {private}"):
+        provider.create(request("proxy-unreachable", tls_origin))
+
+
+def test_missing_binary_is_permanent(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir, squid_binary="/nonexistent/squid")
+    with pytest.raises(Permanent, match="/nonexistent/squid"):
+        provider.create(request("proxy-nobinary", tls_origin))
+
+
+def test_config_squid_rejects_is_permanent(state_dir: Path, tls_origin: TlsOrigin) -> None:
+    provider = provider_for(state_dir)
+    bad = request("proxy-badconf", tls_origin, allowed_cidrs=("300.1.1.1/32",))
+    with pytest.raises(Permanent, match="squid rejected"):
+        provider.create(bad)
+    assert live_processes_naming(state_dir / "proxy-badconf") == []
+
+
+def test_from_config_uses_the_entry_block(tmp_path: Path) -> None:
+    config = parse_config(
+        {
+            "installation": "test",
+            "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": ["127.0.0.0/8"]},
+            "providers": [{"name": "here", "type": "local", "local": {"state_dir": str(tmp_path)}}],
+        },
+        environ={"PW": "x"},
+    )
+    provider = LocalProvider.from_config(config.provider("here"), config)
+    assert provider.list_by_tag("suite", "test_local") == []
+
+
+# -- what the proxy refuses, on one shared Squid ------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tls_origin: TlsOrigin) -> Iterator[Instance]:
+    """One running proxy allowing 127.0.0.1/32 and the origin's port only."""
+    with fresh_state_dir() as path:
+        provider = provider_for(path)
+        created = provider.create(request("proxy-guarded", tls_origin))
+        yield wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
+
+
+def raw_status(host: str, port: int, head: str, source: str | None = None) -> int:
+    """Send a request head to the proxy and return the status code of its reply."""
+    bind_to = (source, 0) if source else None
+    with socket.create_connection((host, port), timeout=5, source_address=bind_to) as sock:
+        sock.sendall(head.encode())
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = sock.recv(4096)
+            assert chunk, f"proxy closed the connection after {reply!r}"
+            reply += chunk
+    return int(reply.split()[1])
+
+
+def connect_head(origin: TlsOrigin, password: str | None = PASSWORD) -> str:
+    """A CONNECT to the origin, with basic auth unless `password` is None."""
+    target = f"{origin.host}:{origin.port}"
+    head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+    if password is not None:
+        credentials = base64.b64encode(f"{USERNAME}:{password}".encode()).decode()
+        head += f"Proxy-Authorization: Basic {credentials}\r\n"
+    return head + "\r\n"
+
+
+def test_connect_without_credentials_is_407(guarded: Instance, tls_origin: TlsOrigin) -> None:
+    assert raw_status(guarded.ip, guarded.port, connect_head(tls_origin, password=None)) == 407
+
+
+async def test_wrong_credentials_are_407(guarded: Instance, tls_origin: TlsOrigin) -> None:
+    result = await probe_connect(
+        guarded.ip, guarded.port, USERNAME, "wrong-password", tls_origin.url
+    )
+    assert (result.failure, result.status_code) == (PROXY_AUTH_REQUIRED, 407)
+    assert "wrong-password" not in repr(result)
+
+
+async def test_connect_to_a_port_not_allowed_is_403(
+    guarded: Instance, tls_origin: TlsOrigin
+) -> None:
+    # Squid refuses before connecting anywhere, so nothing needs to listen there.
+    not_allowed = f"https://{tls_origin.host}:443/"
+    result = await probe_connect(guarded.ip, guarded.port, USERNAME, PASSWORD, not_allowed)
+    assert (result.failure, result.status_code) == (FORBIDDEN, 403)
+
+
+def test_plain_get_is_denied(guarded: Instance, tls_origin: TlsOrigin) -> None:
+    # A valid CONNECT head turned into a GET for the same origin.
+    head = (
+        connect_head(tls_origin)
+        .replace("CONNECT ", "GET http://", 1)
+        .replace(" HTTP/1.1", "/ HTTP/1.1", 1)
+    )
+    assert head.startswith(f"GET http://{tls_origin.host}:{tls_origin.port}/ HTTP/1.1\r\n")
+    assert raw_status(guarded.ip, guarded.port, head) == 403
+
+
+def test_client_outside_the_allowlist_is_denied(guarded: Instance, tls_origin: TlsOrigin) -> None:
+    head = connect_head(tls_origin)
+    assert raw_status(guarded.ip, guarded.port, head) == 200  # fine from inside
+    assert raw_status(guarded.ip, guarded.port, head, source="127.0.0.2") == 403
+
+
+def test_every_ipv4_client_does_not_mean_ipv6_clients(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    # Squid reads 0.0.0.0/0 as `all`; the renderer must keep IPv6 clients out.
+    provider = provider_for(state_dir, bind_address="::")
+    created = provider.create(request("proxy-dual", tls_origin, allowed_cidrs=("0.0.0.0/0",)))
+    running = wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
+    assert running.ip == "::1"  # a wildcard bind is published as loopback
+    head = connect_head(tls_origin)
+    assert raw_status("127.0.0.1", running.port, head) == 200
+    assert raw_status("::1", running.port, head) == 403
