@@ -1,6 +1,6 @@
 """Temporal look-ups the worker makes at start: registering our search attributes.
 
-Workflows upsert ProxyState, ProxyProvider and ProxyEndpoint; if the namespace
+Workflows upsert ProxyState, ProxyProvider, ProxyEndpoint and ProxyInstances; if the namespace
 does not know them, every workflow task would fail. So the worker checks at
 start, registers them where it may (dev server, self-hosted), and otherwise
 says exactly what an operator has to run.
@@ -16,6 +16,7 @@ from temporalio.api.operatorservice.v1 import (
     ListSearchAttributesRequest,
 )
 from temporalio.client import Client
+from temporalio.common import SearchAttributeIndexedValueType
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.lifecycle import SEARCH_ATTRIBUTES
@@ -23,12 +24,18 @@ from workflows.lifecycle import SEARCH_ATTRIBUTES
 log = logging.getLogger(__name__)
 
 
+_CLI_TYPES = {
+    SearchAttributeIndexedValueType.KEYWORD: "Keyword",
+    SearchAttributeIndexedValueType.KEYWORD_LIST: "KeywordList",
+}
+
+
 class SearchAttributesMissing(RuntimeError):
     pass
 
 
 async def ensure_search_attributes(client: Client) -> None:
-    """Register the Keyword search attributes our workflows upsert, if missing."""
+    """Register the search attributes our workflows upsert, if missing."""
     namespace = client.namespace
     try:
         listed = await client.operator_service.list_search_attributes(
@@ -47,9 +54,11 @@ async def ensure_search_attributes(client: Client) -> None:
         await client.operator_service.add_search_attributes(
             AddSearchAttributesRequest(
                 namespace=namespace,
-                search_attributes=dict.fromkeys(
-                    missing, IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
-                ),
+                search_attributes={
+                    key.name: IndexedValueType.ValueType(key.indexed_value_type)
+                    for key in SEARCH_ATTRIBUTES
+                    if key.name in missing
+                },
             )
         )
     except RPCError as err:
@@ -57,8 +66,9 @@ async def ensure_search_attributes(client: Client) -> None:
             return
         commands = "\n".join(
             f"  temporal operator search-attribute create --namespace {namespace} "
-            f"--name {name} --type Keyword"
-            for name in missing
+            f"--name {key.name} --type {_CLI_TYPES[key.indexed_value_type]}"
+            for key in SEARCH_ATTRIBUTES
+            if key.name in missing
         )
         raise SearchAttributesMissing(
             f"search attributes {', '.join(missing)} are not registered in namespace "

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
+from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         ValidateTargetInput,
     )
     from activities.provider import ProviderActivities
+    from providers.naming import instance_name
     from workflows import policies
     from workflows.inputs import ProxyInput, parse_input
 
@@ -48,7 +49,11 @@ WORKFLOW_TYPE = "ProxyLifecycle"
 STATE = SearchAttributeKey.for_keyword("ProxyState")
 PROVIDER = SearchAttributeKey.for_keyword("ProxyProvider")
 ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
-SEARCH_ATTRIBUTES = (STATE, PROVIDER, ENDPOINT)
+# Every instance this workflow owns or is creating, by name: orphan GC keeps
+# an instance only while its owner lists it here.
+INSTANCES = SearchAttributeKey.for_keyword_list("ProxyInstances")
+KEYWORDS = (STATE, PROVIDER, ENDPOINT)
+SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES)
 
 PROVISIONING = "Provisioning"
 READY = "Ready"
@@ -131,7 +136,8 @@ class ProxyLifecycle:
         self._next_generation = 0
         self._creating: asyncio.Task[InstanceRef] | None = None
         self._deletions: dict[str, asyncio.Task[None]] = {}
-        self._published: dict[str, str] = {}
+        self._pending_name: str | None = None
+        self._published: tuple[dict[str, str], list[str]] = ({}, [])
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -297,6 +303,10 @@ class ProxyLifecycle:
         deletes what it made.
         """
         workflow_id = workflow.info().workflow_id
+        # Published before the create starts, so orphan GC never mistakes an
+        # instance for an orphan in the moment between create and record.
+        self._pending_name = instance_name(workflow_id, generation)
+        self._publish()
         self._creating = asyncio.create_task(
             self._provider_call(
                 ProviderActivities.create_instance,
@@ -316,6 +326,7 @@ class ProxyLifecycle:
             ref: InstanceRef = await asyncio.shield(self._creating)
         except ActivityError as err:
             self._creating = None
+            self._pending_name = None
             if _error_type(err) == policies.PERMANENT:
                 raise ApplicationError(
                     f"provider {inp.provider!r} refused to create: {_message(err)}",
@@ -324,7 +335,9 @@ class ProxyLifecycle:
                 ) from err
             raise _InstanceFailed(f"create failed: {_message(err)}") from err
         self._creating = None
+        self._pending_name = None
         self._owned[ref.provider_id] = ref
+        self._publish()
         return ref
 
     async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
@@ -477,6 +490,7 @@ class ProxyLifecycle:
                 continue
             self._owned.pop(ref.provider_id, None)
             self._deletions.pop(ref.provider_id, None)
+            self._publish()
             return
 
     # ---- ending ---------------------------------------------------------------------
@@ -564,18 +578,22 @@ class ProxyLifecycle:
     def _publish(self) -> None:
         """Keep search attributes and the Web UI's current details in step with status."""
         status = self._status
-        wanted = {
+        keywords = {
             STATE.name: status.state,
             PROVIDER.name: status.provider,
             ENDPOINT.name: status.endpoint if status.state == READY else "",
         }
+        names = {ref.name for ref in self._owned.values()}
+        if self._pending_name:
+            names.add(self._pending_name)
+        wanted = (keywords, sorted(names))
         if wanted != self._published:
-            workflow.upsert_search_attributes(
-                [
-                    key.value_set(wanted[key.name]) if wanted[key.name] else key.value_unset()
-                    for key in SEARCH_ATTRIBUTES
-                ]
-            )
+            updates: list[SearchAttributeUpdate[Any]] = [
+                key.value_set(keywords[key.name]) if keywords[key.name] else key.value_unset()
+                for key in KEYWORDS
+            ]
+            updates.append(INSTANCES.value_set(wanted[1]) if wanted[1] else INSTANCES.value_unset())
+            workflow.upsert_search_attributes(updates)
             self._published = wanted
         lines = [f"**{status.state}** on `{status.provider or '?'}`"]
         if status.endpoint:
