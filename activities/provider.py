@@ -54,6 +54,7 @@ MAX_POLL_SECONDS = 2.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
+WORKER_SHUTDOWN = "WorkerShutdown"
 
 
 class ProviderActivities:
@@ -193,7 +194,15 @@ class ProviderActivities:
                     )
             if time.monotonic() - started >= inp.max_duration_seconds:
                 return MonitorOutcome("elapsed", summary, failures, probes)
-            await asyncio.sleep(max(0.0, inp.interval_seconds - (time.monotonic() - tick)))
+            pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
+            if await _worker_shutting_down_within(pause):
+                # Fail over now instead of at the end of the drain: the server
+                # retries the monitor on another worker right away.
+                raise ApplicationError(
+                    "worker shutting down; monitoring moves to another worker",
+                    {"last_probe": summary, "consecutive_failures": failures},
+                    type=WORKER_SHUTDOWN,
+                )
 
     @activity.defn(name="delete_instance")
     async def delete_instance(self, inp: InstanceInput) -> None:
@@ -272,6 +281,15 @@ class ProviderActivities:
             return await loop.run_in_executor(self._pool, fn, *args)
         except Exception as err:
             raise to_application_error(classify(err)) from err
+
+
+async def _worker_shutting_down_within(seconds: float) -> bool:
+    """Sleep `seconds`, or less if the worker starts shutting down (then True)."""
+    try:
+        await asyncio.wait_for(activity.wait_for_worker_shutdown(), timeout=seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _ref(provider: str, generation: int, instance: Instance) -> InstanceRef:

@@ -42,5 +42,6 @@ def _no_real_credentials(
     yield
 
 
+from tests.fixtures.state_dir import state_dir  # noqa: E402, F401
 from tests.fixtures.temporal import task_queue, temporal_env, time_skipping_env  # noqa: E402, F401
 from tests.fixtures.tls_origin import tls_origin  # noqa: E402, F401

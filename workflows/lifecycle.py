@@ -145,7 +145,9 @@ class ProxyLifecycle:
     async def run(self, raw: Any = None, carried: CarriedState | None = None) -> ProxyResult:
         if carried is not None:
             self._restore(carried)
-        inp = await self._validated(raw)
+        # A continued run was validated when it first started; checking the
+        # worker's config again could fail it while it still owns instances.
+        inp = await self._validated(raw, against_worker=carried is None)
         self._input = inp
         self._status.provider = inp.provider
         self._publish()
@@ -187,9 +189,9 @@ class ProxyLifecycle:
 
     # ---- validation -----------------------------------------------------------------
 
-    async def _validated(self, raw: Any) -> ProxyInput:
+    async def _validated(self, raw: Any, *, against_worker: bool) -> ProxyInput:
         inp, problems = parse_input(raw)
-        if isinstance(raw, dict) and isinstance(raw.get("provider"), str):
+        if against_worker and isinstance(raw, dict) and isinstance(raw.get("provider"), str):
             # Only the worker knows its providers and their allowed ports.
             placement = raw.get("placement")
             problems += await workflow.execute_local_activity_method(
@@ -198,7 +200,7 @@ class ProxyLifecycle:
                     provider=raw["provider"],
                     port=inp.port if inp else None,
                     placement=(
-                        {k: str(v) for k, v in placement.items()}
+                        {k: str(v) for k, v in placement.items() if v is not None}
                         if isinstance(placement, dict)
                         else {}
                     ),
@@ -508,6 +510,7 @@ class ProxyLifecycle:
 
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
+        self._current = None  # ending, not replacing: nothing to count
         if self._creating is not None:
             try:
                 ref = await self._creating
@@ -533,7 +536,9 @@ class ProxyLifecycle:
             terminate_reason=self._terminate_reason,
         )
         assert self._input is not None
-        workflow.continue_as_new(args=[self._input.model_dump(mode="json"), carried])
+        workflow.continue_as_new(
+            args=[self._input.model_dump(mode="json", exclude_none=True), carried]
+        )
 
     def _restore(self, carried: CarriedState) -> None:
         self._status = carried.status

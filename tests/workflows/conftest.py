@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,18 +46,6 @@ def stack_config(origin_port: int, state_dir: str) -> Config:
     return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
 
 
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    """A state directory Squid's `proxy` user can traverse (pytest's tmp_path cannot)."""
-    path = Path(tempfile.mkdtemp(prefix="proxy-operator-test-"))
-    path.chmod(0o755)
-    yield path
-    provider = LocalProvider(LocalConfig(state_dir=str(path)))
-    for instance in provider.list_by_tag("managed-by", "proxy-operator"):
-        provider.delete(instance.provider_id)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @dataclass
 class Stack:
     client: Client
@@ -91,6 +77,25 @@ class Stack:
 
     def pid_of(self, name: str) -> int:
         return int(json.loads((self.state_dir / name / "instance.json").read_text())["pid"])
+
+
+HISTORIES = Path(__file__).resolve().parent.parent / "histories"
+
+
+async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
+    """Save the history for the replay test when PROXY_OPERATOR_RECORD_HISTORIES=1.
+
+    Run `PROXY_OPERATOR_RECORD_HISTORIES=1 make test` after a deliberate change
+    to the workflow's commands, and commit the refreshed tests/histories/.
+    """
+    if os.environ.get("PROXY_OPERATOR_RECORD_HISTORIES") != "1":
+        return
+    history = await handle.fetch_history()
+    HISTORIES.mkdir(exist_ok=True)
+    # The workflow id is part of what the workflow computed (instance names),
+    # and a history alone does not carry it.
+    recorded = {"workflow_id": handle.id, "history": json.loads(history.to_json())}
+    (HISTORIES / f"{name}.json").write_text(json.dumps(recorded))
 
 
 async def status_of(handle: WorkflowHandle[Any, Any]) -> ProxyStatus:

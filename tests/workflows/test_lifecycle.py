@@ -16,6 +16,7 @@ from tests.workflows.conftest import (
     USERNAME,
     ProxyStatus,
     Stack,
+    record_history,
     squid_alive,
     status_of,
     wait_for,
@@ -52,9 +53,11 @@ async def test_ready_serves_then_terminate_deletes(stack: Stack) -> None:
     await handle.signal("terminate", {"reason": "test done"})
     result = await handle.result()
     assert result["state"] == "Terminated" and result["reason"] == "test done"
+    assert result["replacements"] == 0
     assert stack.instances() == []
     final = await status_of(handle)
     assert final.state == "Terminated" and final.endpoint == ""
+    await record_history(handle, "ready_then_terminate")
 
 
 async def test_transient_errors_are_retried_until_ready(stack: Stack) -> None:
@@ -96,6 +99,7 @@ async def test_instance_that_dies_while_ready_is_replaced(stack: Stack) -> None:
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
+    await record_history(handle, "replaced_after_death")
 
 
 async def test_terminate_during_provisioning_leaves_nothing(stack: Stack) -> None:
@@ -108,6 +112,7 @@ async def test_terminate_during_provisioning_leaves_nothing(stack: Stack) -> Non
     result = await handle.result()
     assert result["state"] == "Terminated"
     assert stack.instances() == []
+    await record_history(handle, "terminated_while_provisioning")
 
 
 async def test_terminate_during_replacement_leaves_nothing(stack: Stack) -> None:
@@ -131,6 +136,7 @@ async def test_cancel_deletes_the_instance(stack: Stack) -> None:
         await handle.result()
     assert stack.instances() == []
     assert (await status_of(handle)).state == "Terminated"
+    await record_history(handle, "cancelled")
 
 
 async def test_quota_waits_on_a_timer_and_says_so(stack: Stack) -> None:
@@ -149,6 +155,7 @@ async def test_quota_waits_on_a_timer_and_says_so(stack: Stack) -> None:
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
+    await record_history(handle, "quota_wait")
 
 
 async def test_max_lifetime_rotates_make_before_break(stack: Stack) -> None:
@@ -168,3 +175,4 @@ async def test_max_lifetime_rotates_make_before_break(stack: Stack) -> None:
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
+    await record_history(handle, "rotated")

@@ -14,7 +14,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.workflows.conftest import Stack, status_of
+from tests.workflows.conftest import Stack, record_history, status_of
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +34,4 @@ async def test_proxy_that_keeps_dying_fails_with_nothing_leaked(
     status = await status_of(handle)
     assert status.state == "Failed" and status.endpoint == ""
     assert stack.instances() == []
+    await record_history(handle, "crash_loop_failed")

@@ -1,0 +1,210 @@
+"""worker.py as a process: config errors, crash recovery, metrics, draining.
+
+These start `python worker.py` exactly as an operator would, against the
+session's dev server, and kill it with SIGKILL to prove that all state is in
+Temporal and on disk, not in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from temporalio.testing import WorkflowEnvironment
+
+from tests.fixtures.tls_origin import serve_tls_origin
+from tests.workflows.conftest import PASSWORD, status_of, wait_for, wait_status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def write_config(path: Path, state_dir: Path, connect_port: int) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "installation": "worker-test",
+                "proxy": {
+                    "auth": {"username": "proxy", "password_env": "PROXY_PASSWORD"},
+                    "allowed_cidrs": ["127.0.0.0/8"],
+                    "allowed_connect_ports": [connect_port],
+                },
+                "providers": [
+                    {"name": "local", "type": "local", "local": {"state_dir": str(state_dir)}}
+                ],
+            }
+        )
+    )
+    return path
+
+
+def squid_pids(state_dir: Path) -> list[int]:
+    """Squid main processes (not their auth helpers) serving from `state_dir`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"squid") and str(state_dir).encode() in b" ".join(argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_broken_config_exits_2_listing_every_problem(tmp_path: Path) -> None:
+    config = tmp_path / "providers.yaml"
+    config.write_text(
+        "installation: Bad_Name\nproxy: {auth: {password_env: NOPE_NOT_SET}, allowed_cidrs: "
+        "[10.0.0.0/33], allowed_connect_ports: [0]}\nproviders:\n  - {name: a, type: cloud}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NOPE_NOT_SET"}
+    run = subprocess.run(
+        [sys.executable, "worker.py", "--providers-config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2
+    for fragment in (
+        "installation:",
+        "proxy.allowed_cidrs:",
+        "proxy.allowed_connect_ports[0]:",
+        "providers[0].type: unknown type 'cloud'",
+        "proxy.auth.password_env: environment variable NOPE_NOT_SET is not set",
+    ):
+        assert fragment in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.fixture
+def worker_process(
+    temporal_env: WorkflowEnvironment, tmp_path: Path
+) -> Iterator[Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]]:
+    """Start `python worker.py` processes; every one still alive is killed afterwards."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(config: Path, task_queue: str, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+            "TEMPORAL_NAMESPACE": temporal_env.client.namespace,
+            "PROXY_PASSWORD": PASSWORD,
+            **extra_env,
+        }
+        log = open(tmp_path / f"worker-{len(started)}.log", "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "worker.py",
+                "--providers-config",
+                str(config),
+                "--task-queue",
+                task_queue,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def healthy(metrics: str) -> bool:
+    def get() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{metrics}/healthz", timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    return await asyncio.to_thread(get)
+
+
+@pytest.mark.slow
+async def test_killed_workers_lose_nothing(
+    temporal_env: WorkflowEnvironment,
+    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],
+    state_dir: Path,
+    tmp_path: Path,
+) -> None:
+    # The origin is not up yet, so the proxy stays Provisioning (first probe
+    # failing) long enough to kill the worker mid-way.
+    origin_port = free_port()
+    config = write_config(tmp_path / "providers.yaml", state_dir, origin_port)
+    task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    metrics = f"127.0.0.1:{free_port()}"
+
+    with serve_tls_origin(origin_port) as origin:
+        ca_file = tmp_path / "ca.pem"
+        origin.ca.cert_pem.write_to_path(str(ca_file))
+    env = {"SSL_CERT_FILE": str(ca_file), "PROXY_OPERATOR_METRICS_ADDRESS": metrics}
+
+    first = worker_process(config, task_queue, env)
+    handle = await temporal_env.client.start_workflow(
+        "ProxyLifecycle",
+        {"provider": "local", "health": {"target": f"https://127.0.0.1:{origin_port}/"}},
+        id=f"proxy-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue,
+    )
+    provisioning = await wait_status(
+        handle, lambda s: s.state == "Provisioning" and bool(s.endpoint), "a running instance"
+    )
+    first.kill()
+    first.wait()
+
+    # Same CA, same port: the origin comes up while no worker runs.
+    with serve_tls_origin(origin_port) as origin:
+        origin.ca.cert_pem.write_to_path(str(ca_file))
+        second = worker_process(config, task_queue, env)
+        ready = await wait_status(
+            handle, lambda s: s.state == "Ready", "Ready on the second worker", deadline=120
+        )
+        assert ready.instance == provisioning.instance
+        assert len(squid_pids(state_dir)) == 1
+        await wait_for(lambda: healthy(metrics), "the worker's /healthz")
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+        )
+        assert 'proxy_operator_probes_total{outcome="ok",provider="local"}' in body
+        assert "temporal_request" in body  # the SDK's own metrics, same endpoint
+
+        second.kill()
+        second.wait()
+        third = worker_process(config, task_queue, env)
+        await handle.signal("terminate")
+        result = await asyncio.wait_for(handle.result(), timeout=120)
+        assert result["state"] == "Terminated"
+        assert squid_pids(state_dir) == []
+        assert (await status_of(handle)).state == "Terminated"
+
+        third.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(third.wait, 60) == 0
+    assert not await asyncio.to_thread(lambda: [p for p in state_dir.iterdir() if p.is_dir()])

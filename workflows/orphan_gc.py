@@ -1,0 +1,376 @@
+"""OrphanGC: find and delete every instance nobody owns, and never one somebody does.
+
+Durable workflows make leaks rare, not impossible: `temporal workflow
+terminate` runs no cleanup, a create can fail after the cloud made the VM, a
+crash during replacement can leave an old generation behind. A Temporal
+Schedule (`proxy-operator-orphan-gc`) runs this workflow every few minutes.
+
+For each provider:
+
+1. `gc_survey` lists the installation's instances and compares them with one
+   bulk visibility query over the running lifecycles (inside the activity, so
+   10,000 instances never cross a payload); instances younger than the grace
+   period are kept.
+2. The candidates go in batches to `gc_confirm`, which describes each owner
+   directly, because visibility lags; a batch is confirmed just before it is
+   deleted, so the window in which an owner could change its mind is one
+   batch long.
+3. Confirmed orphans are deleted through the lifecycle's own `delete_instance`
+   and `wait_gone` activities, a batch at a time (bounded concurrency); one
+   failure is counted and the sweep goes on.
+
+A dry run stops after step 2 and reports the same orphans. The workflow never
+reads a wall clock: ages are judged by the activities' clocks. Long sweeps
+continue as new, carrying their counters and a cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, ValidationError
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.errors import INVALID_INPUT
+    from activities.gc import (
+        ORPHAN,
+        OWNED,
+        Candidate,
+        ConfirmInput,
+        DeletedInput,
+        GcActivities,
+        SurveyInput,
+    )
+    from activities.models import InstanceInput, InstanceRef
+    from activities.provider import ProviderActivities
+    from workflows import policies
+    from workflows.inputs import _describe, _Strict
+    from workflows.lifecycle import _message
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+WORKFLOW_TYPE = "OrphanGC"
+SCHEDULE_ID = "proxy-operator-orphan-gc"
+DEFAULT_GRACE_PERIOD_SECONDS = 600
+
+# Candidates confirmed, then deleted concurrently, per batch: the bound on
+# concurrent deletions, and on how stale a confirmation can get.
+BATCH = 20
+# Candidates one run handles before it continues as new (about 7 history
+# events each), unless the server suggests it sooner.
+MAX_PER_RUN = 200
+# Ids listed per provider and kind in the result; the counts are always exact.
+MAX_IDS = 1000
+# The Web UI's current details show this many orphans per provider.
+DETAILS_IDS = 10
+
+SURVEY = policies.ActivityProfile(
+    start_to_close=timedelta(minutes=5),
+    heartbeat=timedelta(minutes=1),
+    schedule_to_close=timedelta(minutes=15),
+)
+CONFIRM = policies.ActivityProfile(
+    start_to_close=timedelta(minutes=1), schedule_to_close=timedelta(minutes=10)
+)
+# Unlike its owner, GC gives up on one instance and counts it as failed: the
+# next sweep tries again, while one stuck delete would hold this sweep, and the
+# schedule skips every sweep while one runs.
+DELETE = dataclasses.replace(policies.DELETE, schedule_to_close=timedelta(minutes=30))
+WAIT_GONE = dataclasses.replace(policies.WAIT_GONE, schedule_to_close=timedelta(minutes=30))
+
+
+class GcInput(_Strict):
+    """What a user passes to `temporal workflow start --type OrphanGC --input`."""
+
+    dry_run: bool = False
+    grace_period_seconds: Annotated[float, Field(ge=0)] = DEFAULT_GRACE_PERIOD_SECONDS
+    # Provider names; all the worker's providers when unset.
+    providers: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = (
+        None
+    )
+
+
+@dataclass
+class ProviderSweep:
+    """One provider's outcome: exact counts, and the ids (up to MAX_IDS of each)."""
+
+    provider: str
+    seen: int = 0
+    owned: int = 0
+    orphaned: int = 0
+    deleted: int = 0
+    skipped: int = 0
+    failed: int = 0
+    # provider_id -> why it is an orphan; deleted or not (dry run, failure).
+    orphans: dict[str, str] = field(default_factory=dict)
+    deleted_ids: list[str] = field(default_factory=list)
+    # provider_id -> why it was kept this time.
+    skips: dict[str, str] = field(default_factory=dict)
+    # provider_id -> the error that stopped its deletion.
+    failures: dict[str, str] = field(default_factory=dict)
+    # Temporal calls made by the look-ups: visibility pages and describes.
+    lookups: int = 0
+    # Set when the provider could not be listed at all.
+    error: str = ""
+
+
+@dataclass
+class GcResult:
+    dry_run: bool
+    grace_period_seconds: float
+    providers: list[ProviderSweep]
+
+
+@dataclass
+class GcProgress:
+    """What continue-as-new hands to the next run."""
+
+    sweeps: list[ProviderSweep]
+    # Index into sweeps of the provider being swept.
+    index: int = 0
+    # provider_id of the last candidate handled on that provider.
+    cursor: str = ""
+
+
+@workflow.defn(name=WORKFLOW_TYPE)
+class OrphanGC:
+    def __init__(self) -> None:
+        self._sweeps: list[ProviderSweep] = []
+        self._index = 0
+        self._cursor = ""
+        self._handled = 0
+        self._dry_run = False
+
+    @workflow.run
+    async def run(self, raw: Any = None, carried: GcProgress | None = None) -> GcResult:
+        inp = await self._validated(raw, carried)
+        self._dry_run = inp.dry_run
+        self._show()
+        while self._index < len(self._sweeps):
+            await self._sweep(self._sweeps[self._index], inp)
+            self._index += 1
+            self._cursor = ""
+        self._show()
+        return GcResult(inp.dry_run, inp.grace_period_seconds, self._sweeps)
+
+    # ---- validation -----------------------------------------------------------------
+
+    async def _validated(self, raw: Any, carried: GcProgress | None) -> GcInput:
+        """The input, or a non-retryable failure naming every bad field.
+
+        Provider names are checked against the worker's own providers (a
+        local activity); a continued run has done all this already.
+        """
+        inp, problems = _parse(raw)
+        if carried is not None and inp is not None:
+            self._sweeps, self._index, self._cursor = carried.sweeps, carried.index, carried.cursor
+            return inp
+        configured = await workflow.execute_local_activity_method(
+            GcActivities.providers,
+            start_to_close_timeout=policies.VALIDATE.start_to_close,
+            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+        wanted = raw.get("providers") if isinstance(raw, dict) else None
+        if isinstance(wanted, list):
+            known = ", ".join(configured) or "none"
+            problems += [
+                f"providers.{i}: unknown provider {name!r} (configured: {known})"
+                for i, name in enumerate(wanted)
+                if isinstance(name, str) and name and name not in configured
+            ]
+        if problems or inp is None:
+            raise ApplicationError(
+                "invalid input: " + "; ".join(problems), type=INVALID_INPUT, non_retryable=True
+            )
+        names = dict.fromkeys(inp.providers or configured)
+        self._sweeps = [ProviderSweep(name) for name in names]
+        return inp
+
+    # ---- the sweep ------------------------------------------------------------------
+
+    async def _sweep(self, sweep: ProviderSweep, inp: GcInput) -> None:
+        """Survey one provider, then confirm and delete its candidates batch by batch."""
+        while True:
+            first = not self._cursor
+            try:
+                survey = await self._activity(
+                    GcActivities.survey,
+                    SurveyInput(sweep.provider, inp.grace_period_seconds, after=self._cursor),
+                    SURVEY,
+                    f"survey {sweep.provider}",
+                )
+            except ActivityError as err:
+                sweep.error = _message(err)
+                self._show()
+                return
+            sweep.lookups += survey.lookups
+            if first:
+                # Later pages re-list the provider; count each instance once.
+                sweep.seen, sweep.owned, sweep.skipped = survey.seen, survey.owned, survey.young
+                sweep.skips.update(survey.young_ids)
+            self._show()
+            candidates = survey.candidates
+            for start in range(0, len(candidates), BATCH):
+                batch = candidates[start : start + BATCH]
+                await self._handle(sweep, batch, inp)
+                self._cursor = batch[-1].provider_id
+                self._handled += len(batch)
+                self._show()
+                self._continue_as_new_if_long(inp)
+            if not survey.more:
+                return
+
+    async def _handle(self, sweep: ProviderSweep, batch: list[Candidate], inp: GcInput) -> None:
+        """Confirm one batch, then delete its orphans concurrently."""
+        try:
+            confirmation = await self._activity(
+                GcActivities.confirm,
+                ConfirmInput(batch),
+                CONFIRM,
+                f"confirm {len(batch)} candidates on {sweep.provider}",
+            )
+        except ActivityError as err:
+            for candidate in batch:
+                _fail(sweep, candidate.provider_id, f"could not confirm: {_message(err)}")
+            return
+        sweep.lookups += confirmation.lookups
+        orphans: list[Candidate] = []
+        for verdict in confirmation.verdicts:
+            provider_id = verdict.candidate.provider_id
+            if verdict.verdict == OWNED:
+                sweep.owned += 1
+            elif verdict.verdict == ORPHAN:
+                sweep.orphaned += 1
+                _note(sweep.orphans, provider_id, verdict.reason)
+                orphans.append(verdict.candidate)
+            else:
+                sweep.skipped += 1
+                _note(sweep.skips, provider_id, verdict.reason)
+        if inp.dry_run or not orphans:
+            return
+        errors = await asyncio.gather(*(self._delete(c) for c in orphans))
+        deleted = 0
+        for candidate, error in zip(orphans, errors, strict=True):
+            if error is None:
+                deleted += 1
+                sweep.deleted += 1
+                if len(sweep.deleted_ids) < MAX_IDS:
+                    sweep.deleted_ids.append(candidate.provider_id)
+            else:
+                _fail(sweep, candidate.provider_id, error)
+        if deleted:
+            await workflow.execute_local_activity_method(
+                GcActivities.record_deleted,
+                DeletedInput(sweep.provider, deleted),
+                start_to_close_timeout=policies.VALIDATE.start_to_close,
+                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+                retry_policy=policies.TRANSIENT_RETRY,
+            )
+
+    async def _delete(self, candidate: Candidate) -> str | None:
+        """Delete and wait until gone, as the owner would have; the error, or None."""
+        ref = InstanceRef(
+            provider=candidate.provider,
+            provider_id=candidate.provider_id,
+            name=candidate.name,
+            generation=candidate.generation,
+            created_at=candidate.created_at,
+        )
+        try:
+            await self._activity(
+                ProviderActivities.delete_instance,
+                InstanceInput(ref),
+                DELETE,
+                f"delete orphan {ref.name}",
+            )
+            await self._activity(
+                ProviderActivities.wait_gone,
+                InstanceInput(ref),
+                WAIT_GONE,
+                f"wait for orphan {ref.name} to be gone",
+            )
+        except ActivityError as err:
+            return _message(err)
+        return None
+
+    async def _activity(
+        self,
+        activity: Callable[[Any, A], Awaitable[R]],
+        arg: A,
+        profile: policies.ActivityProfile,
+        summary: str,
+    ) -> R:
+        """One activity with its profile's timeouts and the shared retry policy."""
+        return await workflow.execute_activity_method(
+            activity,
+            arg,
+            summary=summary,
+            start_to_close_timeout=profile.start_to_close,
+            heartbeat_timeout=profile.heartbeat,
+            schedule_to_close_timeout=profile.schedule_to_close,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+
+    def _continue_as_new_if_long(self, inp: GcInput) -> None:
+        if self._handled < MAX_PER_RUN and not workflow.info().is_continue_as_new_suggested():
+            return
+        progress = GcProgress(self._sweeps, self._index, self._cursor)
+        workflow.continue_as_new(args=[inp.model_dump(mode="json"), progress])
+
+    # ---- visibility -----------------------------------------------------------------
+
+    def _show(self) -> None:
+        """The Web UI's current details: the counts so far and the orphans found."""
+        mode = "dry run, deleting nothing" if self._dry_run else "deleting orphans"
+        lines = [
+            f"**Orphan GC** ({mode})",
+            "",
+            "| provider | seen | owned | orphaned | deleted | skipped | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for s in self._sweeps:
+            lines.append(
+                f"| {s.provider} | {s.seen} | {s.owned} | {s.orphaned} | {s.deleted} "
+                f"| {s.skipped} | {s.failed} |"
+            )
+        for s in self._sweeps:
+            if s.error:
+                lines.append(f"\n`{s.provider}` could not be swept: {s.error}")
+            shown = list(s.orphans.items())[:DETAILS_IDS]
+            if shown:
+                lines.append(f"\norphans on `{s.provider}`:")
+                lines += [f"- `{provider_id}`: {reason}" for provider_id, reason in shown]
+                if s.orphaned > len(shown):
+                    lines.append(f"- and {s.orphaned - len(shown)} more")
+        workflow.set_current_details("\n".join(lines))
+
+
+def _parse(raw: Any) -> tuple[GcInput | None, list[str]]:
+    """The validated input, or every problem as `field: message`; no input means defaults."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        return None, [f"input: expected a JSON object, got {type(raw).__name__}"]
+    try:
+        return GcInput.model_validate(raw), []
+    except ValidationError as exc:
+        return None, [_describe(err) for err in exc.errors()]
+
+
+def _note(ids: dict[str, str], provider_id: str, reason: str) -> None:
+    if len(ids) < MAX_IDS:
+        ids[provider_id] = reason
+
+
+def _fail(sweep: ProviderSweep, provider_id: str, error: str) -> None:
+    sweep.failed += 1
+    _note(sweep.failures, provider_id, error)
