@@ -85,7 +85,7 @@ class ProbeSummary:
 
 @dataclass(frozen=True)
 class MonitorOutcome:
-    """Why the monitor returned: `unhealthy`, `gone` or `elapsed`."""
+    """Why the monitor returned: `unhealthy`, `gone`, `elapsed` or `handover`."""
 
     reason: str
     last_probe: ProbeSummary | None

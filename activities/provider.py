@@ -54,7 +54,6 @@ MAX_POLL_SECONDS = 2.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
-WORKER_SHUTDOWN = "WorkerShutdown"
 
 
 class ProviderActivities:
@@ -169,7 +168,8 @@ class ProviderActivities:
         probe, just throttled heartbeats whose details show the last probe in
         the Web UI. It returns `unhealthy` after `failure_threshold`
         consecutive failures, `gone` as soon as a failed probe finds the
-        instance dead or deleted, and `elapsed` after `max_duration_seconds`.
+        instance dead or deleted, `elapsed` after `max_duration_seconds`, and
+        `handover` when this worker starts shutting down.
         """
         info = activity.info()
         previous = info.heartbeat_details[0] if info.heartbeat_details else None
@@ -196,12 +196,10 @@ class ProviderActivities:
                 return MonitorOutcome("elapsed", summary, failures, probes)
             pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
             if await _worker_shutting_down_within(pause):
-                # Fail over now instead of at the end of the drain: the server
-                # retries the monitor on another worker right away.
-                raise ApplicationError(
-                    "worker shutting down; monitoring moves to another worker",
-                    {"last_probe": summary, "consecutive_failures": failures},
-                    type=WORKER_SHUTDOWN,
+                # Hand over now instead of at the end of the drain: the
+                # workflow starts the next monitor, which another worker runs.
+                return MonitorOutcome(
+                    "handover", summary, failures, probes, "worker shutting down"
                 )
 
     @activity.defn(name="delete_instance")

@@ -45,6 +45,10 @@ CLI_TYPES = {"KEYWORD": "Keyword", "KEYWORD_LIST": "KeywordList"}
 
 
 def main() -> int:
+    # Ctrl-C and SIGTERM both mean "stop everything", even where the shell
+    # started us with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     DATA.mkdir(exist_ok=True)
     for port in (FRONTEND[1], UI_PORT):
         if _listening(("127.0.0.1", port)):
