@@ -2,7 +2,7 @@
 # Proxies never run in this image; providers start them elsewhere (Squid Pods
 # from ubuntu/squid, Compute Engine VMs, or Squid processes on the host).
 #   docker build -t proxy-operator-worker:0.1.0 .
-FROM python:3.11-slim
+FROM python:3.11-slim AS worker
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -22,3 +22,13 @@ RUN pip install . \
 USER 10001:10001
 EXPOSE 9464
 CMD ["proxy-operator-worker", "--providers-config", "/etc/proxy-operator/providers.yaml"]
+
+# For docker-compose.yml: the same worker with Squid installed, so the local
+# provider can run proxies inside the container (as the unprivileged user).
+FROM worker AS worker-local
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends squid \
+    && rm -rf /var/lib/apt/lists/* \
+    && install -d -o 10001 -g 10001 /app/.data
+USER 10001:10001

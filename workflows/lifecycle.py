@@ -178,8 +178,11 @@ class ProxyLifecycle:
 
     @workflow.signal(name="terminate")
     def terminate(self, request: Any = None) -> None:
-        """Delete the instance, wait until it is gone, complete. Input optional."""
-        reason = request.get("reason") if isinstance(request, dict) else None
+        """Delete the instance, wait until it is gone, complete.
+
+        Input optional: `{"reason": "..."}`, or just the reason as a string.
+        """
+        reason = request.get("reason") if isinstance(request, dict) else request
         self._terminate_reason = str(reason) if reason else "terminate signal"
         self._status.terminate_reason = self._terminate_reason
 

@@ -131,21 +131,24 @@ class GcResult:
 
 @dataclass
 class GcProgress:
-    """What continue-as-new hands to the next run."""
+    """Where a sweep stands; continue-as-new hands it to the next run."""
 
-    sweeps: list[ProviderSweep]
+    sweeps: list[ProviderSweep] = field(default_factory=list)
     # Index into sweeps of the provider being swept.
     index: int = 0
-    # provider_id of the last candidate handled on that provider.
+    # That provider's surveyed candidates not handled yet; None: survey next.
+    # Carried over continue-as-new, so a long sweep does not list it again.
+    pending: list[Candidate] | None = None
+    # Whether the survey found more candidates than it returned.
+    more: bool = False
+    # provider_id of the last candidate handled: the next survey starts after it.
     cursor: str = ""
 
 
 @workflow.defn(name=WORKFLOW_TYPE)
 class OrphanGC:
     def __init__(self) -> None:
-        self._sweeps: list[ProviderSweep] = []
-        self._index = 0
-        self._cursor = ""
+        self._progress = GcProgress()
         self._handled = 0
         self._dry_run = False
 
@@ -154,12 +157,13 @@ class OrphanGC:
         inp = await self._validated(raw, carried)
         self._dry_run = inp.dry_run
         self._show()
-        while self._index < len(self._sweeps):
-            await self._sweep(self._sweeps[self._index], inp)
-            self._index += 1
-            self._cursor = ""
+        progress = self._progress
+        while progress.index < len(progress.sweeps):
+            await self._sweep(progress.sweeps[progress.index], inp)
+            progress.index += 1
+            progress.pending, progress.more, progress.cursor = None, False, ""
         self._show()
-        return GcResult(inp.dry_run, inp.grace_period_seconds, self._sweeps)
+        return GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps)
 
     # ---- validation -----------------------------------------------------------------
 
@@ -171,7 +175,7 @@ class OrphanGC:
         """
         inp, problems = _parse(raw)
         if carried is not None and inp is not None:
-            self._sweeps, self._index, self._cursor = carried.sweeps, carried.index, carried.cursor
+            self._progress = carried
             return inp
         configured = await workflow.execute_local_activity_method(
             GcActivities.providers,
@@ -192,42 +196,45 @@ class OrphanGC:
                 "invalid input: " + "; ".join(problems), type=INVALID_INPUT, non_retryable=True
             )
         names = dict.fromkeys(inp.providers or configured)
-        self._sweeps = [ProviderSweep(name) for name in names]
+        self._progress.sweeps = [ProviderSweep(name) for name in names]
         return inp
 
     # ---- the sweep ------------------------------------------------------------------
 
     async def _sweep(self, sweep: ProviderSweep, inp: GcInput) -> None:
         """Survey one provider, then confirm and delete its candidates batch by batch."""
+        progress = self._progress
         while True:
-            first = not self._cursor
-            try:
-                survey = await self._activity(
-                    GcActivities.survey,
-                    SurveyInput(sweep.provider, inp.grace_period_seconds, after=self._cursor),
-                    SURVEY,
-                    f"survey {sweep.provider}",
-                )
-            except ActivityError as err:
-                sweep.error = _message(err)
+            if progress.pending is None:
+                try:
+                    survey = await self._activity(
+                        GcActivities.survey,
+                        SurveyInput(sweep.provider, inp.grace_period_seconds, progress.cursor),
+                        SURVEY,
+                        f"survey {sweep.provider}",
+                    )
+                except ActivityError as err:
+                    sweep.error = _message(err)
+                    self._show()
+                    return
+                sweep.lookups += survey.lookups
+                if not progress.cursor:
+                    # Later surveys list the provider again; count each instance once.
+                    sweep.seen, sweep.owned, sweep.skipped = survey.seen, survey.owned, survey.young
+                    sweep.skips.update(survey.young_ids)
+                progress.pending, progress.more = survey.candidates, survey.more
                 self._show()
-                return
-            sweep.lookups += survey.lookups
-            if first:
-                # Later pages re-list the provider; count each instance once.
-                sweep.seen, sweep.owned, sweep.skipped = survey.seen, survey.owned, survey.young
-                sweep.skips.update(survey.young_ids)
-            self._show()
-            candidates = survey.candidates
-            for start in range(0, len(candidates), BATCH):
-                batch = candidates[start : start + BATCH]
+            while progress.pending:
+                batch = progress.pending[:BATCH]
                 await self._handle(sweep, batch, inp)
-                self._cursor = batch[-1].provider_id
+                progress.pending = progress.pending[BATCH:]
+                progress.cursor = batch[-1].provider_id
                 self._handled += len(batch)
                 self._show()
                 self._continue_as_new_if_long(inp)
-            if not survey.more:
+            if not progress.more:
                 return
+            progress.pending = None
 
     async def _handle(self, sweep: ProviderSweep, batch: list[Candidate], inp: GcInput) -> None:
         """Confirm one batch, then delete its orphans concurrently."""
@@ -323,8 +330,7 @@ class OrphanGC:
     def _continue_as_new_if_long(self, inp: GcInput) -> None:
         if self._handled < MAX_PER_RUN and not workflow.info().is_continue_as_new_suggested():
             return
-        progress = GcProgress(self._sweeps, self._index, self._cursor)
-        workflow.continue_as_new(args=[inp.model_dump(mode="json"), progress])
+        workflow.continue_as_new(args=[inp.model_dump(mode="json"), self._progress])
 
     # ---- visibility -----------------------------------------------------------------
 
@@ -337,12 +343,13 @@ class OrphanGC:
             "| provider | seen | owned | orphaned | deleted | skipped | failed |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for s in self._sweeps:
+        sweeps = self._progress.sweeps
+        for s in sweeps:
             lines.append(
                 f"| {s.provider} | {s.seen} | {s.owned} | {s.orphaned} | {s.deleted} "
                 f"| {s.skipped} | {s.failed} |"
             )
-        for s in self._sweeps:
+        for s in sweeps:
             if s.error:
                 lines.append(f"\n`{s.provider}` could not be swept: {s.error}")
             shown = list(s.orphans.items())[:DETAILS_IDS]

@@ -1,0 +1,14 @@
+"""Every benchmark with its defaults: `python -m bench` (what `make bench` runs).
+
+Each prints tables for docs/benchmarks.md; none asserts anything.
+"""
+
+import runpy
+import sys
+
+BENCHMARKS = ("bench.local_squid", "bench.lifecycle", "bench.orphan_gc")
+
+for module in BENCHMARKS:
+    print(f"\n=== {module}", flush=True)
+    sys.argv = [module]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
