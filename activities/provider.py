@@ -54,6 +54,7 @@ MAX_POLL_SECONDS = 2.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
+WORKER_SHUTDOWN = "WorkerShutdown"
 
 
 class ProviderActivities:
@@ -140,7 +141,7 @@ class ProviderActivities:
             if instance.state in GONE_STATES:
                 raise instance_lost(f"{ref.name} is {instance.state.value} while provisioning")
             activity.heartbeat(instance.state.value)
-            await asyncio.sleep(delay)
+            await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
     @activity.defn(name="wait_healthy")
@@ -157,7 +158,7 @@ class ProviderActivities:
             if summary.ok or time.monotonic() >= deadline:
                 return summary
             activity.heartbeat(summary)
-            await asyncio.sleep(delay)
+            await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
     @activity.defn(name="monitor")
@@ -198,9 +199,7 @@ class ProviderActivities:
             if await _worker_shutting_down_within(pause):
                 # Hand over now instead of at the end of the drain: the
                 # workflow starts the next monitor, which another worker runs.
-                return MonitorOutcome(
-                    "handover", summary, failures, probes, "worker shutting down"
-                )
+                return MonitorOutcome("handover", summary, failures, probes, "worker shutting down")
 
     @activity.defn(name="delete_instance")
     async def delete_instance(self, inp: InstanceInput) -> None:
@@ -234,7 +233,7 @@ class ProviderActivities:
             if time.monotonic() - last_delete >= REDELETE_AFTER_SECONDS:
                 await self.delete_instance(inp)
                 last_delete = time.monotonic()
-            await asyncio.sleep(delay)
+            await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
     async def _probe(self, ref: InstanceRef, target: str, timeout_seconds: float) -> ProbeResult:
@@ -279,6 +278,16 @@ class ProviderActivities:
             return await loop.run_in_executor(self._pool, fn, *args)
         except Exception as err:
             raise to_application_error(classify(err)) from err
+
+
+async def _pause(seconds: float) -> None:
+    """Sleep between polls; on worker shutdown, hand the activity to another worker.
+
+    The retryable error ends the attempt at once instead of at the end of the
+    drain, and the server retries it on a worker that is staying.
+    """
+    if await _worker_shutting_down_within(seconds):
+        raise ApplicationError("worker shutting down; retrying elsewhere", type=WORKER_SHUTDOWN)
 
 
 async def _worker_shutting_down_within(seconds: float) -> bool:

@@ -205,11 +205,15 @@ def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> Non
 def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
 
-    (user,) = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
-    # Kubernetes verifies runAsNonRoot only for numeric users.
+    # Every stage (the worker, and the compose variant that installs Squid as
+    # root first) ends as the same numeric user: Kubernetes verifies
+    # runAsNonRoot only for numeric users.
+    stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)[1:]
     security = worker_pod_spec()["securityContext"]
-    assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
-    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
+    for stage in stages:
+        users = re.findall(r"^USER (\S+)$", stage, re.MULTILINE)
+        assert users[-1] == f"{security['runAsUser']}:{security['runAsGroup']}"
+    assert re.search(r"^FROM python:3\.11-slim AS worker$", dockerfile, re.MULTILINE)
     assert '"proxy-operator-worker", "--providers-config"' in dockerfile
 
 

@@ -1,0 +1,174 @@
+"""ProxyLifecycle with the GCP provider, against the fake Compute Engine (issue 6).
+
+The real google-cloud-compute REST clients talk to tests/fakes/compute.py; the
+fake starts every VM whose insert finishes with the external IP 127.0.0.1,
+and the test runs the files the VM's startup script would write (squid.conf
+and the htpasswd) with a real Squid on that port. So "Ready" means a CONNECT
+probe really tunnelled through the Squid config the provider shipped.
+
+A quota error makes the workflow wait minutes (next_retry_delay, 3 minutes by
+default) on a workflow timer. That runs on the time-skipping test server, and
+the test skips exactly to that timer: see tests/fixtures/time_skipping.py for
+why a generous `env.sleep` is not enough there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from activities.errors import QUOTA_RETRY_DELAY
+from activities.probe import probe_connect
+from providers.config import Config, parse_config
+from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
+from providers.naming import instance_name
+from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
+from tests.fixtures.provider_stack import ProviderStack, StackFactory, provider_stack_on  # noqa: F401
+from tests.fixtures.squid_upstream import (
+    SquidUpstreams,
+    free_port,
+    requires_squid,
+    script_files,
+    squid_upstreams,  # noqa: F401
+)
+from tests.fixtures.time_skipping import skip_past_pending_timer
+from tests.fixtures.tls_origin import TlsOrigin
+from tests.workflows.conftest import status_of, wait_for, wait_status
+
+pytestmark = [pytest.mark.slow, requires_squid]
+
+PROVIDER = "gcp-test"
+ZONE = DEFAULT_ZONES[0]
+INSTALLATION = "test"
+USERNAME = "proxy"
+PASSWORD = "gcp-workflow-password"
+VM_IP = "127.0.0.1"
+
+
+def gcp_config(origin_port: int) -> Config:
+    raw = {
+        "installation": INSTALLATION,
+        "proxy": {
+            "auth": {"username": USERNAME, "password_env": "PROXY_PASSWORD"},
+            "allowed_cidrs": ["127.0.0.0/8"],
+            "allowed_connect_ports": [443, origin_port],
+        },
+        "providers": [
+            {"name": PROVIDER, "type": "gcp", "gcp": {"project": DEFAULT_PROJECT, "zone": ZONE}}
+        ],
+    }
+    return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeCompute]:
+    with FakeCompute(auto_start_ip=VM_IP) as server:
+        yield server
+
+
+@pytest.fixture
+def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
+    """The provider as `from_config` builds it, but on clients pointed at the fake."""
+    config = gcp_config(tls_origin.port)
+    settings = config.provider(PROVIDER).gcp
+    assert settings is not None
+    return GcpProvider(settings, config.installation, **fake.clients())
+
+
+@pytest.fixture
+async def stack(
+    fake: FakeCompute,
+    provider_stack_on: StackFactory,  # noqa: F811
+    provider: GcpProvider,
+    time_skipping_env: WorkflowEnvironment,
+    tls_origin: TlsOrigin,
+) -> ProviderStack:
+    return await provider_stack_on(
+        time_skipping_env, {PROVIDER: provider}, gcp_config(tls_origin.port)
+    )
+
+
+def vm_status(fake: FakeCompute, name: str) -> str | None:
+    instance = fake.instance(ZONE, name)
+    return None if instance is None else str(instance["status"])
+
+
+async def monitor_finished(handle: WorkflowHandle[Any, Any]) -> bool:
+    pending = (await handle.describe()).raw_description.pending_activities
+    return all(activity.activity_type.name != "monitor" for activity in pending)
+
+
+def startup_script(instance: dict[str, Any]) -> str:
+    items = {item["key"]: item["value"] for item in instance["metadata"]["items"]}
+    return str(items[STARTUP_SCRIPT_KEY])
+
+
+async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
+    stack: ProviderStack,
+    fake: FakeCompute,
+    squid_upstreams: SquidUpstreams,  # noqa: F811
+) -> None:
+    port = free_port()
+    fake.inject_error("insert", "quota", zone=ZONE)
+    handle = await stack.start(PROVIDER, port=port)
+    name = instance_name(handle.id, 0)
+
+    waiting = await wait_status(
+        handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "quota wait"
+    )
+    assert waiting.state == "Provisioning" and waiting.endpoint == ""
+    assert waiting.last_error is not None and "Quota 'CPUS' exceeded" in waiting.last_error
+    assert fake.instance(ZONE, name) is None
+    assert len(fake.calls("insert")) == 1
+
+    skipped = await skip_past_pending_timer(stack.env, handle)
+    assert timedelta(minutes=2) < skipped <= QUOTA_RETRY_DELAY  # the long wait, not a retry
+
+    await wait_for(lambda: len(fake.calls("insert")) == 2, "the insert retried after the wait")
+    await wait_for(lambda: fake.instance(ZONE, name) is not None, f"instance {name}")
+    instance = fake.instance(ZONE, name)
+    assert instance is not None and instance["status"] == "RUNNING"
+    files = script_files(startup_script(instance))
+    squid_conf = files.pop(SQUID_CONF)
+    squid = await squid_upstreams.start(squid_conf, files, port=port)
+
+    status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    assert status.waiting_for is None
+    assert status.endpoint == f"{VM_IP}:{port}"
+    assert (status.provider, status.provider_id) == (PROVIDER, f"{ZONE}/{name}")
+    assert status.last_probe is not None and status.last_probe.ok, status.last_probe
+    tunnelled = await probe_connect(
+        VM_IP,
+        port,
+        USERNAME,
+        PASSWORD,
+        stack.origin.url,
+        ssl_context=stack.origin.client_ssl_context,
+    )
+    assert tunnelled.ok, tunnelled
+    rule = fake.firewall(firewall_name(INSTALLATION))
+    assert rule is not None and rule["allowed"] == [{"IPProtocol": "tcp", "ports": [str(port)]}]
+
+    # Deleting a VM takes a while, and its Squid stops meanwhile. Holding the
+    # delete operation until the monitor has seen that keeps any activity from
+    # outliving the workflow: on the test server such an activity would hold a
+    # time-skipping lock for good (tests/fixtures/time_skipping.py).
+    fake.set_operations_paused(True)
+    await handle.signal("terminate", {"reason": "test done"})
+    await wait_for(lambda: vm_status(fake, name) == "STOPPING", "the VM to be stopping")
+    await squid.terminate()
+    await wait_for(lambda: monitor_finished(handle), "the monitor to see the VM go")
+    fake.set_operations_paused(False)
+    result = await handle.result()
+
+    assert (result["state"], result["reason"]) == ("Terminated", "test done")
+    assert fake.instance(ZONE, name) is None
+    assert [call.path.rsplit("/", 1)[-1] for call in fake.calls("delete")] == [name]
+    assert fake.instance_keys() == set()
+    final = await status_of(handle)
+    assert (final.state, final.endpoint) == ("Terminated", "")

@@ -1,0 +1,225 @@
+"""ProxyLifecycle with the Kubernetes provider, against the fake API server (issue 5).
+
+Everything but the cluster is real: the Temporal dev server, the worker as
+`build_worker` composes it, the `kubernetes` client talking HTTP to the fake
+(tests/fakes/kubernetes.py), and the Squid behind every Pod. The test plays
+the kubelet: it runs the Pod's Secret (its squid.conf and htpasswd) with a
+real Squid on 127.0.0.1, on the container port the workflow asked for, then
+reports the Pod Running with the IP 127.0.0.1. So "Ready" means a CONNECT
+probe really tunnelled through the Squid config the provider rendered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from activities.probe import probe_connect
+from providers.config import Config, KubernetesConfig, parse_config
+from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
+from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
+from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
+from tests.fixtures.provider_stack import ProviderStack, StackFactory, provider_stack_on  # noqa: F401
+from tests.fixtures.squid_upstream import (
+    LocalSquid,
+    SquidUpstreams,
+    free_port,
+    requires_squid,
+    secret_files,
+    squid_upstreams,  # noqa: F401
+)
+from tests.fixtures.tls_origin import TlsOrigin
+from tests.workflows.conftest import status_of, wait_for, wait_status
+
+pytestmark = [pytest.mark.slow, requires_squid]
+
+PROVIDER = "cluster"
+NAMESPACE = "proxies"
+INSTALLATION = "test"
+USERNAME = "proxy"
+PASSWORD = "kubernetes-workflow-password"
+POD_IP = "127.0.0.1"
+
+
+def cluster_config(origin_port: int) -> Config:
+    raw = {
+        "installation": INSTALLATION,
+        "proxy": {
+            "auth": {"username": USERNAME, "password_env": "PROXY_PASSWORD"},
+            "allowed_cidrs": ["127.0.0.0/8"],
+            "allowed_connect_ports": [443, origin_port],
+        },
+        "providers": [
+            {
+                "name": PROVIDER,
+                "type": "kubernetes",
+                "kubernetes": {"namespace": NAMESPACE, "request_timeout_seconds": 5},
+            }
+        ],
+    }
+    return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeKubernetes]:
+    with FakeKubernetes() as server:
+        yield server
+
+
+@pytest.fixture
+def provider(fake: FakeKubernetes, tls_origin: TlsOrigin) -> KubernetesProvider:
+    """The provider as `from_config` builds it, but on a client pointed at the fake."""
+    settings = cluster_config(tls_origin.port).provider(PROVIDER).settings
+    assert isinstance(settings, KubernetesConfig)
+    configuration = fake.configuration()
+    configuration.retries = 0
+    return KubernetesProvider(settings, kubernetes.client.ApiClient(configuration), INSTALLATION)
+
+
+@pytest.fixture
+async def stack(
+    fake: FakeKubernetes,
+    provider_stack_on: StackFactory,  # noqa: F811
+    provider: KubernetesProvider,
+    temporal_env: WorkflowEnvironment,
+    tls_origin: TlsOrigin,
+) -> ProviderStack:
+    return await provider_stack_on(
+        temporal_env, {PROVIDER: provider}, cluster_config(tls_origin.port)
+    )
+
+
+class Kubelet:
+    """The test's stand-in for the scheduler and kubelet of the fake cluster."""
+
+    def __init__(self, fake: FakeKubernetes, squids: SquidUpstreams, port: int) -> None:
+        self.fake = fake
+        self.squids = squids
+        self.port = port
+        self.containers: dict[str, LocalSquid] = {}
+
+    def pod(self, name: str) -> dict[str, Any] | None:
+        return self.fake.get(PODS, NAMESPACE, name)
+
+    def secret(self, name: str) -> dict[str, Any] | None:
+        return self.fake.get(SECRETS, NAMESPACE, f"{name}-squid")
+
+    async def run_pod(self, name: str) -> LocalSquid:
+        """Wait for the Pod and its Secret, start its Squid, report it Running on 127.0.0.1."""
+        await wait_for(
+            lambda: self.pod(name) is not None and self.secret(name) is not None,
+            f"pod {name} and its secret",
+        )
+        pod, secret = self.pod(name), self.secret(name)
+        assert pod is not None and secret is not None
+        (container,) = pod["spec"]["containers"]
+        assert container["ports"][0]["containerPort"] == self.port
+        files = secret_files(secret, CONFIG_DIR)
+        squid_conf = files.pop(f"{CONFIG_DIR}/{SQUID_CONF_KEY}")
+        squid = await self.squids.start(squid_conf, files, port=self.port)
+        self.containers[name] = squid
+        self.fake.set_pod_status(NAMESPACE, name, "Running", POD_IP)
+        return squid
+
+    async def crash(self, name: str) -> None:
+        """Squid dies; with restartPolicy Never the Pod turns Failed."""
+        await self.containers[name].crash()
+        self.fake.set_pod_status(NAMESPACE, name, "Failed", POD_IP)
+
+    async def finish_deletion(self, name: str) -> None:
+        """Once the Pod is marked for deletion, stop its container and confirm."""
+
+        def marked() -> bool:
+            pod = self.pod(name)
+            return pod is not None and bool(pod["metadata"].get("deletionTimestamp"))
+
+        await wait_for(marked, f"pod {name} to be marked for deletion")
+        if name in self.containers:
+            await self.containers[name].terminate()
+        self.fake.finish_deletion(NAMESPACE, name)
+
+
+@pytest.fixture
+def kubelet(fake: FakeKubernetes, squid_upstreams: SquidUpstreams) -> Kubelet:  # noqa: F811
+    return Kubelet(fake, squid_upstreams, free_port())
+
+
+async def start_proxy(stack: ProviderStack, kubelet: Kubelet) -> WorkflowHandle[Any, Any]:
+    return await stack.start(PROVIDER, port=kubelet.port)
+
+
+def leftover_pods(provider: KubernetesProvider) -> list[str]:
+    return [i.provider_id for i in provider.list_by_tag(MANAGED_BY_KEY, MANAGED_BY_VALUE)]
+
+
+async def test_pod_becomes_ready_serves_and_is_deleted_on_terminate(
+    stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
+) -> None:
+    handle = await start_proxy(stack, kubelet)
+    name = instance_name(handle.id, 0)
+
+    await wait_for(lambda: kubelet.pod(name) is not None, f"pod {name}")
+    provisioning = await status_of(handle)
+    assert provisioning.state == "Provisioning" and provisioning.endpoint == ""
+    await kubelet.run_pod(name)
+
+    status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    assert status.endpoint == f"{POD_IP}:{kubelet.port}"
+    assert (status.provider, status.provider_id) == (PROVIDER, f"{NAMESPACE}/{name}")
+    assert (status.instance, status.generation) == (name, 0)
+    assert status.last_probe is not None and status.last_probe.ok, status.last_probe
+    tunnelled = await probe_connect(
+        POD_IP,
+        kubelet.port,
+        USERNAME,
+        PASSWORD,
+        stack.origin.url,
+        ssl_context=stack.origin.client_ssl_context,
+    )
+    assert tunnelled.ok, tunnelled
+
+    await handle.signal("terminate", {"reason": "test done"})
+    await kubelet.finish_deletion(name)
+    result = await handle.result()
+
+    assert (result["state"], result["reason"]) == ("Terminated", "test done")
+    assert kubelet.pod(name) is None
+    assert kubelet.secret(name) is None, "the Secret outlived its owner Pod"
+    assert leftover_pods(provider) == []
+    final = await status_of(handle)
+    assert (final.state, final.endpoint) == ("Terminated", "")
+
+
+async def test_pod_that_fails_while_ready_is_replaced_by_a_new_generation(
+    stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
+) -> None:
+    handle = await start_proxy(stack, kubelet)
+    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    await kubelet.run_pod(first)
+    await wait_status(handle, lambda s: s.state == "Ready", "generation 0 Ready")
+
+    await kubelet.crash(first)
+    await kubelet.finish_deletion(first)  # the workflow deletes the failed Pod
+    await kubelet.run_pod(second)
+
+    status = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.generation == 1, "generation 1 Ready"
+    )
+    assert (status.instance, status.provider_id) == (second, f"{NAMESPACE}/{second}")
+    assert status.replacements == 1
+    assert status.last_probe is not None and status.last_probe.ok, status.last_probe
+    assert kubelet.pod(first) is None and kubelet.secret(first) is None
+    assert leftover_pods(provider) == [f"{NAMESPACE}/{second}"]
+
+    await handle.signal("terminate")
+    await kubelet.finish_deletion(second)
+    result = await handle.result()
+
+    assert result["state"] == "Terminated" and result["generation"] == 1
+    assert kubelet.pod(second) is None and kubelet.secret(second) is None
+    assert leftover_pods(provider) == []
