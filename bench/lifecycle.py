@@ -22,16 +22,12 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
-import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +46,7 @@ from providers.base import CreateRequest, InstanceState
 from providers.config import Config, LocalConfig, parse_config
 from providers.local import LocalProvider
 from providers.naming import instance_name, owner_tags
+from tests.fixtures.state_dir import local_state_dir
 from tests.fixtures.temporal import start_dev_server
 from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
 from worker import build_worker
@@ -75,19 +72,6 @@ def config_for(origin: TlsOrigin, state_dir: Path) -> Config:
         },
         environ={"PROXY_PASSWORD": PASSWORD},
     )
-
-
-@contextmanager
-def state_directory() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="proxy-operator-bench-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        provider = LocalProvider(LocalConfig(state_dir=str(path)))
-        for instance in provider.list_by_tag("managed-by", "proxy-operator"):
-            provider.delete(instance.provider_id)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 async def direct_time_to_ready(provider: LocalProvider, config: Config, origin: TlsOrigin) -> float:
@@ -199,7 +183,7 @@ async def main(args: argparse.Namespace) -> None:
         namespace=env.client.namespace,
         runtime=runtime,
     )
-    with serve_tls_origin() as origin, state_directory() as state_dir:
+    with serve_tls_origin() as origin, local_state_dir("proxy-operator-bench-") as state_dir:
         config = config_for(origin, state_dir)
         provider = LocalProvider(LocalConfig(state_dir=str(state_dir)))
         activities = activities_for(config, provider, origin)

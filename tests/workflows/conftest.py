@@ -33,7 +33,8 @@ USERNAME = "proxy"
 DEADLINE = 60.0
 
 
-def stack_config(origin_port: int, state_dir: str) -> Config:
+def proxy_config(origin_port: int, provider: dict[str, Any], *, password: str = PASSWORD) -> Config:
+    """A worker config with one provider entry, allowing CONNECT to the test origin."""
     raw = {
         "installation": "test",
         "proxy": {
@@ -41,9 +42,15 @@ def stack_config(origin_port: int, state_dir: str) -> Config:
             "allowed_cidrs": ["127.0.0.0/8"],
             "allowed_connect_ports": [443, origin_port],
         },
-        "providers": [{"name": "local", "type": "local", "local": {"state_dir": state_dir}}],
+        "providers": [provider],
     }
-    return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
+    return parse_config(raw, environ={"PROXY_PASSWORD": password})
+
+
+def stack_config(origin_port: int, state_dir: str) -> Config:
+    return proxy_config(
+        origin_port, {"name": "local", "type": "local", "local": {"state_dir": state_dir}}
+    )
 
 
 @dataclass

@@ -24,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.errors import QUOTA_RETRY_DELAY
 from activities.probe import probe_connect
-from providers.config import Config, parse_config
+from providers.config import Config
 from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
 from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
@@ -38,7 +38,7 @@ from tests.fixtures.squid_upstream import (
 )
 from tests.fixtures.time_skipping import skip_past_pending_timer
 from tests.fixtures.tls_origin import TlsOrigin
-from tests.workflows.conftest import status_of, wait_for, wait_status
+from tests.workflows.conftest import proxy_config, status_of, wait_for, wait_status
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
@@ -51,18 +51,11 @@ VM_IP = "127.0.0.1"
 
 
 def gcp_config(origin_port: int) -> Config:
-    raw = {
-        "installation": INSTALLATION,
-        "proxy": {
-            "auth": {"username": USERNAME, "password_env": "PROXY_PASSWORD"},
-            "allowed_cidrs": ["127.0.0.0/8"],
-            "allowed_connect_ports": [443, origin_port],
-        },
-        "providers": [
-            {"name": PROVIDER, "type": "gcp", "gcp": {"project": DEFAULT_PROJECT, "zone": ZONE}}
-        ],
-    }
-    return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
+    return proxy_config(
+        origin_port,
+        {"name": PROVIDER, "type": "gcp", "gcp": {"project": DEFAULT_PROJECT, "zone": ZONE}},
+        password=PASSWORD,
+    )
 
 
 @pytest.fixture

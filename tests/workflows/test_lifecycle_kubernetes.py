@@ -20,7 +20,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.probe import probe_connect
-from providers.config import Config, KubernetesConfig, parse_config
+from providers.config import Config, KubernetesConfig
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
@@ -34,7 +34,7 @@ from tests.fixtures.squid_upstream import (
     squid_upstreams,  # noqa: F401
 )
 from tests.fixtures.tls_origin import TlsOrigin
-from tests.workflows.conftest import status_of, wait_for, wait_status
+from tests.workflows.conftest import proxy_config, status_of, wait_for, wait_status
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
@@ -47,22 +47,15 @@ POD_IP = "127.0.0.1"
 
 
 def cluster_config(origin_port: int) -> Config:
-    raw = {
-        "installation": INSTALLATION,
-        "proxy": {
-            "auth": {"username": USERNAME, "password_env": "PROXY_PASSWORD"},
-            "allowed_cidrs": ["127.0.0.0/8"],
-            "allowed_connect_ports": [443, origin_port],
+    return proxy_config(
+        origin_port,
+        {
+            "name": PROVIDER,
+            "type": "kubernetes",
+            "kubernetes": {"namespace": NAMESPACE, "request_timeout_seconds": 5},
         },
-        "providers": [
-            {
-                "name": PROVIDER,
-                "type": "kubernetes",
-                "kubernetes": {"namespace": NAMESPACE, "request_timeout_seconds": 5},
-            }
-        ],
-    }
-    return parse_config(raw, environ={"PROXY_PASSWORD": PASSWORD})
+        password=PASSWORD,
+    )
 
 
 @pytest.fixture
