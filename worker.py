@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, NoReturn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, make_wsgi_app
@@ -35,12 +35,15 @@ from temporalio.envconfig import ClientConfig
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
+from activities.gc import GcActivities
 from activities.provider import ProviderActivities
+from activities.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
 from activities.temporal import SearchAttributesMissing, ensure_search_attributes
 from providers.base import Provider
 from providers.config import Config, ConfigError, ProviderEntry, load_config
 from providers.registry import Constructor, build_providers
 from workflows.lifecycle import ProxyLifecycle
+from workflows.orphan_gc import SCHEDULE_ID, OrphanGC
 
 TASK_QUEUE = "proxy-operator"
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
@@ -96,6 +99,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MAX_ACTIVITIES,
         help="one slot per monitored proxy; default %(default)s",
     )
+    parser.add_argument(
+        "--no-orphan-gc-schedule",
+        dest="orphan_gc_schedule",
+        action="store_false",
+        default=os.environ.get("PROXY_OPERATOR_ORPHAN_GC_SCHEDULE", "on").lower() != "off",
+        help=f"do not create or update the {SCHEDULE_ID} schedule at start "
+        "(env PROXY_OPERATOR_ORPHAN_GC_SCHEDULE=off)",
+    )
+    parser.add_argument(
+        "--orphan-gc-interval",
+        type=parse_duration,
+        default=DEFAULT_INTERVAL,
+        help="how often the schedule runs OrphanGC, e.g. 10m or 1h; default 10m",
+    )
     return parser.parse_args(argv)
 
 
@@ -129,9 +146,15 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
     client = await connect(runtime)
     await ensure_search_attributes(client)
     activities = ProviderActivities(providers, config)
+    gc = GcActivities(providers, config.installation, client)
+    if args.orphan_gc_schedule:
+        await ensure_orphan_gc_schedule(
+            client, task_queue=args.task_queue, interval=args.orphan_gc_interval
+        )
     worker = build_worker(
         client,
         activities,
+        gc=gc,
         task_queue=args.task_queue,
         max_concurrent_activities=args.max_concurrent_activities,
     )
@@ -158,14 +181,21 @@ def build_worker(
     client: Client,
     activities: ProviderActivities,
     *,
+    gc: GcActivities | None = None,
     task_queue: str = TASK_QUEUE,
     max_concurrent_activities: int = DEFAULT_MAX_ACTIVITIES,
 ) -> Worker:
-    """The one place that says which workflows and activities a worker serves."""
+    """The one place that says which workflows and activities a worker serves.
+
+    OrphanGC is served when its activities are given, as every real worker does.
+    """
+    gc_activities: list[Callable[..., Any]] = (
+        [] if gc is None else [gc.providers, gc.survey, gc.confirm, gc.record_deleted]
+    )
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[ProxyLifecycle],
+        workflows=[ProxyLifecycle] if gc is None else [ProxyLifecycle, OrphanGC],
         activities=[
             activities.validate_target,
             activities.create_instance,
@@ -174,6 +204,7 @@ def build_worker(
             activities.monitor,
             activities.delete_instance,
             activities.wait_gone,
+            *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
@@ -257,5 +288,20 @@ def _free_port() -> int:
         return port
 
 
+def run() -> NoReturn:
+    """The console entry point: `main`, then exit without interpreter teardown.
+
+    Tearing down the interpreter while the Temporal SDK's native runtime
+    threads still exist can abort the process after a clean drain
+    (temporalio/sdk-python#300). By the time `main` returns everything worth
+    doing is done, so flush and leave with its exit code.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

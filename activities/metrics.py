@@ -15,3 +15,13 @@ PROBE_SECONDS = Histogram(
     ("provider",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+ORPHANS_FOUND = Counter(
+    "proxy_operator_orphans_found",
+    "Instances orphan GC confirmed nobody owns (dry runs included).",
+    ("provider",),
+)
+ORPHANS_DELETED = Counter(
+    "proxy_operator_orphans_deleted",
+    "Orphaned instances orphan GC deleted and saw gone.",
+    ("provider",),
+)

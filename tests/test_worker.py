@@ -110,6 +110,9 @@ def worker_process(
             "TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
             "TEMPORAL_NAMESPACE": temporal_env.client.namespace,
             "PROXY_PASSWORD": PASSWORD,
+            # Orphan GC's schedule has tests of its own; here it would only
+            # add sweeps of the shared dev server.
+            "PROXY_OPERATOR_ORPHAN_GC_SCHEDULE": "off",
             **extra_env,
         }
         log = open(tmp_path / f"worker-{len(started)}.log", "wb")  # noqa: SIM115

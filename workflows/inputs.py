@@ -17,11 +17,13 @@ LABEL_KEY = r"^[a-z][a-z0-9_-]{0,62}$"
 LABEL_VALUE = r"^[a-z0-9_-]{0,63}$"
 
 
-class _Strict(BaseModel):
+class StrictInput(BaseModel):
+    """Workflow input: no coercion, no unknown keys, immutable."""
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class HealthInput(_Strict):
+class HealthInput(StrictInput):
     target: str = DEFAULT_HEALTH_TARGET
     interval_seconds: Annotated[float, Field(ge=1, le=3600)] = 10
     failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
@@ -40,7 +42,7 @@ class HealthInput(_Strict):
         return target
 
 
-class PlacementInput(_Strict):
+class PlacementInput(StrictInput):
     zone: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")] | None = None
     namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
 
@@ -48,7 +50,7 @@ class PlacementInput(_Strict):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class ProxyInput(_Strict):
+class ProxyInput(StrictInput):
     """What a user passes to `temporal workflow start --input`."""
 
     provider: Annotated[str, Field(min_length=1, max_length=63)]
@@ -69,10 +71,11 @@ def parse_input(raw: Any) -> tuple[ProxyInput | None, list[str]]:
     try:
         return ProxyInput.model_validate(raw), []
     except ValidationError as exc:
-        return None, [_describe(err) for err in exc.errors()]
+        return None, [describe_error(err) for err in exc.errors()]
 
 
-def _describe(err: Any) -> str:
+def describe_error(err: Any) -> str:
+    """One pydantic error as `field.path: message`, the way every input error reads."""
     path = ".".join(str(part) for part in err["loc"]) or "input"
     if err["type"] == "missing":
         return f"{path}: field required"

@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from activities.provider import ProviderActivities
     from providers.naming import instance_name
-    from workflows import policies
+    from workflows import failures, policies
     from workflows.inputs import ProxyInput, parse_input
 
 A = TypeVar("A")
@@ -168,12 +168,14 @@ class ProxyLifecycle:
         try:
             lifecycle.result()
         except (ApplicationError, ActivityError) as err:
-            reason = err.message if isinstance(err, ApplicationError) else _message(err)
+            reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
             self._status.last_error = reason
             await self._cleanup()
             self._show_instance(None)
             self._set_state(FAILED)
-            raise ApplicationError(reason, type=_failure_type(err), non_retryable=True) from err
+            raise ApplicationError(
+                reason, type=failures.failure_type(err), non_retryable=True
+            ) from err
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
     @workflow.signal(name="terminate")
@@ -291,9 +293,9 @@ class ProxyLifecycle:
                 f"first probe of {ref.endpoint} via {inp.health.target}",
             )
         except ActivityError as err:
-            if _error_type(err) == policies.PERMANENT:
+            if failures.error_type(err) == policies.PERMANENT:
                 raise
-            raise _InstanceFailed(f"{ref.name}: {_message(err)}", ref) from err
+            raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
         self._status.last_probe = probe
         if not probe.ok:
             raise _InstanceFailed(
@@ -332,13 +334,13 @@ class ProxyLifecycle:
         except ActivityError as err:
             self._creating = None
             self._pending_name = None
-            if _error_type(err) == policies.PERMANENT:
+            if failures.error_type(err) == policies.PERMANENT:
                 raise ApplicationError(
-                    f"provider {inp.provider!r} refused to create: {_message(err)}",
+                    f"provider {inp.provider!r} refused to create: {failures.message(err)}",
                     type=policies.PERMANENT,
                     non_retryable=True,
                 ) from err
-            raise _InstanceFailed(f"create failed: {_message(err)}") from err
+            raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
         self._pending_name = None
         self._owned[ref.provider_id] = ref
@@ -446,21 +448,13 @@ class ProxyLifecycle:
         """Execute one provider activity, waiting out quota errors on a visible timer."""
         while True:
             try:
-                result = await workflow.execute_activity_method(
-                    activity,
-                    arg,
-                    summary=summary,
-                    start_to_close_timeout=profile.start_to_close,
-                    heartbeat_timeout=profile.heartbeat,
-                    schedule_to_close_timeout=profile.schedule_to_close,
-                    retry_policy=policies.TRANSIENT_RETRY,
-                )
+                result = await policies.execute(activity, arg, profile, summary)
             except ActivityError as err:
-                if _error_type(err) != policies.QUOTA_EXCEEDED:
+                if failures.error_type(err) != policies.QUOTA_EXCEEDED:
                     raise
-                delay = _next_retry_delay(err) or policies.DEFAULT_QUOTA_DELAY
-                self._status.waiting_for = f"waiting for quota: {_message(err)}"
-                self._status.last_error = _message(err)
+                delay = failures.next_retry_delay(err) or policies.DEFAULT_QUOTA_DELAY
+                self._status.waiting_for = f"waiting for quota: {failures.message(err)}"
+                self._status.last_error = failures.message(err)
                 self._publish()
                 await workflow.sleep(delay, summary=f"waiting for quota ({summary})")
                 continue
@@ -488,7 +482,7 @@ class ProxyLifecycle:
                     f"wait for {ref.name} to be gone",
                 )
             except ActivityError as err:
-                self._status.last_error = f"deleting {ref.name}: {_message(err)}"
+                self._status.last_error = f"deleting {ref.name}: {failures.message(err)}"
                 await workflow.sleep(
                     policies.PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
@@ -613,24 +607,3 @@ class ProxyLifecycle:
         if status.last_error:
             lines.append(f"last error: {status.last_error}")
         workflow.set_current_details("\n\n".join(lines))
-
-
-def _error_type(err: ActivityError) -> str | None:
-    cause = err.cause
-    return cause.type if isinstance(cause, ApplicationError) else None
-
-
-def _message(err: ActivityError) -> str:
-    cause = err.cause
-    return cause.message if isinstance(cause, ApplicationError) else str(cause or err)
-
-
-def _failure_type(err: ApplicationError | ActivityError) -> str:
-    if isinstance(err, ApplicationError):
-        return err.type or FAILED
-    return _error_type(err) or FAILED
-
-
-def _next_retry_delay(err: ActivityError) -> timedelta | None:
-    cause = err.cause
-    return cause.next_retry_delay if isinstance(cause, ApplicationError) else None

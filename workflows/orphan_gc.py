@@ -21,17 +21,15 @@ For each provider:
 
 A dry run stops after step 2 and reports the same orphans. The workflow never
 reads a wall clock: ages are judged by the activities' clocks. Long sweeps
-continue as new, carrying their counters and a cursor.
+continue as new, carrying their counts, the candidates still to handle and a
+cursor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 from temporalio import workflow
@@ -51,11 +49,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import InstanceInput, InstanceRef
     from activities.provider import ProviderActivities
     from workflows import policies
-    from workflows.inputs import _describe, _Strict
-    from workflows.lifecycle import _message
+    from workflows.failures import message
+    from workflows.inputs import StrictInput, describe_error
 
-A = TypeVar("A")
-R = TypeVar("R")
 
 WORKFLOW_TYPE = "OrphanGC"
 SCHEDULE_ID = "proxy-operator-orphan-gc"
@@ -64,30 +60,16 @@ DEFAULT_GRACE_PERIOD_SECONDS = 600
 # Candidates confirmed, then deleted concurrently, per batch: the bound on
 # concurrent deletions, and on how stale a confirmation can get.
 BATCH = 20
-# Candidates one run handles before it continues as new (about 7 history
-# events each), unless the server suggests it sooner.
+# Candidates one run handles before it continues as new (7 to 8 history
+# events and a few KB each when deleted), unless the server suggests it sooner.
 MAX_PER_RUN = 200
 # Ids listed per provider and kind in the result; the counts are always exact.
 MAX_IDS = 1000
 # The Web UI's current details show this many orphans per provider.
 DETAILS_IDS = 10
 
-SURVEY = policies.ActivityProfile(
-    start_to_close=timedelta(minutes=5),
-    heartbeat=timedelta(minutes=1),
-    schedule_to_close=timedelta(minutes=15),
-)
-CONFIRM = policies.ActivityProfile(
-    start_to_close=timedelta(minutes=1), schedule_to_close=timedelta(minutes=10)
-)
-# Unlike its owner, GC gives up on one instance and counts it as failed: the
-# next sweep tries again, while one stuck delete would hold this sweep, and the
-# schedule skips every sweep while one runs.
-DELETE = dataclasses.replace(policies.DELETE, schedule_to_close=timedelta(minutes=30))
-WAIT_GONE = dataclasses.replace(policies.WAIT_GONE, schedule_to_close=timedelta(minutes=30))
 
-
-class GcInput(_Strict):
+class GcInput(StrictInput):
     """What a user passes to `temporal workflow start --type OrphanGC --input`."""
 
     dry_run: bool = False
@@ -207,14 +189,14 @@ class OrphanGC:
         while True:
             if progress.pending is None:
                 try:
-                    survey = await self._activity(
+                    survey = await policies.execute(
                         GcActivities.survey,
                         SurveyInput(sweep.provider, inp.grace_period_seconds, progress.cursor),
-                        SURVEY,
+                        policies.GC_SURVEY,
                         f"survey {sweep.provider}",
                     )
                 except ActivityError as err:
-                    sweep.error = _message(err)
+                    sweep.error = message(err)
                     self._show()
                     return
                 sweep.lookups += survey.lookups
@@ -239,15 +221,15 @@ class OrphanGC:
     async def _handle(self, sweep: ProviderSweep, batch: list[Candidate], inp: GcInput) -> None:
         """Confirm one batch, then delete its orphans concurrently."""
         try:
-            confirmation = await self._activity(
+            confirmation = await policies.execute(
                 GcActivities.confirm,
                 ConfirmInput(batch),
-                CONFIRM,
+                policies.GC_CONFIRM,
                 f"confirm {len(batch)} candidates on {sweep.provider}",
             )
         except ActivityError as err:
             for candidate in batch:
-                _fail(sweep, candidate.provider_id, f"could not confirm: {_message(err)}")
+                _fail(sweep, candidate.provider_id, f"could not confirm: {message(err)}")
             return
         sweep.lookups += confirmation.lookups
         orphans: list[Candidate] = []
@@ -293,41 +275,24 @@ class OrphanGC:
             created_at=candidate.created_at,
         )
         try:
-            await self._activity(
+            await policies.execute(
                 ProviderActivities.delete_instance,
                 InstanceInput(ref),
-                DELETE,
+                policies.GC_DELETE,
                 f"delete orphan {ref.name}",
             )
-            await self._activity(
+            await policies.execute(
                 ProviderActivities.wait_gone,
                 InstanceInput(ref),
-                WAIT_GONE,
+                policies.GC_WAIT_GONE,
                 f"wait for orphan {ref.name} to be gone",
             )
         except ActivityError as err:
-            return _message(err)
+            return message(err)
         return None
 
-    async def _activity(
-        self,
-        activity: Callable[[Any, A], Awaitable[R]],
-        arg: A,
-        profile: policies.ActivityProfile,
-        summary: str,
-    ) -> R:
-        """One activity with its profile's timeouts and the shared retry policy."""
-        return await workflow.execute_activity_method(
-            activity,
-            arg,
-            summary=summary,
-            start_to_close_timeout=profile.start_to_close,
-            heartbeat_timeout=profile.heartbeat,
-            schedule_to_close_timeout=profile.schedule_to_close,
-            retry_policy=policies.TRANSIENT_RETRY,
-        )
-
     def _continue_as_new_if_long(self, inp: GcInput) -> None:
+        """Keep each run's history short; the next run picks up where this one stands."""
         if self._handled < MAX_PER_RUN and not workflow.info().is_continue_as_new_suggested():
             return
         workflow.continue_as_new(args=[inp.model_dump(mode="json"), self._progress])
@@ -370,7 +335,7 @@ def _parse(raw: Any) -> tuple[GcInput | None, list[str]]:
     try:
         return GcInput.model_validate(raw), []
     except ValidationError as exc:
-        return None, [_describe(err) for err in exc.errors()]
+        return None, [describe_error(err) for err in exc.errors()]
 
 
 def _note(ids: dict[str, str], provider_id: str, reason: str) -> None:

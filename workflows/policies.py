@@ -19,9 +19,12 @@ every hour.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any, TypeVar
 
+from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 from activities.errors import INSTANCE_LOST, INVALID_INPUT
@@ -74,3 +77,33 @@ VALIDATE = ActivityProfile(
 
 # How long the monitor runs before it reports back even when all is well.
 MONITOR_PERIOD = timedelta(hours=1)
+
+# Orphan GC's own calls. Unlike a proxy's owner, GC gives up on one instance
+# and counts it as failed: the next sweep tries again, while one stuck delete
+# would hold this sweep, and the schedule skips every sweep while one runs.
+GC_SURVEY = ActivityProfile(
+    start_to_close=timedelta(minutes=5), schedule_to_close=timedelta(minutes=15)
+)
+GC_CONFIRM = ActivityProfile(
+    start_to_close=timedelta(minutes=1), schedule_to_close=timedelta(minutes=10)
+)
+GC_DELETE = replace(DELETE, schedule_to_close=timedelta(minutes=30))
+GC_WAIT_GONE = replace(WAIT_GONE, schedule_to_close=timedelta(minutes=30))
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+async def execute(
+    activity: Callable[[Any, A], Awaitable[R]], arg: A, profile: ActivityProfile, summary: str
+) -> R:
+    """Execute one activity method with its profile's timeouts and the shared retries."""
+    return await workflow.execute_activity_method(
+        activity,
+        arg,
+        summary=summary,
+        start_to_close_timeout=profile.start_to_close,
+        heartbeat_timeout=profile.heartbeat,
+        schedule_to_close_timeout=profile.schedule_to_close,
+        retry_policy=TRANSIENT_RETRY,
+    )

@@ -1,0 +1,336 @@
+"""Orphan GC's look-ups: which of this installation's instances does nobody own?
+
+Ownership is decided by Temporal, never guessed from the instance: a
+ProxyLifecycle lists every instance it owns or is creating in its
+`ProxyInstances` search attribute, and publishes a name there before it asks a
+provider to create it. So an instance is owned exactly while its owner
+workflow (the `proxy-operator/owner` tag) is running and lists its name.
+
+Two steps keep this cheap and safe:
+
+- `gc_survey` lists one provider's instances and compares them, inside the
+  activity, with one paged visibility query over the running lifecycles. A
+  fleet of 10,000 costs a handful of Temporal calls, and only the few
+  candidates cross a payload (payloads are limited to a few MB).
+- `gc_confirm` describes each candidate's owner directly before the workflow
+  deletes anything, because visibility lags: a workflow started a moment ago,
+  or one that has just published a new instance, may not be listed yet.
+  Describe reads the workflow's own state, so it is never behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.errors import INVALID_INPUT, to_application_error
+from activities.metrics import ORPHANS_DELETED, ORPHANS_FOUND
+from providers.base import Instance, Provider
+from providers.errors import classify
+from providers.naming import (
+    GENERATION_KEY,
+    INSTALLATION_KEY,
+    MANAGED_BY_KEY,
+    MANAGED_BY_VALUE,
+    OWNER_KEY,
+)
+from workflows.lifecycle import INSTANCES, PROVIDER, STATE, WORKFLOW_TYPE
+
+T = TypeVar("T")
+
+ORPHAN = "orphan"
+OWNED = "owned"
+SKIPPED = "skipped"
+
+# Visibility page size: the server's maximum, so 10,000 owners are 10 calls.
+VISIBILITY_PAGE_SIZE = 1000
+# At most this many candidates (and young instances) cross one payload, a few
+# hundred KB; the workflow asks again with a cursor for the rest.
+SURVEY_LIMIT = 1000
+# Describes in flight at once, so a burst of candidates cannot flood the server.
+DESCRIBE_CONCURRENCY = 20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance the bulk look-up found no owner for; confirmed before deletion."""
+
+    provider: str
+    provider_id: str
+    name: str
+    # The owner workflow id from the tag; empty when the tag is missing.
+    owner: str
+    generation: int
+    created_at: str
+
+
+@dataclass(frozen=True)
+class SurveyInput:
+    provider: str
+    grace_period_seconds: float
+    # Only candidates whose provider_id sorts after this one: how a sweep
+    # fetches its next page of candidates without handling one twice.
+    after: str = ""
+    # None: SURVEY_LIMIT.
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class Survey:
+    """One provider compared with the running lifecycles.
+
+    `seen`, `owned` and `young` count every instance of the listing; the
+    candidates are those after the cursor, in provider_id order, up to the
+    limit.
+    """
+
+    seen: int
+    owned: int
+    # Not owned, but younger than the grace period: kept this time.
+    young: int
+    # provider_id -> why it is kept, for up to `limit` of them.
+    young_ids: dict[str, str]
+    candidates: list[Candidate]
+    # More candidates follow the last one returned.
+    more: bool
+    # Temporal calls this survey made: visibility pages.
+    lookups: int
+
+
+@dataclass(frozen=True)
+class ConfirmInput:
+    candidates: list[Candidate]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    candidate: Candidate
+    # ORPHAN, OWNED or SKIPPED.
+    verdict: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    verdicts: list[Verdict]
+    # Temporal calls made: one describe per distinct owner.
+    lookups: int
+
+
+@dataclass(frozen=True)
+class DeletedInput:
+    provider: str
+    count: int
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """What a direct describe says about one owner workflow id; status None: no such id."""
+
+    status: WorkflowExecutionStatus | None
+    workflow_type: str = ""
+    instances: frozenset[str] = frozenset()
+    # Whether it has published its state, which it does in its first task
+    # together with the instance it is about to create or adopt.
+    published: bool = False
+
+
+class GcActivities:
+    """Orphan GC's activities over the worker's providers and Temporal client."""
+
+    def __init__(
+        self, providers: Mapping[str, Provider], installation: str, client: Client
+    ) -> None:
+        self._providers = dict(providers)
+        self._installation = installation
+        self._client = client
+
+    @activity.defn(name="gc_providers")
+    async def providers(self) -> list[str]:
+        """The providers this worker serves: what a sweep covers by default."""
+        return list(self._providers)
+
+    @activity.defn(name="gc_survey")
+    async def survey(self, inp: SurveyInput) -> Survey:
+        """List this installation's instances on one provider and find the candidates.
+
+        An instance is owned when a running lifecycle lists it; instances
+        younger than the grace period are kept without further look-ups.
+        Everything else is a candidate for `gc_confirm`.
+        """
+        # Both at once: a cloud listing takes as long as the visibility pages.
+        instances, (owners, lookups) = await asyncio.gather(
+            self._list(inp.provider), self._running_owners(inp.provider)
+        )
+        now = datetime.now(UTC)
+        grace = timedelta(seconds=inp.grace_period_seconds)
+        limit = inp.limit or SURVEY_LIMIT
+        owned = young = 0
+        young_ids: dict[str, str] = {}
+        candidates: list[Candidate] = []
+        for instance in instances:
+            if instance.name in owners.get(instance.tags.get(OWNER_KEY, ""), frozenset()):
+                owned += 1
+                continue
+            age = now - _aware(instance.created_at)
+            if age < grace:
+                young += 1
+                if len(young_ids) < limit:
+                    young_ids[instance.provider_id] = (
+                        f"created {int(age.total_seconds())} s ago, within the grace period"
+                    )
+            elif instance.provider_id > inp.after:
+                candidates.append(_candidate(inp.provider, instance))
+        candidates.sort(key=lambda c: c.provider_id)
+        return Survey(
+            seen=len(instances),
+            owned=owned,
+            young=young,
+            young_ids=young_ids,
+            candidates=candidates[:limit],
+            more=len(candidates) > limit,
+            lookups=lookups,
+        )
+
+    @activity.defn(name="gc_confirm")
+    async def confirm(self, inp: ConfirmInput) -> Confirmation:
+        """Describe each candidate's owner directly: the verdict the workflow acts on.
+
+        Describe reads the owner's own state, not the lagging visibility store.
+        A running owner that has not run its first task yet keeps the
+        instance for now: a new run of a reused workflow id adopts the
+        instance its name points at, and says so only in that first task.
+        """
+        owner_ids = sorted({c.owner for c in inp.candidates if c.owner})
+        slots = asyncio.Semaphore(DESCRIBE_CONCURRENCY)
+
+        async def describe(owner_id: str) -> _Owner:
+            async with slots:
+                return await self._describe(owner_id)
+
+        described = await asyncio.gather(*(describe(o) for o in owner_ids))
+        owners = dict(zip(owner_ids, described, strict=True))
+        verdicts = [_verdict(c, owners.get(c.owner)) for c in inp.candidates]
+        found = sum(v.verdict == ORPHAN for v in verdicts)
+        if found:
+            ORPHANS_FOUND.labels(inp.candidates[0].provider).inc(found)
+        return Confirmation(verdicts, lookups=len(owner_ids))
+
+    @activity.defn(name="gc_record_deleted")
+    async def record_deleted(self, inp: DeletedInput) -> None:
+        """Count orphans the workflow deleted and saw gone."""
+        ORPHANS_DELETED.labels(inp.provider).inc(inp.count)
+
+    async def _list(self, provider_name: str) -> list[Instance]:
+        """Every instance of this installation and this operator, on one provider."""
+        provider = self._providers.get(provider_name)
+        if provider is None:
+            raise ApplicationError(
+                f"providers: unknown provider {provider_name!r}",
+                type=INVALID_INPUT,
+                non_retryable=True,
+            )
+        found = await _threaded(provider.list_by_tag, INSTALLATION_KEY, self._installation)
+        # list_by_tag selects on one tag; the others are checked here, so an
+        # instance some other tool tagged alike is never touched.
+        return [
+            i
+            for i in found
+            if i.tags.get(MANAGED_BY_KEY) == MANAGED_BY_VALUE
+            and i.tags.get(INSTALLATION_KEY) == self._installation
+        ]
+
+    async def _running_owners(self, provider_name: str) -> tuple[dict[str, frozenset[str]], int]:
+        """Running lifecycles on this provider -> the instance names each lists; pages used.
+
+        One query, paged: the cost grows with the fleet's size over a thousand,
+        not with the number of instances.
+        """
+        query = (
+            f"WorkflowType = '{WORKFLOW_TYPE}' AND ExecutionStatus = 'Running' "
+            f"AND {PROVIDER.name} = '{_quote(provider_name)}'"
+        )
+        listing = self._client.list_workflows(query, page_size=VISIBILITY_PAGE_SIZE)
+        owners: dict[str, frozenset[str]] = {}
+        pages = 0
+        while True:
+            await listing.fetch_next_page()
+            pages += 1
+            for execution in listing.current_page or ():
+                names = execution.typed_search_attributes.get(INSTANCES)
+                owners[execution.id] = frozenset(names or ())
+            if not listing.next_page_token:
+                return owners, pages
+
+    async def _describe(self, owner_id: str) -> _Owner:
+        try:
+            description = await self._client.get_workflow_handle(owner_id).describe()
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                return _Owner(status=None)
+            raise
+        return _owner(description)
+
+
+def _owner(description: WorkflowExecutionDescription) -> _Owner:
+    attributes = description.typed_search_attributes
+    return _Owner(
+        status=description.status,
+        workflow_type=description.workflow_type,
+        instances=frozenset(attributes.get(INSTANCES) or ()),
+        published=attributes.get(STATE) is not None,
+    )
+
+
+def _verdict(c: Candidate, owner: _Owner | None) -> Verdict:
+    if not c.owner:
+        return Verdict(c, ORPHAN, "no owner tag")
+    if owner is None or owner.status is None:
+        return Verdict(c, ORPHAN, f"owner {c.owner} does not exist")
+    if owner.status is not WorkflowExecutionStatus.RUNNING:
+        return Verdict(c, ORPHAN, f"owner {c.owner} is {owner.status.name.lower()}")
+    if owner.workflow_type != WORKFLOW_TYPE:
+        return Verdict(c, ORPHAN, f"{c.owner} is now a {owner.workflow_type}, not a proxy")
+    if c.name in owner.instances:
+        return Verdict(c, OWNED, f"owner {c.owner} lists it (visibility was behind)")
+    if not owner.published:
+        return Verdict(c, SKIPPED, f"owner {c.owner} has not started yet and may adopt it")
+    return Verdict(c, ORPHAN, f"owner {c.owner} no longer uses generation {c.generation}")
+
+
+def _candidate(provider: str, instance: Instance) -> Candidate:
+    generation = instance.tags.get(GENERATION_KEY, "")
+    return Candidate(
+        provider=provider,
+        provider_id=instance.provider_id,
+        name=instance.name,
+        owner=instance.tags.get(OWNER_KEY, ""),
+        generation=int(generation) if generation.isdigit() else -1,
+        created_at=_aware(instance.created_at).isoformat(),
+    )
+
+
+def _aware(moment: datetime) -> datetime:
+    """Providers report UTC; a naive timestamp is read as UTC, not local time."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _quote(value: str) -> str:
+    """A string literal for a visibility query."""
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
+async def _threaded(fn: Callable[..., T], *args: object) -> T:
+    """Run a sync provider call off the event loop; taxonomy errors become ApplicationErrors."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Exception as err:
+        raise to_application_error(classify(err)) from err

@@ -1,0 +1,146 @@
+"""A stand-in fleet for orphan GC at scale: instances in memory, owners without a worker.
+
+`MemoryProvider` keeps the provider contract over a dict, so a test or a
+benchmark can hold thousands of instances with chosen ages and tags, and
+refuse deletes. `start_owner` makes a real ProxyLifecycle execution
+that no worker runs: its search attributes, set at start, say which instances
+it owns, exactly as a running lifecycle publishes them. Together they let
+orphan GC run against real Temporal visibility and describe without a Squid
+per instance.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.errors import NotFound, ProviderError
+from providers.naming import instance_name, owner_tags
+from workflows.lifecycle import INSTANCES, PROVIDER, STATE, WORKFLOW_TYPE
+
+PROVIDER_ID_PREFIX = "memory/"
+# Long enough past any grace period a test uses.
+OLD = timedelta(days=1)
+
+
+class MemoryProvider:
+    """The provider contract over a dict; thread-safe, as activities call it from threads."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, Instance] = {}
+        self._lock = threading.Lock()
+        self._undeletable: dict[str, ProviderError] = {}
+        self.deleted: list[str] = []
+
+    # -- set-up for tests -----------------------------------------------------
+
+    def add(
+        self,
+        installation: str,
+        owner: str,
+        generation: int,
+        *,
+        age: timedelta = OLD,
+        tags: dict[str, str] | None = None,
+    ) -> Instance:
+        """An instance as the lifecycle names and tags it, created `age` ago."""
+        name = instance_name(owner, generation)
+        instance = Instance(
+            provider_id=PROVIDER_ID_PREFIX + name,
+            name=name,
+            state=InstanceState.RUNNING,
+            ip="127.0.0.1",
+            port=3128,
+            tags=tags if tags is not None else owner_tags(installation, owner, generation),
+            created_at=datetime.now(UTC) - age,
+        )
+        with self._lock:
+            self._instances[instance.provider_id] = instance
+        return instance
+
+    def refuse_delete(self, provider_id: str, error: ProviderError) -> None:
+        """Every delete of this instance raises `error`."""
+        with self._lock:
+            self._undeletable[provider_id] = error
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return set(self._instances)
+
+    # -- the Provider contract ------------------------------------------------
+
+    def create(self, req: CreateRequest) -> Instance:
+        with self._lock:
+            provider_id = PROVIDER_ID_PREFIX + req.name
+            existing = self._instances.get(provider_id)
+            if existing is not None:
+                return existing
+            instance = Instance(
+                provider_id=provider_id,
+                name=req.name,
+                state=InstanceState.RUNNING,
+                ip="127.0.0.1",
+                port=req.proxy.port,
+                tags=dict(req.tags),
+                created_at=datetime.now(UTC),
+            )
+            self._instances[provider_id] = instance
+            return instance
+
+    def get(self, provider_id: str) -> Instance:
+        with self._lock:
+            try:
+                return self._instances[provider_id]
+            except KeyError:
+                raise NotFound(f"{provider_id} does not exist") from None
+
+    def delete(self, provider_id: str) -> None:
+        with self._lock:
+            error = self._undeletable.get(provider_id)
+            if error is not None:
+                raise error
+            if self._instances.pop(provider_id, None) is not None:
+                self.deleted.append(provider_id)
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        with self._lock:
+            return [i for i in self._instances.values() if i.tags.get(key) == value]
+
+
+async def start_owner(
+    client: Client,
+    workflow_id: str,
+    *,
+    provider: str,
+    instances: Sequence[str],
+    task_queue: str,
+    state: str | None = "Ready",
+    **options: Any,
+) -> WorkflowHandle[Any, Any]:
+    """A running ProxyLifecycle that owns `instances`, as visibility and describe see it.
+
+    No worker polls `task_queue`, so it stays running with exactly these
+    search attributes until the test terminates it. `state=None` stands for
+    a run whose first task has not run yet: a lifecycle publishes its state
+    and instances together, in that task.
+    """
+    pairs: list[SearchAttributePair[Any]] = [
+        SearchAttributePair(PROVIDER, provider),
+        SearchAttributePair(INSTANCES, list(instances)),
+    ]
+    if state is not None:
+        pairs.append(SearchAttributePair(STATE, state))
+    return await client.start_workflow(
+        WORKFLOW_TYPE,
+        {"provider": provider},
+        id=workflow_id,
+        task_queue=task_queue,
+        search_attributes=TypedSearchAttributes(pairs),
+        **options,
+    )
