@@ -32,7 +32,14 @@ from providers.config import Config
 from providers.errors import Permanent
 from providers.naming import instance_name, owner_tags
 from tests.fakes.memory import MemoryProvider, start_owner
-from tests.workflows.conftest import Stack, stack_config, status_of, wait_for, wait_status
+from tests.workflows.conftest import (
+    Stack,
+    record_history,
+    stack_config,
+    status_of,
+    wait_for,
+    wait_status,
+)
 from worker import build_worker
 from workflows.orphan_gc import MAX_PER_RUN, GcResult
 
@@ -141,6 +148,7 @@ async def test_sweep_deletes_every_orphan_keeps_the_owned_and_dry_run_agrees(
     assert "| local | 4 | 1 | 3 | 3 | 0 | 0 |" in details
     assert never.provider_id in details
     assert (counter("found"), counter("deleted")) == (found + 6, deleted + 3)
+    await record_history(handle, "orphan_gc_sweep")
 
 
 async def test_instances_younger_than_the_grace_period_are_kept(
@@ -319,6 +327,7 @@ async def test_adversarial_fleet_loses_no_owned_instance_and_keeps_no_old_orphan
     assert swept.lookups <= len(orphan_owners) + arrived + 10, context
     latest = await client.get_workflow_handle(handle.id).describe()
     assert latest.run_id != handle.run_id, f"the sweep continued as new ({context})"
+    await record_history(client.get_workflow_handle(handle.id), "orphan_gc_continued")
 
 
 def counter(kind: str) -> float:

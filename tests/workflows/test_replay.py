@@ -16,6 +16,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from workflows.lifecycle import ProxyLifecycle
+from workflows.orphan_gc import OrphanGC
 
 HISTORIES = {
     path.stem: json.loads(path.read_text())
@@ -31,4 +32,4 @@ def test_histories_are_committed() -> None:
 async def test_replays_without_nondeterminism(name: str) -> None:
     recorded = HISTORIES[name]
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
-    await Replayer(workflows=[ProxyLifecycle]).replay_workflow(history)
+    await Replayer(workflows=[ProxyLifecycle, OrphanGC]).replay_workflow(history)
