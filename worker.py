@@ -207,6 +207,9 @@ def build_worker(
             *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,
+        # One cached workflow per monitored proxy, so the hourly monitor
+        # report-back never has to replay an evicted history.
+        max_cached_workflows=max_concurrent_activities,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
 

@@ -6,7 +6,7 @@ Each prints tables for docs/benchmarks.md; none asserts anything.
 import runpy
 import sys
 
-BENCHMARKS = ("bench.local_squid", "bench.lifecycle", "bench.orphan_gc")
+BENCHMARKS = ("bench.local_squid", "bench.lifecycle", "bench.orphan_gc", "bench.fleet")
 
 for module in BENCHMARKS:
     print(f"\n=== {module}", flush=True)
