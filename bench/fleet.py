@@ -47,14 +47,12 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from array import array
 from collections import Counter
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,9 +65,9 @@ from activities.probe import ProbeResult, probe_connect
 from activities.provider import ProviderActivities
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.config import Config, LocalConfig, parse_config
-from providers.errors import NotFound
 from providers.local import LocalProvider
 from providers.naming import OWNER_KEY, instance_name, owner_tags
+from tests.fakes.memory import MemoryProvider
 from tests.fixtures.state_dir import local_state_dir
 from tests.fixtures.temporal import start_dev_server
 from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
@@ -105,7 +103,7 @@ MIB = 1024 * 1024
 # ---- the worker process ---------------------------------------------------------------
 
 
-class PoolProvider:
+class PoolProvider(MemoryProvider):
     """The provider contract in memory, every instance pointing at a real Squid.
 
     Instance i (the number ending its owner's workflow id) is endpoint
@@ -113,46 +111,14 @@ class PoolProvider:
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        super().__init__()
         self._endpoints = list(endpoints)
-        self._instances: dict[str, Instance] = {}
-        self._lock = threading.Lock()
 
-    def create(self, req: CreateRequest) -> Instance:
+    def address(self, req: CreateRequest) -> tuple[str, int]:
         owner = req.tags.get(OWNER_KEY, req.name)
         suffix = owner.rsplit("-", 1)[-1]
         index = int(suffix) if suffix.isdigit() else hash(owner)
-        ip, port = self._endpoints[index % len(self._endpoints)]
-        provider_id = f"{FLEET_PROVIDER}/{req.name}"
-        with self._lock:
-            existing = self._instances.get(provider_id)
-            if existing is not None:
-                return existing
-            instance = Instance(
-                provider_id=provider_id,
-                name=req.name,
-                state=InstanceState.RUNNING,
-                ip=ip,
-                port=port,
-                tags=dict(req.tags),
-                created_at=datetime.now(UTC),
-            )
-            self._instances[provider_id] = instance
-            return instance
-
-    def get(self, provider_id: str) -> Instance:
-        with self._lock:
-            try:
-                return self._instances[provider_id]
-            except KeyError:
-                raise NotFound(f"{provider_id} does not exist") from None
-
-    def delete(self, provider_id: str) -> None:
-        with self._lock:
-            self._instances.pop(provider_id, None)
-
-    def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        with self._lock:
-            return [i for i in self._instances.values() if i.tags.get(key) == value]
+        return self._endpoints[index % len(self._endpoints)]
 
 
 @dataclass

@@ -75,7 +75,12 @@ class MemoryProvider:
 
     # -- the Provider contract ------------------------------------------------
 
+    def address(self, req: CreateRequest) -> tuple[str, int]:
+        """Where a new instance says it listens; a subclass may point it elsewhere."""
+        return "127.0.0.1", req.proxy.port
+
     def create(self, req: CreateRequest) -> Instance:
+        ip, port = self.address(req)
         with self._lock:
             provider_id = PROVIDER_ID_PREFIX + req.name
             existing = self._instances.get(provider_id)
@@ -85,8 +90,8 @@ class MemoryProvider:
                 provider_id=provider_id,
                 name=req.name,
                 state=InstanceState.RUNNING,
-                ip="127.0.0.1",
-                port=req.proxy.port,
+                ip=ip,
+                port=port,
                 tags=dict(req.tags),
                 created_at=datetime.now(UTC),
             )
