@@ -54,6 +54,9 @@ MAX_POLL_SECONDS = 2.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
+# While a new instance fails its first probes (a VM still booting), ask the
+# provider this often whether it still exists.
+GONE_CHECK_SECONDS = 5.0
 WORKER_SHUTDOWN = "WorkerShutdown"
 
 
@@ -149,14 +152,22 @@ class ProviderActivities:
         """Probe until one CONNECT succeeds or the deadline passes.
 
         Returns the last result either way; the workflow decides what a
-        proxy that never became healthy means.
+        proxy that never became healthy means. An instance found dead or
+        deleted meanwhile (say, by a worker restart that stopped local
+        proxies) is reported as InstanceLost at once instead of at the deadline.
         """
         deadline = time.monotonic() + inp.deadline_seconds
+        next_check = time.monotonic() + GONE_CHECK_SECONDS
         delay = FIRST_POLL_SECONDS
         while True:
             summary = _summarise(await self._probe(inp.instance, inp.target, inp.timeout_seconds))
             if summary.ok or time.monotonic() >= deadline:
                 return summary
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + GONE_CHECK_SECONDS
+                gone = await self._gone_reason(inp.instance)
+                if gone:
+                    raise instance_lost(f"{gone} while waiting for its first probe")
             activity.heartbeat(summary)
             await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)

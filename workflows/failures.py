@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 # The failure type when an error carries no taxonomy type of its own.
 UNCLASSIFIED = "Failed"
@@ -29,3 +29,11 @@ def failure_type(err: ApplicationError | ActivityError) -> str:
 def next_retry_delay(err: ActivityError) -> timedelta | None:
     cause = err.cause
     return cause.next_retry_delay if isinstance(cause, ApplicationError) else None
+
+
+def cancelled(err: ActivityError) -> bool:
+    """Whether the activity failed because we cancelled it (terminate, cancel).
+
+    Such a failure must end what awaited it, never count as a broken instance.
+    """
+    return isinstance(err.cause, CancelledError)

@@ -293,7 +293,7 @@ class ProxyLifecycle:
                 f"first probe of {ref.endpoint} via {inp.health.target}",
             )
         except ActivityError as err:
-            if failures.error_type(err) == policies.PERMANENT:
+            if failures.cancelled(err) or failures.error_type(err) == policies.PERMANENT:
                 raise
             raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
         self._status.last_probe = probe

@@ -176,3 +176,24 @@ async def test_max_lifetime_rotates_make_before_break(stack: Stack) -> None:
     await handle.result()
     assert stack.instances() == []
     await record_history(handle, "rotated")
+
+
+async def test_instance_lost_before_its_first_probe_is_replaced_without_waiting(
+    stack: Stack,
+) -> None:
+    # Nothing listens on 127.0.0.2, so first probes keep failing (503 from Squid).
+    unreachable = f"https://127.0.0.2:{stack.origin.port}/"
+    handle = await stack.start(health={"target": unreachable, "interval_seconds": 1})
+    first = await wait_status(handle, lambda s: bool(s.endpoint), "a running instance")
+    os.kill(stack.pid_of(first.instance), signal.SIGKILL)
+    # Well inside the two minutes a first probe is given before the instance
+    # is written off: the provider says it is gone, so it is replaced now.
+    status = await wait_status(handle, lambda s: s.generation == 1, "a replacement", deadline=30)
+    assert "while waiting for its first probe" in (status.last_error or "")
+    assert stack.provider.calls["create"] == 2
+    # Terminate lands while the replacement waits for its first probe: the
+    # cancelled activity ends the lifecycle instead of counting as a failure.
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+    await record_history(handle, "lost_before_first_probe_then_terminated")
