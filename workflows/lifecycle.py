@@ -482,6 +482,8 @@ class ProxyLifecycle:
                     f"wait for {ref.name} to be gone",
                 )
             except ActivityError as err:
+                if failures.cancelled(err):
+                    raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._status.last_error = f"deleting {ref.name}: {failures.message(err)}"
                 await workflow.sleep(
                     policies.PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"

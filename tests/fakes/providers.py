@@ -25,6 +25,10 @@ class FaultyProvider:
         self.create_gate = threading.Event()
         self.create_gate.set()
         self.create_entered = threading.Event()
+        # The same for deletes.
+        self.delete_gate = threading.Event()
+        self.delete_gate.set()
+        self.delete_entered = threading.Event()
         # When set, every instance is destroyed right after it is created.
         self.doomed = False
 
@@ -48,6 +52,8 @@ class FaultyProvider:
 
     def delete(self, provider_id: str) -> None:
         self._enter("delete")
+        self.delete_entered.set()
+        self.delete_gate.wait(timeout=120)
         self.inner.delete(provider_id)
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:

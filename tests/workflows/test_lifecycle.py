@@ -197,3 +197,16 @@ async def test_instance_lost_before_its_first_probe_is_replaced_without_waiting(
     await handle.result()
     assert stack.instances() == []
     await record_history(handle, "lost_before_first_probe_then_terminated")
+
+
+async def test_terminate_while_rotation_deletes_the_old_instance(stack: Stack) -> None:
+    handle = await stack.start(max_lifetime_seconds=10)
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    stack.provider.delete_gate.clear()  # the old instance's delete hangs
+    await wait_for(stack.provider.delete_entered.is_set, "rotation to delete the old instance")
+    await handle.signal("terminate")
+    await wait_status(handle, lambda s: s.state == "Terminating", "Terminating")
+    stack.provider.delete_gate.set()
+    result = await asyncio.wait_for(handle.result(), timeout=60)
+    assert result["state"] == "Terminated"
+    assert stack.instances() == []
