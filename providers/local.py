@@ -399,12 +399,12 @@ class LocalProvider:
         # signal reaches them; they are found by the instance files they name.
         # They exit once Squid closes their pipes: only a stuck one is killed.
         directory = self._dir(name)
-        if _wait_until(lambda: not _processes_under(directory)):
+        if _wait_until(lambda: not processes_under(directory)):
             return
-        for pid in _processes_under(directory):
+        for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if not _wait_until(lambda: not _processes_under(directory)):
+        if not _wait_until(lambda: not processes_under(directory)):
             raise Transient(f"processes of local instance {name} survive SIGKILL")
 
 
@@ -442,7 +442,7 @@ def _process_start(pid: int) -> str | None:
     return f"{_boot_id()}/{fields[19]}"
 
 
-def _processes_under(directory: Path) -> list[int]:
+def processes_under(directory: Path) -> list[int]:
     """Processes with an argument inside `directory`: Squid and its helpers.
 
     Zombies drop out by themselves: their command line reads empty.

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from temporalio.testing import WorkflowEnvironment
 
+from providers.local import processes_under
 from tests.fixtures.tls_origin import serve_tls_origin
 from tests.workflows.conftest import PASSWORD, status_of, wait_for, wait_status
 
@@ -56,17 +57,11 @@ def write_config(path: Path, state_dir: Path, connect_port: int) -> Path:
 
 def squid_pids(state_dir: Path) -> list[int]:
     """Squid main processes (not their auth helpers) serving from `state_dir`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"squid") and str(state_dir).encode() in b" ".join(argv):
-            pids.append(int(proc.name))
-    return pids
+    return [
+        pid
+        for pid in processes_under(state_dir)
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "squid"
+    ]
 
 
 def test_broken_config_exits_2_listing_every_problem(tmp_path: Path) -> None:
