@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from collections.abc import Mapping
 
 NAME_PREFIX = "proxy-"
 NAME_HASH_CHARS = 16
@@ -53,6 +54,35 @@ def owner_tags(
         }
     )
     return tags
+
+
+def ownership_mismatch(
+    tags: Mapping[str, str],
+    installation: str,
+    *,
+    owner_id: str | None = None,
+    generation: int | None = None,
+) -> str | None:
+    """Why an instance is not ours to act on, or None when it is.
+
+    Providers call this before they delete an instance, and before a create
+    adopts one that already carries the requested name: another installation
+    sharing the project or cluster, or something a person made by hand, must
+    never be deleted or silently adopted. Delete checks the installation only
+    (orphan GC deletes instances of owners that are gone); adopt also checks
+    the owner and generation the name was derived from.
+    """
+    expected: dict[str, str] = {MANAGED_BY_KEY: MANAGED_BY_VALUE, INSTALLATION_KEY: installation}
+    if owner_id is not None:
+        expected[OWNER_KEY] = owner_id
+    if generation is not None:
+        expected[GENERATION_KEY] = str(generation)
+    wrong = [
+        f"{key}={tags.get(key)!r} (expected {value!r})"
+        for key, value in expected.items()
+        if tags.get(key) != value
+    ]
+    return "not managed by this installation: " + ", ".join(wrong) if wrong else None
 
 
 def short_hash(value: str, length: int = 16) -> str:

@@ -24,6 +24,7 @@ from providers.naming import (
     RFC1035_LABEL,
     instance_name,
     owner_tags,
+    ownership_mismatch,
 )
 from providers.registry import UnknownProviderType, build_providers
 from providers.squid import ProxySettings
@@ -358,3 +359,16 @@ def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
     bad.write_text("providers: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad, environ=ENVIRON)
+
+
+def test_ownership_mismatch_names_every_wrong_tag() -> None:
+    ours = owner_tags("prod", "proxy-a", 2)
+    assert ownership_mismatch(ours, "prod") is None
+    assert ownership_mismatch(ours, "prod", owner_id="proxy-a", generation=2) is None
+    foreign = ownership_mismatch(ours, "staging")
+    assert foreign is not None and "staging" in foreign and INSTALLATION_KEY in foreign
+    other_owner = ownership_mismatch(ours, "prod", owner_id="proxy-b", generation=3)
+    assert other_owner is not None
+    assert OWNER_KEY in other_owner and GENERATION_KEY in other_owner
+    hand_made = ownership_mismatch({}, "prod")
+    assert hand_made is not None and MANAGED_BY_KEY in hand_made
