@@ -14,7 +14,8 @@ COPY pyproject.toml README.md ./
 COPY providers/ providers/
 COPY activities/ activities/
 COPY workflows/ workflows/
-COPY worker.py ./
+COPY startup/ startup/
+COPY worker.py contract.py ./
 RUN pip install . \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
 

@@ -37,15 +37,15 @@ from temporalio.worker import Worker
 
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
-from activities.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
-from activities.temporal import SearchAttributesMissing, ensure_search_attributes
+from contract import ORPHAN_GC_SCHEDULE_ID, TASK_QUEUE
 from providers.base import Provider
 from providers.config import Config, ConfigError, ProviderEntry, load_config
 from providers.registry import Constructor, build_providers
+from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
+from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
 from workflows.lifecycle import ProxyLifecycle
-from workflows.orphan_gc import SCHEDULE_ID, OrphanGC
+from workflows.orphan_gc import OrphanGC
 
-TASK_QUEUE = "proxy-operator"
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
 DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
 # Each monitored proxy holds one activity slot for as long as it is Ready.
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="orphan_gc_schedule",
         action="store_false",
         default=os.environ.get("PROXY_OPERATOR_ORPHAN_GC_SCHEDULE", "on").lower() != "off",
-        help=f"do not create or update the {SCHEDULE_ID} schedule at start "
+        help=f"do not create or update the {ORPHAN_GC_SCHEDULE_ID} schedule at start "
         "(env PROXY_OPERATOR_ORPHAN_GC_SCHEDULE=off)",
     )
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Provider errors become Temporal ApplicationErrors here, and only here.
 
-The error type is the taxonomy class name, so retry policies
-(workflows/policies.py) can select on it without importing providers.
+The error type is the taxonomy's name (contract.ErrorType), so retry policies
+(workflows/policies.py) select on it without importing providers.
 """
 
 from __future__ import annotations
@@ -10,14 +10,8 @@ from datetime import timedelta
 
 from temporalio.exceptions import ApplicationError
 
+from contract import QUOTA_RETRY_DELAY, ErrorType
 from providers.errors import Permanent, ProviderError, QuotaExceeded
-
-# Quota and capacity come back in minutes, not seconds, unless the provider
-# says when to come back (Retry-After): its own hint wins.
-QUOTA_RETRY_DELAY = timedelta(minutes=3)
-
-INSTANCE_LOST = "InstanceLost"
-INVALID_INPUT = "InvalidInput"
 
 
 def to_application_error(err: ProviderError) -> ApplicationError:
@@ -29,12 +23,22 @@ def to_application_error(err: ProviderError) -> ApplicationError:
         delay = QUOTA_RETRY_DELAY
     return ApplicationError(
         err.message,
-        type=type(err).__name__,
+        type=type(err).__name__,  # an ErrorType of the provider taxonomy
         non_retryable=isinstance(err, Permanent),
         next_retry_delay=delay,
     )
 
 
+def is_not_found(err: ApplicationError) -> bool:
+    """Whether a provider call failed because the instance does not exist."""
+    return err.type == ErrorType.NOT_FOUND
+
+
 def instance_lost(message: str) -> ApplicationError:
     """The instance died or vanished while we waited on it: replace, do not retry."""
-    return ApplicationError(message, type=INSTANCE_LOST, non_retryable=True)
+    return ApplicationError(message, type=ErrorType.INSTANCE_LOST, non_retryable=True)
+
+
+def invalid_input(message: str) -> ApplicationError:
+    """Input no retry can fix; the message names the field."""
+    return ApplicationError(message, type=ErrorType.INVALID_INPUT, non_retryable=True)

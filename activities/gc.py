@@ -24,15 +24,16 @@ import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import TypeVar
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.errors import INVALID_INPUT, to_application_error
+from activities.errors import invalid_input, to_application_error
 from activities.metrics import ORPHANS_DELETED, ORPHANS_FOUND
+from contract import INSTANCES, PROVIDER, PROXY_LIFECYCLE, STATE
 from providers.base import Instance, Provider
 from providers.errors import classify
 from providers.naming import (
@@ -42,13 +43,17 @@ from providers.naming import (
     MANAGED_BY_VALUE,
     OWNER_KEY,
 )
-from workflows.lifecycle import INSTANCES, PROVIDER, STATE, WORKFLOW_TYPE
 
 T = TypeVar("T")
 
-ORPHAN = "orphan"
-OWNED = "owned"
-SKIPPED = "skipped"
+
+class Decision(StrEnum):
+    """What `gc_confirm` decides about one candidate."""
+
+    ORPHAN = "orphan"  # nobody owns it: delete
+    OWNED = "owned"  # its owner lists it after all: keep
+    SKIPPED = "skipped"  # its owner may still adopt it: keep for now
+
 
 # Visibility page size: the server's maximum, so 10,000 owners are 10 calls.
 VISIBILITY_PAGE_SIZE = 1000
@@ -113,8 +118,7 @@ class ConfirmInput:
 @dataclass(frozen=True)
 class Verdict:
     candidate: Candidate
-    # ORPHAN, OWNED or SKIPPED.
-    verdict: str
+    verdict: Decision
     reason: str
 
 
@@ -219,7 +223,7 @@ class GcActivities:
         described = await asyncio.gather(*(describe(o) for o in owner_ids))
         owners = dict(zip(owner_ids, described, strict=True))
         verdicts = [_verdict(c, owners.get(c.owner)) for c in inp.candidates]
-        found = sum(v.verdict == ORPHAN for v in verdicts)
+        found = sum(v.verdict is Decision.ORPHAN for v in verdicts)
         if found:
             ORPHANS_FOUND.labels(inp.candidates[0].provider).inc(found)
         return Confirmation(verdicts, lookups=len(owner_ids))
@@ -233,11 +237,7 @@ class GcActivities:
         """Every instance of this installation and this operator, on one provider."""
         provider = self._providers.get(provider_name)
         if provider is None:
-            raise ApplicationError(
-                f"providers: unknown provider {provider_name!r}",
-                type=INVALID_INPUT,
-                non_retryable=True,
-            )
+            raise invalid_input(f"providers: unknown provider {provider_name!r}")
         found = await _threaded(provider.list_by_tag, INSTALLATION_KEY, self._installation)
         # list_by_tag selects on one tag; the others are checked here, so an
         # instance some other tool tagged alike is never touched.
@@ -255,7 +255,7 @@ class GcActivities:
         not with the number of instances.
         """
         query = (
-            f"WorkflowType = '{WORKFLOW_TYPE}' AND ExecutionStatus = 'Running' "
+            f"WorkflowType = '{PROXY_LIFECYCLE}' AND ExecutionStatus = 'Running' "
             f"AND {PROVIDER.name} = '{_quote(provider_name)}'"
         )
         listing = self._client.list_workflows(query, page_size=VISIBILITY_PAGE_SIZE)
@@ -292,18 +292,18 @@ def _owner(description: WorkflowExecutionDescription) -> _Owner:
 
 def _verdict(c: Candidate, owner: _Owner | None) -> Verdict:
     if not c.owner:
-        return Verdict(c, ORPHAN, "no owner tag")
+        return Verdict(c, Decision.ORPHAN, "no owner tag")
     if owner is None or owner.status is None:
-        return Verdict(c, ORPHAN, f"owner {c.owner} does not exist")
+        return Verdict(c, Decision.ORPHAN, f"owner {c.owner} does not exist")
     if owner.status is not WorkflowExecutionStatus.RUNNING:
-        return Verdict(c, ORPHAN, f"owner {c.owner} is {owner.status.name.lower()}")
-    if owner.workflow_type != WORKFLOW_TYPE:
-        return Verdict(c, ORPHAN, f"{c.owner} is now a {owner.workflow_type}, not a proxy")
+        return Verdict(c, Decision.ORPHAN, f"owner {c.owner} is {owner.status.name.lower()}")
+    if owner.workflow_type != PROXY_LIFECYCLE:
+        return Verdict(c, Decision.ORPHAN, f"{c.owner} is now a {owner.workflow_type}, not a proxy")
     if c.name in owner.instances:
-        return Verdict(c, OWNED, f"owner {c.owner} lists it (visibility was behind)")
+        return Verdict(c, Decision.OWNED, f"owner {c.owner} lists it (visibility was behind)")
     if not owner.published:
-        return Verdict(c, SKIPPED, f"owner {c.owner} has not started yet and may adopt it")
-    return Verdict(c, ORPHAN, f"owner {c.owner} no longer uses generation {c.generation}")
+        return Verdict(c, Decision.SKIPPED, f"owner {c.owner} has not started yet and may adopt it")
+    return Verdict(c, Decision.ORPHAN, f"owner {c.owner} no longer uses generation {c.generation}")
 
 
 def _candidate(provider: str, instance: Instance) -> Candidate:

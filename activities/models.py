@@ -7,6 +7,7 @@ credentials are added inside the worker, after the payload has been decoded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,20 @@ class ProbeSummary:
     error: str | None = None
 
 
+class MonitorReason(StrEnum):
+    """Why the monitor returned; the first two mean the instance must be replaced."""
+
+    UNHEALTHY = "unhealthy"
+    GONE = "gone"
+    ELAPSED = "elapsed"
+    HANDOVER = "handover"
+
+
 @dataclass(frozen=True)
 class MonitorOutcome:
-    """Why the monitor returned: `unhealthy`, `gone`, `elapsed` or `handover`."""
+    """What the monitor saw when it returned, and why it did."""
 
-    reason: str
+    reason: MonitorReason
     last_probe: ProbeSummary | None
     consecutive_failures: int = 0
     probes: int = 0

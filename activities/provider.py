@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.errors import INVALID_INPUT, instance_lost, to_application_error
+from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
 from activities.metrics import PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
@@ -29,14 +29,16 @@ from activities.models import (
     InstanceRef,
     MonitorInput,
     MonitorOutcome,
+    MonitorReason,
     ProbeInput,
     ProbeSummary,
     ValidateTargetInput,
 )
 from activities.probe import ProbeResult, probe_connect
+from contract import ErrorType
 from providers.base import CreateRequest, Instance, InstanceState, Provider
 from providers.config import Config
-from providers.errors import NotFound, classify
+from providers.errors import classify
 from providers.naming import instance_name, owner_tags
 
 T = TypeVar("T")
@@ -57,7 +59,6 @@ GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
 # While a new instance fails its first probes (a VM still booting), ask the
 # provider this often whether it still exists.
 GONE_CHECK_SECONDS = 5.0
-WORKER_SHUTDOWN = "WorkerShutdown"
 
 
 class ProviderActivities:
@@ -136,7 +137,7 @@ class ProviderActivities:
             try:
                 instance = await self._call(provider.get, ref.provider_id)
             except ApplicationError as err:
-                if err.type == NotFound.__name__:
+                if is_not_found(err):
                     raise instance_lost(f"{ref.name} vanished while provisioning") from err
                 raise
             if instance.state is InstanceState.RUNNING and instance.ip:
@@ -199,18 +200,24 @@ class ProviderActivities:
             if not summary.ok:
                 gone = await self._gone_reason(inp.instance)
                 if gone:
-                    return MonitorOutcome("gone", summary, failures, probes, gone)
+                    return MonitorOutcome(MonitorReason.GONE, summary, failures, probes, gone)
                 if failures >= inp.failure_threshold:
                     return MonitorOutcome(
-                        "unhealthy", summary, failures, probes, f"{failures} failed probes in a row"
+                        MonitorReason.UNHEALTHY,
+                        summary,
+                        failures,
+                        probes,
+                        f"{failures} failed probes in a row",
                     )
             if time.monotonic() - started >= inp.max_duration_seconds:
-                return MonitorOutcome("elapsed", summary, failures, probes)
+                return MonitorOutcome(MonitorReason.ELAPSED, summary, failures, probes)
             pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
             if await _worker_shutting_down_within(pause):
                 # Hand over now instead of at the end of the drain: the
                 # workflow starts the next monitor, which another worker runs.
-                return MonitorOutcome("handover", summary, failures, probes, "worker shutting down")
+                return MonitorOutcome(
+                    MonitorReason.HANDOVER, summary, failures, probes, "worker shutting down"
+                )
 
     @activity.defn(name="delete_instance")
     async def delete_instance(self, inp: InstanceInput) -> None:
@@ -219,7 +226,7 @@ class ProviderActivities:
         try:
             await self._call(self._provider(ref.provider).delete, ref.provider_id)
         except ApplicationError as err:
-            if err.type != NotFound.__name__:
+            if not is_not_found(err):
                 raise
 
     @activity.defn(name="wait_gone")
@@ -237,7 +244,7 @@ class ProviderActivities:
             try:
                 instance = await self._call(provider.get, ref.provider_id)
             except ApplicationError as err:
-                if err.type == NotFound.__name__:
+                if is_not_found(err):
                     return
                 raise
             activity.heartbeat(instance.state.value)
@@ -267,7 +274,7 @@ class ProviderActivities:
         try:
             instance = await self._call(self._provider(ref.provider).get, ref.provider_id)
         except ApplicationError as err:
-            if err.type == NotFound.__name__:
+            if is_not_found(err):
                 return f"{ref.name} no longer exists"
             return ""  # cannot tell right now: keep counting failed probes
         if instance.state in GONE_STATES:
@@ -278,9 +285,7 @@ class ProviderActivities:
         try:
             return self._providers[name]
         except KeyError:
-            raise ApplicationError(
-                f"provider: unknown provider {name!r}", type=INVALID_INPUT, non_retryable=True
-            ) from None
+            raise invalid_input(f"provider: unknown provider {name!r}") from None
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a sync provider call on the pool; taxonomy errors become ApplicationErrors."""
@@ -298,7 +303,9 @@ async def _pause(seconds: float) -> None:
     drain, and the server retries it on a worker that is staying.
     """
     if await _worker_shutting_down_within(seconds):
-        raise ApplicationError("worker shutting down; retrying elsewhere", type=WORKER_SHUTDOWN)
+        raise ApplicationError(
+            "worker shutting down; retrying elsewhere", type=ErrorType.WORKER_SHUTDOWN
+        )
 
 
 async def _worker_shutting_down_within(seconds: float) -> bool:

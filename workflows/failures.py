@@ -6,11 +6,11 @@ from datetime import timedelta
 
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
-# The failure type when an error carries no taxonomy type of its own.
-UNCLASSIFIED = "Failed"
+from contract import ErrorType
 
 
-def error_type(err: ActivityError) -> str | None:
+def cause_type(err: ActivityError) -> str | None:
+    """The ErrorType the activity raised, or None when it raised no ApplicationError."""
     cause = err.cause
     return cause.type if isinstance(cause, ApplicationError) else None
 
@@ -20,10 +20,11 @@ def message(err: ActivityError) -> str:
     return cause.message if isinstance(cause, ApplicationError) else str(cause or err)
 
 
-def failure_type(err: ApplicationError | ActivityError) -> str:
+def ending_type(err: ApplicationError | ActivityError) -> str:
+    """The type a lifecycle fails with for this error: its own, else UNCLASSIFIED."""
     if isinstance(err, ApplicationError):
-        return err.type or UNCLASSIFIED
-    return error_type(err) or UNCLASSIFIED
+        return err.type or ErrorType.UNCLASSIFIED
+    return cause_type(err) or ErrorType.UNCLASSIFIED
 
 
 def next_retry_delay(err: ActivityError) -> timedelta | None:

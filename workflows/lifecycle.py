@@ -21,47 +21,42 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
+from temporalio.common import SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import INVALID_INPUT
+    from activities.errors import invalid_input
     from activities.models import (
         CreateInstanceInput,
         InstanceInput,
         InstanceRef,
         MonitorInput,
         MonitorOutcome,
+        MonitorReason,
         ProbeInput,
         ProbeSummary,
         ValidateTargetInput,
     )
     from activities.provider import ProviderActivities
+    from contract import (
+        ENDPOINT,
+        INSTANCES,
+        KEYWORDS,
+        PERMANENT_DELETE_RETRY_DELAY,
+        PROVIDER,
+        PROXY_LIFECYCLE,
+        QUOTA_RETRY_DELAY,
+        STATE,
+        ErrorType,
+        ProxyState,
+    )
     from providers.naming import instance_name
     from workflows import failures, policies
+    from workflows.deletion import delete_until_gone
     from workflows.inputs import ProxyInput, parse_input
 
 A = TypeVar("A")
 R = TypeVar("R")
-
-WORKFLOW_TYPE = "ProxyLifecycle"
-
-STATE = SearchAttributeKey.for_keyword("ProxyState")
-PROVIDER = SearchAttributeKey.for_keyword("ProxyProvider")
-ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
-# Every instance this workflow owns or is creating, by name: orphan GC keeps
-# an instance only while its owner lists it here.
-INSTANCES = SearchAttributeKey.for_keyword_list("ProxyInstances")
-KEYWORDS = (STATE, PROVIDER, ENDPOINT)
-SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES)
-
-PROVISIONING = "Provisioning"
-READY = "Ready"
-UNHEALTHY = "Unhealthy"
-REPLACING = "Replacing"
-TERMINATING = "Terminating"
-TERMINATED = "Terminated"
-FAILED = "Failed"
 
 # Crash-loop budget: this many instances in a row that fail before staying
 # healthy for STABLE_AFTER end the workflow as Failed. Between them the
@@ -72,14 +67,13 @@ STABLE_AFTER = timedelta(minutes=10)
 REPLACE_BACKOFF = timedelta(seconds=10)
 MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
-CRASH_LOOP = "CrashLoop"
 
 
 @dataclass
 class ProxyStatus:
     """What the `status` query returns."""
 
-    state: str = PROVISIONING
+    state: ProxyState = ProxyState.PROVISIONING
     provider: str = ""
     endpoint: str = ""
     provider_id: str = ""
@@ -104,13 +98,16 @@ class CarriedState:
     ready_at: str | None = None
     next_generation: int = 0
     terminate_reason: str | None = None
+    # Whether status.waiting_for is a quota wait, which the next successful
+    # provider call ends.
+    waiting_for_quota: bool = False
 
 
 @dataclass(frozen=True)
 class ProxyResult:
     """What a finished ProxyLifecycle returns."""
 
-    state: str
+    state: ProxyState
     reason: str
     generation: int
     replacements: int
@@ -124,7 +121,7 @@ class _InstanceFailed(Exception):
         self.ref = ref
 
 
-@workflow.defn(name=WORKFLOW_TYPE)
+@workflow.defn(name=PROXY_LIFECYCLE)
 class ProxyLifecycle:
     def __init__(self) -> None:
         self._status = ProxyStatus()
@@ -137,6 +134,7 @@ class ProxyLifecycle:
         self._creating: asyncio.Task[InstanceRef] | None = None
         self._deletions: dict[str, asyncio.Task[None]] = {}
         self._pending_name: str | None = None
+        self._waiting_for_quota = False
         self._published: tuple[dict[str, str], list[str]] = ({}, [])
 
     # ---- the contract: run, signal, query ------------------------------------------
@@ -164,7 +162,7 @@ class ProxyLifecycle:
             raise
         if not lifecycle.done():
             await self._stop(lifecycle)
-            return self._result(TERMINATED, self._terminate_reason or "terminated")
+            return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")
         try:
             lifecycle.result()
         except (ApplicationError, ActivityError) as err:
@@ -172,9 +170,9 @@ class ProxyLifecycle:
             self._status.last_error = reason
             await self._cleanup()
             self._show_instance(None)
-            self._set_state(FAILED)
+            self._set_state(ProxyState.FAILED)
             raise ApplicationError(
-                reason, type=failures.failure_type(err), non_retryable=True
+                reason, type=failures.ending_type(err), non_retryable=True
             ) from err
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
@@ -218,8 +216,8 @@ class ProxyLifecycle:
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._status.last_error = message
-            self._set_state(FAILED)
-            raise ApplicationError(message, type=INVALID_INPUT, non_retryable=True)
+            self._set_state(ProxyState.FAILED)
+            raise invalid_input(message)
         return inp
 
     # ---- the lifecycle --------------------------------------------------------------
@@ -231,9 +229,9 @@ class ProxyLifecycle:
             outcome = await self._monitor(inp)
             if outcome is None:
                 await self._rotate(inp)
-            elif outcome.reason in ("unhealthy", "gone"):
+            elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
                 self._forgive_if_stable()
-                self._set_state(UNHEALTHY)
+                self._set_state(ProxyState.UNHEALTHY)
                 self._retire(self._current)
                 await self._count_failure(f"{outcome.reason}: {outcome.detail}")
             else:
@@ -245,7 +243,7 @@ class ProxyLifecycle:
         """Bring up a new generation, replacing failed ones within the crash budget."""
         while True:
             first = self._next_generation == 0
-            self._set_state(PROVISIONING if first else REPLACING)
+            self._set_state(ProxyState.PROVISIONING if first else ProxyState.REPLACING)
             try:
                 ref = await self._bring_up(inp)
             except _InstanceFailed as failed:
@@ -255,7 +253,7 @@ class ProxyLifecycle:
             self._current = ref
             self._ready_at = workflow.now().isoformat()
             self._status.ready_since = self._ready_at
-            self._set_state(READY)
+            self._set_state(ProxyState.READY)
             return
 
     async def _bring_up(self, inp: ProxyInput) -> InstanceRef:
@@ -293,7 +291,7 @@ class ProxyLifecycle:
                 f"first probe of {ref.endpoint} via {inp.health.target}",
             )
         except ActivityError as err:
-            if failures.cancelled(err) or failures.error_type(err) == policies.PERMANENT:
+            if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
             raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
         self._status.last_probe = probe
@@ -334,10 +332,10 @@ class ProxyLifecycle:
         except ActivityError as err:
             self._creating = None
             self._pending_name = None
-            if failures.error_type(err) == policies.PERMANENT:
+            if failures.cause_type(err) == ErrorType.PERMANENT:
                 raise ApplicationError(
                     f"provider {inp.provider!r} refused to create: {failures.message(err)}",
-                    type=policies.PERMANENT,
+                    type=ErrorType.PERMANENT,
                     non_retryable=True,
                 ) from err
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
@@ -394,7 +392,7 @@ class ProxyLifecycle:
         self._ready_at = workflow.now().isoformat()
         self._status.ready_since = self._ready_at
         self._status.replacements += 1
-        self._set_state(READY)
+        self._set_state(ProxyState.READY)
         await self._delete_and_wait(old)
 
     def _retire(self, ref: InstanceRef | None) -> None:
@@ -421,17 +419,18 @@ class ProxyLifecycle:
         """
         self._status.failures_in_a_row += 1
         self._status.last_error = reason
-        failures = self._status.failures_in_a_row
-        if failures >= CRASH_BUDGET:
+        in_a_row = self._status.failures_in_a_row
+        if in_a_row >= CRASH_BUDGET:
             raise ApplicationError(
-                f"gave up after {failures} failed instances in a row; last: {reason}",
-                type=CRASH_LOOP,
+                f"gave up after {in_a_row} failed instances in a row; last: {reason}",
+                type=ErrorType.CRASH_LOOP,
                 non_retryable=True,
             )
-        if failures == 1:
+        if in_a_row == 1:
             return
-        delay = min(REPLACE_BACKOFF * 2 ** (failures - 2), MAX_REPLACE_BACKOFF)
-        self._status.waiting_for = f"backing off after {failures} failed instances in a row"
+        delay = min(REPLACE_BACKOFF * 2 ** (in_a_row - 2), MAX_REPLACE_BACKOFF)
+        self._waiting_for_quota = False
+        self._status.waiting_for = f"backing off after {in_a_row} failed instances in a row"
         self._publish()
         await workflow.sleep(delay, summary=f"back off {int(delay.total_seconds())}s")
         self._status.waiting_for = None
@@ -450,17 +449,17 @@ class ProxyLifecycle:
             try:
                 result = await policies.execute(activity, arg, profile, summary)
             except ActivityError as err:
-                if failures.error_type(err) != policies.QUOTA_EXCEEDED:
+                if failures.cause_type(err) != ErrorType.QUOTA_EXCEEDED:
                     raise
-                delay = failures.next_retry_delay(err) or policies.DEFAULT_QUOTA_DELAY
+                delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
+                self._waiting_for_quota = True
                 self._status.waiting_for = f"waiting for quota: {failures.message(err)}"
                 self._status.last_error = failures.message(err)
                 self._publish()
                 await workflow.sleep(delay, summary=f"waiting for quota ({summary})")
                 continue
-            if self._status.waiting_for and self._status.waiting_for.startswith(
-                "waiting for quota"
-            ):
+            if self._waiting_for_quota:
+                self._waiting_for_quota = False
                 self._status.waiting_for = None
                 self._publish()
             return result
@@ -469,24 +468,13 @@ class ProxyLifecycle:
         """Delete and wait until gone; never gives up, whatever the error."""
         while True:
             try:
-                await self._provider_call(
-                    ProviderActivities.delete_instance,
-                    InstanceInput(ref),
-                    policies.DELETE,
-                    f"delete {ref.name}",
-                )
-                await self._provider_call(
-                    ProviderActivities.wait_gone,
-                    InstanceInput(ref),
-                    policies.WAIT_GONE,
-                    f"wait for {ref.name} to be gone",
-                )
+                await delete_until_gone(ref, self._provider_call, policies.DELETION, ref.name)
             except ActivityError as err:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._status.last_error = f"deleting {ref.name}: {failures.message(err)}"
                 await workflow.sleep(
-                    policies.PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
+                    PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
                 continue
             self._owned.pop(ref.provider_id, None)
@@ -498,14 +486,14 @@ class ProxyLifecycle:
 
     async def _stop(self, lifecycle: asyncio.Task[None]) -> None:
         """Terminate or cancel: stop the lifecycle, delete everything, record why."""
-        self._set_state(TERMINATING)
+        self._set_state(ProxyState.TERMINATING)
         lifecycle.cancel()
         with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
             await lifecycle
         await self._cleanup()
         self._current = None
         self._show_instance(None)
-        self._set_state(TERMINATED)
+        self._set_state(ProxyState.TERMINATED)
 
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
@@ -533,6 +521,7 @@ class ProxyLifecycle:
             ready_at=self._ready_at,
             next_generation=self._next_generation,
             terminate_reason=self._terminate_reason,
+            waiting_for_quota=self._waiting_for_quota,
         )
         assert self._input is not None
         workflow.continue_as_new(
@@ -546,11 +535,12 @@ class ProxyLifecycle:
         self._ready_at = carried.ready_at
         self._next_generation = carried.next_generation
         self._terminate_reason = carried.terminate_reason
+        self._waiting_for_quota = carried.waiting_for_quota
         for ref in carried.owned:
             if ref != carried.current:
                 self._retire(ref)
 
-    def _result(self, state: str, reason: str) -> ProxyResult:
+    def _result(self, state: ProxyState, reason: str) -> ProxyResult:
         return ProxyResult(state, reason, self._status.generation, self._status.replacements)
 
     # ---- visibility -----------------------------------------------------------------
@@ -573,9 +563,9 @@ class ProxyLifecycle:
         self._status.endpoint = ref.endpoint if ref else ""
         self._publish()
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: ProxyState) -> None:
         self._status.state = state
-        if state == READY and self._current is not None:
+        if state == ProxyState.READY and self._current is not None:
             self._show_instance(self._current)
         self._publish()
 
@@ -585,7 +575,7 @@ class ProxyLifecycle:
         keywords = {
             STATE.name: status.state,
             PROVIDER.name: status.provider,
-            ENDPOINT.name: status.endpoint if status.state == READY else "",
+            ENDPOINT.name: status.endpoint if status.state == ProxyState.READY else "",
         }
         names = {ref.name for ref in self._owned.values()}
         if self._pending_name:

@@ -33,28 +33,25 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import INVALID_INPUT
+    from activities.errors import invalid_input
     from activities.gc import (
-        ORPHAN,
-        OWNED,
         Candidate,
         ConfirmInput,
+        Decision,
         DeletedInput,
         GcActivities,
         SurveyInput,
     )
-    from activities.models import InstanceInput, InstanceRef
-    from activities.provider import ProviderActivities
+    from activities.models import InstanceRef
+    from contract import ORPHAN_GC
     from workflows import policies
+    from workflows.deletion import delete_until_gone
     from workflows.failures import message
     from workflows.inputs import StrictInput, describe_error
 
-
-WORKFLOW_TYPE = "OrphanGC"
-SCHEDULE_ID = "proxy-operator-orphan-gc"
 DEFAULT_GRACE_PERIOD_SECONDS = 600
 
 # Candidates confirmed, then deleted concurrently, per batch: the bound on
@@ -127,7 +124,7 @@ class GcProgress:
     cursor: str = ""
 
 
-@workflow.defn(name=WORKFLOW_TYPE)
+@workflow.defn(name=ORPHAN_GC)
 class OrphanGC:
     def __init__(self) -> None:
         self._progress = GcProgress()
@@ -174,9 +171,7 @@ class OrphanGC:
                 if isinstance(name, str) and name and name not in configured
             ]
         if problems or inp is None:
-            raise ApplicationError(
-                "invalid input: " + "; ".join(problems), type=INVALID_INPUT, non_retryable=True
-            )
+            raise invalid_input("invalid input: " + "; ".join(problems))
         names = dict.fromkeys(inp.providers or configured)
         self._progress.sweeps = [ProviderSweep(name) for name in names]
         return inp
@@ -235,9 +230,9 @@ class OrphanGC:
         orphans: list[Candidate] = []
         for verdict in confirmation.verdicts:
             provider_id = verdict.candidate.provider_id
-            if verdict.verdict == OWNED:
+            if verdict.verdict == Decision.OWNED:
                 sweep.owned += 1
-            elif verdict.verdict == ORPHAN:
+            elif verdict.verdict == Decision.ORPHAN:
                 sweep.orphaned += 1
                 _note(sweep.orphans, provider_id, verdict.reason)
                 orphans.append(verdict.candidate)
@@ -275,17 +270,8 @@ class OrphanGC:
             created_at=candidate.created_at,
         )
         try:
-            await policies.execute(
-                ProviderActivities.delete_instance,
-                InstanceInput(ref),
-                policies.GC_DELETE,
-                f"delete orphan {ref.name}",
-            )
-            await policies.execute(
-                ProviderActivities.wait_gone,
-                InstanceInput(ref),
-                policies.GC_WAIT_GONE,
-                f"wait for orphan {ref.name} to be gone",
+            await delete_until_gone(
+                ref, policies.execute, policies.GC_DELETION, f"orphan {ref.name}"
             )
         except ActivityError as err:
             return message(err)

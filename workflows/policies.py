@@ -27,23 +27,19 @@ from typing import Any, TypeVar
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 
-from activities.errors import INSTANCE_LOST, INVALID_INPUT
-from providers.errors import Permanent, QuotaExceeded
-
-# Error types are the taxonomy's class names (activities/errors.py).
-PERMANENT = Permanent.__name__
-QUOTA_EXCEEDED = QuotaExceeded.__name__
+from contract import ErrorType
 
 TRANSIENT_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(minutes=1),
-    non_retryable_error_types=[PERMANENT, QUOTA_EXCEEDED, INSTANCE_LOST, INVALID_INPUT],
+    non_retryable_error_types=[
+        ErrorType.PERMANENT,
+        ErrorType.QUOTA_EXCEEDED,
+        ErrorType.INSTANCE_LOST,
+        ErrorType.INVALID_INPUT,
+    ],
 )
-
-# Workflow-level waits for errors Temporal does not retry by itself.
-PERMANENT_DELETE_RETRY_DELAY = timedelta(minutes=5)
-DEFAULT_QUOTA_DELAY = timedelta(minutes=3)
 
 
 @dataclass(frozen=True)
@@ -69,8 +65,23 @@ WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=ti
 MONITOR = ActivityProfile(
     start_to_close=timedelta(hours=1, minutes=10), heartbeat=timedelta(seconds=60)
 )
-DELETE = ActivityProfile(start_to_close=timedelta(minutes=10))
-WAIT_GONE = ActivityProfile(start_to_close=timedelta(minutes=20), heartbeat=timedelta(seconds=30))
+
+
+@dataclass(frozen=True)
+class DeletionProfiles:
+    """The two calls of deleting an instance: the delete, then waiting until it is gone."""
+
+    delete: ActivityProfile
+    wait_gone: ActivityProfile
+
+
+# A proxy's owner: no schedule-to-close, so Temporal retries Transient forever.
+DELETION = DeletionProfiles(
+    delete=ActivityProfile(start_to_close=timedelta(minutes=10)),
+    wait_gone=ActivityProfile(
+        start_to_close=timedelta(minutes=20), heartbeat=timedelta(seconds=30)
+    ),
+)
 VALIDATE = ActivityProfile(
     start_to_close=timedelta(seconds=10), schedule_to_close=timedelta(seconds=30)
 )
@@ -87,8 +98,10 @@ GC_SURVEY = ActivityProfile(
 GC_CONFIRM = ActivityProfile(
     start_to_close=timedelta(minutes=1), schedule_to_close=timedelta(minutes=10)
 )
-GC_DELETE = replace(DELETE, schedule_to_close=timedelta(minutes=30))
-GC_WAIT_GONE = replace(WAIT_GONE, schedule_to_close=timedelta(minutes=30))
+GC_DELETION = DeletionProfiles(
+    delete=replace(DELETION.delete, schedule_to_close=timedelta(minutes=30)),
+    wait_gone=replace(DELETION.wait_gone, schedule_to_close=timedelta(minutes=30)),
+)
 
 A = TypeVar("A")
 R = TypeVar("R")

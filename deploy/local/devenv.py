@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from contract import SEARCH_ATTRIBUTES  # noqa: E402
 from providers.config import ConfigError, load_config  # noqa: E402
 from providers.local import LocalProvider  # noqa: E402
 from providers.naming import INSTALLATION_KEY  # noqa: E402
-from workflows.lifecycle import SEARCH_ATTRIBUTES  # noqa: E402
 
 DATA = ROOT / ".data"
 CONFIG = ROOT / "deploy" / "local" / "providers.yaml"

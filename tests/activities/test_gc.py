@@ -23,11 +23,9 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities import gc as gc_module
 from activities.gc import (
-    ORPHAN,
-    OWNED,
-    SKIPPED,
     Candidate,
     ConfirmInput,
+    Decision,
     DeletedInput,
     GcActivities,
     SurveyInput,
@@ -210,14 +208,14 @@ async def test_confirm_describes_each_owner_once_and_decides(fleet: Fleet) -> No
         for kind, v in zip(instances, confirmation.verdicts, strict=True)
     }
     assert verdicts == {
-        "lagging": (OWNED, f"owner {lister} lists it (visibility was behind)"),
-        "replaced": (ORPHAN, f"owner {replaced} no longer uses generation 1"),
-        "replaced-too": (ORPHAN, f"owner {replaced} no longer uses generation 2"),
-        "terminated": (ORPHAN, f"owner {terminated} is terminated"),
-        "missing": (ORPHAN, "owner never-started does not exist"),
-        "untagged": (ORPHAN, "no owner tag"),
-        "starting": (SKIPPED, f"owner {starting} has not started yet and may adopt it"),
-        "impostor": (ORPHAN, f"{impostor} is now a SomethingElse, not a proxy"),
+        "lagging": (Decision.OWNED, f"owner {lister} lists it (visibility was behind)"),
+        "replaced": (Decision.ORPHAN, f"owner {replaced} no longer uses generation 1"),
+        "replaced-too": (Decision.ORPHAN, f"owner {replaced} no longer uses generation 2"),
+        "terminated": (Decision.ORPHAN, f"owner {terminated} is terminated"),
+        "missing": (Decision.ORPHAN, "owner never-started does not exist"),
+        "untagged": (Decision.ORPHAN, "no owner tag"),
+        "starting": (Decision.SKIPPED, f"owner {starting} has not started yet and may adopt it"),
+        "impostor": (Decision.ORPHAN, f"{impostor} is now a SomethingElse, not a proxy"),
     }
     assert confirmation.lookups == 6  # one describe per distinct owner
     assert counter("proxy_operator_orphans_found_total", fleet.name) == found_before + 6

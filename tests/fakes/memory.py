@@ -19,10 +19,11 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
+from contract import INSTANCES, PROVIDER, STATE
+from contract import PROXY_LIFECYCLE as WORKFLOW_TYPE
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.errors import NotFound, ProviderError
 from providers.naming import instance_name, owner_tags
-from workflows.lifecycle import INSTANCES, PROVIDER, STATE, WORKFLOW_TYPE
 
 PROVIDER_ID_PREFIX = "memory/"
 # Long enough past any grace period a test uses.

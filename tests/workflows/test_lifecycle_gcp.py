@@ -22,8 +22,8 @@ import pytest
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.errors import QUOTA_RETRY_DELAY
 from activities.probe import probe_connect
+from contract import QUOTA_RETRY_DELAY
 from providers.config import Config
 from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
 from providers.naming import instance_name

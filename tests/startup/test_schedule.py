@@ -29,10 +29,10 @@ from temporalio.client import (
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from activities.schedule import ensure_orphan_gc_schedule, parse_duration
+from contract import ORPHAN_GC_SCHEDULE_ID as SCHEDULE_ID
+from startup.schedule import ensure_orphan_gc_schedule, parse_duration
 from tests.workflows.conftest import PASSWORD, wait_for
 from worker import parse_args
-from workflows.orphan_gc import SCHEDULE_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 

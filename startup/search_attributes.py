@@ -1,4 +1,4 @@
-"""Temporal look-ups the worker makes at start: registering our search attributes.
+"""Registering the search attributes our workflows upsert, at worker start.
 
 Workflows upsert ProxyState, ProxyProvider, ProxyEndpoint and ProxyInstances; if the namespace
 does not know them, every workflow task would fail. So the worker checks at
@@ -19,7 +19,7 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributeIndexedValueType
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.lifecycle import SEARCH_ATTRIBUTES
+from contract import SEARCH_ATTRIBUTES
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from temporalio.client import (
     ScheduleUpdateInput,
 )
 
-from workflows.orphan_gc import SCHEDULE_ID, WORKFLOW_TYPE
+from contract import ORPHAN_GC, ORPHAN_GC_SCHEDULE_ID
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def orphan_gc_schedule(task_queue: str, interval: timedelta) -> Schedule:
     """Every `interval` with jitter; a sweep still running makes the next one skip."""
     return Schedule(
         action=ScheduleActionStartWorkflow(
-            WORKFLOW_TYPE, {}, id=SCHEDULE_ID, task_queue=task_queue
+            ORPHAN_GC, {}, id=ORPHAN_GC_SCHEDULE_ID, task_queue=task_queue
         ),
         spec=ScheduleSpec(
             intervals=[ScheduleIntervalSpec(every=interval)],
@@ -67,7 +67,7 @@ async def ensure_orphan_gc_schedule(
     *,
     task_queue: str,
     interval: timedelta = DEFAULT_INTERVAL,
-    schedule_id: str = SCHEDULE_ID,
+    schedule_id: str = ORPHAN_GC_SCHEDULE_ID,
 ) -> None:
     """Create the schedule, or update the one that exists: never a second one."""
     schedule = orphan_gc_schedule(task_queue, interval)

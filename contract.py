@@ -1,0 +1,79 @@
+"""The names workflows, activities, the worker and users share.
+
+Both sides import this module and nothing else of each other's, so loading
+an activity never loads a workflow (see docs/architecture.md, "Layout").
+Every value here is part of the contract with running workflows and with the
+people who start, query and list them: renaming one breaks them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+from temporalio.common import SearchAttributeKey
+
+TASK_QUEUE = "proxy-operator"
+
+# Workflow type names, as `temporal workflow start --type` spells them.
+PROXY_LIFECYCLE = "ProxyLifecycle"
+ORPHAN_GC = "OrphanGC"
+
+# The Temporal Schedule every worker keeps running OrphanGC.
+ORPHAN_GC_SCHEDULE_ID = "proxy-operator-orphan-gc"
+
+# Search attributes a ProxyLifecycle upserts.
+STATE = SearchAttributeKey.for_keyword("ProxyState")
+PROVIDER = SearchAttributeKey.for_keyword("ProxyProvider")
+ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
+# Every instance a lifecycle owns or is creating, by name: orphan GC keeps an
+# instance only while its owner lists it here.
+INSTANCES = SearchAttributeKey.for_keyword_list("ProxyInstances")
+KEYWORDS = (STATE, PROVIDER, ENDPOINT)
+SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES)
+
+
+class ProxyState(StrEnum):
+    """A proxy's state: `status.state` and the ProxyState search attribute."""
+
+    PROVISIONING = "Provisioning"
+    READY = "Ready"
+    UNHEALTHY = "Unhealthy"
+    REPLACING = "Replacing"
+    TERMINATING = "Terminating"
+    TERMINATED = "Terminated"
+    FAILED = "Failed"
+
+
+class ErrorType(StrEnum):
+    """Every `ApplicationError` type this system raises, the only ones retries select on."""
+
+    # The provider taxonomy: providers/errors.py's class names.
+    NOT_FOUND = "NotFound"
+    QUOTA_EXCEEDED = "QuotaExceeded"
+    TRANSIENT = "Transient"
+    PERMANENT = "Permanent"
+    # Raised by activities: the instance died or vanished while provisioning.
+    INSTANCE_LOST = "InstanceLost"
+    # Raised by activities and workflows: bad input, naming the field.
+    INVALID_INPUT = "InvalidInput"
+    # Raised by activities on a draining worker, so the server retries elsewhere.
+    WORKER_SHUTDOWN = "WorkerShutdown"
+    # A lifecycle's end after too many failed instances in a row.
+    CRASH_LOOP = "CrashLoop"
+    # A lifecycle's end on an error that carried no type of its own.
+    UNCLASSIFIED = "Failed"
+
+
+# The four the provider taxonomy maps onto one to one.
+PROVIDER_ERRORS = frozenset(
+    {ErrorType.NOT_FOUND, ErrorType.QUOTA_EXCEEDED, ErrorType.TRANSIENT, ErrorType.PERMANENT}
+)
+
+# QuotaExceeded comes back in minutes, not seconds, unless the provider says
+# when (Retry-After): its own hint wins.
+QUOTA_RETRY_DELAY = timedelta(minutes=3)
+# A lifecycle's delete that failed for good (Permanent) is tried again after
+# this long, forever: a leaked instance bills every hour.
+PERMANENT_DELETE_RETRY_DELAY = timedelta(minutes=5)

@@ -1,0 +1,51 @@
+"""The shared names stay one set, and the arrow between layers points one way."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from contract import PROVIDER_ERRORS
+from providers.errors import TAXONOMY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_provider_error_types_are_the_taxonomy_class_names() -> None:
+    # Retry policies select on these strings; a renamed class would silently
+    # make its errors retry (or not) the wrong way.
+    assert {str(t) for t in PROVIDER_ERRORS} == {cls.__name__ for cls in TAXONOMY}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+    return modules
+
+
+def _top_level_imports(package: str) -> dict[str, set[str]]:
+    return {
+        str(path.relative_to(ROOT)): {m.split(".")[0] for m in _imported_modules(path)}
+        for path in sorted((ROOT / package).glob("**/*.py"))
+    }
+
+
+def test_activities_and_start_up_never_import_workflows() -> None:
+    # Loading an activity must not load a workflow: both import contract instead.
+    offenders = {
+        path: "workflows"
+        for package in ("activities", "startup")
+        for path, imported in _top_level_imports(package).items()
+        if "workflows" in imported
+    }
+    assert offenders == {}
+
+
+def test_the_checker_sees_an_import_of_workflows(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import json\nfrom workflows.lifecycle import X\n")
+    assert "workflows.lifecycle" in _imported_modules(module)
