@@ -24,7 +24,8 @@ from contract import SEARCH_ATTRIBUTES
 log = logging.getLogger(__name__)
 
 
-_CLI_TYPES = {
+# What `temporal operator search-attribute create --type` calls each type.
+CLI_TYPES = {
     SearchAttributeIndexedValueType.KEYWORD: "Keyword",
     SearchAttributeIndexedValueType.KEYWORD_LIST: "KeywordList",
 }
@@ -66,7 +67,7 @@ async def ensure_search_attributes(client: Client) -> None:
             return
         commands = "\n".join(
             f"  temporal operator search-attribute create --namespace {namespace} "
-            f"--name {key.name} --type {_CLI_TYPES[key.indexed_value_type]}"
+            f"--name {key.name} --type {CLI_TYPES[key.indexed_value_type]}"
             for key in SEARCH_ATTRIBUTES
             if key.name in missing
         )
