@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: run test test-quick lint bench squid clean
+.PHONY: run test test-quick lint bench tools test-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,19 +12,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-squid:
-	@bash deploy/local/ensure-squid.sh
+## Squid and curl; the tests also want promtool (Debian's prometheus package).
+tools:
+	@bash deploy/local/ensure-tools.sh
+
+test-tools:
+	@bash deploy/local/ensure-tools.sh promtool:prometheus
 
 ## Temporal dev server + worker + local Squid provider; Ctrl-C stops it all.
-run: $(STAMP) squid
+run: $(STAMP) tools
 	$(BIN)/python deploy/local/devenv.py
 
 ## The whole suite, as CI runs it.
-test: $(STAMP) squid
+test: $(STAMP) test-tools
 	$(BIN)/pytest
 
 ## Everything but the slow end-to-end tests.
-test-quick: $(STAMP) squid
+test-quick: $(STAMP) test-tools
 	$(BIN)/pytest -m "not slow"
 
 lint: $(STAMP)
@@ -32,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench: $(STAMP) squid
+bench: $(STAMP) tools
 	$(BIN)/python -m bench
 
 clean:

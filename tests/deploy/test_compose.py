@@ -30,10 +30,10 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.temporal import CLI_TYPES
+from contract import SEARCH_ATTRIBUTES
+from startup.search_attributes import CLI_TYPES
 from tests.fixtures.temporal import BIN, TEMPORAL_CLI
 from worker import DEFAULT_METRICS_ADDRESS
-from workflows.lifecycle import SEARCH_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
