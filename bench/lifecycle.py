@@ -38,6 +38,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
+from tests.fixtures.state_dir import local_state_dir
+from tests.fixtures.temporal import start_dev_server
+from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
 
 from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import probe_connect
@@ -46,9 +49,6 @@ from providers.base import CreateRequest, InstanceState
 from providers.config import Config, LocalConfig, parse_config
 from providers.local import LocalProvider
 from providers.naming import instance_name, owner_tags
-from tests.fixtures.state_dir import local_state_dir
-from tests.fixtures.temporal import start_dev_server
-from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
 from worker import build_worker
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 

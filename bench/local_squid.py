@@ -20,12 +20,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
+
 from activities.probe import ProbeResult, probe_connect
 from providers.base import CreateRequest, InstanceState
 from providers.config import LocalConfig
 from providers.local import METADATA_FILE, LocalProvider
 from providers.squid import ProxySettings
-from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
 
 USERNAME = "bench"
 FIRST_PORT = 25000

@@ -29,13 +29,13 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
+from tests.fixtures.temporal import start_dev_server
 
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
 from providers.config import parse_config
 from providers.naming import instance_name
 from tests.fakes.memory import MemoryProvider, start_owner
-from tests.fixtures.temporal import start_dev_server
 from worker import build_worker
 from workflows.orphan_gc import GcResult
 

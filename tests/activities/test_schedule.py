@@ -30,7 +30,8 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.schedule import ensure_orphan_gc_schedule, parse_duration
-from tests.workflows.conftest import PASSWORD, wait_for
+from tests.helpers.config import PASSWORD
+from tests.helpers.waiting import wait_for
 from worker import parse_args
 from workflows.orphan_gc import SCHEDULE_ID
 

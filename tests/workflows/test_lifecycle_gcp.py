@@ -28,17 +28,13 @@ from providers.config import Config
 from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
 from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
-from tests.fixtures.provider_stack import ProviderStack, StackFactory, provider_stack_on  # noqa: F401
-from tests.fixtures.squid_upstream import (
-    SquidUpstreams,
-    free_port,
-    requires_squid,
-    script_files,
-    squid_upstreams,  # noqa: F401
-)
-from tests.fixtures.time_skipping import skip_past_pending_timer
-from tests.fixtures.tls_origin import TlsOrigin
-from tests.workflows.conftest import proxy_config, status_of, wait_for, wait_status
+from tests.helpers.config import proxy_config
+from tests.helpers.network import free_port
+from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_files
+from tests.helpers.stacks import ProviderStack, StackFactory
+from tests.helpers.time_skipping import skip_past_pending_timer
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import status_of, wait_for, wait_status
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
@@ -76,7 +72,7 @@ def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
 @pytest.fixture
 async def stack(
     fake: FakeCompute,
-    provider_stack_on: StackFactory,  # noqa: F811
+    provider_stack_on: StackFactory,
     provider: GcpProvider,
     time_skipping_env: WorkflowEnvironment,
     tls_origin: TlsOrigin,
@@ -104,7 +100,7 @@ def startup_script(instance: dict[str, Any]) -> str:
 async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     stack: ProviderStack,
     fake: FakeCompute,
-    squid_upstreams: SquidUpstreams,  # noqa: F811
+    squid_upstreams: SquidUpstreams,
 ) -> None:
     port = free_port()
     fake.inject_error("insert", "quota", zone=ZONE)
