@@ -27,9 +27,9 @@ from temporalio import activity
 from temporalio.client import Client
 
 from activities.metrics import PROBES
-from activities.models import InstanceRef, MonitorInput, MonitorOutcome
+from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import ProbeResult
-from activities.provider import InstanceProbe, ProviderActivities, probe_instance
+from activities.provider import InstanceProbe, ProbeRequest, ProviderActivities, probe_instance
 from bench.fleet.parameters import (
     FLEET_PROVIDER,
     GC_REPORT_MS,
@@ -125,25 +125,10 @@ class Recorder:
 def recording_probe(recorder: Recorder) -> InstanceProbe:
     """The real probe, each one recorded with its start time under its instance."""
 
-    async def probe(
-        ref: InstanceRef,
-        target: str,
-        *,
-        username: str,
-        password: str,
-        timeout_seconds: float,
-        ssl_context: ssl.SSLContext,
-    ) -> ProbeResult:
+    async def probe(req: ProbeRequest) -> ProbeResult:
         start = time.monotonic()
-        result = await probe_instance(
-            ref,
-            target,
-            username=username,
-            password=password,
-            timeout_seconds=timeout_seconds,
-            ssl_context=ssl_context,
-        )
-        recorder.probe(ref.provider_id, start, result)
+        result = await probe_instance(req)
+        recorder.probe(req.instance.provider_id, start, result)
         return result
 
     return probe

@@ -13,6 +13,7 @@ from typing import Any
 
 from providers.config import Config, parse_config
 
+INSTALLATION = "test"
 USERNAME = "proxy"
 PASSWORD = "test-password-7f3a"
 PASSWORD_ENV = "PROXY_PASSWORD"
@@ -28,7 +29,7 @@ def raw_config(
     provider: dict[str, Any],
     *,
     connect_ports: Sequence[int],
-    installation: str = "test",
+    installation: str = INSTALLATION,
     username: str = USERNAME,
 ) -> dict[str, Any]:
     """The config file's content: `provider` as the only entry, CONNECT to `connect_ports`."""
@@ -47,7 +48,7 @@ def build_config(
     provider: dict[str, Any],
     *,
     connect_ports: Sequence[int],
-    installation: str = "test",
+    installation: str = INSTALLATION,
     password: str = PASSWORD,
 ) -> Config:
     """`raw_config` parsed as the worker parses it, the password in its environment."""

@@ -24,7 +24,7 @@ from providers.config import Config, KubernetesConfig
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
-from tests.helpers.config import proxy_config
+from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import LocalSquid, SquidUpstreams, requires_squid, secret_files
 from tests.helpers.stacks import ProviderStack, StackFactory
@@ -35,8 +35,6 @@ pytestmark = [pytest.mark.slow, requires_squid]
 
 PROVIDER = "cluster"
 NAMESPACE = "proxies"
-INSTALLATION = "test"
-USERNAME = "proxy"
 PASSWORD = "kubernetes-workflow-password"
 POD_IP = "127.0.0.1"
 
