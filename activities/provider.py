@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -61,6 +62,36 @@ GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
 GONE_CHECK_SECONDS = 5.0
 
 
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One probe of one instance: through its proxy, with the worker's credentials, to `target`."""
+
+    instance: InstanceRef
+    target: str
+    username: str
+    password: str = field(repr=False)
+    timeout_seconds: float
+    ssl_context: ssl.SSLContext
+
+
+async def probe_instance(req: ProbeRequest) -> ProbeResult:
+    """The real probe: CONNECT through the instance's proxy to the target, TLS, HEAD."""
+    return await probe_connect(
+        req.instance.ip,
+        req.instance.port,
+        req.username,
+        req.password,
+        req.target,
+        timeout=req.timeout_seconds,
+        ssl_context=req.ssl_context,
+    )
+
+
+# How `check_health` and `monitor` probe: `probe_instance` unless injected. A
+# benchmark injects a wrapper that times and records every probe.
+InstanceProbe = Callable[[ProbeRequest], Awaitable[ProbeResult]]
+
+
 class ProviderActivities:
     """Activities over the worker's configured providers."""
 
@@ -71,9 +102,11 @@ class ProviderActivities:
         *,
         ssl_context: ssl.SSLContext | None = None,
         max_threads: int = 32,
+        probe: InstanceProbe = probe_instance,
     ) -> None:
         self._providers = dict(providers)
         self._config = config
+        self._probe_instance = probe
         # One context for every probe: building one loads the CA bundle.
         self._ssl = ssl_context or ssl.create_default_context()
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="provider")
@@ -255,15 +288,15 @@ class ProviderActivities:
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
     async def _probe(self, ref: InstanceRef, target: str, timeout_seconds: float) -> ProbeResult:
-        result = await probe_connect(
-            ref.ip,
-            ref.port,
-            self._config.proxy.auth.username,
-            self._config.proxy_settings().password,
-            target,
-            timeout=timeout_seconds,
+        request = ProbeRequest(
+            instance=ref,
+            target=target,
+            username=self._config.proxy.auth.username,
+            password=self._config.proxy_settings().password,
+            timeout_seconds=timeout_seconds,
             ssl_context=self._ssl,
         )
+        result = await self._probe_instance(request)
         PROBES.labels(ref.provider, "ok" if result.ok else str(result.failure)).inc()
         if result.ok and result.total_ms is not None:
             PROBE_SECONDS.labels(ref.provider).observe(result.total_ms / 1000)

@@ -1,4 +1,4 @@
-"""ProxyLifecycle against its targets (DESIGN.md section 10), with the local provider.
+"""ProxyLifecycle against its targets (docs/benchmarks.md), with the local provider.
 
     python -m bench.lifecycle [--runs 20] [--proxies 10] [--minutes 5]
 
@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import time
 import urllib.request
@@ -43,12 +42,14 @@ from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import probe_connect
 from activities.provider import ProviderActivities
 from providers.base import CreateRequest, InstanceState
-from providers.config import Config, LocalConfig, parse_config
+from providers.config import Config, LocalConfig
 from providers.local import LocalProvider
 from providers.naming import instance_name, owner_tags
-from tests.fixtures.state_dir import local_state_dir
-from tests.fixtures.temporal import start_dev_server
-from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
+from tests.helpers.config import build_config, local_entry
+from tests.helpers.network import free_port
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import start_dev_server
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from worker import build_worker
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 
@@ -58,19 +59,11 @@ INTERVAL = 10
 
 
 def config_for(origin: TlsOrigin, state_dir: Path) -> Config:
-    return parse_config(
-        {
-            "installation": "bench",
-            "proxy": {
-                "auth": {"username": "proxy", "password_env": "PROXY_PASSWORD"},
-                "allowed_cidrs": ["127.0.0.0/8"],
-                "allowed_connect_ports": [origin.port],
-            },
-            "providers": [
-                {"name": "local", "type": "local", "local": {"state_dir": str(state_dir)}}
-            ],
-        },
-        environ={"PROXY_PASSWORD": PASSWORD},
+    return build_config(
+        local_entry(state_dir),
+        connect_ports=[origin.port],
+        installation="bench",
+        password=PASSWORD,
     )
 
 
@@ -160,13 +153,6 @@ async def terminate_all(handles: list[WorkflowHandle[Any, Any]]) -> None:
         await handle.signal(ProxyLifecycle.terminate)
     for handle in handles:
         await handle.result()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def main(args: argparse.Namespace) -> None:

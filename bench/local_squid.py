@@ -21,20 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from activities.probe import ProbeResult, probe_connect
+from bench.stats import percentile
 from providers.base import CreateRequest, InstanceState
 from providers.config import LocalConfig
 from providers.local import METADATA_FILE, LocalProvider
 from providers.squid import ProxySettings
-from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin
+from tests.helpers.procfs import children_by_parent
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 
 USERNAME = "bench"
 FIRST_PORT = 25000
 LAST_PORT = 25999
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def start_to_running(provider: LocalProvider, request: CreateRequest) -> float:
@@ -57,7 +54,7 @@ def memory_kib(pid: int) -> tuple[int, int]:
     really cost.
     """
     rss = pss = 0
-    for member in [pid, *children(pid)]:
+    for member in [pid, *children_by_parent().get(pid, [])]:
         for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
             key, _, value = line.partition(":")
             if key == "Rss":
@@ -65,19 +62,6 @@ def memory_kib(pid: int) -> tuple[int, int]:
             elif key == "Pss":
                 pss += int(value.split()[0])
     return rss, pss
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 async def probe_many(port: int, password: str, origin: TlsOrigin, count: int) -> list[ProbeResult]:
@@ -134,7 +118,7 @@ def main() -> None:
         (
             f"create -> RUNNING, {len(starts)} proxies",
             f"median {statistics.median(starts) * 1000:.0f} ms, "
-            f"p95 {percentile(starts, 0.95) * 1000:.0f} ms, max {max(starts) * 1000:.0f} ms",
+            f"p95 {percentile(starts, 95) * 1000:.0f} ms, max {max(starts) * 1000:.0f} ms",
         ),
         (
             "memory per proxy (Squid + helpers)",
@@ -153,7 +137,7 @@ def main() -> None:
         rows.append(
             (
                 f"probe: {label}",
-                f"median {statistics.median(values):.2f} ms, p95 {percentile(values, 0.95):.2f} ms",
+                f"median {statistics.median(values):.2f} ms, p95 {percentile(values, 95):.2f} ms",
             )
         )
     width = max(len(label) for label, _ in rows)

@@ -32,10 +32,10 @@ from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
 
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
-from providers.config import parse_config
 from providers.naming import instance_name
 from tests.fakes.memory import MemoryProvider, start_owner
-from tests.fixtures.temporal import start_dev_server
+from tests.helpers.config import build_config
+from tests.helpers.temporal import start_dev_server
 from worker import build_worker
 from workflows.orphan_gc import GcResult
 
@@ -141,13 +141,11 @@ async def run(instances: int, orphans: int) -> None:
             f"fleet: {len(provider.ids())} instances, {owners} owner workflows "
             f"(built in {time.monotonic() - start:.1f} s)"
         )
-        config = parse_config(
-            {
-                "installation": INSTALLATION,
-                "proxy": {"auth": {"password_env": "P"}, "allowed_cidrs": ["127.0.0.0/8"]},
-                "providers": [{"name": PROVIDER, "type": "local", "local": {}}],
-            },
-            environ={"P": "unused"},
+        config = build_config(
+            {"name": PROVIDER, "type": "local", "local": {}},
+            connect_ports=[443],
+            installation=INSTALLATION,
+            password="unused",
         )
         activities = ProviderActivities({PROVIDER: provider}, config)
         gc = GcActivities({PROVIDER: provider}, INSTALLATION, client)

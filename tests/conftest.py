@@ -1,4 +1,4 @@
-"""Suite-wide guards and fixtures.
+"""Suite-wide guards and fixtures (built on tests/helpers).
 
 Tests must never reach a real cluster or cloud, so the developer's kubeconfig,
 in-cluster config and Google credentials are made unreachable for every test.
@@ -7,10 +7,17 @@ Tests that need a client inject one pointed at a fake server.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import start_dev_server, start_time_skipping_server
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 
 
 class RealCredentialsForbidden(RuntimeError):
@@ -42,6 +49,37 @@ def _no_real_credentials(
     yield
 
 
-from tests.fixtures.state_dir import state_dir  # noqa: E402, F401
-from tests.fixtures.temporal import task_queue, temporal_env, time_skipping_env  # noqa: E402, F401
-from tests.fixtures.tls_origin import tls_origin  # noqa: E402, F401
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal dev server, started once per session (a few seconds)."""
+    env = await start_dev_server()
+    yield env
+    await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+    """The Java test server: timers (lifetimes, backoffs, quota waits) skip ahead."""
+    env = await start_time_skipping_server()
+    yield env
+    await env.shutdown()
+
+
+@pytest.fixture
+def task_queue() -> str:
+    """A task queue of the test's own, so tests never see each other's workflows."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A local provider state directory; whatever runs in it is deleted afterwards."""
+    with local_state_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def tls_origin() -> Iterator[TlsOrigin]:
+    """A stateless HTTPS origin on 127.0.0.1, shared by the whole session."""
+    with serve_tls_origin() as origin:
+        yield origin

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -23,35 +22,19 @@ import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from providers.local import processes_under
-from tests.fixtures.tls_origin import serve_tls_origin
-from tests.workflows.conftest import PASSWORD, status_of, wait_for, wait_status
+from tests.helpers.config import PASSWORD, local_entry, raw_config
+from tests.helpers.network import free_port
+from tests.helpers.tls_origin import serve_tls_origin
+from tests.helpers.waiting import status_of, wait_for, wait_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def write_config(path: Path, state_dir: Path, connect_port: int) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "installation": "worker-test",
-                "proxy": {
-                    "auth": {"username": "proxy", "password_env": "PROXY_PASSWORD"},
-                    "allowed_cidrs": ["127.0.0.0/8"],
-                    "allowed_connect_ports": [connect_port],
-                },
-                "providers": [
-                    {"name": "local", "type": "local", "local": {"state_dir": str(state_dir)}}
-                ],
-            }
-        )
+    raw = raw_config(
+        local_entry(state_dir), connect_ports=[connect_port], installation="worker-test"
     )
+    path.write_text(yaml.safe_dump(raw))
     return path
 
 

@@ -40,7 +40,7 @@ from providers.naming import (
     instance_name,
 )
 from tests.fakes.memory import MemoryProvider, start_owner
-from tests.workflows.conftest import wait_for
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

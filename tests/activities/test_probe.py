@@ -28,7 +28,7 @@ from activities.probe import (
     ProbeResult,
     probe_connect,
 )
-from tests.fixtures.tls_origin import TlsOrigin
+from tests.helpers.tls_origin import TlsOrigin
 
 USERNAME = "probe"
 PASSWORD = "probe-test-password"

@@ -58,7 +58,9 @@ from providers.kubernetes import (
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
 from providers.squid import ProxySettings, md5_crypt, render
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
-from tests.fixtures.tls_origin import TlsOrigin
+from tests.helpers.network import free_port
+from tests.helpers.squid_upstream import SQUID, requires_squid
+from tests.helpers.tls_origin import TlsOrigin
 
 INSTALLATION = "test-installation"
 NAMESPACE = "proxies"
@@ -71,7 +73,6 @@ SETTINGS = KubernetesConfig(
     memory_limit="128Mi",
     request_timeout_seconds=2.0,
 )
-SQUID = shutil.which("squid") or "/usr/sbin/squid"
 QUOTA_MESSAGE = (
     'pods "proxy-x" is forbidden: exceeded quota: compute, requested: pods=1, '
     "used: pods=10, limited: pods=10"
@@ -609,12 +610,6 @@ def test_a_conflict_is_only_adopted_by_create(
     raises_from(Transient, lambda: provider.get(created.provider_id))
 
 
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 OPERATIONS: list[Callable[[KubernetesProvider], object]] = [
     lambda p: p.create(request()),
     lambda p: p.get(f"{NAMESPACE}/proxy-x"),
@@ -625,7 +620,7 @@ OPERATIONS: list[Callable[[KubernetesProvider], object]] = [
 
 @pytest.mark.parametrize("call", OPERATIONS, ids=["create", "get", "delete", "list"])
 def test_a_refused_connection_is_transient(call: Callable[[KubernetesProvider], object]) -> None:
-    configuration = kubernetes.client.Configuration(host=f"http://127.0.0.1:{unused_port()}")
+    configuration = kubernetes.client.Configuration(host=f"http://127.0.0.1:{free_port()}")
 
     raised = raises_from(Transient, lambda: call(provider_for(configuration)))
 
@@ -730,8 +725,6 @@ def test_from_config_without_a_cluster_or_kubeconfig_is_permanent(
 
 
 # --- the container's squid.conf, run by a real Squid ------------------------
-
-requires_squid = pytest.mark.skipif(not Path(SQUID).exists(), reason="squid is not installed")
 
 
 def container_files(fake: FakeKubernetes, req: CreateRequest, root: Path) -> Path:
@@ -849,7 +842,7 @@ async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
     fake: FakeKubernetes, provider: KubernetesProvider, container_root: Path, tls_origin: TlsOrigin
 ) -> None:
     """What the Pod does, minus Kubernetes: tunnel, refuse a wrong password, log, stop."""
-    port = unused_port()
+    port = free_port()
     req = request(
         port=port, allowed_cidrs=("127.0.0.1/32",), allowed_connect_ports=(tls_origin.port,)
     )

@@ -39,7 +39,7 @@ from providers.local import (
     service_name,
 )
 from providers.squid import ProxySettings
-from tests.fixtures.tls_origin import TlsOrigin
+from tests.helpers.tls_origin import TlsOrigin
 
 USERNAME = "probe"
 PASSWORD = "local-test-password"

@@ -31,7 +31,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from contract import ORPHAN_GC_SCHEDULE_ID as SCHEDULE_ID
 from startup.schedule import ensure_orphan_gc_schedule, parse_duration
-from tests.workflows.conftest import PASSWORD, wait_for
+from tests.helpers.config import PASSWORD
+from tests.helpers.waiting import wait_for
 from worker import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,15 +17,12 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.fixtures.temporal import TEMPORAL_CLI
-from tests.workflows.conftest import (
-    PASSWORD,
-    USERNAME,
-    Stack,
-    record_history,
-    squid_alive,
-    wait_status,
-)
+from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.histories import record_history
+from tests.helpers.procfs import is_running
+from tests.helpers.stacks import Stack
+from tests.helpers.temporal import TEMPORAL_CLI
+from tests.helpers.waiting import wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -157,5 +154,5 @@ async def test_start_query_curl_terminate_end_to_end(
     assert result["state"] == "Terminated"
     described = await temporal(temporal_env, "workflow", "describe", "--workflow-id", workflow_id)
     assert "COMPLETED" in described.stdout.upper()
-    assert not squid_alive(pid)
+    assert not is_running(pid)
     assert stack.instances() == []

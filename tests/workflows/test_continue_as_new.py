@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from tests.fixtures.temporal import start_dev_server
-from tests.workflows.conftest import Stack, record_history, wait_for, wait_status
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.temporal import start_dev_server
+from tests.helpers.waiting import wait_for, wait_status
 
 pytestmark = pytest.mark.slow
 

@@ -11,17 +11,12 @@ from temporalio.client import WorkflowFailureError
 
 from activities.probe import probe_connect
 from providers.errors import Permanent, QuotaExceeded, Transient
-from tests.workflows.conftest import (
-    PASSWORD,
-    USERNAME,
-    ProxyStatus,
-    Stack,
-    record_history,
-    squid_alive,
-    status_of,
-    wait_for,
-    wait_status,
-)
+from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.histories import record_history
+from tests.helpers.procfs import is_running
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import status_of, wait_for, wait_status
+from workflows.lifecycle import ProxyStatus
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +90,7 @@ async def test_instance_that_dies_while_ready_is_replaced(stack: Stack) -> None:
     )
     assert second.instance != first.instance and second.replacements == 1
     await wait_for(lambda: stack.instances() == [second.instance], "the dead instance deleted")
-    assert not squid_alive(pid)
+    assert not is_running(pid)
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []

@@ -8,7 +8,7 @@ probe really tunnelled through the Squid config the provider shipped.
 
 A quota error makes the workflow wait minutes (next_retry_delay, 3 minutes by
 default) on a workflow timer. That runs on the time-skipping test server, and
-the test skips exactly to that timer: see tests/fixtures/time_skipping.py for
+the test skips exactly to that timer: see tests/helpers/time_skipping.py for
 why a generous `env.sleep` is not enough there.
 """
 
@@ -28,24 +28,18 @@ from providers.config import Config
 from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
 from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
-from tests.fixtures.provider_stack import ProviderStack, StackFactory, provider_stack_on  # noqa: F401
-from tests.fixtures.squid_upstream import (
-    SquidUpstreams,
-    free_port,
-    requires_squid,
-    script_files,
-    squid_upstreams,  # noqa: F401
-)
-from tests.fixtures.time_skipping import skip_past_pending_timer
-from tests.fixtures.tls_origin import TlsOrigin
-from tests.workflows.conftest import proxy_config, status_of, wait_for, wait_status
+from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
+from tests.helpers.network import free_port
+from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_files
+from tests.helpers.stacks import ProviderStack, StackFactory
+from tests.helpers.time_skipping import skip_past_pending_timer
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import status_of, wait_for, wait_status
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
 PROVIDER = "gcp-test"
 ZONE = DEFAULT_ZONES[0]
-INSTALLATION = "test"
-USERNAME = "proxy"
 PASSWORD = "gcp-workflow-password"
 VM_IP = "127.0.0.1"
 
@@ -76,7 +70,7 @@ def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
 @pytest.fixture
 async def stack(
     fake: FakeCompute,
-    provider_stack_on: StackFactory,  # noqa: F811
+    provider_stack_on: StackFactory,
     provider: GcpProvider,
     time_skipping_env: WorkflowEnvironment,
     tls_origin: TlsOrigin,
@@ -104,7 +98,7 @@ def startup_script(instance: dict[str, Any]) -> str:
 async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     stack: ProviderStack,
     fake: FakeCompute,
-    squid_upstreams: SquidUpstreams,  # noqa: F811
+    squid_upstreams: SquidUpstreams,
 ) -> None:
     port = free_port()
     fake.inject_error("insert", "quota", zone=ZONE)
@@ -150,7 +144,7 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     # Deleting a VM takes a while, and its Squid stops meanwhile. Holding the
     # delete operation until the monitor has seen that keeps any activity from
     # outliving the workflow: on the test server such an activity would hold a
-    # time-skipping lock for good (tests/fixtures/time_skipping.py).
+    # time-skipping lock for good (tests/helpers/time_skipping.py).
     fake.set_operations_paused(True)
     await handle.signal("terminate", {"reason": "test done"})
     await wait_for(lambda: vm_status(fake, name) == "STOPPING", "the VM to be stopping")

@@ -24,24 +24,17 @@ from providers.config import Config, KubernetesConfig
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
-from tests.fixtures.provider_stack import ProviderStack, StackFactory, provider_stack_on  # noqa: F401
-from tests.fixtures.squid_upstream import (
-    LocalSquid,
-    SquidUpstreams,
-    free_port,
-    requires_squid,
-    secret_files,
-    squid_upstreams,  # noqa: F401
-)
-from tests.fixtures.tls_origin import TlsOrigin
-from tests.workflows.conftest import proxy_config, status_of, wait_for, wait_status
+from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
+from tests.helpers.network import free_port
+from tests.helpers.squid_upstream import LocalSquid, SquidUpstreams, requires_squid, secret_files
+from tests.helpers.stacks import ProviderStack, StackFactory
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import status_of, wait_for, wait_status
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
 PROVIDER = "cluster"
 NAMESPACE = "proxies"
-INSTALLATION = "test"
-USERNAME = "proxy"
 PASSWORD = "kubernetes-workflow-password"
 POD_IP = "127.0.0.1"
 
@@ -77,7 +70,7 @@ def provider(fake: FakeKubernetes, tls_origin: TlsOrigin) -> KubernetesProvider:
 @pytest.fixture
 async def stack(
     fake: FakeKubernetes,
-    provider_stack_on: StackFactory,  # noqa: F811
+    provider_stack_on: StackFactory,
     provider: KubernetesProvider,
     temporal_env: WorkflowEnvironment,
     tls_origin: TlsOrigin,
@@ -138,7 +131,7 @@ class Kubelet:
 
 
 @pytest.fixture
-def kubelet(fake: FakeKubernetes, squid_upstreams: SquidUpstreams) -> Kubelet:  # noqa: F811
+def kubelet(fake: FakeKubernetes, squid_upstreams: SquidUpstreams) -> Kubelet:
     return Kubelet(fake, squid_upstreams, free_port())
 
 

@@ -14,7 +14,9 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.workflows.conftest import Stack, record_history, status_of
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import status_of
 
 pytestmark = pytest.mark.slow
 

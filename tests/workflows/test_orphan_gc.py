@@ -32,14 +32,10 @@ from providers.config import Config
 from providers.errors import Permanent
 from providers.naming import instance_name, owner_tags
 from tests.fakes.memory import MemoryProvider, start_owner
-from tests.workflows.conftest import (
-    Stack,
-    record_history,
-    stack_config,
-    status_of,
-    wait_for,
-    wait_status,
-)
+from tests.helpers.config import stack_config
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import status_of, wait_for, wait_status
 from worker import build_worker
 from workflows.orphan_gc import MAX_PER_RUN, GcResult
 

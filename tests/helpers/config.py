@@ -1,0 +1,66 @@
+"""Worker configs for tests and benchmarks: one provider entry, a proxy open to loopback only.
+
+One builder so every test and benchmark config has the same shape (auth from
+an environment variable, the 127.0.0.0/8 allowlist) and differs only in what
+it says it differs in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from providers.config import Config, parse_config
+
+INSTALLATION = "test"
+USERNAME = "proxy"
+PASSWORD = "test-password-7f3a"
+PASSWORD_ENV = "PROXY_PASSWORD"
+LOOPBACK = "127.0.0.0/8"
+
+
+def local_entry(state_dir: str | Path, name: str = "local") -> dict[str, Any]:
+    """A `providers` entry for the local provider keeping its Squids under `state_dir`."""
+    return {"name": name, "type": "local", "local": {"state_dir": str(state_dir)}}
+
+
+def raw_config(
+    provider: dict[str, Any],
+    *,
+    connect_ports: Sequence[int],
+    installation: str = INSTALLATION,
+    username: str = USERNAME,
+) -> dict[str, Any]:
+    """The config file's content: `provider` as the only entry, CONNECT to `connect_ports`."""
+    return {
+        "installation": installation,
+        "proxy": {
+            "auth": {"username": username, "password_env": PASSWORD_ENV},
+            "allowed_cidrs": [LOOPBACK],
+            "allowed_connect_ports": list(connect_ports),
+        },
+        "providers": [provider],
+    }
+
+
+def build_config(
+    provider: dict[str, Any],
+    *,
+    connect_ports: Sequence[int],
+    installation: str = INSTALLATION,
+    password: str = PASSWORD,
+) -> Config:
+    """`raw_config` parsed as the worker parses it, the password in its environment."""
+    raw = raw_config(provider, connect_ports=connect_ports, installation=installation)
+    return parse_config(raw, environ={PASSWORD_ENV: password})
+
+
+def proxy_config(origin_port: int, provider: dict[str, Any], *, password: str = PASSWORD) -> Config:
+    """A workflow test's config: CONNECT allowed to 443 and to the test origin."""
+    return build_config(provider, connect_ports=[443, origin_port], password=password)
+
+
+def stack_config(origin_port: int, state_dir: str | Path) -> Config:
+    """`proxy_config` with the local provider, named `local`, on `state_dir`."""
+    return proxy_config(origin_port, local_entry(state_dir))

@@ -1,0 +1,55 @@
+"""Waiting on conditions with deadlines, never on sleeps: a workflow's status, anything else."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from temporalio.client import WorkflowHandle
+
+from workflows.lifecycle import ProxyLifecycle, ProxyStatus
+
+DEADLINE = 60.0
+
+
+async def status_of(handle: WorkflowHandle[Any, Any]) -> ProxyStatus:
+    return await handle.query(ProxyLifecycle.status, result_type=ProxyStatus)
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    what: str,
+    deadline: float = DEADLINE,
+) -> None:
+    """Poll `check` until it is true; fail naming `what` after `deadline` seconds."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + deadline
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > until:
+            raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def wait_status(
+    handle: WorkflowHandle[Any, Any],
+    predicate: Callable[[ProxyStatus], bool],
+    what: str,
+    deadline: float = DEADLINE,
+) -> ProxyStatus:
+    seen: list[ProxyStatus] = []
+
+    async def check() -> bool:
+        seen.append(await status_of(handle))
+        return predicate(seen[-1])
+
+    try:
+        await wait_for(check, what, deadline)
+    except AssertionError as err:
+        raise AssertionError(f"{err}; last status: {seen[-1] if seen else None}") from None
+    return seen[-1]
