@@ -1,4 +1,4 @@
-"""The provider contract every backend implements (DESIGN.md section 2).
+"""The provider contract every backend implements (docs/architecture.md, "Providers").
 
 Providers are synchronous, like the cloud SDKs they wrap; activities run them
 in threads so the worker's event loop never blocks. Every operation is

@@ -1,4 +1,4 @@
-"""The provider error taxonomy (DESIGN.md section 3).
+"""The provider error taxonomy (docs/architecture.md, "Errors").
 
 Providers raise only these four. Each wraps the SDK error that caused it
 (`__cause__` and `.cause`), so logs keep the original while callers branch on

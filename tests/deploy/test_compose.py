@@ -32,7 +32,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from contract import SEARCH_ATTRIBUTES
 from startup.search_attributes import CLI_TYPES
-from tests.fixtures.temporal import BIN, TEMPORAL_CLI
+from tests.helpers.temporal import BIN, TEMPORAL_CLI
 from worker import DEFAULT_METRICS_ADDRESS
 
 ROOT = Path(__file__).resolve().parents[2]
