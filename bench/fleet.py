@@ -64,10 +64,10 @@ from activities.models import InstanceRef, MonitorInput, MonitorOutcome
 from activities.probe import ProbeResult, probe_connect
 from activities.provider import ProviderActivities
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, LocalConfig, parse_config
-from providers.local import LocalProvider
+from providers.config import Config, parse_config
+from providers.local import LocalConfig, LocalProvider
+from providers.memory import MemoryProvider
 from providers.naming import OWNER_KEY, instance_name, owner_tags
-from tests.fakes.memory import MemoryProvider
 from tests.fixtures.state_dir import local_state_dir
 from tests.fixtures.temporal import start_dev_server
 from tests.fixtures.tls_origin import TlsOrigin, serve_tls_origin

@@ -43,8 +43,8 @@ from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import probe_connect
 from activities.provider import ProviderActivities
 from providers.base import CreateRequest, InstanceState
-from providers.config import Config, LocalConfig, parse_config
-from providers.local import LocalProvider
+from providers.config import Config, parse_config
+from providers.local import LocalConfig, LocalProvider
 from providers.naming import instance_name, owner_tags
 from tests.fixtures.state_dir import local_state_dir
 from tests.fixtures.temporal import start_dev_server

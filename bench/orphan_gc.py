@@ -3,7 +3,7 @@
     python -m bench.orphan_gc [--instances 10000] [--orphans 300]
 
 A real dev server and a real worker (build_worker, OrphanGC and its
-activities) sweep the in-memory stand-in provider (tests/fakes/memory.py).
+activities) sweep the in-memory provider (type `memory`, providers/memory.py).
 Owners are real ProxyLifecycle executions without a worker, whose search
 attributes say what they own; orphans are split among closed owners, owners
 that never existed and old generations of running owners, and a few recent
@@ -33,8 +33,9 @@ from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
 from providers.config import parse_config
+from providers.memory import MemoryProvider
 from providers.naming import instance_name
-from tests.fakes.memory import MemoryProvider, start_owner
+from tests.fakes.owners import start_owner
 from tests.fixtures.temporal import start_dev_server
 from worker import build_worker
 from workflows.orphan_gc import GcResult
@@ -145,7 +146,7 @@ async def run(instances: int, orphans: int) -> None:
             {
                 "installation": INSTALLATION,
                 "proxy": {"auth": {"password_env": "P"}, "allowed_cidrs": ["127.0.0.0/8"]},
-                "providers": [{"name": PROVIDER, "type": "local", "local": {}}],
+                "providers": [{"name": PROVIDER, "type": "memory"}],
             },
             environ={"P": "unused"},
         )

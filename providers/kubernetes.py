@@ -28,16 +28,18 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import pydantic
 import urllib3
 from kubernetes import client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from pydantic import Field
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import LABEL_VALUE, Config, KubernetesConfig, ProviderEntry
+from providers.catalog import ProviderType
+from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
     INSTALLATION_KEY,
@@ -48,6 +50,30 @@ from providers.naming import (
 )
 from providers.squid import RenderedSquid, SquidPaths, render
 
+
+class KubernetesConfig(StrictModel):
+    """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
+
+    namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
+    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
+    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
+    image: str = "ubuntu/squid:6.6-24.04_beta"
+    # Every API call gives up after this long; Temporal's retry policy retries.
+    request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
+    service_account: str | None = None
+    cpu_request: str = "50m"
+    cpu_limit: str = "500m"
+    memory_request: str = "64Mi"
+    memory_limit: str = "256Mi"
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+PROVIDER_TYPE = ProviderType(
+    name="kubernetes",
+    settings=KubernetesConfig,
+    placement_keys=frozenset({"namespace"}),
+    build=lambda entry, config: KubernetesProvider.from_config(entry, config),
+)
 T = TypeVar("T")
 
 CONTAINER_NAME = "squid"
@@ -134,9 +160,7 @@ class KubernetesProvider:
         Under test both loaders are replaced (the suite's guard makes the real
         ones raise), so this never reaches the developer's cluster.
         """
-        settings = entry.settings
-        if not isinstance(settings, KubernetesConfig):
-            raise TypeError(f"provider {entry.name!r} is of type {entry.type!r}, not kubernetes")
+        settings = PROVIDER_TYPE.settings_of(entry)
         configuration = client.Configuration()
         try:
             k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]

@@ -44,9 +44,32 @@ from pathlib import Path
 from typing import Any
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, LocalConfig, ProviderEntry
+from providers.catalog import ProviderType
+from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.squid import SQUID_USER, SquidPaths, render
+
+
+class LocalConfig(StrictModel):
+    """Squid processes on this machine, one directory each under `state_dir`."""
+
+    state_dir: str = ".data/local-proxies"
+    bind_address: str = "127.0.0.1"
+    # Local proxies cannot all listen on the proxy port, so each gets a free
+    # port from first_port..last_port instead.
+    first_port: Port = 20000
+    last_port: Port = 20999
+    squid_binary: str = "squid"
+
+
+PROVIDER_TYPE = ProviderType(
+    name="local",
+    settings=LocalConfig,
+    placement_keys=frozenset(),
+    build=lambda entry, config: LocalProvider.from_config(entry, config),
+    # Every default works on any machine with Squid installed.
+    block_optional=True,
+)
 
 PROVIDER_ID_PREFIX = "local/"
 CONF_FILE = "squid.conf"
@@ -140,9 +163,7 @@ class LocalProvider:
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> LocalProvider:
         """The registry's constructor; the proxy settings arrive with each request."""
-        settings = entry.settings
-        assert isinstance(settings, LocalConfig)
-        return cls(settings)
+        return cls(PROVIDER_TYPE.settings_of(entry))
 
     # -- the Provider contract ---------------------------------------------
 

@@ -33,6 +33,7 @@ from activities.gc import (
     SurveyInput,
 )
 from providers.base import Instance
+from providers.memory import MemoryProvider
 from providers.naming import (
     GENERATION_KEY,
     INSTALLATION_KEY,
@@ -41,7 +42,7 @@ from providers.naming import (
     OWNER_KEY,
     instance_name,
 )
-from tests.fakes.memory import MemoryProvider, start_owner
+from tests.fakes.owners import start_owner
 from tests.workflows.conftest import wait_for
 
 pytestmark = pytest.mark.slow

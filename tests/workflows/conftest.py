@@ -21,8 +21,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.provider import ProviderActivities
-from providers.config import Config, LocalConfig, parse_config
-from providers.local import LocalProvider
+from providers.config import Config, parse_config
+from providers.local import LocalConfig, LocalProvider
 from tests.fakes.providers import FaultyProvider
 from tests.fixtures.tls_origin import TlsOrigin
 from worker import build_worker
