@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
-from providers.config import Config, ProviderEntry, StrictModel
+from providers.config import StrictModel
 from providers.errors import NotFound, ProviderError
 from providers.naming import instance_name, owner_tags
 
@@ -30,7 +30,8 @@ PROVIDER_TYPE = ProviderType(
     name="memory",
     settings=MemoryConfig,
     placement_keys=frozenset(),
-    build=lambda entry, config: MemoryProvider.from_config(entry, config),
+    # An empty fleet: there is nothing in the entry or the config to read.
+    build=lambda entry, config: MemoryProvider(),
     block_optional=True,
 )
 
@@ -47,12 +48,6 @@ class MemoryProvider:
         self._lock = threading.Lock()
         self._undeletable: dict[str, ProviderError] = {}
         self.deleted: list[str] = []
-
-    @classmethod
-    def from_config(cls, entry: ProviderEntry, config: Config) -> MemoryProvider:
-        """An empty fleet; the block has nothing to configure."""
-        PROVIDER_TYPE.settings_of(entry)
-        return cls()
 
     # -- set-up for tests -----------------------------------------------------
 
