@@ -97,7 +97,7 @@ MIN_WAIT_INTERVAL_SECONDS = 1.0
 
 # GCE instance status -> common state (Libcloud style). RUNNING is only
 # reported once the VM has an external IP; see `_to_instance`.
-_STATES: dict[str, InstanceState] = {
+INSTANCE_STATES: dict[str, InstanceState] = {
     "PENDING": InstanceState.PROVISIONING,
     "PROVISIONING": InstanceState.PROVISIONING,
     "STAGING": InstanceState.PROVISIONING,
@@ -442,7 +442,7 @@ def _to_instance(gce: compute_v1.Instance) -> Instance:
         (ac.nat_i_p for nic in gce.network_interfaces for ac in nic.access_configs if ac.nat_i_p),
         "",
     )
-    state = _STATES.get(gce.status, _UNKNOWN_STATE)
+    state = INSTANCE_STATES.get(gce.status, _UNKNOWN_STATE)
     if state is InstanceState.RUNNING and not ip:
         state = InstanceState.PROVISIONING  # never publish an empty endpoint
     zone = gce.zone.rsplit("/", 1)[-1]

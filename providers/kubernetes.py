@@ -16,7 +16,7 @@ Secret, and an orphaned Pod found by tag takes its Secret with it.
 The API client comes from in-cluster config when the worker runs in a Pod and
 from the local kubeconfig otherwise (a kind cluster on a laptop): one code
 path for both. Every API error is translated into the provider taxonomy at one
-edge (`_api_errors`); nothing from the kubernetes client escapes.
+edge (`_edge`); nothing from the kubernetes client escapes.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ RBAC_VERBS: dict[str, tuple[str, ...]] = {
 # Pod phase -> instance state. A Pod never restarts, so Succeeded and Failed
 # mean Squid is gone for good; Unknown means its node stopped reporting, and
 # the workflow should replace the proxy rather than wait for the node.
-POD_PHASE_STATES: dict[str, InstanceState] = {
+INSTANCE_STATES: dict[str, InstanceState] = {
     "Pending": InstanceState.PROVISIONING,
     "Running": InstanceState.RUNNING,
     "Succeeded": InstanceState.TERMINATED,
@@ -210,21 +210,21 @@ class KubernetesProvider:
             what,
         )
         if pod is None:
-            with _api_errors(f"read existing {what}"):
+            with _edge(f"read existing {what}"):
                 pod = self._read_pod(namespace, req.name)
         self._ensure_secret(pod, rendered)
         return _instance(pod)
 
     def get(self, provider_id: str) -> Instance:
         namespace, name = _parse_provider_id(provider_id)
-        with _api_errors(f"get pod {provider_id}"):
+        with _edge(f"get pod {provider_id}"):
             return _instance(self._read_pod(namespace, name))
 
     def delete(self, provider_id: str) -> None:
         """Delete the Pod with its grace period; the Secret goes with it (ownerReference)."""
         namespace, name = _parse_provider_id(provider_id)
         try:
-            with _api_errors(f"delete pod {provider_id}"):
+            with _edge(f"delete pod {provider_id}"):
                 self._core.delete_namespaced_pod(name, namespace, _request_timeout=self._timeout)
         except NotFound:
             return
@@ -246,7 +246,7 @@ class KubernetesProvider:
     def _pods(self, label_selector: str) -> Iterator[client.V1Pod]:
         token: str | None = None
         while True:
-            with _api_errors(f"list pods {label_selector}"):
+            with _edge(f"list pods {label_selector}"):
                 page = self._core.list_pod_for_all_namespaces(
                     label_selector=label_selector,
                     limit=LIST_PAGE_SIZE,
@@ -426,7 +426,7 @@ def _state(pod: client.V1Pod) -> InstanceState:
     if pod.metadata and pod.metadata.deletion_timestamp:
         return InstanceState.TERMINATED
     status = pod.status or client.V1PodStatus()
-    state = POD_PHASE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
+    state = INSTANCE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
     if state is InstanceState.RUNNING and not status.pod_ip:
         return InstanceState.PROVISIONING
     return state
@@ -475,7 +475,7 @@ def _b64(text: str) -> str:
 def _create_unless_exists(create: Callable[[], T], what: str) -> T | None:
     """The created object, or None when one of that name exists (409 Conflict)."""
     try:
-        with _api_errors(f"create {what}"):
+        with _edge(f"create {what}"):
             return create()
     except Transient as exc:
         if isinstance(exc.cause, ApiException) and exc.cause.status == CONFLICT:
@@ -484,7 +484,7 @@ def _create_unless_exists(create: Callable[[], T], what: str) -> T | None:
 
 
 @contextlib.contextmanager
-def _api_errors(what: str) -> Iterator[None]:
+def _edge(what: str) -> Iterator[None]:
     """The edge: whatever the client raises leaves as one of the taxonomy's errors."""
     try:
         yield

@@ -170,7 +170,7 @@ class LocalProvider:
     def create(self, req: CreateRequest) -> Instance:
         """Start Squid for `req.name`, adopt it if it runs, restart it if it died."""
         name = _checked_name(req.name)
-        with _taxonomy(f"create local instance {name}"):
+        with _edge(f"create local instance {name}"):
             binary = self._squid_binary()
             self._state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             with self._locked():
@@ -182,7 +182,7 @@ class LocalProvider:
 
     def get(self, provider_id: str) -> Instance:
         name = self._name(provider_id)
-        with _taxonomy(f"get {provider_id}"):
+        with _edge(f"get {provider_id}"):
             return self._instance(name)
 
     def delete(self, provider_id: str) -> None:
@@ -192,7 +192,7 @@ class LocalProvider:
         a get right after delete already raises NotFound.
         """
         name = self._name(provider_id)
-        with _taxonomy(f"delete {provider_id}"):
+        with _edge(f"delete {provider_id}"):
             if not self._dir(name).exists():
                 return
             # A create of the same name may restart Squid while it is being
@@ -209,7 +209,7 @@ class LocalProvider:
                     return
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        with _taxonomy(f"list local instances tagged {key}={value}"):
+        with _edge(f"list local instances tagged {key}={value}"):
             if not self._state_dir.is_dir():
                 return []
             found: list[Instance] = []
@@ -499,7 +499,7 @@ def _checked_name(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _taxonomy(action: str) -> Iterator[None]:
+def _edge(action: str) -> Iterator[None]:
     """Raise only the taxonomy: OS errors by errno, anything else as Transient."""
     try:
         yield
