@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from socketserver import ThreadingMixIn
 from typing import Any, NoReturn
@@ -38,9 +38,8 @@ from temporalio.worker import Worker
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
 from contract import ORPHAN_GC_SCHEDULE_ID, TASK_QUEUE
-from providers.base import Provider
-from providers.config import Config, ConfigError, ProviderEntry, load_config
-from providers.registry import Constructor, build_providers
+from providers.config import Config, ConfigError, load_config
+from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
 from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
 from workflows.lifecycle import ProxyLifecycle
@@ -53,28 +52,6 @@ DEFAULT_MAX_ACTIVITIES = 2000
 GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 
 log = logging.getLogger("proxy_operator.worker")
-
-
-def _local(entry: ProviderEntry, config: Config) -> Provider:
-    from providers.local import LocalProvider
-
-    return LocalProvider.from_config(entry, config)
-
-
-def _kubernetes(entry: ProviderEntry, config: Config) -> Provider:
-    from providers.kubernetes import KubernetesProvider
-
-    return KubernetesProvider.from_config(entry, config)
-
-
-def _gcp(entry: ProviderEntry, config: Config) -> Provider:
-    from providers.gcp import GcpProvider
-
-    return GcpProvider.from_config(entry, config)
-
-
-# Imports stay lazy so a worker only loads the SDKs its config uses.
-CONSTRUCTORS: Mapping[str, Constructor] = {"local": _local, "kubernetes": _kubernetes, "gcp": _gcp}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve(config: Config, args: argparse.Namespace) -> int:
-    providers = build_providers(config, CONSTRUCTORS)
+    providers = build_providers(config)
     health = _Health()
     runtime = _runtime_with_metrics(args.metrics_address, health)
     client = await connect(runtime)

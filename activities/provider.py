@@ -38,18 +38,13 @@ from activities.models import (
 from activities.probe import ProbeResult, probe_connect
 from contract import ErrorType
 from providers.base import CreateRequest, Instance, InstanceState, Provider
+from providers.catalog import provider_type
 from providers.config import Config
 from providers.errors import classify
 from providers.naming import instance_name, owner_tags
 
 T = TypeVar("T")
 
-# Placement keys each provider type understands.
-PLACEMENT_KEYS: dict[str, frozenset[str]] = {
-    "local": frozenset(),
-    "kubernetes": frozenset({"namespace"}),
-    "gcp": frozenset({"zone"}),
-}
 # Poll quickly at first (a local Squid is up in tens of milliseconds), then
 # back off so a slow VM boot costs few provider calls.
 FIRST_POLL_SECONDS = 0.05
@@ -127,7 +122,7 @@ class ProviderActivities:
             known = ", ".join(sorted(self._providers)) or "none"
             problems.append(f"provider: unknown provider {inp.provider!r} (configured: {known})")
         else:
-            allowed = PLACEMENT_KEYS.get(entry.type, frozenset())
+            allowed = provider_type(entry.type).placement_keys
             for key in sorted(set(inp.placement) - allowed):
                 problems.append(
                     f"placement.{key}: not supported by provider {inp.provider!r} "

@@ -42,8 +42,8 @@ from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import probe_connect
 from activities.provider import ProviderActivities
 from providers.base import CreateRequest, InstanceState
-from providers.config import Config, LocalConfig
-from providers.local import LocalProvider
+from providers.config import Config
+from providers.local import LocalConfig, LocalProvider
 from providers.naming import instance_name, owner_tags
 from tests.helpers.config import build_config, local_entry
 from tests.helpers.network import free_port

@@ -23,8 +23,7 @@ from pathlib import Path
 from activities.probe import ProbeResult, probe_connect
 from bench.stats import percentile
 from providers.base import CreateRequest, InstanceState
-from providers.config import LocalConfig
-from providers.local import METADATA_FILE, LocalProvider
+from providers.local import METADATA_FILE, LocalConfig, LocalProvider
 from providers.squid import ProxySettings
 from tests.helpers.procfs import children_by_parent
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin

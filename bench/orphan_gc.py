@@ -3,7 +3,7 @@
     python -m bench.orphan_gc [--instances 10000] [--orphans 300]
 
 A real dev server and a real worker (build_worker, OrphanGC and its
-activities) sweep the in-memory stand-in provider (tests/fakes/memory.py).
+activities) sweep the in-memory provider (type `memory`, providers/memory.py).
 Owners are real ProxyLifecycle executions without a worker, whose search
 attributes say what they own; orphans are split among closed owners, owners
 that never existed and old generations of running owners, and a few recent
@@ -32,8 +32,9 @@ from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
 
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
+from providers.memory import MemoryProvider
 from providers.naming import instance_name
-from tests.fakes.memory import MemoryProvider, start_owner
+from tests.fakes.owners import start_owner
 from tests.helpers.config import build_config
 from tests.helpers.temporal import start_dev_server
 from worker import build_worker
@@ -142,7 +143,7 @@ async def run(instances: int, orphans: int) -> None:
             f"(built in {time.monotonic() - start:.1f} s)"
         )
         config = build_config(
-            {"name": PROVIDER, "type": "local", "local": {}},
+            {"name": PROVIDER, "type": "memory"},
             connect_ports=[443],
             installation=INSTALLATION,
             password="unused",

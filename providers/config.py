@@ -15,11 +15,21 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from providers.catalog import TYPE_NAMES, provider_type
 from providers.squid import ProxySettings
 
-PROVIDER_TYPES = ("local", "kubernetes", "gcp")
 LABEL_VALUE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -59,68 +69,88 @@ class ProxyDefaults(StrictModel):
         return cidrs
 
 
-class LocalConfig(StrictModel):
-    """Squid processes on this machine, one directory each under `state_dir`."""
-
-    state_dir: str = ".data/local-proxies"
-    bind_address: str = "127.0.0.1"
-    # Local proxies cannot all listen on the proxy port, so each gets a free
-    # port from first_port..last_port instead.
-    first_port: Port = 20000
-    last_port: Port = 20999
-    squid_binary: str = "squid"
-
-
-class KubernetesConfig(StrictModel):
-    """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
-
-    namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
-    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
-    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
-    image: str = "ubuntu/squid:6.6-24.04_beta"
-    # Every API call gives up after this long; Temporal's retry policy retries.
-    request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
-    service_account: str | None = None
-    cpu_request: str = "50m"
-    cpu_limit: str = "500m"
-    memory_request: str = "64Mi"
-    memory_limit: str = "256Mi"
-    node_selector: dict[str, str] = {}
-
-
-class GcpConfig(StrictModel):
-    """Compute Engine VMs with public IPs; credentials come from ADC only."""
-
-    project: str
-    zone: str
-    zones: list[str] = []
-    machine_type: str = "e2-micro"
-    image_project: str = "debian-cloud"
-    image_family: str = "debian-12"
-    spot: bool = False
-    network: str = "global/networks/default"
-    subnetwork: str | None = None
-    # The network tag the installation's firewall rule targets. The default,
-    # `proxy-operator-<installation>`, keeps two installations sharing a network
-    # from opening each other's VMs to their own allowed_cidrs.
-    network_tag: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
-
-
 class ProviderEntry(StrictModel):
+    """One configured provider: its name, its type, and the block of that type.
+
+    The block sits under a key named after the type (`gcp: {project: ...}`) and
+    is validated by the model the type's module declares, so only the modules
+    of types a config uses are ever imported.
+    """
+
     name: Annotated[str, Field(pattern=LABEL_VALUE)]
     type: str
-    local: LocalConfig | None = None
-    kubernetes: KubernetesConfig | None = None
-    gcp: GcpConfig | None = None
+    settings: StrictModel
 
-    @property
-    def settings(self) -> BaseModel:
-        """The config block that belongs to this entry's type."""
-        block = getattr(self, self.type)
-        if block is None:  # only reachable for the local default
-            block = LocalConfig()
-        assert isinstance(block, BaseModel)
-        return block
+    @model_validator(mode="wrap")
+    @classmethod
+    def _block_of_its_type(
+        cls, raw: Any, handler: ModelWrapValidatorHandler[ProviderEntry]
+    ) -> ProviderEntry:
+        """Validate the type's block in place of `settings`; report its problems under its key."""
+        if not isinstance(raw, dict):
+            return handler(raw)
+        problems: list[InitErrorDetails] = []
+        settings = _settings_block(raw, problems)
+        if "settings" in raw:  # the field's name, not a key users may write
+            problems.append(_problem(("settings",), "extra_forbidden", "unknown key"))
+        rest = {k: v for k, v in raw.items() if k not in TYPE_NAMES and k != "settings"}
+        try:
+            entry = handler({**rest, "settings": settings or StrictModel()})
+        except ValidationError as exc:
+            problems = _relocated(exc, ()) + problems
+        if problems:
+            raise ValidationError.from_exception_data(cls.__name__, problems)
+        return entry
+
+
+def _settings_block(raw: dict[str, Any], problems: list[InitErrorDetails]) -> StrictModel | None:
+    """The entry's validated block, or None with the reasons added to `problems`."""
+    kind = raw.get("type")
+    if not isinstance(kind, str) or kind not in TYPE_NAMES:
+        expected = ", ".join(TYPE_NAMES)
+        problems.append(
+            _problem(
+                ("type",), "provider_type", f"unknown type {kind!r} (expected one of {expected})"
+            )
+        )
+        return None
+    for other in TYPE_NAMES:
+        if other != kind and other in raw:
+            problems.append(
+                _problem(
+                    (other,), "provider_block", f"block belongs to type {other!r}, not {kind!r}"
+                )
+            )
+    declared = provider_type(kind)
+    block = raw.get(kind)
+    if block is None and not declared.block_optional:
+        problems.append(_problem((kind,), "provider_block", f"field required for type {kind!r}"))
+        return None
+    try:
+        settings: StrictModel = declared.settings.model_validate({} if block is None else block)
+    except ValidationError as exc:
+        problems.extend(_relocated(exc, (kind,)))
+        return None
+    return settings
+
+
+def _problem(loc: tuple[str | int, ...], kind: str, message: str) -> InitErrorDetails:
+    """One validation error of type `kind`, worded as `_describe` prints it."""
+    return InitErrorDetails(
+        type=PydanticCustomError(kind, "{message}", {"message": message}), loc=loc, input=None
+    )
+
+
+def _relocated(exc: ValidationError, prefix: tuple[str | int, ...]) -> list[InitErrorDetails]:
+    """`exc`'s errors under `prefix`, with their types and messages kept."""
+    return [
+        InitErrorDetails(
+            type=PydanticCustomError(err["type"], "{message}", {"message": err["msg"]}),
+            loc=(*prefix, *err["loc"]),
+            input=err["input"],
+        )
+        for err in exc.errors()
+    ]
 
 
 class Config(StrictModel):
@@ -199,22 +229,11 @@ def _structure_problems(raw: dict[str, Any]) -> list[str]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             continue
-        where = f"providers[{i}]"
-        name, kind = entry.get("name"), entry.get("type")
+        name = entry.get("name")
         if isinstance(name, str):
             if name in seen:
-                problems.append(f"{where}.name: duplicate {name!r}")
+                problems.append(f"providers[{i}].name: duplicate {name!r}")
             seen.add(name)
-        if not isinstance(kind, str) or kind not in PROVIDER_TYPES:
-            problems.append(
-                f"{where}.type: unknown type {kind!r} (expected one of {', '.join(PROVIDER_TYPES)})"
-            )
-            continue
-        for other in PROVIDER_TYPES:
-            if other != kind and other in entry:
-                problems.append(f"{where}.{other}: block belongs to type {other!r}, not {kind!r}")
-        if kind != "local" and kind not in entry:
-            problems.append(f"{where}.{kind}: field required for type {kind!r}")
     return problems
 
 

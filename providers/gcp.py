@@ -34,18 +34,45 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import cast
+from typing import Annotated, cast
 
 import google.auth
 from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
+from pydantic import Field
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, GcpConfig, ProviderEntry
+from providers.catalog import ProviderType
+from providers.config import Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
 from providers.naming import OWNER_KEY, RFC1035_LABEL, short_hash
 from providers.squid import SQUID_USER, ProxySettings, SquidPaths, render
 
+
+class GcpConfig(StrictModel):
+    """Compute Engine VMs with public IPs; credentials come from ADC only."""
+
+    project: str
+    zone: str
+    zones: list[str] = Field(default_factory=list)
+    machine_type: str = "e2-micro"
+    image_project: str = "debian-cloud"
+    image_family: str = "debian-12"
+    spot: bool = False
+    network: str = "global/networks/default"
+    subnetwork: str | None = None
+    # The network tag the installation's firewall rule targets. The default,
+    # `proxy-operator-<installation>`, keeps two installations sharing a network
+    # from opening each other's VMs to their own allowed_cidrs.
+    network_tag: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
+
+
+PROVIDER_TYPE = ProviderType(
+    name="gcp",
+    settings=GcpConfig,
+    placement_keys=frozenset({"zone"}),
+    build=lambda entry, config: GcpProvider.from_config(entry, config),
+)
 log = logging.getLogger(__name__)
 
 COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"
@@ -70,7 +97,7 @@ MIN_WAIT_INTERVAL_SECONDS = 1.0
 
 # GCE instance status -> common state (Libcloud style). RUNNING is only
 # reported once the VM has an external IP; see `_to_instance`.
-_STATES: dict[str, InstanceState] = {
+INSTANCE_STATES: dict[str, InstanceState] = {
     "PENDING": InstanceState.PROVISIONING,
     "PROVISIONING": InstanceState.PROVISIONING,
     "STAGING": InstanceState.PROVISIONING,
@@ -142,11 +169,10 @@ class GcpProvider:
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> GcpProvider:
         """Real clients on Application Default Credentials; never used by tests."""
-        if entry.gcp is None:
-            raise ValueError(f"provider {entry.name!r}: type gcp needs a gcp block")
+        settings = PROVIDER_TYPE.settings_of(entry)
         credentials, _ = google.auth.default(scopes=[COMPUTE_SCOPE])
         return cls(
-            entry.gcp,
+            settings,
             config.installation,
             instances=compute_v1.InstancesClient(credentials=credentials),
             operations=compute_v1.ZoneOperationsClient(credentials=credentials),
@@ -416,7 +442,7 @@ def _to_instance(gce: compute_v1.Instance) -> Instance:
         (ac.nat_i_p for nic in gce.network_interfaces for ac in nic.access_configs if ac.nat_i_p),
         "",
     )
-    state = _STATES.get(gce.status, _UNKNOWN_STATE)
+    state = INSTANCE_STATES.get(gce.status, _UNKNOWN_STATE)
     if state is InstanceState.RUNNING and not ip:
         state = InstanceState.PROVISIONING  # never publish an empty endpoint
     zone = gce.zone.rsplit("/", 1)[-1]

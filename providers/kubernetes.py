@@ -16,7 +16,7 @@ Secret, and an orphaned Pod found by tag takes its Secret with it.
 The API client comes from in-cluster config when the worker runs in a Pod and
 from the local kubeconfig otherwise (a kind cluster on a laptop): one code
 path for both. Every API error is translated into the provider taxonomy at one
-edge (`_api_errors`); nothing from the kubernetes client escapes.
+edge (`_edge`); nothing from the kubernetes client escapes.
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import pydantic
 import urllib3
 from kubernetes import client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from pydantic import Field
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import LABEL_VALUE, Config, KubernetesConfig, ProviderEntry
+from providers.catalog import ProviderType
+from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
     INSTALLATION_KEY,
@@ -48,6 +50,30 @@ from providers.naming import (
 )
 from providers.squid import RenderedSquid, SquidPaths, render
 
+
+class KubernetesConfig(StrictModel):
+    """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
+
+    namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
+    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
+    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
+    image: str = "ubuntu/squid:6.6-24.04_beta"
+    # Every API call gives up after this long; Temporal's retry policy retries.
+    request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
+    service_account: str | None = None
+    cpu_request: str = "50m"
+    cpu_limit: str = "500m"
+    memory_request: str = "64Mi"
+    memory_limit: str = "256Mi"
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+PROVIDER_TYPE = ProviderType(
+    name="kubernetes",
+    settings=KubernetesConfig,
+    placement_keys=frozenset({"namespace"}),
+    build=lambda entry, config: KubernetesProvider.from_config(entry, config),
+)
 T = TypeVar("T")
 
 CONTAINER_NAME = "squid"
@@ -89,7 +115,7 @@ RBAC_VERBS: dict[str, tuple[str, ...]] = {
 # Pod phase -> instance state. A Pod never restarts, so Succeeded and Failed
 # mean Squid is gone for good; Unknown means its node stopped reporting, and
 # the workflow should replace the proxy rather than wait for the node.
-POD_PHASE_STATES: dict[str, InstanceState] = {
+INSTANCE_STATES: dict[str, InstanceState] = {
     "Pending": InstanceState.PROVISIONING,
     "Running": InstanceState.RUNNING,
     "Succeeded": InstanceState.TERMINATED,
@@ -134,9 +160,7 @@ class KubernetesProvider:
         Under test both loaders are replaced (the suite's guard makes the real
         ones raise), so this never reaches the developer's cluster.
         """
-        settings = entry.settings
-        if not isinstance(settings, KubernetesConfig):
-            raise TypeError(f"provider {entry.name!r} is of type {entry.type!r}, not kubernetes")
+        settings = PROVIDER_TYPE.settings_of(entry)
         configuration = client.Configuration()
         try:
             k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -186,21 +210,21 @@ class KubernetesProvider:
             what,
         )
         if pod is None:
-            with _api_errors(f"read existing {what}"):
+            with _edge(f"read existing {what}"):
                 pod = self._read_pod(namespace, req.name)
         self._ensure_secret(pod, rendered)
         return _instance(pod)
 
     def get(self, provider_id: str) -> Instance:
         namespace, name = _parse_provider_id(provider_id)
-        with _api_errors(f"get pod {provider_id}"):
+        with _edge(f"get pod {provider_id}"):
             return _instance(self._read_pod(namespace, name))
 
     def delete(self, provider_id: str) -> None:
         """Delete the Pod with its grace period; the Secret goes with it (ownerReference)."""
         namespace, name = _parse_provider_id(provider_id)
         try:
-            with _api_errors(f"delete pod {provider_id}"):
+            with _edge(f"delete pod {provider_id}"):
                 self._core.delete_namespaced_pod(name, namespace, _request_timeout=self._timeout)
         except NotFound:
             return
@@ -222,7 +246,7 @@ class KubernetesProvider:
     def _pods(self, label_selector: str) -> Iterator[client.V1Pod]:
         token: str | None = None
         while True:
-            with _api_errors(f"list pods {label_selector}"):
+            with _edge(f"list pods {label_selector}"):
                 page = self._core.list_pod_for_all_namespaces(
                     label_selector=label_selector,
                     limit=LIST_PAGE_SIZE,
@@ -402,7 +426,7 @@ def _state(pod: client.V1Pod) -> InstanceState:
     if pod.metadata and pod.metadata.deletion_timestamp:
         return InstanceState.TERMINATED
     status = pod.status or client.V1PodStatus()
-    state = POD_PHASE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
+    state = INSTANCE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
     if state is InstanceState.RUNNING and not status.pod_ip:
         return InstanceState.PROVISIONING
     return state
@@ -451,7 +475,7 @@ def _b64(text: str) -> str:
 def _create_unless_exists(create: Callable[[], T], what: str) -> T | None:
     """The created object, or None when one of that name exists (409 Conflict)."""
     try:
-        with _api_errors(f"create {what}"):
+        with _edge(f"create {what}"):
             return create()
     except Transient as exc:
         if isinstance(exc.cause, ApiException) and exc.cause.status == CONFLICT:
@@ -460,7 +484,7 @@ def _create_unless_exists(create: Callable[[], T], what: str) -> T | None:
 
 
 @contextlib.contextmanager
-def _api_errors(what: str) -> Iterator[None]:
+def _edge(what: str) -> Iterator[None]:
     """The edge: whatever the client raises leaves as one of the taxonomy's errors."""
     try:
         yield

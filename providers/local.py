@@ -44,9 +44,32 @@ from pathlib import Path
 from typing import Any
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, LocalConfig, ProviderEntry
+from providers.catalog import ProviderType
+from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.squid import SQUID_USER, SquidPaths, render
+
+
+class LocalConfig(StrictModel):
+    """Squid processes on this machine, one directory each under `state_dir`."""
+
+    state_dir: str = ".data/local-proxies"
+    bind_address: str = "127.0.0.1"
+    # Local proxies cannot all listen on the proxy port, so each gets a free
+    # port from first_port..last_port instead.
+    first_port: Port = 20000
+    last_port: Port = 20999
+    squid_binary: str = "squid"
+
+
+PROVIDER_TYPE = ProviderType(
+    name="local",
+    settings=LocalConfig,
+    placement_keys=frozenset(),
+    build=lambda entry, config: LocalProvider.from_config(entry, config),
+    # Every default works on any machine with Squid installed.
+    block_optional=True,
+)
 
 PROVIDER_ID_PREFIX = "local/"
 CONF_FILE = "squid.conf"
@@ -140,16 +163,14 @@ class LocalProvider:
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> LocalProvider:
         """The registry's constructor; the proxy settings arrive with each request."""
-        settings = entry.settings
-        assert isinstance(settings, LocalConfig)
-        return cls(settings)
+        return cls(PROVIDER_TYPE.settings_of(entry))
 
     # -- the Provider contract ---------------------------------------------
 
     def create(self, req: CreateRequest) -> Instance:
         """Start Squid for `req.name`, adopt it if it runs, restart it if it died."""
         name = _checked_name(req.name)
-        with _taxonomy(f"create local instance {name}"):
+        with _edge(f"create local instance {name}"):
             binary = self._squid_binary()
             self._state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             with self._locked():
@@ -161,7 +182,7 @@ class LocalProvider:
 
     def get(self, provider_id: str) -> Instance:
         name = self._name(provider_id)
-        with _taxonomy(f"get {provider_id}"):
+        with _edge(f"get {provider_id}"):
             return self._instance(name)
 
     def delete(self, provider_id: str) -> None:
@@ -171,7 +192,7 @@ class LocalProvider:
         a get right after delete already raises NotFound.
         """
         name = self._name(provider_id)
-        with _taxonomy(f"delete {provider_id}"):
+        with _edge(f"delete {provider_id}"):
             if not self._dir(name).exists():
                 return
             # A create of the same name may restart Squid while it is being
@@ -188,7 +209,7 @@ class LocalProvider:
                     return
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        with _taxonomy(f"list local instances tagged {key}={value}"):
+        with _edge(f"list local instances tagged {key}={value}"):
             if not self._state_dir.is_dir():
                 return []
             found: list[Instance] = []
@@ -478,7 +499,7 @@ def _checked_name(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _taxonomy(action: str) -> Iterator[None]:
+def _edge(action: str) -> Iterator[None]:
     """Raise only the taxonomy: OS errors by errno, anything else as Transient."""
     try:
         yield

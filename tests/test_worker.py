@@ -16,12 +16,16 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from temporalio.testing import WorkflowEnvironment
 
-from providers.local import processes_under
+from providers.base import CreateRequest
+from providers.local import LocalConfig, LocalProvider, processes_under
+from providers.naming import owner_tags
+from providers.squid import ProxySettings
 from tests.helpers.config import PASSWORD, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.tls_origin import serve_tls_origin
@@ -30,9 +34,11 @@ from tests.helpers.waiting import status_of, wait_for, wait_status
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_config(path: Path, state_dir: Path, connect_port: int) -> Path:
+def write_config(
+    path: Path, state_dir: Path, connect_port: int, provider: dict[str, Any] | None = None
+) -> Path:
     raw = raw_config(
-        local_entry(state_dir), connect_ports=[connect_port], installation="worker-test"
+        provider or local_entry(state_dir), connect_ports=[connect_port], installation="worker-test"
     )
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -189,3 +195,46 @@ async def test_killed_workers_lose_nothing(
         third.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(third.wait, 60) == 0
     assert not await asyncio.to_thread(lambda: [p for p in state_dir.iterdir() if p.is_dir()])
+
+
+async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
+    temporal_env: WorkflowEnvironment,
+    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],
+    state_dir: Path,
+    tmp_path: Path,
+) -> None:
+    # A memory instance claims 127.0.0.1 at the requested port: a real Squid
+    # listens there, so the worker's probes through it are real.
+    with serve_tls_origin() as origin:
+        ca_file = tmp_path / "ca.pem"
+        origin.ca.cert_pem.write_to_path(str(ca_file))
+        squid = LocalProvider(LocalConfig(state_dir=str(state_dir))).create(
+            CreateRequest(
+                name="upstream",
+                proxy=ProxySettings(3128, "proxy", PASSWORD, ("127.0.0.0/8",), (origin.port,)),
+                tags=owner_tags("worker-test", "upstream", 0),
+            )
+        )
+        config = write_config(
+            tmp_path / "providers.yaml",
+            state_dir,
+            origin.port,
+            {"name": "demo", "type": "memory"},
+        )
+        task_queue = f"test-{uuid.uuid4().hex[:12]}"
+        worker_process(config, task_queue, {"SSL_CERT_FILE": str(ca_file)})
+        handle = await temporal_env.client.start_workflow(
+            "ProxyLifecycle",
+            {
+                "provider": "demo",
+                "port": squid.port,
+                "health": {"target": f"https://127.0.0.1:{origin.port}/"},
+            },
+            id=f"proxy-{uuid.uuid4().hex[:8]}",
+            task_queue=task_queue,
+        )
+        ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready on memory")
+        assert ready.endpoint == f"127.0.0.1:{squid.port}"
+        await handle.signal("terminate")
+        result = await asyncio.wait_for(handle.result(), timeout=60)
+        assert result["state"] == "Terminated"

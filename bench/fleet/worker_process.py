@@ -38,8 +38,8 @@ from bench.fleet.parameters import (
     config_for,
 )
 from providers.base import CreateRequest
+from providers.memory import MemoryProvider
 from providers.naming import OWNER_KEY
-from tests.fakes.memory import MemoryProvider
 from worker import build_worker
 
 

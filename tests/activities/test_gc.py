@@ -31,6 +31,7 @@ from activities.gc import (
     SurveyInput,
 )
 from providers.base import Instance
+from providers.memory import MemoryProvider
 from providers.naming import (
     GENERATION_KEY,
     INSTALLATION_KEY,
@@ -39,7 +40,7 @@ from providers.naming import (
     OWNER_KEY,
     instance_name,
 )
-from tests.fakes.memory import MemoryProvider, start_owner
+from tests.fakes.owners import start_owner
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow

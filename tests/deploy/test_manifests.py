@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from providers.config import parse_config
-from providers.kubernetes import PORT_NAME, RBAC_VERBS
+from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,8 +198,8 @@ def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> Non
     config = parse_config(raw, source="ConfigMap", environ={password_env: "not-a-real-password"})
     (provider,) = config.providers
     assert provider.type == "kubernetes"
-    assert provider.kubernetes is not None
-    assert provider.kubernetes.namespace == "proxies"
+    assert isinstance(provider.settings, KubernetesConfig)
+    assert provider.settings.namespace == "proxies"
 
 
 def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,8 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from providers.base import CreateRequest, Instance, InstanceState, Provider
-from providers.config import Config, ConfigError, ProviderEntry, load_config, parse_config
-from providers.errors import TAXONOMY, ProviderError, Transient, classify
+from providers.catalog import TYPE_NAMES, provider_type
+from providers.config import ConfigError, load_config, parse_config
+from providers.errors import TAXONOMY, NotFound, ProviderError, Transient, classify
+from providers.local import LocalProvider
+from providers.memory import MemoryProvider
 from providers.metrics import MeteredProvider, ProviderMetrics
 from providers.naming import (
     GENERATION_KEY,
@@ -26,7 +31,7 @@ from providers.naming import (
     owner_tags,
     ownership_mismatch,
 )
-from providers.registry import UnknownProviderType, build_providers
+from providers.registry import build_providers
 from providers.squid import ProxySettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,31 +183,67 @@ def minimal_config(*providers: dict[str, Any]) -> dict[str, Any]:
 ENVIRON = {"PROXY_PASSWORD": "from-the-environment"}
 
 
-def test_registry_builds_one_metered_provider_per_entry() -> None:
+def test_registry_builds_each_entry_through_its_type_and_meters_it(tmp_path: Path) -> None:
     config = parse_config(
-        minimal_config({"name": "here", "type": "local"}, {"name": "there", "type": "local"}),
+        minimal_config(
+            {"name": "here", "type": "local", "local": {"state_dir": str(tmp_path)}},
+            {"name": "demo", "type": "memory"},
+        ),
         environ=ENVIRON,
     )
-    built: list[str] = []
-
-    def construct(entry: ProviderEntry, cfg: Config) -> Provider:
-        assert cfg is config
-        built.append(entry.name)
-        return StubProvider()
-
-    providers = build_providers(config, {"local": construct})
-    assert built == ["here", "there"]
-    assert set(providers) == {"here", "there"}
+    providers = build_providers(config)
+    assert set(providers) == {"here", "demo"}
     assert all(isinstance(p, MeteredProvider) for p in providers.values())
-
-
-def test_registry_rejects_a_type_without_constructor() -> None:
-    config = parse_config(
-        minimal_config({"name": "cluster", "type": "kubernetes", "kubernetes": {}}),
-        environ=ENVIRON,
+    here, demo = providers["here"], providers["demo"]
+    assert isinstance(here, MeteredProvider) and isinstance(demo, MeteredProvider)
+    assert isinstance(here.inner, LocalProvider) and isinstance(demo.inner, MemoryProvider)
+    # The memory type keeps the whole contract, through the same metering.
+    request = CreateRequest(
+        name="one", proxy=ProxySettings(3128, "u", "p", ("10.0.0.0/8",), (443,)), tags={"k": "v"}
     )
-    with pytest.raises(UnknownProviderType, match="kubernetes"):
-        build_providers(config, {"local": lambda entry, cfg: StubProvider()})
+    created = demo.create(request)
+    assert demo.list_by_tag("k", "v") == [created] == [demo.create(request)]
+    demo.delete(created.provider_id)
+    with pytest.raises(NotFound):
+        demo.get(created.provider_id)
+
+
+def test_every_type_in_the_catalog_declares_itself() -> None:
+    declared = {name: provider_type(name) for name in TYPE_NAMES}
+    assert {name: t.name for name, t in declared.items()} == {name: name for name in TYPE_NAMES}
+    assert {name: set(t.placement_keys) for name, t in declared.items()} == {
+        "local": set(),
+        "kubernetes": {"namespace"},
+        "gcp": {"zone"},
+        "memory": set(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["local", "kubernetes", "gcp"])
+def test_from_config_refuses_a_block_of_another_type_the_same_way(kind: str) -> None:
+    config = parse_config(minimal_config({"name": "odd", "type": "memory"}), environ=ENVIRON)
+    with pytest.raises(TypeError) as caught:
+        provider_type(kind).build(config.provider("odd"), config)
+    assert str(caught.value) == f"provider 'odd' is of type 'memory', not {kind!r}"
+
+
+def test_a_local_only_worker_never_imports_the_cloud_sdks(tmp_path: Path) -> None:
+    # A fresh interpreter: this test session has imported every SDK already.
+    # (Temporal's client loads google.protobuf, which is no cloud SDK.)
+    script = f"""
+import sys
+import worker
+from providers.config import parse_config
+from providers.registry import build_providers
+raw = {minimal_config({"name": "here", "type": "local", "local": {"state_dir": str(tmp_path)}})!r}
+build_providers(parse_config(raw, environ={ENVIRON!r}))
+sdks = ("kubernetes", "google.cloud", "google.auth", "google.api_core", "providers.gcp")
+print(sorted(m for m in sys.modules if m.startswith(sdks) or m == "providers.kubernetes"))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "[]"
 
 
 # -- config --------------------------------------------------------------------
@@ -258,7 +299,7 @@ BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
     "unknown type": (
         broken(add_providers({"name": "aws", "type": "aws"})),
         ENVIRON,
-        ["providers[1].type: unknown type 'aws' (expected one of local, kubernetes, gcp)"],
+        ["providers[1].type: unknown type 'aws' (expected one of local, kubernetes, gcp, memory)"],
     ),
     "block of another type": (
         broken(add_providers({"name": "cloud", "type": "gcp", "kubernetes": {}})),
@@ -266,6 +307,35 @@ BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
         [
             "providers[1].kubernetes: block belongs to type 'kubernetes', not 'gcp'",
             "providers[1].gcp: field required for type 'gcp'",
+        ],
+    ),
+    "a block that is null, and the settings field written by hand": (
+        broken(
+            several(
+                add_providers({"name": "cluster", "type": "kubernetes", "kubernetes": None}),
+                set_in("providers.0.settings", {"state_dir": "/tmp/x"}),
+            )
+        ),
+        ENVIRON,
+        [
+            "providers[1].kubernetes: field required for type 'kubernetes'",
+            "providers[0].settings: unknown key",
+        ],
+    ),
+    "problems in the entry and in its block, all of them": (
+        broken(
+            add_providers(
+                {"name": "Bad Name", "type": "gcp", "gcp": {"zone": 5}, "region": "eu"},
+                {"name": "demo", "type": "memory", "memory": {"instances": 3}},
+            )
+        ),
+        ENVIRON,
+        [
+            "providers[1].name: string should match pattern '^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$'",
+            "providers[1].region: unknown key",
+            "providers[1].gcp.project: field required",
+            "providers[1].gcp.zone: input should be a valid string",
+            "providers[2].memory.instances: unknown key",
         ],
     ),
     "unknown keys at every depth": (

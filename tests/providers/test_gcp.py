@@ -16,9 +16,9 @@ from google.api_core.exceptions import GoogleAPICallError
 from google.auth.credentials import AnonymousCredentials
 
 from providers.base import CreateRequest, InstanceState
-from providers.config import GcpConfig, parse_config
+from providers.config import parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.gcp import GcpProvider
+from providers.gcp import GcpConfig, GcpProvider
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
 from providers.squid import ProxySettings, md5_crypt
 from tests.conftest import RealCredentialsForbidden

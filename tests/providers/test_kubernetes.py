@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 import providers.kubernetes as kubernetes_provider
 from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, KubernetesConfig, parse_config
+from providers.config import Config, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
     CONFIG_DIR,
@@ -50,6 +50,7 @@ from providers.kubernetes import (
     SQUID_PATHS,
     SQUID_UID,
     TAGS_ANNOTATION,
+    KubernetesConfig,
     KubernetesProvider,
     label_key,
     label_value,

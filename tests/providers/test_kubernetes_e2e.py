@@ -36,9 +36,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import portforward
 
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import KubernetesConfig
 from providers.errors import NotFound
-from providers.kubernetes import KubernetesProvider
+from providers.kubernetes import KubernetesConfig, KubernetesProvider
 from providers.naming import OWNER_KEY, instance_name, owner_tags
 from providers.squid import ProxySettings
 

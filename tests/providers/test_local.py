@@ -28,13 +28,14 @@ import pytest
 
 from activities.probe import FORBIDDEN, PROXY_AUTH_REQUIRED, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import LocalConfig, parse_config
+from providers.config import parse_config
 from providers.errors import NotFound, Permanent, QuotaExceeded
 from providers.local import (
     CONF_FILE,
     HTPASSWD_FILE,
     METADATA_FILE,
     SHM_DIR,
+    LocalConfig,
     LocalProvider,
     service_name,
 )
@@ -276,7 +277,7 @@ def test_squid_survives_its_worker_and_a_new_provider_takes_over(
         f"""
         import sys
         from providers.base import CreateRequest
-        from providers.config import LocalConfig
+        from providers.local import LocalConfig
         from providers.local import LocalProvider
         from providers.squid import ProxySettings
 

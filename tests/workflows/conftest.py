@@ -17,8 +17,8 @@ from temporalio.worker import Worker
 
 from activities.provider import ProviderActivities
 from providers.base import Provider
-from providers.config import Config, LocalConfig
-from providers.local import LocalProvider
+from providers.config import Config
+from providers.local import LocalConfig, LocalProvider
 from tests.fakes.providers import FaultyProvider
 from tests.helpers.config import stack_config
 from tests.helpers.squid_upstream import SquidUpstreams

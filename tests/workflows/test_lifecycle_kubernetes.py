@@ -20,8 +20,8 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.probe import probe_connect
-from providers.config import Config, KubernetesConfig
-from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
+from providers.config import Config
+from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesConfig, KubernetesProvider
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
 from tests.helpers.config import INSTALLATION, USERNAME, proxy_config

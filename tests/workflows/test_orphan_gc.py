@@ -30,8 +30,9 @@ from activities.provider import ProviderActivities
 from providers.base import CreateRequest, Instance, Provider
 from providers.config import Config
 from providers.errors import Permanent
+from providers.memory import MemoryProvider
 from providers.naming import instance_name, owner_tags
-from tests.fakes.memory import MemoryProvider, start_owner
+from tests.fakes.owners import start_owner
 from tests.helpers.config import stack_config
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack

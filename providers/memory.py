@@ -1,29 +1,39 @@
-"""A stand-in fleet for orphan GC at scale: instances in memory, owners without a worker.
+"""The `memory` provider: instances that exist only in this process's memory.
 
-`MemoryProvider` keeps the provider contract over a dict, so a test or a
-benchmark can hold thousands of instances with chosen ages and tags, and
-refuse deletes. `start_owner` makes a real ProxyLifecycle execution
-that no worker runs: its search attributes, set at start, say which instances
-it owns, exactly as a running lifecycle publishes them. Together they let
-orphan GC run against real Temporal visibility and describe without a Squid
-per instance.
+For demos, benchmarks and tests, not for serving traffic. It keeps the provider
+contract over a dict, so a test or a benchmark can hold thousands of instances
+with chosen ages and tags, and refuse deletes, without a Squid per instance.
+Creating an instance starts nothing: the instance claims to listen on
+127.0.0.1 at the requested proxy port, so its probes pass only if a proxy with
+the worker's credentials already listens there (a benchmark points instances at
+real Squids by overriding `address`). Everything is forgotten when the worker
+exits.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from temporalio.client import Client, WorkflowHandle
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
-
-from contract import INSTANCES, PROVIDER, STATE
-from contract import PROXY_LIFECYCLE as WORKFLOW_TYPE
 from providers.base import CreateRequest, Instance, InstanceState
+from providers.catalog import ProviderType
+from providers.config import StrictModel
 from providers.errors import NotFound, ProviderError
 from providers.naming import instance_name, owner_tags
+
+
+class MemoryConfig(StrictModel):
+    """No settings: the instances live in the worker's memory."""
+
+
+PROVIDER_TYPE = ProviderType(
+    name="memory",
+    settings=MemoryConfig,
+    placement_keys=frozenset(),
+    # An empty fleet: there is nothing in the entry or the config to read.
+    build=lambda entry, config: MemoryProvider(),
+    block_optional=True,
+)
 
 PROVIDER_ID_PREFIX = "memory/"
 # Long enough past any grace period a test uses.
@@ -117,36 +127,3 @@ class MemoryProvider:
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         with self._lock:
             return [i for i in self._instances.values() if i.tags.get(key) == value]
-
-
-async def start_owner(
-    client: Client,
-    workflow_id: str,
-    *,
-    provider: str,
-    instances: Sequence[str],
-    task_queue: str,
-    state: str | None = "Ready",
-    **options: Any,
-) -> WorkflowHandle[Any, Any]:
-    """A running ProxyLifecycle that owns `instances`, as visibility and describe see it.
-
-    No worker polls `task_queue`, so it stays running with exactly these
-    search attributes until the test terminates it. `state=None` stands for
-    a run whose first task has not run yet: a lifecycle publishes its state
-    and instances together, in that task.
-    """
-    pairs: list[SearchAttributePair[Any]] = [
-        SearchAttributePair(PROVIDER, provider),
-        SearchAttributePair(INSTANCES, list(instances)),
-    ]
-    if state is not None:
-        pairs.append(SearchAttributePair(STATE, state))
-    return await client.start_workflow(
-        WORKFLOW_TYPE,
-        {"provider": provider},
-        id=workflow_id,
-        task_queue=task_queue,
-        search_attributes=TypedSearchAttributes(pairs),
-        **options,
-    )
