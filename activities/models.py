@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from providers.base import endpoint
+
 
 @dataclass(frozen=True)
 class InstanceRef:
@@ -23,7 +25,7 @@ class InstanceRef:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.ip}:{self.port}" if self.ip else ""
+        return endpoint(self.ip, self.port)
 
 
 @dataclass(frozen=True)

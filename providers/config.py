@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from providers.squid import ProxySettings
 
@@ -75,9 +83,26 @@ class KubernetesConfig(StrictModel):
     """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
 
     namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
-    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
-    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
-    image: str = "ubuntu/squid:6.6-24.04_beta"
+    # The only namespaces a workflow's `placement.namespace` may name, and the
+    # only ones orphan GC lists; the worker's Role is granted in each of them.
+    # None means `namespace` alone.
+    allowed_namespaces: (
+        Annotated[list[Annotated[str, Field(pattern=LABEL_VALUE)]], Field(min_length=1)] | None
+    ) = None
+    # Canonical's Squid on Ubuntu 24.04 LTS, pinned by digest: the tag is a
+    # channel Canonical rebuilds, the digest is one build (docs/providers.md
+    # says how to move the pin).
+    image: str = (
+        "ubuntu/squid:6.6-24.04_beta"
+        "@sha256:6a097f68bae708cedbabd6188d68c7e2e7a38cedd05a176e1cc0ba29e3bbe029"
+    )
+    # The uid (and gid, fsGroup) Squid runs as: the image's `proxy` user.
+    # None leaves all three to the platform, as OpenShift's restricted SCC
+    # requires (it assigns a uid from the namespace's range).
+    run_as_user: Annotated[int, Field(ge=1, le=2147483647)] | None = 13
+    # A Pod the scheduler cannot place for this long is written off, so its
+    # workflow replaces it (and says why) instead of waiting for capacity.
+    unschedulable_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 300.0
     # Every API call gives up after this long; Temporal's retry policy retries.
     request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
     service_account: str | None = None
@@ -86,6 +111,33 @@ class KubernetesConfig(StrictModel):
     memory_request: str = "64Mi"
     memory_limit: str = "256Mi"
     node_selector: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _namespace_is_allowed(self) -> KubernetesConfig:
+        if self.allowed_namespaces is not None:
+            if self.namespace not in self.allowed_namespaces:
+                raise ValueError(
+                    f"namespace {self.namespace!r} must be one of allowed_namespaces "
+                    f"{self.allowed_namespaces}"
+                )
+            if len(set(self.allowed_namespaces)) != len(self.allowed_namespaces):
+                raise ValueError(f"allowed_namespaces has duplicates: {self.allowed_namespaces}")
+        return self
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Where this provider may create, list and delete Pods."""
+        return tuple(self.allowed_namespaces or [self.namespace])
+
+    def placement_problems(self, placement: Mapping[str, str]) -> list[str]:
+        """Why a workflow's placement is not allowed here, each naming its field."""
+        namespace = placement.get("namespace")
+        if namespace is None or namespace in self.namespaces:
+            return []
+        return [
+            f"placement.namespace: {namespace!r} is not one of this provider's "
+            f"allowed_namespaces ({', '.join(self.namespaces)})"
+        ]
 
 
 class GcpConfig(StrictModel):

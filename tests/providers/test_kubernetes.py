@@ -48,7 +48,6 @@ from providers.kubernetes import (
     RBAC_VERBS,
     SPOOL_DIR,
     SQUID_PATHS,
-    SQUID_UID,
     TAGS_ANNOTATION,
     KubernetesProvider,
     label_key,
@@ -63,7 +62,10 @@ from tests.fixtures.tls_origin import TlsOrigin
 INSTALLATION = "test-installation"
 NAMESPACE = "proxies"
 PASSWORD = "kubernetes-test-password"
+OTHER_NAMESPACES = ("team-a", "team-b")
 SETTINGS = KubernetesConfig(
+    namespace=NAMESPACE,
+    allowed_namespaces=[NAMESPACE, *OTHER_NAMESPACES],
     image="ubuntu/squid:6.6-24.04_beta",
     cpu_request="25m",
     cpu_limit="250m",
@@ -71,6 +73,8 @@ SETTINGS = KubernetesConfig(
     memory_limit="128Mi",
     request_timeout_seconds=2.0,
 )
+# The `proxy` user of Debian/Ubuntu's base-passwd: run_as_user's default.
+SQUID_UID = 13
 SQUID = shutil.which("squid") or "/usr/sbin/squid"
 QUOTA_MESSAGE = (
     'pods "proxy-x" is forbidden: exceeded quota: compute, requested: pods=1, '
@@ -90,7 +94,7 @@ LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 @pytest.fixture
 def fake() -> Iterator[FakeKubernetes]:
-    with FakeKubernetes() as server:
+    with FakeKubernetes(namespaces=(NAMESPACE, *OTHER_NAMESPACES)) as server:
         yield server
 
 
@@ -559,17 +563,22 @@ def test_api_errors_on_create_map_to_the_taxonomy(
     assert fake.get(PODS, NAMESPACE, req.name) is None
 
 
+def list_owner_x(p: KubernetesProvider, _: str) -> object:
+    return p.list_by_tag(OWNER_KEY, "x")
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status", "error", "call"),
     [
-        ("GET", "/pods/proxy-x$", 404, NotFound, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
-        ("GET", "/pods/proxy-x$", 500, Transient, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
-        ("DELETE", "/pods/proxy-x$", 403, Permanent, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
-        ("DELETE", "/pods/proxy-x$", 409, Transient, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
-        ("GET", "^/api/v1/pods$", 429, Transient, lambda p: p.list_by_tag(OWNER_KEY, "x")),
-        ("GET", "^/api/v1/pods$", 403, Permanent, lambda p: p.list_by_tag(OWNER_KEY, "x")),
+        ("GET", "/pods/{name}$", 404, NotFound, lambda p, pid: p.get(pid)),
+        ("GET", "/pods/{name}$", 500, Transient, lambda p, pid: p.get(pid)),
+        ("DELETE", "/pods/{name}$", 403, Permanent, lambda p, pid: p.delete(pid)),
+        ("DELETE", "/pods/{name}$", 409, Transient, lambda p, pid: p.delete(pid)),
+        ("GET", "/pods/{name}$", 403, Permanent, lambda p, pid: p.delete(pid)),
+        ("GET", f"^/api/v1/namespaces/{NAMESPACE}/pods$", 429, Transient, list_owner_x),
+        ("GET", f"^/api/v1/namespaces/{NAMESPACE}/pods$", 403, Permanent, list_owner_x),
     ],
-    ids=["get-404", "get-500", "delete-403", "delete-409", "list-429", "list-403"],
+    ids=["get-404", "get-500", "delete-403", "delete-409", "delete-read-403", "list-429", "list-403"],
 )
 def test_every_operation_translates_api_errors(
     fake: FakeKubernetes,
@@ -578,11 +587,12 @@ def test_every_operation_translates_api_errors(
     path: str,
     status: int,
     error: type[ProviderError],
-    call: Callable[[KubernetesProvider], object],
+    call: Callable[[KubernetesProvider, str], object],
 ) -> None:
-    fake.fail(method, path, status, "injected")
+    created = provider.create(request())
+    fake.fail(method, path.format(name=created.name), status, "injected")
 
-    raised = raises_from(error, lambda: call(provider))
+    raised = raises_from(error, lambda: call(provider, created.provider_id))
 
     assert type(raised) is error
 
@@ -591,7 +601,7 @@ def test_a_manifest_the_client_rejects_is_permanent(
     fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
     """A value of the wrong type fails the client's own validation, on every retry."""
-    req = request(port="3128")
+    req = request(port=3128.5)
 
     raised = raises_from(Permanent, lambda: provider.create(req))
 
