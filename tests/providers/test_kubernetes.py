@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 import providers.kubernetes as kubernetes_provider
 from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, KubernetesConfig, parse_config
+from providers.config import Config, ConfigError, KubernetesConfig, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
     CONFIG_DIR,
@@ -1127,3 +1127,68 @@ async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
     assert "TCP_DENIED/407" in run.log
     # Connections that end before a request (readiness probes) log nothing.
     assert "transaction-end-before-headers" not in run.log
+
+
+# --- config: allowed_namespaces --------------------------------------------
+
+
+def kubernetes_block(**settings: Any) -> dict[str, Any]:
+    return {
+        "installation": INSTALLATION,
+        "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": ["10.0.0.0/8"]},
+        "providers": [{"name": "cluster", "type": "kubernetes", "kubernetes": settings}],
+    }
+
+
+def test_placement_is_allowed_only_in_the_allowed_namespaces() -> None:
+    default = KubernetesConfig(namespace="proxies")
+    wider = KubernetesConfig(namespace="proxies", allowed_namespaces=["proxies", "team-a"])
+
+    assert default.namespaces == ("proxies",)
+    assert default.placement_problems({}) == []
+    assert default.placement_problems({"namespace": "proxies"}) == []
+    assert default.placement_problems({"namespace": "kube-system"}) == [
+        "placement.namespace: 'kube-system' is not one of this provider's "
+        "allowed_namespaces (proxies)"
+    ]
+    assert wider.placement_problems({"namespace": "team-a"}) == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        (
+            {"namespace": "proxies", "allowed_namespaces": ["team-a"]},
+            "providers[0].kubernetes: namespace 'proxies' must be one of allowed_namespaces",
+        ),
+        ({"allowed_namespaces": []}, "providers[0].kubernetes.allowed_namespaces: list should"),
+        (
+            {"allowed_namespaces": ["proxies", "Kube_System"]},
+            "providers[0].kubernetes.allowed_namespaces[1]: string should match pattern",
+        ),
+        (
+            {"allowed_namespaces": ["proxies", "proxies"]},
+            "providers[0].kubernetes: allowed_namespaces has duplicates",
+        ),
+        ({"run_as_user": 0}, "providers[0].kubernetes.run_as_user: input should be greater"),
+        (
+            {"unschedulable_timeout_seconds": 1e9},
+            "providers[0].kubernetes.unschedulable_timeout_seconds: input should be less",
+        ),
+    ],
+    ids=["namespace-not-allowed", "empty", "not-a-dns-label", "duplicate", "root", "huge-timeout"],
+)
+def test_bad_kubernetes_settings_are_config_errors_naming_the_field(
+    settings: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(**settings), environ={"PW": PASSWORD})
+
+    assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+def test_run_as_user_null_is_accepted_for_openshift() -> None:
+    config = parse_config(kubernetes_block(run_as_user=None), environ={"PW": PASSWORD})
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig) and settings.run_as_user is None
