@@ -552,13 +552,17 @@ def _condition_true(status: client.V1PodStatus, kind: str) -> bool:
 
 def _stuck_terminating(meta: client.V1ObjectMeta) -> bool:
     """Still there a margin after its deletionTimestamp, the end of its grace period."""
-    deadline = meta.deletion_timestamp + timedelta(seconds=STUCK_DELETION_MARGIN_SECONDS)
-    return bool(datetime.now(UTC) > deadline)
+    deleted_at: datetime | None = meta.deletion_timestamp
+    if deleted_at is None:
+        return False
+    return datetime.now(UTC) > deleted_at + timedelta(seconds=STUCK_DELETION_MARGIN_SECONDS)
 
 
 def _stuck_reason(meta: client.V1ObjectMeta) -> str:
+    deleted_at: datetime | None = meta.deletion_timestamp
+    since = deleted_at.isoformat() if deleted_at else "?"
     return (
-        f"stuck terminating since {meta.deletion_timestamp.isoformat()} (its node is not "
+        f"stuck terminating since {since} (its node is not "
         "reporting); deleting it with grace period 0"
     )
 
