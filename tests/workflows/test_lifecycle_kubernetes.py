@@ -20,6 +20,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+import activities.provider as provider_activities
 from activities.probe import probe_connect
 from providers.config import Config, KubernetesConfig
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesProvider
@@ -257,3 +258,29 @@ async def test_a_placement_outside_the_allowed_namespaces_is_invalid_input(
     assert isinstance(cause, ApplicationError) and cause.type == "InvalidInput"
     assert "placement.namespace: 'kube-system' is not one of" in cause.message
     assert fake.verbs_used() == set(), "nothing was created"
+
+
+async def test_a_pod_pending_past_the_wait_running_deadline_is_replaced_with_the_reason(
+    stack: ProviderStack,
+    kubelet: Kubelet,
+    provider: KubernetesProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pending for no reason the provider can name still ends: wait_running has a deadline.
+
+    The deadline (10 minutes in production) is shortened here instead of waited out.
+    """
+    monkeypatch.setattr(provider_activities, "WAIT_RUNNING_DEADLINE_SECONDS", 1.0)
+    handle = await start_proxy(stack, kubelet)
+    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
+
+    replacing = await wait_status(
+        handle, lambda s: "not running after" in (s.last_error or ""), "the deadline in status"
+    )
+    await wait_for(lambda: kubelet.pod(second) is not None, f"pod {second}")
+
+    assert f"{first} not running after 1s (PROVISIONING" in (replacing.last_error or "")
+    await handle.signal("terminate")
+    await handle.result()
+    assert leftover_pods(provider) == []
