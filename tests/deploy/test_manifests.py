@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
 SCHEMA_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
 # All this renderer understands; a kustomization that needs more fails here first.
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources"}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 
 Object = dict[str, Any]
 # What a proxy must never be a way into: RFC 1918, CGNAT, loopback, link-local
@@ -53,16 +54,23 @@ PRIVATE_RANGES = [
 
 
 def render(base: Path = BASE) -> list[Object]:
-    """`kubectl kustomize` for a kustomization that only lists resources."""
+    """`kubectl kustomize` for kustomizations that list resources (files or
+    directories with a kustomization of their own) and may set a namespace."""
     kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
     unsupported = set(kustomization) - KUSTOMIZATION_KEYS
     assert not unsupported, f"the test renderer does not support {sorted(unsupported)}"
-    return [
-        doc
-        for resource in kustomization["resources"]
-        for doc in yaml.safe_load_all((base / resource).read_text())
-        if doc is not None
-    ]
+    objects: list[Object] = []
+    for resource in kustomization["resources"]:
+        path = base / resource
+        if path.is_dir():
+            objects += render(path)
+        else:
+            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    if "namespace" in kustomization:
+        for obj in objects:
+            if obj["kind"] not in CLUSTER_SCOPED:
+                obj["metadata"]["namespace"] = kustomization["namespace"]
+    return objects
 
 
 OBJECTS = render()
@@ -119,7 +127,7 @@ def test_both_namespaces_exist_and_enforce_the_restricted_pod_security_standard(
     for namespace in namespaces.values():
         labels = namespace["metadata"]["labels"]
         assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
-    namespaced = [o for o in OBJECTS if o["kind"] != "Namespace"]
+    namespaced = [o for o in OBJECTS if o["kind"] not in CLUSTER_SCOPED]
     assert {o["metadata"]["namespace"] for o in namespaced} <= set(namespaces)
 
 
