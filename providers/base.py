@@ -90,5 +90,5 @@ class Provider(Protocol):
         ...
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        """Every instance carrying tag `key=value`, in every namespace the provider may use, or zone."""
+        """Every instance carrying tag `key=value`, in every zone or namespace it may use."""
         ...
