@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from providers.base import endpoint
+
 
 @dataclass(frozen=True)
 class InstanceRef:
@@ -24,7 +26,7 @@ class InstanceRef:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.ip}:{self.port}" if self.ip else ""
+        return endpoint(self.ip, self.port)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -49,6 +49,9 @@ T = TypeVar("T")
 # back off so a slow VM boot costs few provider calls.
 FIRST_POLL_SECONDS = 0.05
 MAX_POLL_SECONDS = 2.0
+# An instance not RUNNING this long after wait_running was first scheduled
+# (across retries) is written off; within WAIT_RUNNING's start-to-close.
+WAIT_RUNNING_DEADLINE_SECONDS = 600.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
@@ -122,12 +125,14 @@ class ProviderActivities:
             known = ", ".join(sorted(self._providers)) or "none"
             problems.append(f"provider: unknown provider {inp.provider!r} (configured: {known})")
         else:
-            allowed = provider_type(entry.type).placement_keys
-            for key in sorted(set(inp.placement) - allowed):
+            kind = provider_type(entry.type)
+            for key in sorted(set(inp.placement) - kind.placement_keys):
                 problems.append(
                     f"placement.{key}: not supported by provider {inp.provider!r} "
                     f"(type {entry.type})"
                 )
+            if kind.placement_problems is not None:
+                problems += kind.placement_problems(entry.settings, inp.placement)
         ports = self._config.proxy.allowed_connect_ports
         target_port = _port_of(inp.health_target)
         if target_port is not None and target_port not in ports:
@@ -155,12 +160,14 @@ class ProviderActivities:
     async def wait_running(self, inp: InstanceInput) -> InstanceRef:
         """Poll until the instance is RUNNING with an address.
 
-        An instance that dies or vanishes meanwhile is reported as
-        InstanceLost (non-retryable): the workflow replaces it.
+        An instance that dies or vanishes meanwhile, or is not running by the
+        deadline, is reported as InstanceLost (non-retryable) with the
+        provider's reason: the workflow replaces it and shows why.
         """
         ref = inp.instance
         provider = self._provider(ref.provider)
         delay = FIRST_POLL_SECONDS
+        deadline = activity.info().scheduled_time + timedelta(seconds=WAIT_RUNNING_DEADLINE_SECONDS)
         while True:
             try:
                 instance = await self._call(provider.get, ref.provider_id)
@@ -170,9 +177,17 @@ class ProviderActivities:
                 raise
             if instance.state is InstanceState.RUNNING and instance.ip:
                 return _ref(ref.provider, ref.generation, instance)
+            because = f": {instance.reason}" if instance.reason else ""
             if instance.state in GONE_STATES:
-                raise instance_lost(f"{ref.name} is {instance.state.value} while provisioning")
-            activity.heartbeat(instance.state.value)
+                raise instance_lost(
+                    f"{ref.name} is {instance.state.value} while provisioning{because}"
+                )
+            if datetime.now(UTC) >= deadline:
+                raise instance_lost(
+                    f"{ref.name} not running after {WAIT_RUNNING_DEADLINE_SECONDS:g}s "
+                    f"({instance.state.value}{because})"
+                )
+            activity.heartbeat(instance.state.value + because)
             await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
 
@@ -275,7 +290,7 @@ class ProviderActivities:
                 if is_not_found(err):
                     return
                 raise
-            activity.heartbeat(instance.state.value)
+            activity.heartbeat(instance.reason or instance.state.value)
             if time.monotonic() - last_delete >= REDELETE_AFTER_SECONDS:
                 await self.delete_instance(inp)
                 last_delete = time.monotonic()
@@ -306,7 +321,8 @@ class ProviderActivities:
                 return f"{ref.name} no longer exists"
             return ""  # cannot tell right now: keep counting failed probes
         if instance.state in GONE_STATES:
-            return f"{ref.name} is {instance.state.value}"
+            because = f": {instance.reason}" if instance.reason else ""
+            return f"{ref.name} is {instance.state.value}{because}"
         return ""
 
     def _provider(self, name: str) -> Provider:

@@ -39,10 +39,24 @@ class Instance:
     port: int
     tags: dict[str, str]
     created_at: datetime
+    # Why the instance is in its state, when the provider knows more than the
+    # state says ("image pull failed: ..."); shown to users as is.
+    reason: str = ""
 
     @property
     def endpoint(self) -> str:
-        return f"{self.ip}:{self.port}" if self.ip else ""
+        return endpoint(self.ip, self.port)
+
+
+def endpoint(ip: str, port: int) -> str:
+    """`ip:port` for clients, `[ip]:port` for IPv6 (RFC 3986), "" without an address.
+
+    Brackets keep an IPv6 address's colons apart from the port's, as
+    `http_proxy` URLs and `host:port` parsers expect.
+    """
+    if not ip:
+        return ""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 @dataclass(frozen=True)
@@ -76,5 +90,5 @@ class Provider(Protocol):
         ...
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        """Every instance carrying tag `key=value`, in every namespace or zone."""
+        """Every instance carrying tag `key=value`, in every zone or namespace it may use."""
         ...

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -43,7 +43,9 @@ class ProviderType(Generic[S]):
     `settings` is the model of the entry's block named after the type;
     `block_optional` lets an entry leave that block out when every setting has
     a sensible default on any machine. `build` makes the provider from a
-    validated entry (the module's `from_config`).
+    validated entry (the module's `from_config`). `placement_problems`, where
+    set, judges placement values against the entry's settings (a Kubernetes
+    namespace outside `allowed_namespaces`), each problem naming its field.
     """
 
     name: str
@@ -51,6 +53,7 @@ class ProviderType(Generic[S]):
     placement_keys: frozenset[str]
     build: Callable[[ProviderEntry, Config], Provider]
     block_optional: bool = False
+    placement_problems: Callable[[S, Mapping[str, str]], list[str]] | None = None
 
     def settings_of(self, entry: ProviderEntry) -> S:
         """The entry's block, refused the same way by every `from_config` if of another type."""

@@ -24,10 +24,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import math
 import re
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, TypeVar
 
 import pydantic
@@ -35,17 +36,19 @@ import urllib3
 from kubernetes import client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
+    GENERATION_KEY,
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
     OWNER_KEY,
+    ownership_mismatch,
     short_hash,
 )
 from providers.squid import RenderedSquid, SquidPaths, render
@@ -55,9 +58,26 @@ class KubernetesConfig(StrictModel):
     """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
 
     namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
-    # Canonical's Squid on Ubuntu 24.04 LTS. The tag is a channel Canonical
-    # rebuilds for security fixes; pin `@sha256:<digest>` for reproducible pulls.
-    image: str = "ubuntu/squid:6.6-24.04_beta"
+    # The only namespaces a workflow's `placement.namespace` may name, and the
+    # only ones orphan GC lists; the worker's Role is granted in each of them.
+    # None means `namespace` alone.
+    allowed_namespaces: (
+        Annotated[list[Annotated[str, Field(pattern=LABEL_VALUE)]], Field(min_length=1)] | None
+    ) = None
+    # Canonical's Squid on Ubuntu 24.04 LTS, pinned by digest: the tag is a
+    # channel Canonical rebuilds, the digest is one build (docs/providers.md
+    # says how to move the pin).
+    image: str = (
+        "ubuntu/squid:6.6-24.04_beta"
+        "@sha256:6a097f68bae708cedbabd6188d68c7e2e7a38cedd05a176e1cc0ba29e3bbe029"
+    )
+    # The uid (and gid, fsGroup) Squid runs as: the image's `proxy` user.
+    # None leaves all three to the platform, as OpenShift's restricted SCC
+    # requires (it assigns a uid from the namespace's range).
+    run_as_user: Annotated[int, Field(ge=1, le=2147483647)] | None = 13
+    # A Pod the scheduler cannot place for this long is written off, so its
+    # workflow replaces it (and says why) instead of waiting for capacity.
+    unschedulable_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 300.0
     # Every API call gives up after this long; Temporal's retry policy retries.
     request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
     service_account: str | None = None
@@ -67,14 +87,43 @@ class KubernetesConfig(StrictModel):
     memory_limit: str = "256Mi"
     node_selector: dict[str, str] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _namespace_is_allowed(self) -> KubernetesConfig:
+        if self.allowed_namespaces is not None:
+            if self.namespace not in self.allowed_namespaces:
+                raise ValueError(
+                    f"namespace {self.namespace!r} must be one of allowed_namespaces "
+                    f"{self.allowed_namespaces}"
+                )
+            if len(set(self.allowed_namespaces)) != len(self.allowed_namespaces):
+                raise ValueError(f"allowed_namespaces has duplicates: {self.allowed_namespaces}")
+        return self
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Where this provider may create, list and delete Pods."""
+        return tuple(self.allowed_namespaces or [self.namespace])
+
+    def placement_problems(self, placement: Mapping[str, str]) -> list[str]:
+        """Why a workflow's placement is not allowed here, each naming its field."""
+        namespace = placement.get("namespace")
+        if namespace is None or namespace in self.namespaces:
+            return []
+        return [
+            f"placement.namespace: {namespace!r} is not one of this provider's "
+            f"allowed_namespaces ({', '.join(self.namespaces)})"
+        ]
+
 
 PROVIDER_TYPE = ProviderType(
     name="kubernetes",
     settings=KubernetesConfig,
     placement_keys=frozenset({"namespace"}),
     build=lambda entry, config: KubernetesProvider.from_config(entry, config),
+    placement_problems=KubernetesConfig.placement_problems,
 )
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 CONTAINER_NAME = "squid"
 PORT_NAME = "proxy"
@@ -82,11 +131,15 @@ CONFIG_DIR = "/etc/squid-proxy"
 SQUID_CONF_KEY = "squid.conf"
 HTPASSWD_KEY = "passwords"
 SPOOL_DIR = "/var/spool/squid"
-# The `proxy` user and group of Debian/Ubuntu's base-passwd, which the image's
-# Squid package uses. As that user Squid needs no capability at all: the proxy
-# port is unprivileged, and it writes only to stdout/stderr, /dev/shm (the
-# runtime's tmpfs) and its spool directory (an emptyDir).
-SQUID_UID = 13
+# As a non-root user (KubernetesConfig.run_as_user) Squid needs no capability
+# at all: a proxy port below 1024 is made bindable by the Pod's own network
+# namespace (the safe sysctl below), and it writes only to stdout/stderr,
+# /dev/shm (the runtime's tmpfs) and its spool directory (an emptyDir).
+UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
+PRIVILEGED_PORTS_END = 1024
+# Bare Pods with an emptyDir block the Cluster Autoscaler's scale-down and
+# `kubectl drain`; a proxy's workflow replaces an evicted Pod, so say it is safe.
+SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 # Label values are capped at 63 characters, so the exact tags live here as JSON.
 TAGS_ANNOTATION = "proxy-operator/tags"
 # Where a tag key that is not a valid label key gets its label.
@@ -103,14 +156,29 @@ SQUID_PATHS = SquidPaths(
     effective_user=None,
 )
 
-# Every API verb this provider uses, per resource. deploy/kubernetes grants the
-# worker's ClusterRole exactly these, and tests check both directions. Secrets
-# are create-only on purpose: `get` on Secrets cluster-wide would let the
-# worker read every credential in the cluster.
+# Every API verb this provider needs, per resource, in each allowed namespace.
+# deploy/kubernetes grants the worker's Role exactly these, and tests check
+# both directions. The provider never reads a Secret back; `delete` on Secrets
+# is what the OwnerReferencesPermissionEnforcement admission plugin demands of
+# whoever creates an object with ownerReferences (the Pod owns its Secret).
 RBAC_VERBS: dict[str, tuple[str, ...]] = {
     "pods": ("create", "delete", "get", "list"),
-    "secrets": ("create",),
+    "secrets": ("create", "delete"),
 }
+
+# Container waiting reasons that no amount of waiting fixes: the Pod is written
+# off at once (its workflow replaces it) with a readable reason.
+TERMINAL_WAITING_REASONS: dict[str, str] = {
+    "ErrImagePull": "image pull failed",
+    "ImagePullBackOff": "image pull failed",
+    "InvalidImageName": "invalid image name",
+    "CreateContainerConfigError": "container config error",
+    "CreateContainerError": "container could not be created",
+}
+UNSCHEDULABLE = "Unschedulable"
+# A Pod still there this long after its deletionTimestamp (the end of its grace
+# period) sits on a node that stopped reporting: it is deleted with grace 0.
+STUCK_DELETION_MARGIN_SECONDS = 60.0
 
 # Pod phase -> instance state. A Pod never restarts, so Succeeded and Failed
 # mean Squid is gone for good; Unknown means its node stopped reporting, and
@@ -196,58 +264,129 @@ class KubernetesProvider:
             raise Permanent(
                 f"create {req.name}: placement namespace {namespace!r} is not a DNS label"
             )
+        # validate_target rejects this first; checked again so no caller can
+        # make the worker create Pods where it has no business.
+        problems = self._settings.placement_problems({"namespace": namespace})
+        if problems:
+            raise Permanent(f"create {req.name}: {'; '.join(problems)}")
         try:
             rendered = render(req.proxy, SQUID_PATHS)
         except ValueError as exc:  # settings that would open the proxy
             raise Permanent(f"create {req.name}: {exc}", cause=exc) from exc
         what = f"pod {namespace}/{req.name}"
-        pod = _create_unless_exists(
-            lambda: self._core.create_namespaced_pod(
-                namespace,
-                client.V1Pod.model_validate(self._pod_manifest(req, namespace)),
-                _request_timeout=self._timeout,
-            ),
-            what,
-        )
+        try:
+            pod = _create_unless_exists(
+                lambda: self._core.create_namespaced_pod(
+                    namespace,
+                    client.V1Pod.model_validate(self._pod_manifest(req, namespace)),
+                    _request_timeout=self._timeout,
+                ),
+                what,
+            )
+        except NotFound as exc:
+            # Creating into a namespace that does not exist is a 404 that no
+            # retry fixes (the NamespaceLifecycle admission plugin).
+            raise Permanent(
+                f"create {what}: namespace {namespace!r} does not exist; create it "
+                f"(with the worker's Role) or choose another placement.namespace",
+                cause=exc.cause,
+            ) from exc
         if pod is None:
-            with _edge(f"read existing {what}"):
-                pod = self._read_pod(namespace, req.name)
+            pod = self._adoptable(namespace, req)
         self._ensure_secret(pod, rendered)
-        return _instance(pod)
+        return self._instance(pod)
 
     def get(self, provider_id: str) -> Instance:
         namespace, name = _parse_provider_id(provider_id)
         with _edge(f"get pod {provider_id}"):
-            return _instance(self._read_pod(namespace, name))
+            return self._instance(self._read_pod(namespace, name))
 
     def delete(self, provider_id: str) -> None:
-        """Delete the Pod with its grace period; the Secret goes with it (ownerReference)."""
+        """Delete our Pod, and only that one; the Secret goes with it (ownerReference).
+
+        The Pod is read first and its tags checked: a Pod of another
+        installation, or one made by hand under the same name, is Permanent.
+        The delete carries the UID read, so a Pod re-created under that name
+        in between is never the one deleted (409, retried). A Pod still there
+        well past its grace period sits on a node that stopped reporting: it
+        is deleted again with grace period 0, which removes it from the API.
+        """
         namespace, name = _parse_provider_id(provider_id)
         try:
+            with _edge(f"read pod {provider_id} to delete it"):
+                pod = self._read_pod(namespace, name)
+        except NotFound:
+            return
+        meta = pod.metadata or client.V1ObjectMeta()
+        mismatch = ownership_mismatch(_tags(meta), self._installation)
+        if mismatch:
+            raise Permanent(f"delete pod {provider_id}: refused, {mismatch}")
+        grace: int | None = None
+        if meta.deletion_timestamp:
+            if not _stuck_terminating(meta):
+                return  # being deleted already, within its grace period
+            log.warning("pod %s: %s", provider_id, _stuck_reason(meta))
+            grace = 0
+        options = client.V1DeleteOptions(
+            grace_period_seconds=grace, preconditions=client.V1Preconditions(uid=meta.uid)
+        )
+        try:
             with _edge(f"delete pod {provider_id}"):
-                self._core.delete_namespaced_pod(name, namespace, _request_timeout=self._timeout)
+                self._core.delete_namespaced_pod(
+                    name, namespace, body=options, _request_timeout=self._timeout
+                )
         except NotFound:
             return
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
-        """Every Pod carrying the tag, in all namespaces (hence the ClusterRole).
+        """Every Pod carrying the tag, in each allowed namespace and nowhere else.
 
         The API selects on labels; the exact tags in the annotation then drop
         anything a hashed label value matched by coincidence.
         """
         selector = {MANAGED_BY_KEY: MANAGED_BY_VALUE} | labels({key: value})
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        instances = (_instance(pod) for pod in self._pods(label_selector))
+        instances = (
+            self._instance(pod)
+            for namespace in self._settings.namespaces
+            for pod in self._pods(namespace, label_selector)
+        )
         return [instance for instance in instances if instance.tags.get(key) == value]
+
+    def _adoptable(self, namespace: str, req: CreateRequest) -> client.V1Pod:
+        """The existing Pod of the requested name, if it is the one this request made.
+
+        Its owner, installation and generation tags must match the request's:
+        anything else is someone else's Pod, never silently adopted.
+        """
+        with _edge(f"read existing pod {namespace}/{req.name}"):
+            pod = self._read_pod(namespace, req.name)
+        generation = req.tags.get(GENERATION_KEY, "")
+        mismatch = ownership_mismatch(
+            _tags(pod.metadata or client.V1ObjectMeta()),
+            self._installation,
+            owner_id=req.tags.get(OWNER_KEY, ""),
+            generation=int(generation) if generation.isdigit() else -1,
+        )
+        if mismatch:
+            raise Permanent(
+                f"create pod {namespace}/{req.name}: a pod of that name exists and is "
+                f"not this proxy's, {mismatch}"
+            )
+        return pod
+
+    def _instance(self, pod: client.V1Pod) -> Instance:
+        return _instance(pod, self._settings.unschedulable_timeout_seconds)
 
     def _read_pod(self, namespace: str, name: str) -> client.V1Pod:
         return self._core.read_namespaced_pod(name, namespace, _request_timeout=self._timeout)
 
-    def _pods(self, label_selector: str) -> Iterator[client.V1Pod]:
+    def _pods(self, namespace: str, label_selector: str) -> Iterator[client.V1Pod]:
         token: str | None = None
         while True:
-            with _edge(f"list pods {label_selector}"):
-                page = self._core.list_pod_for_all_namespaces(
+            with _edge(f"list pods in {namespace} {label_selector}"):
+                page = self._core.list_namespaced_pod(
+                    namespace,
                     label_selector=label_selector,
                     limit=LIST_PAGE_SIZE,
                     _continue=token,
@@ -282,6 +421,9 @@ class KubernetesProvider:
                 ],
             },
             "type": "Opaque",
+            # Nothing ever changes it; immutable Secrets also spare the
+            # kubelet from watching them.
+            "immutable": True,
             "data": {
                 SQUID_CONF_KEY: _b64(rendered.squid_conf),
                 HTPASSWD_KEY: _b64(rendered.htpasswd),
@@ -296,18 +438,25 @@ class KubernetesProvider:
 
     def _pod_manifest(self, req: CreateRequest, namespace: str) -> dict[str, Any]:
         settings = self._settings
+        pod_security: dict[str, Any] = {
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        if settings.run_as_user is not None:
+            uid = settings.run_as_user
+            pod_security |= {"runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+        if req.proxy.port < PRIVILEGED_PORTS_END:
+            # A namespaced sysctl on the "safe" list: it changes only this
+            # Pod's network namespace and needs no capability.
+            pod_security["sysctls"] = [
+                {"name": UNPRIVILEGED_PORT_SYSCTL, "value": str(req.proxy.port)}
+            ]
         spec: dict[str, Any] = {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 10,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": SQUID_UID,
-                "runAsGroup": SQUID_UID,
-                "fsGroup": SQUID_UID,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": pod_security,
             "containers": [
                 {
                     "name": CONTAINER_NAME,
@@ -358,7 +507,10 @@ class KubernetesProvider:
                 "name": req.name,
                 "namespace": namespace,
                 "labels": labels(req.tags),
-                "annotations": {TAGS_ANNOTATION: json.dumps(req.tags, sort_keys=True)},
+                "annotations": {
+                    TAGS_ANNOTATION: json.dumps(req.tags, sort_keys=True),
+                    SAFE_TO_EVICT_ANNOTATION: "true",
+                },
             },
             "spec": spec,
         }
@@ -400,10 +552,10 @@ def label_value(key: str, value: str) -> str:
     return short_hash(value, _HASH_CHARS)
 
 
-def _instance(pod: client.V1Pod) -> Instance:
+def _instance(pod: client.V1Pod, unschedulable_timeout_seconds: float) -> Instance:
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
-    state = _state(pod)
+    state, reason = _state(pod, unschedulable_timeout_seconds)
     namespace, name = meta.namespace or "", meta.name or ""
     return Instance(
         provider_id=f"{namespace}/{name}",
@@ -414,22 +566,74 @@ def _instance(pod: client.V1Pod) -> Instance:
         tags=_tags(meta),
         # The API server always sets it; "now" keeps GC's grace period safe if not.
         created_at=meta.creation_timestamp or datetime.now(UTC),
+        reason=reason,
     )
 
 
-def _state(pod: client.V1Pod) -> InstanceState:
-    """The phase table, except that a Pod being deleted, or without an IP, is not RUNNING.
+def _state(pod: client.V1Pod, unschedulable_timeout_seconds: float) -> tuple[InstanceState, str]:
+    """The phase table with what the phase does not say, and why, for users.
 
     A deletionTimestamp means the Pod is going away for good, not pausing:
-    TERMINATED, like the phases after it, rather than STOPPED.
+    TERMINATED, like the phases after it, rather than STOPPED. A Pending Pod
+    that can never start (its image cannot be pulled, its container cannot be
+    created) is TERMINATED at once, one the scheduler cannot place after
+    `unschedulable_timeout_seconds`. RUNNING needs an IP and the Ready
+    condition: Squid's port answers the readiness probe.
     """
-    if pod.metadata and pod.metadata.deletion_timestamp:
-        return InstanceState.TERMINATED
+    meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
+    if meta.deletion_timestamp:
+        reason = _stuck_reason(meta) if _stuck_terminating(meta) else "being deleted"
+        return InstanceState.TERMINATED, reason
     state = INSTANCE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
-    if state is InstanceState.RUNNING and not status.pod_ip:
-        return InstanceState.PROVISIONING
-    return state
+    if state is InstanceState.PROVISIONING:
+        return _pending_state(meta, status, unschedulable_timeout_seconds)
+    if state is InstanceState.RUNNING:
+        if not status.pod_ip:
+            return InstanceState.PROVISIONING, "waiting for a Pod IP"
+        if not _condition_true(status, "Ready"):
+            return InstanceState.PROVISIONING, "waiting for Squid to be ready"
+    return state, status.message or status.reason or ""
+
+
+def _pending_state(
+    meta: client.V1ObjectMeta, status: client.V1PodStatus, unschedulable_timeout_seconds: float
+) -> tuple[InstanceState, str]:
+    for container in status.container_statuses or []:
+        waiting = container.state.waiting if container.state else None
+        if waiting and waiting.reason in TERMINAL_WAITING_REASONS:
+            summary = TERMINAL_WAITING_REASONS[waiting.reason]
+            return InstanceState.TERMINATED, f"{summary}: {waiting.reason}: {waiting.message or ''}"
+    scheduled = next((c for c in status.conditions or [] if c.type == "PodScheduled"), None)
+    if scheduled and scheduled.status == "False" and scheduled.reason == UNSCHEDULABLE:
+        since = meta.creation_timestamp or datetime.now(UTC)
+        waited = (datetime.now(UTC) - since).total_seconds()
+        reason = f"unschedulable: {scheduled.message or ''}"
+        if waited >= unschedulable_timeout_seconds:
+            return InstanceState.TERMINATED, f"{reason} (for {waited:.0f}s)"
+        return InstanceState.PROVISIONING, reason
+    return InstanceState.PROVISIONING, ""
+
+
+def _condition_true(status: client.V1PodStatus, kind: str) -> bool:
+    return any(c.type == kind and c.status == "True" for c in status.conditions or [])
+
+
+def _stuck_terminating(meta: client.V1ObjectMeta) -> bool:
+    """Still there a margin after its deletionTimestamp, the end of its grace period."""
+    deleted_at: datetime | None = meta.deletion_timestamp
+    if deleted_at is None:
+        return False
+    return datetime.now(UTC) > deleted_at + timedelta(seconds=STUCK_DELETION_MARGIN_SECONDS)
+
+
+def _stuck_reason(meta: client.V1ObjectMeta) -> str:
+    deleted_at: datetime | None = meta.deletion_timestamp
+    since = deleted_at.isoformat() if deleted_at else "?"
+    return (
+        f"stuck terminating since {since} (its node is not "
+        "reporting); deleting it with grace period 0"
+    )
 
 
 def _proxy_port(pod: client.V1Pod) -> int:

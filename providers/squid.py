@@ -80,7 +80,11 @@ def render(settings: ProxySettings, paths: SquidPaths | None = None) -> Rendered
         "# Rendered by proxy-operator; edits are overwritten.",
         f"http_port {_listen_on(paths.http_address, settings.port)}",
         f"pid_filename {paths.pid_file}",
-        f"access_log {paths.access_log}",
+        # A connection closed before any request (a TCP readiness probe, a
+        # load balancer's health check) is not a transaction worth a line;
+        # Squid would log it as error:transaction-end-before-headers.
+        "acl has_request has request",
+        f"access_log {paths.access_log} logformat=squid has_request",
         f"cache_log {paths.cache_log}",
         f"coredump_dir {paths.coredump_dir}",
     ]

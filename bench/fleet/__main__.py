@@ -21,8 +21,8 @@ from bench.fleet.report import Run, analyse, print_report
 from bench.fleet.sampling import cpu_snapshot, memory_at_end, rss_kib
 from bench.fleet.squids import create_squids, delete_squids, squid_capacity
 from bench.fleet.worker_process import WorkerProcess
-from providers.config import Config, LocalConfig
-from providers.local import LocalProvider
+from providers.config import Config
+from providers.local import LocalConfig, LocalProvider
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin

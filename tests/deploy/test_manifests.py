@@ -11,6 +11,7 @@ probed, and proxies accept connections only from whom the NetworkPolicy names.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -30,22 +31,46 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
 SCHEMA_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
 # All this renderer understands; a kustomization that needs more fails here first.
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources"}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 
 Object = dict[str, Any]
+# What a proxy must never be a way into: RFC 1918, CGNAT, loopback, link-local
+# (cloud metadata), IPv6 loopback, ULA and link-local.
+PRIVATE_RANGES = [
+    ipaddress.ip_network(cidr)
+    for cidr in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "::1/128",
+        "fc00::/7",
+        "fe80::/10",
+    )
+]
 
 
 def render(base: Path = BASE) -> list[Object]:
-    """`kubectl kustomize` for a kustomization that only lists resources."""
+    """`kubectl kustomize` for kustomizations that list resources (files or
+    directories with a kustomization of their own) and may set a namespace."""
     kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
     unsupported = set(kustomization) - KUSTOMIZATION_KEYS
     assert not unsupported, f"the test renderer does not support {sorted(unsupported)}"
-    return [
-        doc
-        for resource in kustomization["resources"]
-        for doc in yaml.safe_load_all((base / resource).read_text())
-        if doc is not None
-    ]
+    objects: list[Object] = []
+    for resource in kustomization["resources"]:
+        path = base / resource
+        if path.is_dir():
+            objects += render(path)
+        else:
+            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    if "namespace" in kustomization:
+        for obj in objects:
+            if obj["kind"] not in CLUSTER_SCOPED:
+                obj["metadata"]["namespace"] = kustomization["namespace"]
+    return objects
 
 
 OBJECTS = render()
@@ -102,17 +127,36 @@ def test_both_namespaces_exist_and_enforce_the_restricted_pod_security_standard(
     for namespace in namespaces.values():
         labels = namespace["metadata"]["labels"]
         assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
-    namespaced = [
-        o for o in OBJECTS if o["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding"}
-    ]
+    namespaced = [o for o in OBJECTS if o["kind"] not in CLUSTER_SCOPED]
     assert {o["metadata"]["namespace"] for o in namespaced} <= set(namespaces)
 
 
 # --- RBAC --------------------------------------------------------------------
 
 
-def test_the_cluster_role_grants_exactly_the_verbs_the_provider_uses() -> None:
-    rules = the("ClusterRole")["rules"]
+def provider_settings() -> KubernetesConfig:
+    raw = yaml.safe_load(the("ConfigMap")["data"]["providers.yaml"])
+    password_env = raw["proxy"]["auth"]["password_env"]
+    config = parse_config(raw, source="ConfigMap", environ={password_env: "not-a-real-password"})
+    (provider,) = config.providers
+    assert isinstance(provider.settings, KubernetesConfig)
+    return provider.settings
+
+
+def in_namespace(kind: str, namespace: str) -> list[Object]:
+    return [o for o in OBJECTS if o["kind"] == kind and o["metadata"]["namespace"] == namespace]
+
+
+def test_nothing_is_granted_cluster_wide() -> None:
+    assert not [o for o in OBJECTS if o["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
+
+
+@pytest.mark.parametrize("namespace", provider_settings().namespaces)
+def test_each_allowed_namespace_grants_exactly_the_verbs_the_provider_uses(
+    namespace: str,
+) -> None:
+    (role,) = in_namespace("Role", namespace)
+    rules = role["rules"]
 
     granted: dict[str, set[str]] = {}
     for rule in rules:
@@ -124,14 +168,18 @@ def test_the_cluster_role_grants_exactly_the_verbs_the_provider_uses() -> None:
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in rules)
 
 
-def test_the_cluster_role_is_bound_to_the_workers_service_account() -> None:
-    binding = the("ClusterRoleBinding")
+@pytest.mark.parametrize("namespace", provider_settings().namespaces)
+def test_each_allowed_namespaces_role_is_bound_to_the_workers_service_account(
+    namespace: str,
+) -> None:
+    (role,) = in_namespace("Role", namespace)
+    (binding,) = in_namespace("RoleBinding", namespace)
     account = the("ServiceAccount")
 
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
-        "name": the("ClusterRole")["metadata"]["name"],
+        "kind": "Role",
+        "name": role["metadata"]["name"],
     }
     assert binding["subjects"] == [
         {
@@ -200,6 +248,7 @@ def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> Non
     assert provider.type == "kubernetes"
     assert isinstance(provider.settings, KubernetesConfig)
     assert provider.settings.namespace == "proxies"
+    assert "@sha256:" in provider.settings.image, "the proxy image is pinned by digest"
 
 
 def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() -> None:
@@ -224,32 +273,67 @@ def network_policies() -> Iterator[Object]:
     return (o for o in OBJECTS if o["kind"] == "NetworkPolicy")
 
 
-def test_the_proxies_namespace_denies_all_ingress_by_default() -> None:
-    (deny,) = [p for p in network_policies() if p["spec"]["podSelector"] == {}]
+@pytest.mark.parametrize("namespace", provider_settings().namespaces)
+def test_each_allowed_namespace_denies_all_traffic_by_default(namespace: str) -> None:
+    (deny,) = [
+        p for p in in_namespace("NetworkPolicy", namespace) if p["spec"]["podSelector"] == {}
+    ]
 
-    assert deny["metadata"]["namespace"] == "proxies"
-    assert deny["spec"]["policyTypes"] == ["Ingress"]
-    assert "ingress" not in deny["spec"]
+    assert deny["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in deny["spec"] and "egress" not in deny["spec"]
 
 
-def test_proxy_pods_admit_only_the_worker_and_labelled_clients_on_the_proxy_port() -> None:
-    (allow,) = [p for p in network_policies() if p["spec"]["podSelector"] != {}]
+def proxy_policy(namespace: str, direction: str) -> Object:
+    (policy,) = [
+        p
+        for p in in_namespace("NetworkPolicy", namespace)
+        if p["spec"]["podSelector"] != {} and p["spec"]["policyTypes"] == [direction]
+    ]
+    # The label every proxy Pod carries (the managed-by tag).
+    assert policy["spec"]["podSelector"] == {"matchLabels": {MANAGED_BY_KEY: MANAGED_BY_VALUE}}
+    return policy
+
+
+@pytest.mark.parametrize("namespace", provider_settings().namespaces)
+def test_proxy_pods_admit_only_the_worker_and_labelled_clients_on_the_proxy_port(
+    namespace: str,
+) -> None:
+    allow = proxy_policy(namespace, "Ingress")
     deployment = the("Deployment")
 
-    assert allow["metadata"]["namespace"] == "proxies"
-    # The label every proxy Pod carries (the managed-by tag).
-    assert allow["spec"]["podSelector"] == {"matchLabels": {MANAGED_BY_KEY: MANAGED_BY_VALUE}}
     (rule,) = allow["spec"]["ingress"]
     # The container port the provider names, whatever number a workflow chose.
     assert rule["ports"] == [{"protocol": "TCP", "port": PORT_NAME}]
     worker, clients = rule["from"]
+    # The worker by its Pod label, in whatever namespace an overlay puts it.
     assert worker == {
-        "namespaceSelector": {
-            "matchLabels": {"kubernetes.io/metadata.name": deployment["metadata"]["namespace"]}
-        },
+        "namespaceSelector": {},
         "podSelector": {"matchLabels": deployment["spec"]["template"]["metadata"]["labels"]},
     }
     assert clients == {
         "namespaceSelector": {},
         "podSelector": {"matchLabels": {"proxy-operator/client": "true"}},
     }
+
+
+@pytest.mark.parametrize("namespace", provider_settings().namespaces)
+def test_proxy_pods_reach_only_dns_and_the_connect_ports_of_public_addresses(
+    namespace: str,
+) -> None:
+    egress = proxy_policy(namespace, "Egress")["spec"]["egress"]
+    raw = yaml.safe_load(the("ConfigMap")["data"]["providers.yaml"])
+
+    dns, connect = egress
+    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    assert connect["ports"] == [
+        {"protocol": "TCP", "port": port} for port in raw["proxy"]["allowed_connect_ports"]
+    ]
+    blocks = [peer["ipBlock"] for peer in connect["to"]]
+    assert set(connect["to"][0]) == {"ipBlock"} and len(blocks) == len(connect["to"])
+    for block in blocks:
+        network = ipaddress.ip_network(block["cidr"])
+        assert network.prefixlen == 0, "public means everything but the exceptions"
+        excluded = [ipaddress.ip_network(cidr) for cidr in block["except"]]
+        for private in PRIVATE_RANGES:
+            if private.version == network.version:
+                assert any(private.subnet_of(e) for e in excluded), private  # type: ignore[arg-type]

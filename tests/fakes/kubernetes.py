@@ -10,10 +10,17 @@ on and kmock does not model:
 - schema validation of created objects (422, as the API server answers) with
   `kubernetes-validate`, and the server-set fields: uid, creationTimestamp,
   resourceVersion, and `status.phase: Pending` for a new Pod;
+- namespaces: a create into one that does not exist is a 404;
 - label selectors (equality and existence) and limit/continue paging on lists;
-- graceful deletion of a Pod bound to a node: it gets a deletionTimestamp and
-  stays until the kubelet (the test) confirms, as on a real cluster;
-- garbage collection of dependents through ownerReferences;
+- graceful deletion of a Pod bound to a node: it gets a deletionTimestamp (the
+  end of its grace period) and stays until the kubelet (the test) confirms, as
+  on a real cluster; grace period 0 removes it at once; a UID precondition
+  that does not match is a 409;
+- garbage collection of dependents through ownerReferences, and the RBAC
+  verbs the OwnerReferencesPermissionEnforcement admission plugin checks
+  when an object is created with them;
+- the scheduler's and the kubelet's reports (helpers): Ready and PodScheduled
+  conditions, container waiting reasons, and clocks moved back for timeouts;
 - injected failures answered *before* any state change (kmock's own reactions
   run after the emulator has stored the object), with any status, message and
   headers, optionally after a delay;
@@ -35,7 +42,7 @@ import threading
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -51,6 +58,8 @@ PODS = kmock.resource("", "v1", "pods")
 SECRETS = kmock.resource("", "v1", "secrets")
 KINDS = {PODS: "Pod", SECRETS: "Secret"}
 NODE_NAME = "fake-node"
+# What every cluster has from the start; tests add the namespaces they use.
+BUILTIN_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 SCHEMA_VERSION = kubernetes_validate.latest_version()
 
 # kmock's action for a request -> the RBAC verb a real API server checks.
@@ -94,8 +103,17 @@ def status_body(code: int, message: str, reason: str = "") -> dict[str, Any]:
     }
 
 
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def now(offset_seconds: float = 0.0) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=offset_seconds)).strftime(TIME_FORMAT)
+
+
+def earlier(timestamp: str, seconds: float) -> str:
+    """`timestamp` moved `seconds` into the past."""
+    moved = datetime.strptime(timestamp, TIME_FORMAT).replace(tzinfo=UTC)
+    return (moved - timedelta(seconds=seconds)).strftime(TIME_FORMAT)
 
 
 def selector_matches(selector: str, labels: dict[str, str]) -> bool:
@@ -126,6 +144,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     failures: list[Failure] = attrs.field(factory=list)
     verbs_used: set[tuple[str, str]] = attrs.field(factory=set)
+    namespaces: set[str] = attrs.field(factory=lambda: set(BUILTIN_NAMESPACES))
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
 
     def __attrs_post_init__(self) -> None:
@@ -143,10 +162,21 @@ class ApiServer(kmock.KubernetesEmulator):
             body = status_body(failure.status, failure.message)
             return aiohttp.web.json_response(body, status=failure.status, headers=failure.headers)
         if request.action == kmock.action.CREATE and resource in KINDS:
+            # The NamespaceLifecycle admission plugin "ensures that requests in
+            # a non-existent Namespace are rejected" (kubernetes.io/docs/reference/
+            # access-authn-authz/admission-controllers/#namespacelifecycle): 404.
+            if request.namespace not in self.namespaces:
+                message = f'namespaces "{request.namespace}" not found'
+                body = status_body(404, message, "NotFound")
+                return aiohttp.web.json_response(body, status=404)
             problem = self._admit(request)
             if problem:
                 return aiohttp.web.json_response(status_body(422, problem, "Invalid"), status=422)
         if request.action == kmock.action.DELETE and resource == PODS:
+            conflict = self._precondition_failure(request)
+            if conflict:
+                body = status_body(409, conflict, "Conflict")
+                return aiohttp.web.json_response(body, status=409)
             graceful = self._delete_gracefully(request)
             if graceful is not None:
                 return aiohttp.web.json_response(graceful)
@@ -195,8 +225,26 @@ class ApiServer(kmock.KubernetesEmulator):
             kubernetes_validate.validate(obj, SCHEMA_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             return f"{obj.get('kind', 'object')} is invalid: {exc.message}"
+        self._record_owner_reference_checks(request, obj)
         self.stamp(obj, request.namespace)
         return ""
+
+    def _record_owner_reference_checks(self, request: kmock.Request, obj: dict[str, Any]) -> None:
+        """The extra authorization OwnerReferencesPermissionEnforcement makes.
+
+        "only users with delete permission to the object can change" its
+        ownerReferences, and setting blockOwnerDeletion needs "update
+        permission to the finalizers subresource of the referenced owner"
+        (kubernetes.io/docs/reference/access-authn-authz/admission-controllers/
+        #ownerreferencespermissionenforcement); OpenShift enables it. A create
+        with ownerReferences is such a change, so it needs those verbs too.
+        """
+        owners = obj.get("metadata", {}).get("ownerReferences") or []
+        if owners and request.resource is not None:
+            self.verbs_used.add((str(request.resource.plural), "delete"))
+        for owner in owners:
+            if owner.get("blockOwnerDeletion"):
+                self.verbs_used.add((f"{owner['kind'].lower()}s/finalizers", "update"))
 
     def stamp(self, obj: dict[str, Any], namespace: str | None) -> None:
         """Set what the API server sets on a new object."""
@@ -208,20 +256,55 @@ class ApiServer(kmock.KubernetesEmulator):
         if obj.get("kind") == "Pod":
             obj["status"] = {"phase": "Pending"}
 
+    def _delete_options(self, request: kmock.Request) -> dict[str, Any]:
+        """DeleteOptions from the body, with `gracePeriodSeconds` also taken as a query."""
+        options = dict(request.data) if isinstance(request.data, dict) else {}
+        if "gracePeriodSeconds" in request.params:
+            options["gracePeriodSeconds"] = int(request.params["gracePeriodSeconds"])
+        return options
+
+    def _precondition_failure(self, request: kmock.Request) -> str:
+        """DeleteOptions.preconditions "Must be fulfilled before a deletion is carried
+        out. If not possible, a 409 Conflict status will be returned" (API reference,
+        DeleteOptions); the message is the API server's."""
+        wanted = (self._delete_options(request).get("preconditions") or {}).get("uid")
+        key = (PODS, request.namespace, request.name)
+        if not wanted or key not in self.objects or self.objects[key].deleted:
+            return ""
+        actual = self.objects[key]["metadata"].get("uid")
+        if wanted == actual:
+            return ""
+        return f"Precondition failed: UID in precondition: {wanted}, UID in object meta: {actual}"
+
     def _delete_gracefully(self, request: kmock.Request) -> dict[str, Any] | None:
-        """A Pod on a node stays, marked for deletion, until its kubelet confirms."""
+        """A Pod on a node stays, marked for deletion, until its kubelet confirms.
+
+        Its deletionTimestamp is when the grace period ends: ObjectMeta's API
+        reference calls it the "date and time at which this resource will be
+        deleted", and a repeated delete may only shorten it. Grace period 0 is
+        a force deletion: the Pod leaves the API at once, whether or not its
+        kubelet ever confirms (kubernetes.io/docs/concepts/workloads/pods/
+        pod-lifecycle/#pod-termination-forced).
+        """
         if request.name is None:
             return None
         key = (PODS, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             return None
         pod = self.objects[key]
-        if not pod.get("spec", {}).get("nodeName"):
+        grace = self._delete_options(request).get("gracePeriodSeconds")
+        if not pod.get("spec", {}).get("nodeName") or grace == 0:
             return None
         if not pod["metadata"].get("deletionTimestamp"):
-            grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+            if grace is None:
+                grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
             pod.patch(
-                {"metadata": {"deletionTimestamp": now(), "deletionGracePeriodSeconds": grace}}
+                {
+                    "metadata": {
+                        "deletionTimestamp": now(grace),
+                        "deletionGracePeriodSeconds": grace,
+                    }
+                }
             )
         return copy.deepcopy(pod.raw)
 
@@ -250,8 +333,9 @@ class FakeKubernetes:
     unrelated objects, inject failures and read what the server stores.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = ()) -> None:
         self.api = ApiServer()
+        self.api.namespaces.update(namespaces)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="fake-kubernetes", daemon=True
@@ -341,11 +425,73 @@ class FakeKubernetes:
 
         self._on_loop(store)
 
-    def set_pod_status(self, namespace: str, name: str, phase: str, pod_ip: str = "") -> None:
-        """Play the scheduler and the kubelet: bind the Pod to a node, report its status."""
-        status: dict[str, Any] = {"phase": phase, "podIP": pod_ip or None}
-        status["podIPs"] = [{"ip": pod_ip}] if pod_ip else None
+    def set_pod_status(
+        self, namespace: str, name: str, phase: str, pod_ip: str = "", *, ready: bool | None = None
+    ) -> None:
+        """Play the scheduler and the kubelet: bind the Pod to a node, report its status.
+
+        `ready` is the Ready condition; by default what the kubelet reports
+        once the readiness probe passes on a Running Pod, and not before.
+        """
+        ready = phase == "Running" if ready is None else ready
+        status: dict[str, Any] = {
+            "phase": phase,
+            "podIP": pod_ip or None,
+            "podIPs": [{"ip": pod_ip}] if pod_ip else None,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        }
         self._patch(PODS, namespace, name, {"spec": {"nodeName": NODE_NAME}, "status": status})
+
+    def set_container_waiting(self, namespace: str, name: str, reason: str, message: str) -> None:
+        """Play the kubelet of a Pod whose container cannot start (`ErrImagePull`, ...).
+
+        The Pod stays Pending; the reason is in its container status
+        (kubernetes.io/docs/concepts/workloads/pods/pod-lifecycle/#container-state-waiting).
+        """
+        waiting = {"waiting": {"reason": reason, "message": message}}
+        status = {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [
+                {
+                    "name": "squid",
+                    "image": "image",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": waiting,
+                }
+            ],
+        }
+        self._patch(PODS, namespace, name, {"spec": {"nodeName": NODE_NAME}, "status": status})
+
+    def set_unschedulable(self, namespace: str, name: str, message: str) -> None:
+        """Play the scheduler failing to place a Pod: PodScheduled False, Unschedulable
+        (kubernetes.io/docs/concepts/workloads/pods/pod-lifecycle/#pod-conditions)."""
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": message,
+        }
+        self._patch(
+            PODS, namespace, name, {"status": {"phase": "Pending", "conditions": [condition]}}
+        )
+
+    def move_back(self, namespace: str, name: str, field: str, seconds: float) -> None:
+        """Move the Pod's `creationTimestamp` or `deletionTimestamp` into the past,
+        as if that much time had gone by (instead of a test waiting for it)."""
+
+        def move() -> None:
+            meta = self.api.objects[PODS, namespace, name]["metadata"]
+            self.api.objects[PODS, namespace, name].patch(
+                {"metadata": {field: earlier(meta[field], seconds)}}
+            )
+
+        self._on_loop(move)
 
     def finish_deletion(self, namespace: str, name: str) -> None:
         """Play the kubelet confirming that a deleted Pod's containers have stopped."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from activities.models import InstanceRef
 from providers.base import CreateRequest, Instance, InstanceState, Provider
 from providers.catalog import TYPE_NAMES, provider_type
 from providers.config import ConfigError, load_config, parse_config
@@ -442,3 +443,21 @@ def test_ownership_mismatch_names_every_wrong_tag() -> None:
     assert OWNER_KEY in other_owner and GENERATION_KEY in other_owner
     hand_made = ownership_mismatch({}, "prod")
     assert hand_made is not None and MANAGED_BY_KEY in hand_made
+
+
+@pytest.mark.parametrize(
+    ("ip", "expected"),
+    [
+        ("10.244.1.7", "10.244.1.7:3128"),
+        ("fd00:10:244::7", "[fd00:10:244::7]:3128"),
+        ("", ""),
+    ],
+)
+def test_endpoints_bracket_ipv6_addresses_for_instances_and_workflow_refs(
+    ip: str, expected: str
+) -> None:
+    """`host:port` parsers and proxy URLs need `[addr]:port`; every provider shares this."""
+    instance = Instance("p/x", "x", InstanceState.RUNNING, ip, 3128, {}, datetime.now(UTC))
+    ref = InstanceRef(provider="p", provider_id="p/x", name="x", generation=0, ip=ip, port=3128)
+
+    assert instance.endpoint == ref.endpoint == expected

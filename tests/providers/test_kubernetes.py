@@ -41,14 +41,13 @@ from kubernetes.client.exceptions import ApiException
 import providers.kubernetes as kubernetes_provider
 from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
-from providers.config import Config, parse_config
+from providers.config import Config, ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
     CONFIG_DIR,
     RBAC_VERBS,
     SPOOL_DIR,
     SQUID_PATHS,
-    SQUID_UID,
     TAGS_ANNOTATION,
     KubernetesConfig,
     KubernetesProvider,
@@ -66,7 +65,10 @@ from tests.helpers.tls_origin import TlsOrigin
 INSTALLATION = "test-installation"
 NAMESPACE = "proxies"
 PASSWORD = "kubernetes-test-password"
+OTHER_NAMESPACES = ("team-a", "team-b")
 SETTINGS = KubernetesConfig(
+    namespace=NAMESPACE,
+    allowed_namespaces=[NAMESPACE, *OTHER_NAMESPACES],
     image="ubuntu/squid:6.6-24.04_beta",
     cpu_request="25m",
     cpu_limit="250m",
@@ -74,6 +76,8 @@ SETTINGS = KubernetesConfig(
     memory_limit="128Mi",
     request_timeout_seconds=2.0,
 )
+# The `proxy` user of Debian/Ubuntu's base-passwd: run_as_user's default.
+SQUID_UID = 13
 QUOTA_MESSAGE = (
     'pods "proxy-x" is forbidden: exceeded quota: compute, requested: pods=1, '
     "used: pods=10, limited: pods=10"
@@ -92,7 +96,7 @@ LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 @pytest.fixture
 def fake() -> Iterator[FakeKubernetes]:
-    with FakeKubernetes() as server:
+    with FakeKubernetes(namespaces=(NAMESPACE, *OTHER_NAMESPACES)) as server:
         yield server
 
 
@@ -206,6 +210,10 @@ def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
         "fsGroup": SQUID_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+    # A drain or the Cluster Autoscaler may evict it: the workflow replaces it.
+    assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == (
+        "true"
+    )
     assert spec["automountServiceAccountToken"] is False
     assert spec["restartPolicy"] == "Never"
     assert "hostNetwork" not in spec
@@ -252,6 +260,7 @@ def test_create_mounts_the_rendered_config_from_a_secret_owned_by_the_pod(
         {"apiVersion": "v1", "kind": "Pod", "name": req.name, "uid": pod["metadata"]["uid"]}
     ]
     assert secret["metadata"]["labels"] == pod["metadata"]["labels"]
+    assert secret["immutable"] is True
     files = secret_files(secret)
     assert files["squid.conf"] == render(req.proxy, SQUID_PATHS).squid_conf
     # Squid finds the htpasswd in the mounted directory, and it holds the password's hash.
@@ -278,10 +287,11 @@ def test_create_uses_the_placement_namespace(
     ("req", "complaint"),
     [
         (request(placement={"namespace": "Not_A_Namespace"}), "namespace"),
+        (request(placement={"namespace": "kube-system"}), "allowed_namespaces"),
         (request(installation="someone-else"), INSTALLATION_KEY),
         (request(allowed_cidrs=()), "allowed_cidrs"),
     ],
-    ids=["bad-namespace", "other-installation", "open-proxy"],
+    ids=["bad-namespace", "not-allowed-namespace", "other-installation", "open-proxy"],
 )
 def test_create_refuses_requests_it_must_not_carry_out(
     fake: FakeKubernetes, provider: KubernetesProvider, req: CreateRequest, complaint: str
@@ -290,6 +300,46 @@ def test_create_refuses_requests_it_must_not_carry_out(
 
     assert complaint in str(error)
     assert fake.verbs_used() == set()
+
+
+def test_a_port_below_1024_is_made_bindable_by_the_safe_sysctl(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    low, high = request("proxy-low", port=80), request("proxy-high", port=1024)
+
+    provider.create(low)
+    provider.create(high)
+
+    assert stored_pod(fake, low.name)["spec"]["securityContext"]["sysctls"] == [
+        {"name": "net.ipv4.ip_unprivileged_port_start", "value": "80"}
+    ]
+    assert "sysctls" not in stored_pod(fake, high.name)["spec"]["securityContext"]
+
+
+def test_an_unset_uid_is_left_to_the_platform(fake: FakeKubernetes) -> None:
+    """OpenShift's restricted SCC assigns the uid, gid and fsGroup from the namespace's range."""
+    settings = SETTINGS.model_copy(update={"run_as_user": None})
+    req = request()
+
+    provider_for(fake.configuration(), settings=settings).create(req)
+
+    assert stored_pod(fake, req.name)["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_a_create_into_a_namespace_that_does_not_exist_is_permanent(
+    fake: FakeKubernetes,
+) -> None:
+    settings = SETTINGS.model_copy(update={"allowed_namespaces": [NAMESPACE, "not-created-yet"]})
+    provider = provider_for(fake.configuration(), settings=settings)
+
+    error = raises_from(
+        Permanent, lambda: provider.create(request(placement={"namespace": "not-created-yet"}))
+    )
+
+    assert "namespace 'not-created-yet' does not exist" in error.message
 
 
 # --- create: adopting ------------------------------------------------------
@@ -306,6 +356,32 @@ def test_create_again_adopts_the_pod_and_its_secret(
 
     assert again == first
     assert stored_pod(fake, req.name)["metadata"]["uid"] == uid
+
+
+@pytest.mark.parametrize(
+    ("tags", "mismatch"),
+    [
+        (None, "managed-by=None"),
+        (owner_tags(INSTALLATION, "someone-else", 1), "proxy-operator/owner='someone-else'"),
+        (owner_tags(INSTALLATION, "proxy-eu-1", 7), "proxy-operator/generation='7'"),
+        (owner_tags("other", "proxy-eu-1", 1), "proxy-operator/installation='other'"),
+    ],
+    ids=["made-by-hand", "other-owner", "other-generation", "other-installation"],
+)
+def test_create_never_adopts_a_pod_of_the_same_name_that_is_not_this_proxys(
+    fake: FakeKubernetes,
+    provider: KubernetesProvider,
+    tags: dict[str, str] | None,
+    mismatch: str,
+) -> None:
+    req = request()
+    annotations = {TAGS_ANNOTATION: json.dumps(tags)} if tags else {}
+    fake.add(PODS, foreign_pod(NAMESPACE, req.name, annotations=annotations))
+
+    error = raises_from(Permanent, lambda: provider.create(req))
+
+    assert mismatch in error.message
+    assert fake.get(SECRETS, NAMESPACE, f"{req.name}-squid") is None
 
 
 def test_create_after_the_secret_failed_adopts_the_pod_and_creates_the_secret(
@@ -359,6 +435,86 @@ def test_get_maps_the_pod_phase(
     assert instance.created_at == created.created_at
 
 
+@pytest.mark.parametrize(
+    ("waiting_reason", "shown"),
+    [
+        ("ErrImagePull", "image pull failed"),
+        ("ImagePullBackOff", "image pull failed"),
+        ("InvalidImageName", "invalid image name"),
+        ("CreateContainerConfigError", "container config error"),
+        ("CreateContainerError", "container could not be created"),
+    ],
+)
+def test_a_pod_that_can_never_start_is_written_off_at_once_with_the_reason(
+    fake: FakeKubernetes, provider: KubernetesProvider, waiting_reason: str, shown: str
+) -> None:
+    created = provider.create(request())
+    message = 'Back-off pulling image "ubuntu/squid:no-such-tag"'
+    fake.set_container_waiting(NAMESPACE, created.name, waiting_reason, message)
+
+    instance = provider.get(created.provider_id)
+
+    assert instance.state is InstanceState.TERMINATED
+    assert instance.reason == f"{shown}: {waiting_reason}: {message}"
+
+
+def test_a_pod_waiting_for_a_reason_that_passes_stays_provisioning(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    created = provider.create(request())
+    fake.set_container_waiting(NAMESPACE, created.name, "ContainerCreating", "")
+
+    assert provider.get(created.provider_id).state is InstanceState.PROVISIONING
+
+
+def test_an_unschedulable_pod_is_written_off_after_the_configured_time(
+    fake: FakeKubernetes,
+) -> None:
+    provider = provider_for(
+        fake.configuration(),
+        settings=SETTINGS.model_copy(update={"unschedulable_timeout_seconds": 120}),
+    )
+    created = provider.create(request())
+    message = "0/3 nodes are available: 3 Insufficient memory."
+    fake.set_unschedulable(NAMESPACE, created.name, message)
+
+    waiting = provider.get(created.provider_id)
+    fake.move_back(NAMESPACE, created.name, "creationTimestamp", 121)
+    given_up = provider.get(created.provider_id)
+
+    assert (waiting.state, waiting.reason) == (
+        InstanceState.PROVISIONING,
+        f"unschedulable: {message}",
+    )
+    assert given_up.state is InstanceState.TERMINATED
+    assert given_up.reason.startswith(f"unschedulable: {message} (for 12")
+
+
+def test_running_needs_the_ready_condition(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """Until Squid's port answers the readiness probe there is no endpoint to hand out."""
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7", ready=False)
+    starting = provider.get(created.provider_id)
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7", ready=True)
+    ready = provider.get(created.provider_id)
+
+    assert (starting.state, starting.endpoint) == (InstanceState.PROVISIONING, "")
+    assert (ready.state, ready.endpoint) == (InstanceState.RUNNING, "10.244.1.7:3128")
+
+
+def test_an_ipv6_pod_ip_gives_a_bracketed_endpoint(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "fd00:10:244::7")
+
+    instance = provider.get(created.provider_id)
+
+    assert (instance.ip, instance.endpoint) == ("fd00:10:244::7", "[fd00:10:244::7]:3128")
+
+
 def test_get_of_a_missing_pod_is_not_found(provider: KubernetesProvider) -> None:
     raises_from(NotFound, lambda: provider.get(f"{NAMESPACE}/proxy-gone"))
 
@@ -398,6 +554,67 @@ def test_delete_is_graceful_then_not_found_and_takes_the_secret_along(
     provider.delete(created.provider_id)  # gone: deleting is still success
 
 
+def test_a_pod_stuck_terminating_is_deleted_again_with_grace_period_zero(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """Its node stopped reporting, so no kubelet will ever confirm the graceful delete."""
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7")
+    provider.delete(created.provider_id)
+    provider.delete(created.provider_id)  # within the grace period: left alone
+    assert fake.get(PODS, NAMESPACE, created.name) is not None
+
+    # The deletionTimestamp is the end of the 10 s grace period; 60 s past it is stuck.
+    fake.move_back(NAMESPACE, created.name, "deletionTimestamp", 10 + 61)
+    stuck = provider.get(created.provider_id)
+    provider.delete(created.provider_id)
+
+    assert stuck.state is InstanceState.TERMINATED
+    assert "stuck terminating" in stuck.reason and "grace period 0" in stuck.reason
+    assert fake.get(PODS, NAMESPACE, created.name) is None
+    assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
+
+
+@pytest.mark.parametrize(
+    ("annotations", "mismatch"),
+    [
+        ({}, "managed-by=None"),
+        (
+            {TAGS_ANNOTATION: json.dumps(owner_tags("other-installation", "proxy-eu-1", 1))},
+            "proxy-operator/installation='other-installation'",
+        ),
+    ],
+    ids=["made-by-hand", "other-installation"],
+)
+def test_delete_refuses_a_pod_that_is_not_ours(
+    fake: FakeKubernetes, provider: KubernetesProvider, annotations: dict[str, str], mismatch: str
+) -> None:
+    fake.add(PODS, foreign_pod(NAMESPACE, "proxy-not-ours", annotations=annotations))
+
+    raised = raises_from(Permanent, lambda: provider.delete(f"{NAMESPACE}/proxy-not-ours"))
+
+    assert mismatch in raised.message
+    assert fake.get(PODS, NAMESPACE, "proxy-not-ours") is not None
+
+
+def test_the_fake_refuses_a_delete_whose_uid_precondition_does_not_match(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """What the provider's UID precondition guards against: a same-named successor."""
+    created = provider.create(request())
+    core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(fake.configuration()))
+    stale = kubernetes.client.V1DeleteOptions(
+        preconditions=kubernetes.client.V1Preconditions(uid=str(uuid.uuid4()))
+    )
+
+    with pytest.raises(ApiException) as raised:
+        core.delete_namespaced_pod(created.name, NAMESPACE, body=stale)
+
+    assert raised.value.status == 409
+    assert "Precondition failed" in str(raised.value.body)
+    assert fake.get(PODS, NAMESPACE, created.name) is not None
+
+
 def test_delete_of_a_pod_that_never_existed_is_success(provider: KubernetesProvider) -> None:
     provider.delete(f"{NAMESPACE}/proxy-never-was")
 
@@ -418,7 +635,7 @@ def provider_ids(instances: list[Instance]) -> set[str]:
     return {instance.provider_id for instance in instances}
 
 
-def test_list_by_tag_finds_tagged_pods_in_every_namespace_and_nothing_else(
+def test_list_by_tag_finds_tagged_pods_in_every_allowed_namespace_and_nothing_else(
     fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
     ours = provider.create(request("proxy-a", user_labels={"team": "crawl"}))
@@ -427,6 +644,17 @@ def test_list_by_tag_finds_tagged_pods_in_every_namespace_and_nothing_else(
         request("proxy-c", installation="other", user_labels={"team": "crawl"})
     )
     fake.add(PODS, foreign_pod("default", "web"))
+    # Ours by its tags, but in a namespace this provider is not allowed into.
+    outside = request("proxy-a", user_labels={"team": "crawl"})
+    fake.add(
+        PODS,
+        foreign_pod(
+            "kube-system",
+            outside.name,
+            labels=labels(outside.tags),
+            annotations={TAGS_ANNOTATION: json.dumps(outside.tags)},
+        ),
+    )
     # Labelled like ours, hash collision included, but not carrying the tag.
     fake.add(
         PODS,
@@ -561,17 +789,30 @@ def test_api_errors_on_create_map_to_the_taxonomy(
     assert fake.get(PODS, NAMESPACE, req.name) is None
 
 
+def list_owner_x(p: KubernetesProvider, _: str) -> object:
+    return p.list_by_tag(OWNER_KEY, "x")
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status", "error", "call"),
     [
-        ("GET", "/pods/proxy-x$", 404, NotFound, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
-        ("GET", "/pods/proxy-x$", 500, Transient, lambda p: p.get(f"{NAMESPACE}/proxy-x")),
-        ("DELETE", "/pods/proxy-x$", 403, Permanent, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
-        ("DELETE", "/pods/proxy-x$", 409, Transient, lambda p: p.delete(f"{NAMESPACE}/proxy-x")),
-        ("GET", "^/api/v1/pods$", 429, Transient, lambda p: p.list_by_tag(OWNER_KEY, "x")),
-        ("GET", "^/api/v1/pods$", 403, Permanent, lambda p: p.list_by_tag(OWNER_KEY, "x")),
+        ("GET", "/pods/{name}$", 404, NotFound, lambda p, pid: p.get(pid)),
+        ("GET", "/pods/{name}$", 500, Transient, lambda p, pid: p.get(pid)),
+        ("DELETE", "/pods/{name}$", 403, Permanent, lambda p, pid: p.delete(pid)),
+        ("DELETE", "/pods/{name}$", 409, Transient, lambda p, pid: p.delete(pid)),
+        ("GET", "/pods/{name}$", 403, Permanent, lambda p, pid: p.delete(pid)),
+        ("GET", f"^/api/v1/namespaces/{NAMESPACE}/pods$", 429, Transient, list_owner_x),
+        ("GET", f"^/api/v1/namespaces/{NAMESPACE}/pods$", 403, Permanent, list_owner_x),
     ],
-    ids=["get-404", "get-500", "delete-403", "delete-409", "list-429", "list-403"],
+    ids=[
+        "get-404",
+        "get-500",
+        "delete-403",
+        "delete-409",
+        "delete-read-403",
+        "list-429",
+        "list-403",
+    ],
 )
 def test_every_operation_translates_api_errors(
     fake: FakeKubernetes,
@@ -580,11 +821,12 @@ def test_every_operation_translates_api_errors(
     path: str,
     status: int,
     error: type[ProviderError],
-    call: Callable[[KubernetesProvider], object],
+    call: Callable[[KubernetesProvider, str], object],
 ) -> None:
-    fake.fail(method, path, status, "injected")
+    created = provider.create(request())
+    fake.fail(method, path.format(name=created.name), status, "injected")
 
-    raised = raises_from(error, lambda: call(provider))
+    raised = raises_from(error, lambda: call(provider, created.provider_id))
 
     assert type(raised) is error
 
@@ -593,7 +835,7 @@ def test_a_manifest_the_client_rejects_is_permanent(
     fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
     """A value of the wrong type fails the client's own validation, on every retry."""
-    req = request(port="3128")
+    req = request(port=3128.5)
 
     raised = raises_from(Permanent, lambda: provider.create(req))
 
@@ -853,6 +1095,8 @@ async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
     args = [arg.replace(CONFIG_DIR, str(conf.parent)) for arg in container["args"]]
 
     with run_like_the_pod(args, container_root, port) as run:
+        # What the kubelet's tcpSocket readiness probe does every few seconds.
+        assert accepts_connections(port)
         tunnelled = await probe_connect(
             "127.0.0.1",
             port,
@@ -875,3 +1119,70 @@ async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
     assert run.returncode == 0, run.log
     assert f"CONNECT 127.0.0.1:{tls_origin.port}" in run.log
     assert "TCP_DENIED/407" in run.log
+    # Connections that end before a request (readiness probes) log nothing.
+    assert "transaction-end-before-headers" not in run.log
+
+
+# --- config: allowed_namespaces --------------------------------------------
+
+
+def kubernetes_block(**settings: Any) -> dict[str, Any]:
+    return {
+        "installation": INSTALLATION,
+        "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": ["10.0.0.0/8"]},
+        "providers": [{"name": "cluster", "type": "kubernetes", "kubernetes": settings}],
+    }
+
+
+def test_placement_is_allowed_only_in_the_allowed_namespaces() -> None:
+    default = KubernetesConfig(namespace="proxies")
+    wider = KubernetesConfig(namespace="proxies", allowed_namespaces=["proxies", "team-a"])
+
+    assert default.namespaces == ("proxies",)
+    assert default.placement_problems({}) == []
+    assert default.placement_problems({"namespace": "proxies"}) == []
+    assert default.placement_problems({"namespace": "kube-system"}) == [
+        "placement.namespace: 'kube-system' is not one of this provider's "
+        "allowed_namespaces (proxies)"
+    ]
+    assert wider.placement_problems({"namespace": "team-a"}) == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        (
+            {"namespace": "proxies", "allowed_namespaces": ["team-a"]},
+            "providers[0].kubernetes: namespace 'proxies' must be one of allowed_namespaces",
+        ),
+        ({"allowed_namespaces": []}, "providers[0].kubernetes.allowed_namespaces: list should"),
+        (
+            {"allowed_namespaces": ["proxies", "Kube_System"]},
+            "providers[0].kubernetes.allowed_namespaces[1]: string should match pattern",
+        ),
+        (
+            {"allowed_namespaces": ["proxies", "proxies"]},
+            "providers[0].kubernetes: allowed_namespaces has duplicates",
+        ),
+        ({"run_as_user": 0}, "providers[0].kubernetes.run_as_user: input should be greater"),
+        (
+            {"unschedulable_timeout_seconds": 1e9},
+            "providers[0].kubernetes.unschedulable_timeout_seconds: input should be less",
+        ),
+    ],
+    ids=["namespace-not-allowed", "empty", "not-a-dns-label", "duplicate", "root", "huge-timeout"],
+)
+def test_bad_kubernetes_settings_are_config_errors_naming_the_field(
+    settings: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(**settings), environ={"PW": PASSWORD})
+
+    assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+def test_run_as_user_null_is_accepted_for_openshift() -> None:
+    config = parse_config(kubernetes_block(run_as_user=None), environ={"PW": PASSWORD})
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig) and settings.run_as_user is None

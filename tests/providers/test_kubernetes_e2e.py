@@ -2,9 +2,11 @@
 
 Everything the fake cannot show: the image pulls, admission accepts the Pod
 under the "restricted" Pod Security Standard, Squid starts as uid 13 on a
-read-only root filesystem with the Secret mounted and logs to stdout, the
-kubelet reports the Pod Running with an IP, a CONNECT through the Pod reaches
-an HTTPS origin, and deletion takes the Secret along. Skipped unless
+read-only root filesystem with the Secret mounted and logs to stdout (and
+nothing for the readiness probe's connections), the provider reports RUNNING
+only once the kubelet reports the Pod Ready, a CONNECT through the Pod reaches
+an HTTPS origin, deletion takes the Secret along, and a Pod whose image cannot
+be pulled is written off with that reason. Skipped unless
 PROXY_OPERATOR_E2E_KUBECONFIG names a kubeconfig; only that file is read:
 
     kind create cluster --name proxy-operator-e2e
@@ -134,12 +136,8 @@ def status_line(sock: socket.socket) -> str:
     return data.decode(errors="replace").split("\r\n", 1)[0]
 
 
-def test_a_proxy_pod_runs_tunnels_and_goes_away(
-    api_client: kubernetes.client.ApiClient, namespace: str
-) -> None:
-    provider = KubernetesProvider(KubernetesConfig(namespace=namespace), api_client, INSTALLATION)
-    owner = f"e2e-{uuid.uuid4().hex[:8]}"
-    req = CreateRequest(
+def proxy_request(owner: str) -> CreateRequest:
+    return CreateRequest(
         name=instance_name(owner, 1),
         proxy=ProxySettings(
             port=PORT,
@@ -150,12 +148,32 @@ def test_a_proxy_pod_runs_tunnels_and_goes_away(
         ),
         tags=owner_tags(INSTALLATION, owner, 1),
     )
+
+
+def pod_is_ready(core: kubernetes.client.CoreV1Api, provider_id: str) -> bool:
+    namespace, name = provider_id.split("/")
+    pod = core.read_namespaced_pod(name, namespace)
+    conditions = (pod.status.conditions if pod.status else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def test_a_proxy_pod_runs_tunnels_and_goes_away(
+    api_client: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    provider = KubernetesProvider(KubernetesConfig(namespace=namespace), api_client, INSTALLATION)
+    owner = f"e2e-{uuid.uuid4().hex[:8]}"
+    req = proxy_request(owner)
     created = provider.create(req)
+    core = kubernetes.client.CoreV1Api(api_client)
 
     def running() -> bool:
-        state = provider.get(created.provider_id).state
-        assert state is not InstanceState.TERMINATED, f"{created.provider_id} died"
-        return state is InstanceState.RUNNING
+        instance = provider.get(created.provider_id)
+        assert instance.state is not InstanceState.TERMINATED, instance
+        if instance.state is InstanceState.RUNNING:
+            # RUNNING only once the kubelet's readiness probe passed.
+            assert pod_is_ready(core, created.provider_id), instance
+            return True
+        return False
 
     eventually(running, 300, f"{created.provider_id} to run")
     instance = provider.get(created.provider_id)
@@ -167,7 +185,6 @@ def test_a_proxy_pod_runs_tunnels_and_goes_away(
     tunnelled, origin = connect_through(api_client, instance, "proxy", PASSWORD)
     assert tunnelled.startswith("HTTP/1.1 200"), tunnelled
     assert origin.startswith("HTTP/1.1 "), origin
-    core = kubernetes.client.CoreV1Api(api_client)
     pod_name = instance.provider_id.split("/")[1]
     # Squid, as uid 13 on a read-only root, logs to the container's stdout.
     eventually(
@@ -175,6 +192,8 @@ def test_a_proxy_pod_runs_tunnels_and_goes_away(
         30,
         "the access log in the Pod's log",
     )
+    # The readiness probe connects every 5 seconds; none of that is logged.
+    assert "transaction-end-before-headers" not in core.read_namespaced_pod_log(pod_name, namespace)
 
     provider.delete(instance.provider_id)
 
@@ -195,3 +214,22 @@ def test_a_proxy_pod_runs_tunnels_and_goes_away(
         return False
 
     eventually(secret_collected, 120, "the garbage collector to delete the Secret")
+
+
+def test_a_pod_whose_image_cannot_be_pulled_is_written_off_with_the_reason(
+    api_client: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    settings = KubernetesConfig(
+        namespace=namespace, image="ubuntu/squid:proxy-operator-e2e-no-such-tag"
+    )
+    provider = KubernetesProvider(settings, api_client, INSTALLATION)
+    created = provider.create(proxy_request(f"e2e-{uuid.uuid4().hex[:8]}"))
+
+    eventually(
+        lambda: provider.get(created.provider_id).state is InstanceState.TERMINATED,
+        180,
+        f"{created.provider_id} to be written off",
+    )
+
+    assert provider.get(created.provider_id).reason.startswith("image pull failed: ")
+    provider.delete(created.provider_id)

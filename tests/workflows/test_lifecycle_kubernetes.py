@@ -16,9 +16,11 @@ from typing import Any
 
 import kubernetes
 import pytest
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+import activities.provider as provider_activities
 from activities.probe import probe_connect
 from providers.config import Config
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesConfig, KubernetesProvider
@@ -53,7 +55,7 @@ def cluster_config(origin_port: int) -> Config:
 
 @pytest.fixture
 def fake() -> Iterator[FakeKubernetes]:
-    with FakeKubernetes() as server:
+    with FakeKubernetes(namespaces=(NAMESPACE,)) as server:
         yield server
 
 
@@ -208,4 +210,70 @@ async def test_pod_that_fails_while_ready_is_replaced_by_a_new_generation(
 
     assert result["state"] == "Terminated" and result["generation"] == 1
     assert kubelet.pod(second) is None and kubelet.secret(second) is None
+    assert leftover_pods(provider) == []
+
+
+async def test_a_pod_whose_image_cannot_be_pulled_is_replaced_and_the_reason_shown(
+    stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
+) -> None:
+    """Written off at once, not left Provisioning forever; status says why."""
+    handle = await start_proxy(stack, kubelet)
+    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
+    message = 'failed to pull image "ubuntu/squid:no-such-tag": not found'
+    kubelet.fake.set_container_waiting(NAMESPACE, first, "ErrImagePull", message)
+
+    replacing = await wait_status(
+        handle, lambda s: "image pull failed" in (s.last_error or ""), "the reason in status"
+    )
+    await kubelet.finish_deletion(first)
+    await kubelet.run_pod(second)
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "generation 1 Ready")
+
+    assert f"image pull failed: ErrImagePull: {message}" in (replacing.last_error or "")
+    assert (ready.instance, ready.generation) == (second, 1)
+    assert kubelet.pod(first) is None
+    await handle.signal("terminate")
+    await kubelet.finish_deletion(second)
+    await handle.result()
+    assert leftover_pods(provider) == []
+
+
+async def test_a_placement_outside_the_allowed_namespaces_is_invalid_input(
+    stack: ProviderStack, kubelet: Kubelet, fake: FakeKubernetes
+) -> None:
+    handle = await stack.start(PROVIDER, placement={"namespace": "kube-system"})
+
+    with pytest.raises(WorkflowFailureError) as failure:
+        await handle.result()
+
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidInput"
+    assert "placement.namespace: 'kube-system' is not one of" in cause.message
+    assert fake.verbs_used() == set(), "nothing was created"
+
+
+async def test_a_pod_pending_past_the_wait_running_deadline_is_replaced_with_the_reason(
+    stack: ProviderStack,
+    kubelet: Kubelet,
+    provider: KubernetesProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pending for no reason the provider can name still ends: wait_running has a deadline.
+
+    The deadline (10 minutes in production) is shortened here instead of waited out.
+    """
+    monkeypatch.setattr(provider_activities, "WAIT_RUNNING_DEADLINE_SECONDS", 1.0)
+    handle = await start_proxy(stack, kubelet)
+    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
+
+    replacing = await wait_status(
+        handle, lambda s: "not running after" in (s.last_error or ""), "the deadline in status"
+    )
+    await wait_for(lambda: kubelet.pod(second) is not None, f"pod {second}")
+
+    assert f"{first} not running after 1s (PROVISIONING" in (replacing.last_error or "")
+    await handle.signal("terminate")
+    await handle.result()
     assert leftover_pods(provider) == []
