@@ -1,4 +1,4 @@
-"""The worker's providers config (DESIGN.md section 5), validated strictly.
+"""The worker's providers config (docs/architecture.md, "Contracts"), validated strictly.
 
 `load_config` fails before the worker connects anywhere and reports every
 problem in one ConfigError, each with its path (`providers[2].gcp.project:

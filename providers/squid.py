@@ -1,4 +1,6 @@
-"""One renderer for every provider's `squid.conf` and htpasswd (DESIGN.md section 6).
+"""One renderer for every provider's `squid.conf` and htpasswd.
+
+See docs/architecture.md, "The proxy itself".
 
 The local provider writes the result to files, Kubernetes mounts it from a
 Secret, GCP ships it in a startup script: all three get the same access rules,

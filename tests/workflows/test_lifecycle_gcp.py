@@ -25,7 +25,13 @@ from temporalio.testing import WorkflowEnvironment
 from activities.probe import probe_connect
 from contract import QUOTA_RETRY_DELAY
 from providers.config import Config
-from providers.gcp import SQUID_CONF, STARTUP_SCRIPT_KEY, GcpProvider, firewall_name
+from providers.gcp import (
+    SQUID_CONF,
+    STARTUP_SCRIPT_KEY,
+    GcpConfig,
+    GcpProvider,
+    firewall_name,
+)
 from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
 from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
@@ -62,8 +68,8 @@ def fake() -> Iterator[FakeCompute]:
 def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
     """The provider as `from_config` builds it, but on clients pointed at the fake."""
     config = gcp_config(tls_origin.port)
-    settings = config.provider(PROVIDER).gcp
-    assert settings is not None
+    settings = config.provider(PROVIDER).settings
+    assert isinstance(settings, GcpConfig)
     return GcpProvider(settings, config.installation, **fake.clients())
 
 
