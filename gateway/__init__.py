@@ -1,0 +1,4 @@
+"""proxy-operator-gateway: one stable proxy endpoint over a ProxyPool.
+
+See docs/architecture.md, "The gateway".
+"""

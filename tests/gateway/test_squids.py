@@ -1,0 +1,301 @@
+"""The gateway's Squids over three real local members, without Temporal.
+
+Routing by username, auth and the proxies' rules, reloads onto a new
+membership with a client loop running, and a member killed under load. Which
+member carried a request is read from the members' own access logs, not from
+the gateway, so the gateway's reporting is not its own witness.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.squids import GatewayError, GatewaySquids
+from providers.base import CreateRequest
+from providers.config import Config
+from providers.local import LocalConfig, LocalProvider
+from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
+from providers.squid import GatewayMember
+from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
+from tests.helpers.network import free_port
+from tests.helpers.squid_upstream import requires_squid
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.tunnel import Answer, request
+
+pytestmark = [requires_squid, pytest.mark.slow]
+
+POOL = "pool-t"
+
+
+class Members:
+    """Three local Squids standing in for a pool's Ready members."""
+
+    def __init__(self, state_dir: Path, config: Config) -> None:
+        self.state_dir = state_dir
+        self.provider = LocalProvider(LocalConfig(state_dir=str(state_dir)))
+        self.config = config
+        self.by_member: dict[str, GatewayMember] = {}
+        self.names: dict[str, str] = {}
+
+    def add(self, n: int) -> GatewayMember:
+        name = f"member-{n}"
+        instance = self.provider.create(
+            CreateRequest(
+                name=name,
+                proxy=self.config.proxy_settings(),
+                tags={MANAGED_BY_KEY: MANAGED_BY_VALUE},
+            )
+        )
+        member = GatewayMember(f"{POOL}/{n}", instance.ip, instance.port)
+        self.by_member[member.member] = member
+        self.names[member.member] = name
+        return member
+
+    def tunnels(self) -> collections.Counter[str]:
+        """CONNECTs each member carried, from its own access log."""
+        counts: collections.Counter[str] = collections.Counter()
+        for member, name in self.names.items():
+            log = self.state_dir / name / "access.log"
+            if log.exists():
+                counts[member] = sum(" CONNECT " in line for line in log.read_text().splitlines())
+        return +counts  # members that carried nothing are left out
+
+    def kill(self, member: str) -> None:
+        meta = json.loads((self.state_dir / self.names[member] / "instance.json").read_text())
+        os.killpg(meta["pid"], signal.SIGKILL)
+
+
+@pytest.fixture
+def config(tls_origin: TlsOrigin, state_dir: Path) -> Config:
+    return proxy_config(tls_origin.port, local_entry(state_dir))
+
+
+@pytest.fixture
+def members(state_dir: Path, config: Config) -> Members:
+    found = Members(state_dir, config)
+    for n in range(3):
+        found.add(n)
+    return found
+
+
+@pytest.fixture
+def gateway(state_dir: Path, config: Config, members: Members) -> Iterator[GatewaySquids]:
+    squids = GatewaySquids(
+        config.proxy_settings(), state_dir / ".gateway", ("127.0.0.1", free_port())
+    )
+    try:
+        squids.start(list(members.by_member.values()))
+        yield squids
+    finally:
+        squids.stop()
+
+
+def through(
+    gateway: GatewaySquids, origin: TlsOrigin, username: str, password: str = PASSWORD
+) -> Answer:
+    return request(
+        ("127.0.0.1", gateway.front.port),
+        username,
+        password,
+        (origin.host, origin.port),
+        origin.client_ssl_context,
+    )
+
+
+def test_plain_username_rotates_over_every_member(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    answers = [through(gateway, tls_origin, USERNAME) for _ in range(99)]
+
+    assert all(a.ok for a in answers), collections.Counter(answers)
+    counts = members.tunnels()
+    assert set(counts) == set(members.by_member), counts
+    assert sum(counts.values()) == 99
+    # Round-robin per CONNECT: an even share each, give or take Squid
+    # resetting its counters as each member first answers.
+    assert max(counts.values()) - min(counts.values()) <= 4, counts
+
+
+def test_a_session_key_sticks_to_one_member_and_keys_spread(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    for _ in range(50):
+        assert through(gateway, tls_origin, f"{USERNAME}-session-cart-42").ok
+    (member,) = members.tunnels()
+    assert members.tunnels()[member] == 50
+
+    for key in range(30):
+        assert through(gateway, tls_origin, f"{USERNAME}-session-k{key}").ok
+    assert len(members.tunnels()) == 3, "30 keys should not all hash to one member"
+
+
+def test_a_pinned_username_reaches_exactly_that_member(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    for member in members.by_member:
+        before = members.tunnels()[member]
+        for _ in range(5):
+            assert through(gateway, tls_origin, f"{USERNAME}-proxy-{member}").ok
+        assert members.tunnels()[member] == before + 5
+    assert sum(members.tunnels().values()) == 15
+
+
+def test_pinning_a_member_that_is_not_in_the_pool_fails_alone(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # Squid's "cannot forward": no parent may carry it. A burst of them must
+    # not make the front count its backs down (Squid 5 counts every error
+    # answer to a CONNECT against the parent that gave it).
+    for _ in range(20):
+        assert through(gateway, tls_origin, f"{USERNAME}-proxy-{POOL}/99").connect_status == 500
+    assert sum(members.tunnels().values()) == 0
+    assert all(through(gateway, tls_origin, USERNAME).ok for _ in range(5))
+
+
+@pytest.mark.parametrize(
+    "username",
+    [USERNAME, f"{USERNAME}-session-a", f"{USERNAME}-proxy-{POOL}/0"],
+)
+def test_a_wrong_password_is_407_in_every_form(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin, username: str
+) -> None:
+    assert through(gateway, tls_origin, username, "wrong-password").connect_status == 407
+    assert sum(members.tunnels().values()) == 0
+
+
+@pytest.mark.parametrize(
+    "username",
+    [
+        "someone",
+        f"{USERNAME}x",
+        f"{USERNAME}-session-",
+        f"{USERNAME}-session-a b",
+        f"{USERNAME}-proxy-",
+        f"{USERNAME}-other-x",
+        f"x{USERNAME}",
+    ],
+)
+def test_usernames_outside_the_three_forms_are_407_even_with_the_password(
+    gateway: GatewaySquids, tls_origin: TlsOrigin, username: str
+) -> None:
+    assert through(gateway, tls_origin, username).connect_status == 407
+
+
+def test_a_port_outside_allowed_connect_ports_is_403(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    answer = request(
+        ("127.0.0.1", gateway.front.port),
+        USERNAME,
+        PASSWORD,
+        ("127.0.0.1", 22),
+        tls_origin.client_ssl_context,
+    )
+    assert answer.connect_status == 403
+    assert sum(members.tunnels().values()) == 0
+
+
+class Loop:
+    """A client sending CONNECTs through the gateway until stopped, counting outcomes."""
+
+    def __init__(self, gateway: GatewaySquids, origin: TlsOrigin, username: str) -> None:
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(gateway, origin, username))
+
+    def _run(self, gateway: GatewaySquids, origin: TlsOrigin, username: str) -> None:
+        while not self._stop.is_set():
+            try:
+                answer = through(gateway, origin, username)
+                self.outcomes["ok" if answer.ok else f"status {answer}"] += 1
+            except OSError as err:
+                self.outcomes[type(err).__name__] += 1
+
+    def __enter__(self) -> Loop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_reloads_onto_a_new_membership_lose_no_request(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    before = {}
+    for username in (f"{USERNAME}-session-s{i}" for i in range(12)):
+        counts = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (before[username],) = (members.tunnels() - counts).keys()
+    gone = f"{POOL}/2"
+
+    with Loop(gateway, tls_origin, USERNAME) as loop:
+        fourth = members.add(3)
+        assert gateway.apply([*members.by_member.values()])
+        assert gateway.apply([m for m in members.by_member.values() if m.member != gone])
+        carried = members.tunnels()[gone]
+
+    assert set(loop.outcomes) == {"ok"}, loop.outcomes
+    assert loop.outcomes["ok"] > 20
+    assert members.tunnels()[fourth.member] > 0
+    for _ in range(20):
+        assert through(gateway, tls_origin, USERNAME).ok
+    assert members.tunnels()[gone] == carried, "a removed member got requests"
+    # Consistent hashing: only the removed member's sessions moved, and
+    # some moved to the new member; none moved between the others.
+    for username, member in before.items():
+        counts = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (now,) = (members.tunnels() - counts).keys()
+        if member != gone:
+            assert now in (member, fourth.member), username
+
+
+def test_a_killed_member_is_skipped_without_a_failed_request(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    victim = f"{POOL}/1"
+    members.kill(victim)
+    answers = [through(gateway, tls_origin, USERNAME) for _ in range(30)]
+    answers += [through(gateway, tls_origin, f"{USERNAME}-session-k{i}") for i in range(30)]
+
+    assert all(a.ok for a in answers), collections.Counter(answers)
+    assert through(gateway, tls_origin, f"{USERNAME}-proxy-{victim}").connect_status == 503
+
+
+def test_the_members_password_stays_in_the_private_config(
+    gateway: GatewaySquids, tls_origin: TlsOrigin
+) -> None:
+    assert through(gateway, tls_origin, USERNAME).ok
+    for squid in gateway.squids:
+        assert squid.conf.stat().st_mode & 0o777 == 0o640
+        for path in squid.directory.iterdir():
+            if path.name != "squid.conf":
+                assert PASSWORD not in path.read_text(errors="replace"), path
+    back = gateway.backs[0].conf.read_text()
+    assert f"login={USERNAME}:{PASSWORD}" in back
+    assert "login=" not in gateway.front.conf.read_text().replace("login=PASSTHRU", "")
+
+
+def test_a_config_squid_rejects_fails_without_the_password_in_the_error(
+    state_dir: Path, config: Config
+) -> None:
+    squids = GatewaySquids(
+        config.proxy_settings(), state_dir / ".broken", ("127.0.0.1", free_port())
+    )
+    bad = GatewayMember(f"{POOL}/0", "not a host", 3128)
+    try:
+        with pytest.raises(GatewayError) as caught:
+            squids.start([bad])
+    finally:
+        squids.stop()
+    assert PASSWORD not in str(caught.value)

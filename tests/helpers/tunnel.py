@@ -1,0 +1,65 @@
+"""One HTTPS request through a forward proxy, as a scraper makes it: CONNECT, TLS, GET.
+
+Shared by the gateway tests and bench/gateway.py, so both count a request as
+failed for the same reasons: no 200 to the CONNECT, or no answer from the
+origin through the tunnel.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import ssl
+from dataclasses import dataclass
+
+TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The proxy's status for the CONNECT (0 if it never answered) and, on 200, the origin's."""
+
+    connect_status: int
+    origin_status: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.connect_status == 200 and self.origin_status == 200
+
+
+def request(
+    proxy: tuple[str, int],
+    username: str,
+    password: str,
+    target: tuple[str, int],
+    context: ssl.SSLContext,
+    timeout: float = TIMEOUT,
+) -> Answer:
+    """CONNECT to `target` through `proxy` with basic auth, then GET / over TLS.
+
+    Raises OSError (refused, reset, timed out, TLS failure): the caller
+    counts that as a failed request too.
+    """
+    host, port = target
+    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+    with socket.create_connection(proxy, timeout=timeout) as sock:
+        sock.sendall(
+            f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        status = int(head.split(b" ", 2)[1]) if head.count(b" ") >= 2 else 0
+        if status != 200:
+            return Answer(status)
+        with context.wrap_socket(sock, server_hostname=host) as tls:
+            tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            reply = b""
+            while chunk := tls.recv(4096):
+                reply += chunk
+        origin = int(reply.split(b" ", 2)[1]) if reply.count(b" ") >= 2 else 0
+        return Answer(status, origin)
