@@ -85,7 +85,7 @@ def create_directly(stack: Stack, owner: str, generation: int, installation: str
         CreateRequest(
             name=instance_name(owner, generation),
             proxy=stack.config.proxy_settings(),
-            tags=owner_tags(installation, owner, generation),
+            tags=owner_tags(installation, owner, generation, namespace=stack.client.namespace),
         )
     )
 
@@ -286,7 +286,8 @@ async def test_adversarial_fleet_loses_no_owned_instance_and_keeps_no_old_orphan
     task_queue = gc_worker({name: provider}, config)
     handle = await client.start_workflow(
         "OrphanGC",
-        {"grace_period_seconds": 60},
+        # Most of this fleet is orphaned on purpose: let the breaker allow it.
+        {"grace_period_seconds": 60, "max_delete_share": 1},
         id=f"orphan-gc-{uuid.uuid4().hex[:8]}",
         task_queue=task_queue,
         result_type=GcResult,
