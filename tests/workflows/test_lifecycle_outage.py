@@ -25,6 +25,7 @@ from providers.kubernetes import KubernetesConfig, KubernetesProvider
 from providers.naming import instance_name
 from tests.fakes.kubernetes import FakeKubernetes
 from tests.helpers.config import INSTALLATION
+from tests.helpers.histories import record_history
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
 from tests.helpers.stacks import ProviderStack, StackFactory
@@ -135,3 +136,4 @@ async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
         result = await handle.result()
         assert result["state"] == "Terminated", result
     assert leftover_pods(provider) == []
+    await record_history(handles[0], "provider_outage_waited_out")

@@ -103,7 +103,7 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
     worker = worker_process(config, task_queue, env)
 
     # A max-lifetime rotation, then a terminate while the new instance is monitored.
-    rotated = await start_proxy(client, task_queue, "local", origin_port, max_lifetime_seconds=5)
+    rotated = await start_proxy(client, task_queue, "local", origin_port, max_lifetime_seconds=10)
     await wait_status(
         rotated, lambda s: s.state == "Ready" and s.generation == 1, "a rotation", deadline=120
     )
