@@ -330,18 +330,8 @@ class ProxyLifecycle:
         the attempts so far and when the instance will be written off.
         """
         what = f"first probe of {ref.endpoint} via {inp.health.target}"
-        if not self._patched():
-            return await self._provider_call(
-                ProviderActivities.wait_healthy,
-                ProbeInput(
-                    ref,
-                    inp.health.target,
-                    timeout_seconds=inp.health.timeout_seconds,
-                    deadline_seconds=FIRST_PROBE_DEADLINE.total_seconds(),
-                ),
-                policies.WAIT_HEALTHY,
-                what,
-            )
+        # Histories from before CLEAN_STOP_PATCH waited in one call, to the deadline.
+        reports = self._patched()
         deadline = workflow.now() + FIRST_PROBE_DEADLINE
         report_after = FIRST_PROBE_FIRST_REPORT
         attempts = 0
@@ -355,11 +345,13 @@ class ProxyLifecycle:
                         inp.health.target,
                         timeout_seconds=inp.health.timeout_seconds,
                         deadline_seconds=left.total_seconds(),
-                        report_after_seconds=report_after.total_seconds(),
+                        report_after_seconds=report_after.total_seconds() if reports else None,
                     ),
                     policies.WAIT_HEALTHY,
                     what,
                 )
+                if not reports:
+                    return probe
                 attempts += probe.attempts or 1
                 probe = replace(probe, attempts=attempts)
                 # The activity returns a failure early only while time is left.

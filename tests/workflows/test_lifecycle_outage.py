@@ -14,17 +14,14 @@ at wall-clock pace (tests/helpers/time_skipping.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from datetime import timedelta
 
-import kubernetes
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from providers.kubernetes import KubernetesConfig, KubernetesProvider
+from providers.kubernetes import KubernetesProvider
 from providers.naming import instance_name
 from tests.fakes.kubernetes import FakeKubernetes
-from tests.helpers.config import INSTALLATION
 from tests.helpers.histories import record_history
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
@@ -32,12 +29,14 @@ from tests.helpers.stacks import ProviderStack, StackFactory
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import status_of, wait_for, wait_status
-from tests.workflows.test_lifecycle_kubernetes import (
+from tests.workflows.test_lifecycle_kubernetes import (  # noqa: F401 (fake, provider: fixtures)
     NAMESPACE,
     PROVIDER,
     Kubelet,
     cluster_config,
+    fake,
     leftover_pods,
+    provider,
 )
 
 pytestmark = [pytest.mark.slow, requires_squid]
@@ -49,26 +48,11 @@ STEP = timedelta(minutes=30)
 VERBS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeKubernetes]:
-    with FakeKubernetes(namespaces=(NAMESPACE,)) as server:
-        yield server
-
-
-@pytest.fixture
-def provider(fake: FakeKubernetes, tls_origin: TlsOrigin) -> KubernetesProvider:
-    settings = cluster_config(tls_origin.port).provider(PROVIDER).settings
-    assert isinstance(settings, KubernetesConfig)
-    configuration = fake.configuration()
-    configuration.retries = 0
-    return KubernetesProvider(settings, kubernetes.client.ApiClient(configuration), INSTALLATION)
-
-
 async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
     time_skipping_env: WorkflowEnvironment,
     provider_stack_on: StackFactory,
-    provider: KubernetesProvider,
-    fake: FakeKubernetes,
+    provider: KubernetesProvider,  # noqa: F811
+    fake: FakeKubernetes,  # noqa: F811
     squid_upstreams: SquidUpstreams,
     tls_origin: TlsOrigin,
 ) -> None:
