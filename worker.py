@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(config: Config, args: argparse.Namespace) -> int:
     providers = build_providers(config)
-    health = _Health()
+    health = Health()
     runtime = _runtime_with_metrics(args.metrics_address, health)
     client = await connect(runtime)
     await ensure_search_attributes(client)
@@ -203,7 +203,9 @@ async def connect(runtime: Runtime | None = None) -> Client:
 # ---- metrics and health ---------------------------------------------------------------
 
 
-class _Health:
+class Health:
+    """Whether /healthz answers 200: set once the process serves."""
+
     ready = False
 
 
@@ -235,7 +237,7 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _runtime_with_metrics(address: str, health: _Health) -> Runtime | None:
+def _runtime_with_metrics(address: str, health: Health) -> Runtime | None:
     if not address:
         return None
     sdk_address = f"127.0.0.1:{_free_port()}"
@@ -245,6 +247,15 @@ def _runtime_with_metrics(address: str, health: _Health) -> Runtime | None:
         )
     )
     REGISTRY.register(_SdkMetrics(f"http://{sdk_address}/metrics"))
+    serve_metrics(address, health)
+    return runtime
+
+
+def serve_metrics(address: str, health: Health) -> None:
+    """Serve the default registry on /metrics and `health` on /healthz, in a thread.
+
+    The gateway serves its own series the same way.
+    """
     metrics_app = make_wsgi_app(REGISTRY)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -260,7 +271,6 @@ def _runtime_with_metrics(address: str, health: _Health) -> Runtime | None:
     )
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("serving /metrics and /healthz on %s", address)
-    return runtime
 
 
 def _free_port() -> int:

@@ -21,8 +21,8 @@ import pytest
 from gateway.squids import GatewayError, GatewaySquids
 from providers.base import CreateRequest
 from providers.config import Config
-from providers.local import LocalConfig, LocalProvider
-from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
+from providers.local import LocalProvider
+from providers.naming import owner_tags
 from providers.squid import GatewayMember
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import free_port
@@ -40,7 +40,7 @@ class Members:
 
     def __init__(self, state_dir: Path, config: Config) -> None:
         self.state_dir = state_dir
-        self.provider = LocalProvider(LocalConfig(state_dir=str(state_dir)))
+        self.provider = LocalProvider.from_config(config.providers[0], config)
         self.config = config
         self.by_member: dict[str, GatewayMember] = {}
         self.names: dict[str, str] = {}
@@ -51,7 +51,7 @@ class Members:
             CreateRequest(
                 name=name,
                 proxy=self.config.proxy_settings(),
-                tags={MANAGED_BY_KEY: MANAGED_BY_VALUE},
+                tags=owner_tags(self.config.installation, f"{POOL}/{n}", 0),
             )
         )
         member = GatewayMember(f"{POOL}/{n}", instance.ip, instance.port)
@@ -60,12 +60,12 @@ class Members:
         return member
 
     def tunnels(self) -> collections.Counter[str]:
-        """CONNECTs each member carried, from its own access log."""
+        """Tunnels each member carried, from its own access log."""
         counts: collections.Counter[str] = collections.Counter()
         for member, name in self.names.items():
             log = self.state_dir / name / "access.log"
             if log.exists():
-                counts[member] = sum(" CONNECT " in line for line in log.read_text().splitlines())
+                counts[member] = log.read_text().count("TCP_TUNNEL/200")
         return +counts  # members that carried nothing are left out
 
     def kill(self, member: str) -> None:

@@ -1,0 +1,257 @@
+"""proxy-operator-gateway: one stable proxy endpoint over a ProxyPool.
+
+    proxy-operator-gateway --pool web --listen 0.0.0.0:8888 --providers-config providers.yaml
+
+Clients authenticate with the proxies' username and password (from the same
+providers config and PROXY_PASSWORD as the worker) and pick a member by
+username: `USER` rotates per CONNECT, `USER-session-<key>` sticks to one
+member per key, `USER-proxy-<member>` pins one member. The members are the
+pool's `endpoints`, followed by polling; Temporal is reached with the
+worker's connection settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API
+key, profiles). The gateway holds no state: run as many as you like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from temporalio.client import WorkflowQueryFailedError
+
+from gateway import membership, metrics
+from gateway.squids import GatewayError, GatewaySquids
+from providers.config import ConfigError, load_config
+from providers.squid import GatewayMember, ProxySettings
+from worker import Health, connect, serve_metrics
+
+DEFAULT_LISTEN = "0.0.0.0:8888"
+DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"
+DEFAULT_POLL_SECONDS = 2.0
+DEFAULT_DEBOUNCE_SECONDS = 1.0
+SUPERVISE_SECONDS = 1.0
+
+log = logging.getLogger("proxy_operator.gateway")
+
+
+class UsageError(Exception):
+    """A bad flag or environment value, named."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="proxy-operator-gateway", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--pool", default=env("PROXY_OPERATOR_GATEWAY_POOL"), help="the ProxyPool's workflow id"
+    )
+    parser.add_argument(
+        "--listen",
+        default=env("PROXY_OPERATOR_GATEWAY_LISTEN", DEFAULT_LISTEN),
+        help="host:port clients connect to (default %(default)s)",
+    )
+    parser.add_argument(
+        "--providers-config",
+        default=env("PROXY_OPERATOR_CONFIG"),
+        help="the worker's providers YAML: credentials, access rules (env PROXY_OPERATOR_CONFIG)",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default=env("PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
+        help="host:port for /metrics and /healthz; empty turns it off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=env("PROXY_OPERATOR_GATEWAY_STATE_DIR"),
+        help="where the Squids' configs and logs go (default: a private temporary directory)",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_SECONDS,
+        help="seconds between endpoints queries (default %(default)s)",
+    )
+    parser.add_argument(
+        "--debounce",
+        type=float,
+        default=DEFAULT_DEBOUNCE_SECONDS,
+        help="seconds a membership change must hold still before a reload (default %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    parsed = membership.split_endpoint(value)
+    if parsed is None:
+        raise UsageError(f"--listen: {value!r} is not host:port (e.g. 0.0.0.0:8888)")
+    return parsed
+
+
+def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
+    """The pool id and listen address, or UsageError naming what is wrong."""
+    problems = []
+    if not args.pool:
+        problems.append("--pool (or PROXY_OPERATOR_GATEWAY_POOL) is required")
+    if not args.providers_config:
+        problems.append("--providers-config (or PROXY_OPERATOR_CONFIG) is required")
+    for flag, value in (("--poll-interval", args.poll_interval), ("--debounce", args.debounce)):
+        if not 0 < value <= 3600:
+            problems.append(f"{flag}: {value} is not between 0 and 3600 seconds")
+    try:
+        listen = listen_address(args.listen)
+    except UsageError as err:
+        problems.append(str(err))
+        listen = ("", 0)
+    if problems:
+        raise UsageError("; ".join(problems))
+    return args.pool, listen
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = parse_args(argv)
+    try:
+        pool, listen = checked(args)
+        config = load_config(args.providers_config)
+    except (UsageError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, pool, listen, config.proxy_settings()))
+    except membership.PoolNotFound as err:
+        print(f"error: --pool: {err}", file=sys.stderr)
+        return 2
+    except GatewayError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def serve(
+    args: argparse.Namespace,
+    pool: str,
+    listen: tuple[str, int],
+    settings: ProxySettings,
+) -> int:
+    client = await connect()
+
+    async def fetch() -> list[GatewayMember]:
+        try:
+            return await membership.query_members(client, pool)
+        except WorkflowQueryFailedError as err:
+            raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
+
+    members = await fetch()
+    private = args.state_dir is None
+    state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
+    squids = GatewaySquids(settings, state_dir / "squids", listen)
+    names = metrics.MemberNames()
+    for member in members:
+        names.add(member.member)
+    follower = metrics.LogFollower()
+    try:
+        await asyncio.to_thread(squids.start, members)
+        follower.follow(squids.front.access_log, metrics.count_front_line)
+        for back in squids.backs:
+            follower.follow(back.access_log, lambda line: metrics.count_back_line(line, names))
+        follower.start()
+        metrics.MEMBERS.set(len(members))
+        health = Health()
+        if args.metrics_address:
+            serve_metrics(args.metrics_address, health)
+        health.ready = True
+        log.info(
+            "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
+        )
+        return await _run(args, squids, names, fetch, members)
+    finally:
+        await asyncio.to_thread(squids.stop)
+        follower.stop()
+        if private:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+async def _run(
+    args: argparse.Namespace,
+    squids: GatewaySquids,
+    names: metrics.MemberNames,
+    fetch: membership.Fetch,
+    members: Sequence[GatewayMember],
+) -> int:
+    async def apply(new: Sequence[GatewayMember]) -> None:
+        for member in new:
+            names.add(member.member)
+        try:
+            await asyncio.to_thread(squids.apply, new)
+        except GatewayError as err:
+            metrics.RELOADS.labels(outcome="failed").inc()
+            log.error("reload failed, keeping the previous members: %s", err)
+            return
+        metrics.RELOADS.labels(outcome="ok").inc()
+        metrics.MEMBERS.set(len(new))
+        log.info("members now: %s", ", ".join(m.member for m in new) or "none")
+
+    def on_error(err: BaseException) -> None:
+        metrics.MEMBERSHIP_ERRORS.inc()
+        log.warning("endpoints query failed, keeping %d members: %s", len(squids.members), err)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    following = asyncio.create_task(
+        membership.follow(
+            fetch,
+            apply,
+            members,
+            poll_seconds=args.poll_interval,
+            debounce_seconds=args.debounce,
+            on_error=on_error,
+        )
+    )
+    try:
+        while not stop.is_set():
+            if not squids.running():
+                log.error("a Squid of the gateway exited; stopping")
+                return 1
+            if following.done():
+                following.result()  # raises what ended it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SUPERVISE_SECONDS)
+        log.info("stopping")
+        return 0
+    finally:
+        following.cancel()
+
+
+def _private_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="proxy-operator-gateway-"))
+    path.chmod(0o755)  # Squid's user must reach its own directories below
+    return path
+
+
+def run() -> NoReturn:
+    """The console entry point (see worker.run for why it leaves with os._exit)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run()

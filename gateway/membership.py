@@ -1,0 +1,107 @@
+"""Which members the gateway forwards to: the pool's `endpoints` query, followed.
+
+The pool lists its Ready members only, and takes a member out before its
+instance is deleted (the drain); the gateway polls, and reloads its backs
+once a change has held still for the debounce time, so a rolling rotation
+that changes members one after another costs a few reloads, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+
+from providers.squid import GatewayMember
+
+log = logging.getLogger("proxy_operator.gateway")
+
+ENDPOINTS_QUERY = "endpoints"
+# A membership that keeps changing is applied after this many debounce waits
+# anyway, so a long rolling rotation does not starve the gateway of reloads.
+MAX_DEBOUNCE_ROUNDS = 5
+
+
+Fetch = Callable[[], Awaitable[list[GatewayMember]]]
+
+
+class PoolNotFound(Exception):
+    """The pool id names no workflow (or one that cannot answer the endpoints query)."""
+
+
+def parse_endpoints(raw: Any) -> list[GatewayMember]:
+    """The pool's `endpoints` answer as members; entries that are not one are skipped, said so."""
+    entries = raw.get("endpoints", raw) if isinstance(raw, dict) else raw
+    if not isinstance(entries, list):
+        raise ValueError(f"endpoints query answered {type(raw).__name__}, not a list")
+    members = []
+    for entry in entries:
+        member = entry.get("member") if isinstance(entry, dict) else None
+        endpoint = entry.get("endpoint") if isinstance(entry, dict) else None
+        parsed = split_endpoint(endpoint) if isinstance(endpoint, str) else None
+        if not isinstance(member, str) or not member or parsed is None:
+            log.warning("ignoring endpoints entry %r: needs a member id and host:port", entry)
+            continue
+        members.append(GatewayMember(member, *parsed))
+    return sorted(set(members), key=lambda m: m.member)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """`host:port` or `[v6]:port` as (host, port); None if it is neither."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() for c in host):
+        return None
+    return host, int(port)
+
+
+async def query_members(client: Client, pool: str) -> list[GatewayMember]:
+    """One `endpoints` query; PoolNotFound if the pool does not exist."""
+    try:
+        raw = await client.get_workflow_handle(pool).query(ENDPOINTS_QUERY)
+    except RPCError as err:
+        if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+            raise PoolNotFound(f"pool {pool!r}: {err.message}") from err
+        raise
+    return parse_endpoints(raw)
+
+
+async def follow(
+    fetch: Fetch,
+    apply: Callable[[Sequence[GatewayMember]], Awaitable[None]],
+    current: Sequence[GatewayMember],
+    *,
+    poll_seconds: float,
+    debounce_seconds: float,
+    on_error: Callable[[BaseException], None],
+) -> None:
+    """Poll `fetch` forever; `apply` a new membership once it held still for the debounce.
+
+    A failed poll keeps the members the gateway has: a pool that cannot be
+    asked for a moment has not lost them.
+    """
+    applied = set(current)
+    while True:
+        await asyncio.sleep(poll_seconds)
+        try:
+            members = await fetch()
+            if set(members) == applied:
+                continue
+            for _ in range(MAX_DEBOUNCE_ROUNDS):  # wait for the change to stop changing
+                await asyncio.sleep(debounce_seconds)
+                again = await fetch()
+                if set(again) == set(members):
+                    break
+                members = again
+        except (RPCError, PoolNotFound, ValueError) as err:
+            on_error(err)
+            continue
+        await apply(members)
+        applied = set(members)

@@ -1,0 +1,120 @@
+"""The gateway's Prometheus series, read from its Squids' access logs.
+
+The Squids log every request in `providers.squid.GATEWAY_LOG_FORMAT`:
+
+    <time> <ms> <status> <squid status>/<hierarchy> <peer name> <peer ip> <peer port> <method> <url>
+
+The backs' lines say which member carried a request (the peer name, mapped
+back to the member id), the front's what the client was answered. Lines are
+read as Squid writes them, by a thread that follows each file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge
+
+from providers.squid import Route, peer_name
+
+REQUESTS = Counter(
+    "proxy_operator_gateway_requests",
+    "CONNECTs a pool member carried, by member, route (rotate, session, pin) and status",
+    ["member", "route", "status"],
+)
+RESPONSES = Counter(
+    "proxy_operator_gateway_responses",
+    "What clients were answered, by status (200, 403, 407, 5xx)",
+    ["status"],
+)
+FAILURES = Counter(
+    "proxy_operator_gateway_failures",
+    "Client requests the gateway could not carry: answered 5xx, or no answer at all",
+    ["status"],
+)
+RELOADS = Counter(
+    "proxy_operator_gateway_reloads",
+    "Membership changes applied to the back Squids, by outcome",
+    ["outcome"],
+)
+MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation")
+MEMBERSHIP_ERRORS = Counter(
+    "proxy_operator_gateway_membership_errors",
+    "Polls of the pool's endpoints query that failed (the members in rotation stay)",
+)
+
+POLL_SECONDS = 0.2
+
+
+class MemberNames:
+    """Peer names back to member ids, for every member the gateway has ever had."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, tuple[str, Route]] = {}
+
+    def add(self, member: str) -> None:
+        for route in Route:
+            self._members[peer_name(member, route)] = (member, route)
+
+    def get(self, name: str) -> tuple[str, str]:
+        member, route = self._members.get(name, ("", ""))
+        return member, str(route)
+
+
+def count_back_line(line: str, names: MemberNames) -> None:
+    fields = line.split()
+    if len(fields) < 5 or fields[4] == "-":
+        return
+    member, route = names.get(fields[4])
+    REQUESTS.labels(member=member, route=route, status=fields[2]).inc()
+
+
+def count_front_line(line: str) -> None:
+    fields = line.split()
+    if len(fields) < 3:
+        return
+    status = fields[2]
+    RESPONSES.labels(status=status).inc()
+    if status == "000" or status.startswith("5"):
+        FAILURES.labels(status=status).inc()
+
+
+class LogFollower:
+    """Follows access logs as Squid appends to them; `stop` ends the thread."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._files: list[tuple[Path, Callable[[str], None]]] = []
+        self._thread = threading.Thread(target=self._run, name="access-logs", daemon=True)
+
+    def follow(self, path: Path, handle: Callable[[str], None]) -> None:
+        self._files.append((path, handle))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        offsets = dict.fromkeys((path for path, _ in self._files), 0)
+        partial = dict.fromkeys(offsets, "")
+        while True:
+            stopping = self._stop.is_set()
+            for path, handle in self._files:
+                with contextlib.suppress(FileNotFoundError):
+                    with path.open(errors="replace") as log:
+                        log.seek(offsets[path])
+                        text = partial[path] + log.read()
+                        offsets[path] = log.tell()
+                    *lines, partial[path] = text.split("\n")
+                    for line in lines:
+                        handle(line)
+            if stopping:
+                return
+            self._stop.wait(POLL_SECONDS)
