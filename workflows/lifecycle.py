@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeUpdate
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
@@ -42,11 +42,14 @@ with workflow.unsafe.imports_passed_through():
         ENDPOINT,
         INSTANCES,
         KEYWORDS,
+        MEMBER_CHANGED_SIGNAL,
         PERMANENT_DELETE_RETRY_DELAY,
         PROVIDER,
         PROXY_LIFECYCLE,
         QUOTA_RETRY_DELAY,
+        ROTATE_SIGNAL,
         STATE,
+        TERMINATE_SIGNAL,
         ErrorType,
         ProxyState,
     )
@@ -54,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
     from workflows.inputs import ProxyInput, parse_input
+    from workflows.membership import MemberReport
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -101,6 +105,8 @@ class CarriedState:
     # Whether status.waiting_for is a quota wait, which the next successful
     # provider call ends.
     waiting_for_quota: bool = False
+    # A `rotate` signal not yet carried out.
+    rotate_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,12 @@ class ProxyLifecycle:
         self._pending_name: str | None = None
         self._waiting_for_quota = False
         self._published: tuple[dict[str, str], list[str]] = ({}, [])
+        self._rotate_reason: str | None = None
+        # What the pool (if this is a pool member) was last told, and the
+        # signals telling it that are still in flight.
+        self._reported: tuple[str, str, int, str | None] | None = None
+        self._reports: list[asyncio.Task[None]] = []
+        self._report_seq = 0
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -171,12 +183,13 @@ class ProxyLifecycle:
             await self._cleanup()
             self._show_instance(None)
             self._set_state(ProxyState.FAILED)
+            await self._pool_told()
             raise ApplicationError(
                 reason, type=failures.ending_type(err), non_retryable=True
             ) from err
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
-    @workflow.signal(name="terminate")
+    @workflow.signal(name=TERMINATE_SIGNAL)
     def terminate(self, request: Any = None) -> None:
         """Delete the instance, wait until it is gone, complete.
 
@@ -185,6 +198,16 @@ class ProxyLifecycle:
         reason = request.get("reason") if isinstance(request, dict) else request
         self._terminate_reason = str(reason) if reason else "terminate signal"
         self._status.terminate_reason = self._terminate_reason
+
+    @workflow.signal(name=ROTATE_SIGNAL)
+    def rotate(self, request: Any = None) -> None:
+        """Replace the instance make-before-break now, as max lifetime does.
+
+        Input optional: `{"reason": "..."}`, or just the reason as a string.
+        Rotates sent while a rotation is under way are absorbed by it.
+        """
+        reason = request.get("reason") if isinstance(request, dict) else request
+        self._rotate_reason = str(reason) if reason else "rotate signal"
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:
@@ -253,6 +276,7 @@ class ProxyLifecycle:
             self._current = ref
             self._ready_at = workflow.now().isoformat()
             self._status.ready_since = self._ready_at
+            self._rotate_reason = None  # a new instance is what a rotate asks for
             self._set_state(ProxyState.READY)
             return
 
@@ -346,7 +370,7 @@ class ProxyLifecycle:
         return ref
 
     async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
-        """Run the monitor; None means the instance reached its max lifetime."""
+        """Run the monitor; None means rotate now: max lifetime reached, or a `rotate` signal."""
         ref = self._current
         assert ref is not None
         handle = workflow.start_activity_method(
@@ -365,14 +389,25 @@ class ProxyLifecycle:
             retry_policy=policies.TRANSIENT_RETRY,
         )
         lifetime_left = self._lifetime_left(inp)
-        if lifetime_left is not None:
-            try:
-                await workflow.wait_condition(
-                    handle.done, timeout=lifetime_left, timeout_summary="max lifetime reached"
-                )
-            except TimeoutError:
+        try:
+            # Without a lifetime this sets no timer, as before rotate existed.
+            await workflow.wait_condition(
+                lambda: handle.done() or self._rotate_reason is not None,
+                timeout=lifetime_left,
+                timeout_summary="max lifetime reached",
+            )
+        except TimeoutError:
+            handle.cancel()
+            return None
+        except asyncio.CancelledError:
+            # Terminate or cancel. Without a lifetime the monitor used to be
+            # awaited directly, which cancelled it here: kept, for replay.
+            if lifetime_left is None:
                 handle.cancel()
-                return None
+            raise
+        if not handle.done():  # a rotate signal
+            handle.cancel()
+            return None
         outcome: MonitorOutcome = await handle
         self._status.last_probe = outcome.last_probe
         return outcome
@@ -392,6 +427,7 @@ class ProxyLifecycle:
         self._ready_at = workflow.now().isoformat()
         self._status.ready_since = self._ready_at
         self._status.replacements += 1
+        self._rotate_reason = None
         self._set_state(ProxyState.READY)
         await self._delete_and_wait(old)
 
@@ -494,6 +530,7 @@ class ProxyLifecycle:
         self._current = None
         self._show_instance(None)
         self._set_state(ProxyState.TERMINATED)
+        await self._pool_told()
 
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
@@ -522,6 +559,7 @@ class ProxyLifecycle:
             next_generation=self._next_generation,
             terminate_reason=self._terminate_reason,
             waiting_for_quota=self._waiting_for_quota,
+            rotate_reason=self._rotate_reason,
         )
         assert self._input is not None
         workflow.continue_as_new(
@@ -536,6 +574,7 @@ class ProxyLifecycle:
         self._next_generation = carried.next_generation
         self._terminate_reason = carried.terminate_reason
         self._waiting_for_quota = carried.waiting_for_quota
+        self._rotate_reason = carried.rotate_reason
         for ref in carried.owned:
             if ref != carried.current:
                 self._retire(ref)
@@ -599,3 +638,47 @@ class ProxyLifecycle:
         if status.last_error:
             lines.append(f"last error: {status.last_error}")
         workflow.set_current_details("\n\n".join(lines))
+        self._tell_pool()
+
+    # ---- the pool, when this proxy is a pool member ---------------------------------
+
+    def _tell_pool(self) -> None:
+        """Signal the parent pool when state, endpoint or generation changed.
+
+        Only a child workflow has a parent; a standalone proxy issues no command
+        here. The signal goes by workflow id alone, so it reaches the pool's
+        current run after the pool continued as new.
+        """
+        parent = workflow.info().parent
+        status = self._status
+        now = (status.state, status.endpoint, status.generation, status.ready_since)
+        if parent is None or now == self._reported:
+            return
+        self._reported = now
+        report = MemberReport(
+            member=workflow.info().workflow_id,
+            state=status.state,
+            endpoint=status.endpoint if status.state == ProxyState.READY else "",
+            provider=status.provider,
+            generation=status.generation,
+            ready_since=status.ready_since,
+            at=workflow.now().isoformat(),
+            seq=self._report_seq,
+            last_error=status.last_error,
+        )
+        self._report_seq += 1
+        pool = workflow.get_external_workflow_handle(parent.workflow_id)
+        self._reports = [task for task in self._reports if not task.done()]
+        self._reports.append(asyncio.create_task(self._send_report(pool, report)))
+
+    @staticmethod
+    async def _send_report(
+        pool: workflow.ExternalWorkflowHandle[Any], report: MemberReport
+    ) -> None:
+        # A pool that is gone (hard-terminated) cannot be told; OrphanGC ends its members.
+        with contextlib.suppress(FailureError):
+            await pool.signal(MEMBER_CHANGED_SIGNAL, report)
+
+    async def _pool_told(self) -> None:
+        """Before the workflow closes: a closed workflow's pending signals are never sent."""
+        await asyncio.gather(*self._reports)
