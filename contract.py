@@ -19,6 +19,14 @@ TASK_QUEUE = "proxy-operator"
 # Workflow type names, as `temporal workflow start --type` spells them.
 PROXY_LIFECYCLE = "ProxyLifecycle"
 ORPHAN_GC = "OrphanGC"
+PROXY_POOL = "ProxyPool"
+
+# Signals, as `temporal workflow signal --name` spells them. A ProxyLifecycle
+# takes `terminate` and `rotate`; a ProxyPool takes `terminate`, and
+# `member_changed` from its own members.
+TERMINATE_SIGNAL = "terminate"
+ROTATE_SIGNAL = "rotate"
+MEMBER_CHANGED_SIGNAL = "member_changed"
 
 # The Temporal Schedule every worker keeps running OrphanGC.
 ORPHAN_GC_SCHEDULE_ID = "proxy-operator-orphan-gc"
@@ -31,7 +39,10 @@ ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
 # instance only while its owner lists it here.
 INSTANCES = SearchAttributeKey.for_keyword_list("ProxyInstances")
 KEYWORDS = (STATE, PROVIDER, ENDPOINT)
-SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES)
+# The pool a ProxyLifecycle belongs to, set when the pool starts it; a
+# ProxyPool sets it to its own id, so `ProxyPool='web'` lists pool and members.
+POOL = SearchAttributeKey.for_keyword("ProxyPool")
+SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES, POOL)
 
 
 class ProxyState(StrEnum):
@@ -44,6 +55,16 @@ class ProxyState(StrEnum):
     TERMINATING = "Terminating"
     TERMINATED = "Terminated"
     FAILED = "Failed"
+
+
+class PoolState(StrEnum):
+    """A pool's state: its `status.state` and its ProxyState search attribute."""
+
+    SCALING = "Scaling"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    TERMINATING = "Terminating"
+    TERMINATED = "Terminated"
 
 
 class ErrorType(StrEnum):

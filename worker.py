@@ -36,6 +36,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
 from activities.gc import GcActivities
+from activities.pool import PoolActivities
 from activities.provider import ProviderActivities
 from contract import ORPHAN_GC_SCHEDULE_ID, TASK_QUEUE
 from providers.config import Config, ConfigError, load_config
@@ -45,6 +46,7 @@ from startup.search_attributes import SearchAttributesMissing, ensure_search_att
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.payloads import with_input_payload_converter
+from workflows.pool import ProxyPool
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
 DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
@@ -166,6 +168,7 @@ def build_worker(
     """The one place that says which workflows and activities a worker serves.
 
     OrphanGC is served when its activities are given, as every real worker does.
+    ProxyPool always is: its one activity needs only the Temporal client.
     """
     gc_activities: list[Callable[..., Any]] = (
         [] if gc is None else [gc.providers, gc.survey, gc.confirm, gc.record_deleted]
@@ -174,7 +177,7 @@ def build_worker(
         # Undecodable start arguments fail the workflow instead of wedging it.
         with_input_payload_converter(client),
         task_queue=task_queue,
-        workflows=[ProxyLifecycle] if gc is None else [ProxyLifecycle, OrphanGC],
+        workflows=[ProxyLifecycle, ProxyPool] + ([] if gc is None else [OrphanGC]),
         activities=[
             activities.validate_target,
             activities.create_instance,
@@ -183,6 +186,7 @@ def build_worker(
             activities.monitor,
             activities.delete_instance,
             activities.wait_gone,
+            PoolActivities(client).closed_members,
             *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,

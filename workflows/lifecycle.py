@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeUpdate
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
@@ -44,11 +44,14 @@ with workflow.unsafe.imports_passed_through():
         ENDPOINT,
         INSTANCES,
         KEYWORDS,
+        MEMBER_CHANGED_SIGNAL,
         PERMANENT_DELETE_RETRY_DELAY,
         PROVIDER,
         PROXY_LIFECYCLE,
         QUOTA_RETRY_DELAY,
+        ROTATE_SIGNAL,
         STATE,
+        TERMINATE_SIGNAL,
         ErrorType,
         ProxyState,
     )
@@ -56,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
     from workflows.inputs import ProxyInput, continued_state, parse_input
+    from workflows.membership import MemberReport
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -131,6 +135,8 @@ class CarriedState:
     # The installation instance names are hashed with; None for a lifecycle
     # started before that, which keeps the old names (providers/naming.py).
     installation: str | None = None
+    # A `rotate` signal not yet carried out.
+    rotate_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,12 @@ class ProxyLifecycle:
         # the validation's local-activity marker, does not replay (Core reports
         # "patch marker encountered ... no corresponding change command").
         self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
+        self._rotate_reason: str | None = None
+        # What the pool (if this is a pool member) was last told, and the
+        # signals telling it that are still in flight.
+        self._reported: tuple[str, str, int, str | None] | None = None
+        self._reports: list[asyncio.Task[None]] = []
+        self._report_seq = 0
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -213,12 +225,13 @@ class ProxyLifecycle:
             await self._cleanup()
             self._show_instance(None)
             self._set_state(ProxyState.FAILED)
+            await self._pool_told()
             raise ApplicationError(
                 reason, type=failures.ending_type(err), non_retryable=True
             ) from err
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
-    @workflow.signal(name="terminate")
+    @workflow.signal(name=TERMINATE_SIGNAL)
     def terminate(self, request: Any = None) -> None:
         """Delete the instance, wait until it is gone, complete.
 
@@ -227,6 +240,16 @@ class ProxyLifecycle:
         reason = request.get("reason") if isinstance(request, dict) else request
         self._terminate_reason = str(reason) if reason else "terminate signal"
         self._status.terminate_reason = self._terminate_reason
+
+    @workflow.signal(name=ROTATE_SIGNAL)
+    def rotate(self, request: Any = None) -> None:
+        """Replace the instance make-before-break now, as max lifetime does.
+
+        Input optional: `{"reason": "..."}`, or just the reason as a string.
+        Rotates sent while a rotation is under way are absorbed by it.
+        """
+        reason = request.get("reason") if isinstance(request, dict) else request
+        self._rotate_reason = str(reason) if reason else "rotate signal"
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:
@@ -321,6 +344,7 @@ class ProxyLifecycle:
             self._current = ref
             self._ready_at = workflow.now().isoformat()
             self._status.ready_since = self._ready_at
+            self._rotate_reason = None  # a new instance is what a rotate asks for
             self._set_state(ProxyState.READY)
             return
 
@@ -460,7 +484,7 @@ class ProxyLifecycle:
         return ref
 
     async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
-        """Run the monitor; None means the instance reached its max lifetime."""
+        """Run the monitor; None means rotate now: max lifetime reached, or a `rotate` signal."""
         await self._settle_retired_monitor()
         ref = self._current
         assert ref is not None
@@ -480,6 +504,10 @@ class ProxyLifecycle:
             retry_policy=policies.TRANSIENT_RETRY,
             cancellation_type=self._cancellation(),
         )
+
+        def wake() -> bool:
+            return handle.done() or self._rotate_reason is not None
+
         while True:
             deadlines = [
                 (left, summary)
@@ -490,22 +518,23 @@ class ProxyLifecycle:
                 if left is not None
             ]
             if not deadlines:
+                await self._wait_untimed(handle, wake)
+            else:
+                timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
+                try:
+                    await workflow.wait_condition(wake, timeout=timeout, timeout_summary=summary)
+                except TimeoutError:
+                    if summary == STABLE_SUMMARY:
+                        # Status says now that the crash budget is whole again.
+                        self._forgive_if_stable()
+                        self._publish()
+                        continue
+                    self._rotate_now(handle)
+                    return None
+            if handle.done():
                 break
-            timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
-            try:
-                await workflow.wait_condition(handle.done, timeout=timeout, timeout_summary=summary)
-                break
-            except TimeoutError:
-                if summary == STABLE_SUMMARY:
-                    # Status says now that the crash budget is whole again.
-                    self._forgive_if_stable()
-                    self._publish()
-                    continue
-                # Make before break: the old monitor ends once its instance
-                # is deleted, and is awaited then (_settle_retired_monitor).
-                handle.cancel()
-                self._retired_monitor = handle
-                return None
+            self._rotate_now(handle)  # a rotate signal
+            return None
         outcome: MonitorOutcome = await handle
         self._raise_if_stopping()
         self._status.last_probe = outcome.last_probe
@@ -525,9 +554,30 @@ class ProxyLifecycle:
         self._current = new
         self._ready_at = workflow.now().isoformat()
         self._status.ready_since = self._ready_at
+        self._rotate_reason = None
         self._set_state(ProxyState.READY)
         await self._delete_and_wait(old)
         await self._settle_retired_monitor()
+
+    async def _wait_untimed(self, handle: ActivityHandle[MonitorOutcome], wake: Any) -> None:
+        """Wait for the monitor or a rotate signal, with no timer.
+
+        Before `rotate`, this wait was on the monitor itself, so a terminate
+        cancelled the monitor here; still done, so recorded histories replay.
+        """
+        try:
+            await workflow.wait_condition(wake)
+        except asyncio.CancelledError:
+            handle.cancel()
+            with contextlib.suppress(ActivityError, asyncio.CancelledError):
+                await handle
+            raise
+
+    def _rotate_now(self, handle: ActivityHandle[MonitorOutcome]) -> None:
+        """Make before break: the old monitor ends once its instance is deleted,
+        and is awaited then (_settle_retired_monitor)."""
+        handle.cancel()
+        self._retired_monitor = handle
 
     async def _settle_retired_monitor(self) -> None:
         """Await a monitor cancelled for a rotation, so its ending is retrieved.
@@ -719,6 +769,7 @@ class ProxyLifecycle:
         self._current = None
         self._show_instance(None)
         self._set_state(ProxyState.TERMINATED)
+        await self._pool_told()
 
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
@@ -755,6 +806,7 @@ class ProxyLifecycle:
             next_generation=self._next_generation,
             terminate_reason=self._terminate_reason,
             installation=self._installation,
+            rotate_reason=self._rotate_reason,
         )
         assert self._input is not None
         workflow.continue_as_new(
@@ -771,6 +823,7 @@ class ProxyLifecycle:
         self._next_generation = carried.next_generation
         self._terminate_reason = carried.terminate_reason
         self._installation = carried.installation
+        self._rotate_reason = carried.rotate_reason
         for ref in carried.owned:
             if ref != carried.current:
                 self._retire(ref)
@@ -870,3 +923,47 @@ class ProxyLifecycle:
         if status.last_error:
             lines.append(f"last error ({status.last_error_at or '?'}): {status.last_error}")
         workflow.set_current_details("\n\n".join(lines))
+        self._tell_pool()
+
+    # ---- the pool, when this proxy is a pool member ---------------------------------
+
+    def _tell_pool(self) -> None:
+        """Signal the parent pool when state, endpoint or generation changed.
+
+        Only a child workflow has a parent; a standalone proxy issues no command
+        here. The signal goes by workflow id alone, so it reaches the pool's
+        current run after the pool continued as new.
+        """
+        parent = workflow.info().parent
+        status = self._status
+        now = (status.state, status.endpoint, status.generation, status.ready_since)
+        if parent is None or now == self._reported:
+            return
+        self._reported = now
+        report = MemberReport(
+            member=workflow.info().workflow_id,
+            state=status.state,
+            endpoint=status.endpoint if status.state == ProxyState.READY else "",
+            provider=status.provider,
+            generation=status.generation,
+            ready_since=status.ready_since,
+            at=workflow.now().isoformat(),
+            seq=self._report_seq,
+            last_error=status.last_error,
+        )
+        self._report_seq += 1
+        pool = workflow.get_external_workflow_handle(parent.workflow_id)
+        self._reports = [task for task in self._reports if not task.done()]
+        self._reports.append(asyncio.create_task(self._send_report(pool, report)))
+
+    @staticmethod
+    async def _send_report(
+        pool: workflow.ExternalWorkflowHandle[Any], report: MemberReport
+    ) -> None:
+        # A pool that is gone (hard-terminated) cannot be told; OrphanGC ends its members.
+        with contextlib.suppress(FailureError):
+            await pool.signal(MEMBER_CHANGED_SIGNAL, report)
+
+    async def _pool_told(self) -> None:
+        """Before the workflow closes: a closed workflow's pending signals are never sent."""
+        await asyncio.gather(*self._reports)

@@ -38,8 +38,6 @@ from worker import DEFAULT_METRICS_ADDRESS
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
-# Coming with the fleet layer; registered now so compose stacks need no redo.
-PLANNED_SEARCH_ATTRIBUTES = {"ProxyPool": "Keyword"}
 
 
 def compose_schema() -> dict[str, Any]:
@@ -160,7 +158,7 @@ def setup_attributes() -> dict[str, str]:
 
 def test_setup_registers_every_search_attribute_before_the_worker_starts() -> None:
     expected = {k.name: CLI_TYPES[k.indexed_value_type] for k in SEARCH_ATTRIBUTES}
-    assert setup_attributes() == expected | PLANNED_SEARCH_ATTRIBUTES
+    assert setup_attributes() == expected
     assert dependencies(SERVICES["worker"])["temporal-setup"] == "service_completed_successfully"
     namespace = SERVICES["temporal-setup"]["environment"]["TEMPORAL_NAMESPACE"]
     assert SERVICES["worker"]["environment"]["TEMPORAL_NAMESPACE"] == namespace

@@ -22,7 +22,7 @@ from tests.helpers.histories import record_history
 from tests.helpers.procfs import is_running
 from tests.helpers.stacks import Stack
 from tests.helpers.temporal import TEMPORAL_CLI
-from tests.helpers.waiting import wait_status
+from tests.helpers.waiting import wait_for, wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -156,3 +156,36 @@ async def test_start_query_curl_terminate_end_to_end(
     assert "COMPLETED" in described.stdout.upper()
     assert not is_running(pid)
     assert stack.instances() == []
+
+
+@pytest.mark.parametrize("signal_input", [None, '{"reason": "banned by example.org"}', "[1, 2]"])
+async def test_rotate_signal_replaces_the_instance_make_before_break(
+    temporal_env: WorkflowEnvironment, stack: Stack, signal_input: str | None
+) -> None:
+    workflow_id = await cli_start(temporal_env, stack, json.dumps(stack.proxy_input()))
+    handle = temporal_env.client.get_workflow_handle(workflow_id)
+    first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    seen_states: set[str] = set()
+
+    def rotated(s: Any) -> bool:
+        seen_states.add(s.state)
+        return s.state == "Ready" and s.generation > first.generation
+
+    extra = ["--input", signal_input] if signal_input else []
+    sent = await temporal(
+        temporal_env, "workflow", "signal", "--workflow-id", workflow_id, "--name", "rotate",
+        *extra,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    second = await wait_status(handle, rotated, "the rotated instance Ready")
+    assert second.instance != first.instance and second.endpoint != first.endpoint
+    assert second.replacements == first.replacements + 1
+    # Make before break: the proxy never left Ready (a loaded machine may fail
+    # a new instance's start; it is retried while the old one serves).
+    assert seen_states == {"Ready"}
+    await wait_for(lambda: stack.instances() == [second.instance], "the old instance deleted")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert stack.instances() == []
+    if signal_input is None:
+        await record_history(handle, "rotated_on_signal")

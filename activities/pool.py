@@ -1,0 +1,86 @@
+"""ProxyPool's safety net: which of its members have closed without telling it?
+
+Members report every change to their pool by signal, so the pool never polls
+them. A member can still close without a word: `temporal workflow terminate`
+runs no code, and a member whose workflow task keeps failing may time out.
+Now and then the pool hands this activity the members it believes are
+running; one paged visibility query lists the ones that are, and only the
+few missing from it are described directly (visibility lags, describe does
+not). Running members carrying the pool's id that the pool does not know
+(strays, say from an earlier pool of the same name) are reported too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from contract import POOL, PROXY_LIFECYCLE, STATE
+
+VISIBILITY_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class MembersInput:
+    pool_id: str
+    # Members the pool believes are running.
+    expected: list[str]
+
+
+@dataclass(frozen=True)
+class ClosedMember:
+    member: str
+    # How the workflow closed (TERMINATED, FAILED, ...), or NOT_FOUND.
+    status: str
+    # Its last ProxyState ("" when it never set one).
+    state: str
+
+
+@dataclass(frozen=True)
+class MembersOutput:
+    closed: list[ClosedMember] = field(default_factory=list)
+    strays: list[str] = field(default_factory=list)
+    # Temporal calls made: visibility pages and describes.
+    lookups: int = 0
+
+
+class PoolActivities:
+    """Look-ups a pool makes about its members, over the worker's Temporal client."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @activity.defn(name="pool_closed_members")
+    async def closed_members(self, inp: MembersInput) -> MembersOutput:
+        """The expected members that have closed, and running members nobody expects."""
+        # Pool ids are checked at start to need no quoting (workflows/pool_input.py).
+        query = (
+            f"{POOL.name} = '{inp.pool_id}' AND WorkflowType = '{PROXY_LIFECYCLE}' "
+            "AND ExecutionStatus = 'Running'"
+        )
+        running: set[str] = set()
+        listing = self._client.list_workflows(query, page_size=VISIBILITY_PAGE_SIZE)
+        async for execution in listing:
+            running.add(execution.id)
+        lookups = 1 + len(running) // VISIBILITY_PAGE_SIZE
+        closed: list[ClosedMember] = []
+        for member in inp.expected:
+            if member in running:
+                continue
+            lookups += 1
+            try:
+                described = await self._client.get_workflow_handle(member).describe()
+            except RPCError as err:
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                closed.append(ClosedMember(member, "NOT_FOUND", ""))
+                continue
+            if described.status in (None, WorkflowExecutionStatus.RUNNING):
+                continue  # visibility had not caught up
+            state = described.typed_search_attributes.get(STATE) or ""
+            closed.append(ClosedMember(member, described.status.name, state))
+        expected = set(inp.expected)
+        return MembersOutput(closed, sorted(running - expected), lookups)

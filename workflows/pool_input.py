@@ -1,0 +1,109 @@
+"""ProxyPool's input and its updates' requests, validated inside the workflow.
+
+As with ProxyLifecycle (workflows/inputs.py), the pool takes raw JSON and
+validates it here, so bad input fails the pool within seconds naming every
+bad field instead of a workflow task retried forever. `template` is a
+ProxyLifecycle input, validated as one: its errors read `template.<field>`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, ValidationError, model_validator
+
+from workflows.inputs import PlacementInput, ProxyInput, StrictInput, describe_error
+
+MAX_REPLICAS = 1000
+# Pool ids end up in member ids (`<pool id>/<n>`) and in visibility queries:
+# a conservative alphabet needs no quoting anywhere.
+POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+
+Replicas = Annotated[int, Field(ge=0, le=MAX_REPLICAS)]
+Text = Annotated[str, Field(max_length=500)]
+
+
+class SpreadEntry(StrictInput):
+    """Members placed here get this provider and placement, in proportion to `weight`."""
+
+    provider: Annotated[str, Field(min_length=1, max_length=63)]
+    placement: PlacementInput = PlacementInput()
+    weight: Annotated[int, Field(ge=1, le=1000)] = 1
+
+
+class BanLimit(StrictInput):
+    """At most `max` accepted ban reports per `window_seconds`, per pool."""
+
+    # None: a quarter of the pool's replicas, at least 1.
+    max: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
+    window_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+
+    def limit(self, replicas: int) -> int:
+        return self.max if self.max is not None else max(1, replicas // 4)
+
+
+class PoolInput(StrictInput):
+    """What a user passes to `temporal workflow start --type ProxyPool --input`."""
+
+    replicas: Replicas
+    template: ProxyInput
+    spread: Annotated[list[SpreadEntry], Field(min_length=1, max_length=100)] | None = None
+    # Rotations (each an extra instance while it lasts) under way at once.
+    max_surge: Annotated[int, Field(ge=1, le=100)] = 1
+    # Member n's lifetime is max_lifetime * (1 - lifetime_jitter * u(n)),
+    # u(n) in [0, 1) spread evenly (workflows/pool.py, `jittered_lifetime`).
+    lifetime_jitter: Annotated[float, Field(ge=0, le=0.9)] = 0.2
+    # Members in a row that end Failed before the pool stops replacing them.
+    failure_budget: Annotated[int, Field(ge=1, le=100)] = 3
+    bans: BanLimit = BanLimit()
+
+
+class ScaleRequest(StrictInput):
+    replicas: Replicas
+
+
+class RotateRequest(StrictInput):
+    member: Annotated[str, Field(min_length=1, max_length=300)] | None = None
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RotateRequest:
+        if (self.member is None) == (not self.all):
+            raise ValueError('give either "member": "<id>" or "all": true')
+        return self
+
+
+class BanRequest(StrictInput):
+    member: Annotated[str, Field(min_length=1, max_length=300)]
+    reason: Text = ""
+    # The endpoint the ban was seen on: a member that has rotated since is
+    # not banned again for its old instance's sins.
+    endpoint: Annotated[str, Field(max_length=300)] | None = None
+
+
+class TerminateRequest(StrictInput):
+    reason: Text = ""
+
+
+M = TypeVar("M", bound=StrictInput)
+
+
+def parse(model: type[M], raw: Any, what: str) -> tuple[M | None, list[str]]:
+    """The validated request, or every problem as `field: message`."""
+    if not isinstance(raw, dict):
+        got = "nothing" if raw is None else type(raw).__name__
+        return None, [f"input: expected a JSON object ({what}), got {got}"]
+    try:
+        return model.model_validate(raw), []
+    except ValidationError as exc:
+        return None, [describe_error(err) for err in exc.errors()]
+
+
+def pool_id_problems(pool_id: str) -> list[str]:
+    if POOL_ID.match(pool_id):
+        return []
+    return [
+        "workflow id: a pool's id must be 1-200 letters, digits, '.', '_', ':' or '-' "
+        f"(starting with a letter or digit), got {pool_id!r}"
+    ]
