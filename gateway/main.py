@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from temporalio.client import WorkflowQueryFailedError
+from temporalio.service import RPCError
 
 from gateway import membership, metrics
 from gateway.squids import GatewayError, GatewaySquids
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
-    except GatewayError as err:
+    except (GatewayError, RPCError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -34,8 +34,10 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import quote
 
+from providers.errors import Permanent
 from providers.local import (
     FALLBACK_BINARY,
+    _check_traversable,
     _remove_shm,
     _squid_account,
     _write,
@@ -141,6 +143,11 @@ class GatewaySquids:
         self.members = tuple(members)
         self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._share(self._state_dir)
+        if self._account is not None:
+            try:
+                _check_traversable(self._state_dir, *self._account)
+            except Permanent as err:
+                raise GatewayError(str(err).replace("local.state_dir", "--state-dir")) from err
         for squid in self.squids:
             squid.directory.mkdir(mode=0o770, exist_ok=True)
             self._share(squid.directory)

@@ -65,6 +65,9 @@ class PlacementInput(StrictInput):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+MAX_DRAIN_SECONDS = 3600
+
+
 class ProxyInput(StrictInput):
     """What a user passes to `temporal workflow start --input`."""
 
@@ -77,6 +80,11 @@ class ProxyInput(StrictInput):
     health: HealthInput = HealthInput()
     max_lifetime_seconds: Annotated[int, Field(ge=10, le=MAX_LIFETIME_SECONDS)] | None = None
     placement: PlacementInput = PlacementInput()
+    # After a rotation, the old instance keeps serving this long before it is
+    # deleted, so gateways (which follow a pool's endpoints) stop using it
+    # first. None: 0 for a proxy of its own, DEFAULT_MEMBER_DRAIN_SECONDS
+    # for a pool member (workflows/pool.py).
+    drain_seconds: Annotated[int, Field(ge=0, le=MAX_DRAIN_SECONDS)] | None = None
 
 
 def parse_input(raw: Any) -> tuple[ProxyInput | None, list[str]]:

@@ -556,6 +556,16 @@ class ProxyLifecycle:
         self._status.ready_since = self._ready_at
         self._rotate_reason = None
         self._set_state(ProxyState.READY)
+        if inp.drain_seconds:
+            # The new endpoint is published (and told to the pool); gateways
+            # drop the old one before it goes. No timer without a drain, so
+            # histories recorded before drains existed replay unchanged.
+            await self._wait(
+                f"draining {old.name} ({old.endpoint}) for {inp.drain_seconds}s before deleting it",
+                timedelta(seconds=inp.drain_seconds),
+                summary=f"drain {old.name} {inp.drain_seconds}s",
+                interruptible=True,
+            )
         await self._delete_and_wait(old)
         await self._settle_retired_monitor()
 

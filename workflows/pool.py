@@ -65,6 +65,11 @@ with workflow.unsafe.imports_passed_through():
 # A replacement after a member ended Failed waits, doubling from
 # REPLACE_BACKOFF up to MAX_REPLACE_BACKOFF.
 REPLACE_BACKOFF = timedelta(seconds=10)
+# How long a member leaving the pool (scaled down, or the old instance of a
+# rotation) keeps serving after it left `endpoints`, unless the template sets
+# `drain_seconds`: longer than a gateway takes to poll, debounce and reload
+# (docs/architecture.md, "The gateway").
+DEFAULT_MEMBER_DRAIN_SECONDS = 15
 MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 # The reconcile runs when the pool is awake anyway and this long has passed,
 RECONCILE_EVERY = timedelta(minutes=10)
@@ -461,7 +466,7 @@ class ProxyPool:
                 live, key=lambda m: (self._is_serving(m), m.ready_since or "", m.index)
             )
             for member in victims[:excess]:
-                self._remove(member, "scaled down")
+                self._remove(member, "scaled down", drain=self._drain_seconds(inp))
             return
         if excess == 0 or self._stopped is not None:
             return
@@ -516,6 +521,7 @@ class ProxyPool:
         body["placement"] = placement
         # The pool rotates its members itself (`rotate` signal), one surge at a time.
         body.pop("max_lifetime_seconds", None)
+        body["drain_seconds"] = self._drain_seconds(inp)
         self._spawn(self._start_child(member, body))
 
     def _placement(self, inp: PoolInput) -> tuple[int | None, str, dict[str, str]]:
@@ -535,11 +541,22 @@ class ProxyPool:
         entry = spread[best]
         return best, entry.provider, entry.placement.as_dict()
 
-    def _remove(self, member: Member, reason: str) -> None:
-        member.removing = reason
+    def _remove(self, member: Member, reason: str, *, drain: int = 0) -> None:
+        """Out of `endpoints` now; terminated once gateways have had `drain` seconds to drop it."""
+        member.removing = f"{reason}, draining {drain}s" if drain else reason
         member.rotate_reason = None
         member.rotating_from = member.rotating_since = None
-        self._spawn(self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"}))
+        self._spawn(self._drain_then_terminate(member, reason, drain))
+
+    async def _drain_then_terminate(self, member: Member, reason: str, drain: int) -> None:
+        if drain:
+            await workflow.sleep(drain, summary=f"drain {member.member} {drain}s")
+        await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
+
+    @staticmethod
+    def _drain_seconds(inp: PoolInput) -> int:
+        drain = inp.template.drain_seconds
+        return DEFAULT_MEMBER_DRAIN_SECONDS if drain is None else drain
 
     def _ended(self, member: Member, state: str, error: str | None) -> None:
         """A member closed: forget it; replace it unless the pool asked for its end."""

@@ -1,0 +1,131 @@
+"""The gateway as users run it: `proxy-operator-gateway` in a process of its own.
+
+Started with the worker's config file and PROXY_PASSWORD in its environment,
+pointed at the test's Temporal server; `stop` sends SIGTERM (the gateway
+stops its Squids) and kills what is left after a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.config import PASSWORD, PASSWORD_ENV
+from tests.helpers.network import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE = 60.0
+STOP_GRACE = 20.0
+
+
+class GatewayProcess:
+    """One `proxy-operator-gateway --pool ...` for a test or a benchmark."""
+
+    def __init__(
+        self,
+        *,
+        pool: str,
+        raw_config: dict[str, Any],
+        temporal_address: str,
+        namespace: str,
+        directory: Path,
+        poll_seconds: float = 0.5,
+        debounce_seconds: float = 0.5,
+    ) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o755)  # Squid's user reaches its files under it
+        config = directory / "providers.yaml"
+        config.write_text(yaml.safe_dump(raw_config))
+        self.output = directory / "gateway.out"
+        self.args = [
+            sys.executable,
+            "-m",
+            "gateway.main",
+            "--pool",
+            pool,
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--providers-config",
+            str(config),
+            "--metrics-address",
+            f"127.0.0.1:{self.metrics_port}",
+            "--poll-interval",
+            str(poll_seconds),
+            "--debounce",
+            str(debounce_seconds),
+            "--state-dir",
+            str(directory / "state"),
+        ]
+        self.state_dir = directory / "state"
+        self.env = {
+            **os.environ,
+            PASSWORD_ENV: PASSWORD,
+            "TEMPORAL_ADDRESS": temporal_address,
+            "TEMPORAL_NAMESPACE": namespace,
+            "PYTHONPATH": str(ROOT),
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> GatewayProcess:
+        with self.output.open("ab") as out:
+            self.process = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        until = time.monotonic() + START_DEADLINE
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise AssertionError(f"the gateway exited: {self.log()}")
+            if time.monotonic() > until:
+                raise AssertionError(f"the gateway is not healthy after 60s: {self.log()}")
+            time.sleep(0.1)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/healthz", timeout=1
+            ) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every gateway sample: (name, sorted labels) -> value."""
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as response:
+            text = response.read().decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith("proxy_operator_gateway_")
+        }
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.output.read_text(errors="replace")[-3000:]
+        return ""
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()

@@ -1,0 +1,286 @@
+"""The gateway over a real ProxyPool: `proxy-operator-gateway` in its own process.
+
+A worker serves ProxyPool and ProxyLifecycle with the local provider (real
+Squids on loopback); the gateway follows the pool's `endpoints` query. Which
+member carried a request is read from the members' own access logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.config import PASSWORD, USERNAME, local_entry, raw_config
+from tests.helpers.gateway import GatewayProcess
+from tests.helpers.stacks import Stack
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.tunnel import Answer, request
+from tests.helpers.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+REPLICAS = 3
+QUIET_HEALTH = {"interval_seconds": 3600, "failure_threshold": 2}
+# Longer than the test gateway's poll (0.5 s), debounce (0.5 s, at most five
+# rounds) and two back reloads; the default is 15 s.
+DRAIN_SECONDS = 6
+
+
+class Pool:
+    """A ProxyPool of the test's worker, and what its members' Squids logged."""
+
+    def __init__(self, stack: Stack, handle: WorkflowHandle[Any, Any]) -> None:
+        self.stack = stack
+        self.handle = handle
+
+    async def endpoints(self) -> dict[str, str]:
+        """member id -> endpoint, for the members the pool lists."""
+        entries = await self.handle.query("endpoints")
+        return {e["member"]: e["endpoint"] for e in entries}
+
+    def instance_by_endpoint(self) -> dict[str, str]:
+        """endpoint -> instance directory name, for the instances that exist now."""
+        found = {}
+        for path in self.stack.state_dir.iterdir():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                port = json.loads((path / "instance.json").read_text())["port"]
+                found[f"127.0.0.1:{port}"] = path.name
+        return found
+
+    def tunnels(self) -> collections.Counter[str]:
+        """Tunnels carried, per instance directory, from each Squid's own access log."""
+        counts: collections.Counter[str] = collections.Counter()
+        for path in self.stack.state_dir.iterdir():
+            log = path / "access.log"
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                counts[path.name] = log.read_text().count("TCP_TUNNEL/200")
+        return +counts
+
+    def pid_of(self, instance: str) -> int:
+        return int(
+            json.loads((self.stack.state_dir / instance / "instance.json").read_text())["pid"]
+        )
+
+
+@pytest.fixture
+async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator[Pool]:
+    target = {"target": stack.origin.url}
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        # Probes tunnel through the members too: one an hour keeps them out
+        # of the members' logs while the test counts.
+        {
+            "replicas": REPLICAS,
+            "template": stack.proxy_input(
+                health=QUIET_HEALTH | target, drain_seconds=DRAIN_SECONDS
+            ),
+        },
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+    found = Pool(stack, handle)
+
+    async def all_ready() -> bool:
+        return len(await found.endpoints()) == REPLICAS
+
+    await wait_for(all_ready, f"{REPLICAS} members in endpoints", deadline=120)
+    yield found
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=120)
+
+
+@pytest.fixture
+async def gateway(
+    temporal_env: WorkflowEnvironment, stack: Stack, pool: Pool
+) -> AsyncIterator[GatewayProcess]:
+    # Started off the event loop: the worker in this process answers its queries.
+    with local_state_dir("proxy-operator-gateway-test-") as directory:
+        process = GatewayProcess(
+            pool=pool.handle.id,
+            raw_config=raw_config(
+                local_entry(stack.state_dir), connect_ports=[443, stack.origin.port]
+            ),
+            temporal_address=temporal_env.client.service_client.config.target_host,
+            namespace=temporal_env.client.namespace,
+            directory=directory,
+        )
+        await asyncio.to_thread(process.start)
+        yield process
+        assert await asyncio.to_thread(process.stop) == 0, process.log()
+
+
+def through(
+    gateway: GatewayProcess, stack: Stack, username: str, password: str = PASSWORD
+) -> Answer:
+    return request(
+        ("127.0.0.1", gateway.port),
+        username,
+        password,
+        (stack.origin.host, stack.origin.port),
+        stack.origin.client_ssl_context,
+    )
+
+
+async def test_one_endpoint_rotates_sticks_and_pins_over_a_pool_of_three(
+    stack: Stack, pool: Pool, gateway: GatewayProcess
+) -> None:
+    endpoints = await pool.endpoints()
+    instance_of = pool.instance_by_endpoint()
+    member_of = {instance_of[endpoint]: member for member, endpoint in endpoints.items()}
+    # The members' first probes are in their logs already.
+    probes = pool.tunnels()
+
+    answers = await asyncio.to_thread(
+        lambda: [through(gateway, stack, USERNAME) for _ in range(100)]
+    )
+    assert all(a.ok for a in answers), collections.Counter(answers)
+    per_member = {member_of[i]: n for i, n in (pool.tunnels() - probes).items()}
+    assert set(per_member) == set(endpoints), per_member
+    assert sum(per_member.values()) == 100
+    assert max(per_member.values()) - min(per_member.values()) <= 4, per_member
+
+    before = pool.tunnels()
+    for _ in range(50):
+        assert (await asyncio.to_thread(through, gateway, stack, f"{USERNAME}-session-k1")).ok
+    (sticky,) = (pool.tunnels() - before).items()
+    assert sticky[1] == 50
+
+    for member, endpoint in endpoints.items():
+        before = pool.tunnels()
+        answer = await asyncio.to_thread(through, gateway, stack, f"{USERNAME}-proxy-{member}")
+        assert answer.ok
+        assert pool.tunnels() - before == collections.Counter({instance_of[endpoint]: 1})
+
+    wrong = await asyncio.to_thread(through, gateway, stack, USERNAME, "wrong-password")
+    assert wrong.connect_status == 407
+    port_22 = await asyncio.to_thread(
+        request,
+        ("127.0.0.1", gateway.port),
+        USERNAME,
+        PASSWORD,
+        ("127.0.0.1", 22),
+        stack.origin.client_ssl_context,
+    )
+    assert port_22.connect_status == 403
+
+    # The gateway's own account agrees with the members' logs (it reads its
+    # Squids' logs as they are written: wait for it to catch up).
+    expected = collections.Counter({member_of[i]: n for i, n in (pool.tunnels() - probes).items()})
+
+    def carried() -> collections.Counter[str]:
+        counts = collections.Counter[str]()
+        for (name, labels), value in gateway.metrics().items():
+            if name == "proxy_operator_gateway_requests_total" and ("status", "200") in labels:
+                counts[dict(labels)["member"]] += int(value)
+        return counts
+
+    await wait_for(lambda: carried() == expected, f"the gateway's counts to be {expected}")
+    samples = gateway.metrics()
+    assert samples[("proxy_operator_gateway_members", ())] == REPLICAS
+    assert samples[("proxy_operator_gateway_responses_total", (("status", "407"),))] == 1
+    assert samples[("proxy_operator_gateway_responses_total", (("status", "403"),))] == 1
+
+
+class ClientLoop:
+    """A scraper's loop through the gateway, bounded, counting every outcome.
+
+    `kill_after` SIGKILLs a member's Squid between two requests of the loop:
+    a tunnel open through a member at the instant it dies is cut whatever the
+    proxy in front does; what the gateway promises is that no request after
+    that fails.
+    """
+
+    def __init__(self, gateway: GatewayProcess, stack: Stack, limit: int) -> None:
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.kill: Callable[[], None] | None = None
+        self._gateway, self._stack, self._limit = gateway, stack, limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        for _ in range(self._limit):
+            if self._stop.is_set():
+                return
+            if self.kill is not None:
+                kill, self.kill = self.kill, None
+                kill()
+            try:
+                answer = through(self._gateway, self._stack, USERNAME)
+                self.outcomes["ok" if answer.ok else str(answer)] += 1
+            except OSError as err:
+                self.outcomes[repr(err)] += 1
+
+    def start(self) -> ClientLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def test_a_full_rotation_and_a_killed_member_fail_no_request(
+    stack: Stack, pool: Pool, gateway: GatewayProcess
+) -> None:
+    old_endpoints = set((await pool.endpoints()).values())
+    old_instances = set(pool.instance_by_endpoint().values())
+    loop = ClientLoop(gateway, stack, limit=20_000).start()
+    try:
+        await wait_for(lambda: loop.outcomes["ok"] >= 20, "the loop under way")
+        victim = pool.instance_by_endpoint()[sorted(old_endpoints)[0]]
+        loop.kill = lambda: os.kill(pool.pid_of(victim), signal.SIGKILL)
+        await pool.handle.execute_update("rotate", {"all": True})
+
+        async def rotated() -> bool:
+            now = set((await pool.endpoints()).values())
+            return (
+                len(now) == REPLICAS
+                and not now & old_endpoints
+                and not old_instances & set(pool.instance_by_endpoint().values())
+            )
+
+        await wait_for(rotated, "every member on a new instance, the old ones gone", 180)
+        # The gateway has dropped the old endpoints once its members gauge and
+        # reloads settle; give it its poll, debounce and two reloads.
+        await wait_for(
+            lambda: gateway.metrics()[("proxy_operator_gateway_members", ())] == REPLICAS,
+            "the gateway back to three members",
+        )
+    finally:
+        loop.stop()
+
+    assert loop.kill is None, "the member was killed"
+    assert set(loop.outcomes) == {"ok"}, (loop.outcomes, _tail(gateway))
+    assert loop.outcomes["ok"] > 100
+
+    new_instances = set(pool.instance_by_endpoint().values())
+    before = pool.tunnels()
+    answers = await asyncio.to_thread(
+        lambda: [through(gateway, stack, USERNAME) for _ in range(30)]
+    )
+    assert all(a.ok for a in answers)
+    carried = pool.tunnels() - before
+    assert sum(carried.values()) == 30 and set(carried) <= new_instances, carried
+
+
+def _tail(gateway: GatewayProcess) -> str:
+    out = []
+    for log in sorted(gateway.state_dir.glob("squids/*/access.log")):
+        lines = log.read_text().splitlines()
+        bad = [line for line in lines if " 200 " not in line]
+        out.append(f"{log.parent.name}: {len(lines)} lines, not 200: {bad[:5]} ... {bad[-5:]}")
+        cache = (log.parent / "cache.log").read_text().splitlines()
+        out += [line for line in cache if "DEAD" in line or "REVIVED" in line or "failed" in line]
+    return "\n".join(out)
