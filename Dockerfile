@@ -15,6 +15,7 @@ COPY providers/ providers/
 COPY activities/ activities/
 COPY workflows/ workflows/
 COPY startup/ startup/
+COPY gateway/ gateway/
 COPY worker.py contract.py ./
 RUN pip install . \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
@@ -33,3 +34,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && install -d -o 10001 -g 10001 /app/.data
 USER 10001:10001
+
+# proxy-operator-gateway: one Squid front and two back Squids over a pool's
+# members, with the worker's code for its config and Temporal connection.
+#   docker build --target gateway -t proxy-operator-gateway:0.1.0 .
+FROM worker AS gateway
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends squid \
+    && rm -rf /var/lib/apt/lists/*
+USER 10001:10001
+EXPOSE 8888 9465
+CMD ["proxy-operator-gateway", "--providers-config", "/etc/proxy-operator/providers.yaml"]

@@ -213,6 +213,7 @@ def _start_dev_server(
 
 def _print_guide(ui_port: int, metrics: str, password_file: Path) -> None:
     temporal = os.path.relpath(TEMPORAL, Path.cwd())
+    gateway = os.path.relpath(TEMPORAL.with_name("proxy-operator-gateway"), Path.cwd())
     password = os.path.relpath(password_file, Path.cwd())
     secret = "$PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else f"$(cat {password})"
     _say(
@@ -239,6 +240,18 @@ In another terminal:
   # the fleet, then the end of this proxy
   {temporal} workflow list --query "ProxyState = 'Ready'"
   {temporal} workflow signal --workflow-id proxy-demo --name terminate
+
+  # a pool of three, and one endpoint in front of it (the gateway)
+  {temporal} workflow start --type ProxyPool --task-queue proxy-operator \\
+      --workflow-id pool-demo --input '{{"replicas": 3, "template": {{"provider": "local"}}}}'
+  PROXY_PASSWORD={secret} {gateway} --pool pool-demo --listen 127.0.0.1:8888 \\
+      --providers-config deploy/local/providers.yaml --metrics-address 127.0.0.1:9465
+
+  # through it: rotating per request, sticky per session key, pinned to a member
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy:{secret}" https://example.com
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy-session-cart42:{secret}" https://example.com
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy-proxy-pool-demo/0:{secret}" https://example.com
+  {temporal} workflow signal --workflow-id pool-demo --name terminate
 
 Ctrl-C stops everything started here; the workflows keep running and the next
 `make run` replaces their proxies.

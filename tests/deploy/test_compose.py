@@ -271,3 +271,20 @@ def test_setup_script_gives_up_on_an_unreachable_server_saying_so() -> None:
     run = run_setup("127.0.0.1:1", "default", "ProxyState=Keyword", attempts=2)
     assert run.returncode == 1
     assert "gave up after 2 tries: Temporal at 127.0.0.1:1 is healthy" in run.stderr
+
+
+def test_the_gateway_runs_beside_the_worker_on_its_config_with_its_ports_published() -> None:
+    gateway, worker = SERVICES["gateway"], SERVICES["worker"]
+    env, worker_env = gateway["environment"], worker["environment"]
+
+    assert gateway["build"]["target"] == "gateway"
+    # The local provider's members listen on the worker's 127.0.0.1.
+    assert gateway["network_mode"] == "service:worker"
+    assert "ports" not in gateway, "published on the worker, whose network it uses"
+    assert dependencies(gateway)["worker"] == "service_healthy"
+    assert env["PROXY_OPERATOR_CONFIG"] == worker_env["PROXY_OPERATOR_CONFIG"]
+    assert env["PROXY_PASSWORD"] == worker_env["PROXY_PASSWORD"]
+    assert env["TEMPORAL_ADDRESS"] == worker_env["TEMPORAL_ADDRESS"]
+    published = {p.split(":")[-1] for p in worker["ports"]}
+    for key in ("PROXY_OPERATOR_GATEWAY_LISTEN", "PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"):
+        assert env[key].rpartition(":")[2] in published, key

@@ -74,6 +74,8 @@ def render(base: Path = BASE) -> list[Object]:
 
 
 OBJECTS = render()
+WORKER = "proxy-operator-worker"
+GATEWAY = "proxy-operator-gateway"
 
 
 def key(obj: Object) -> tuple[str, str, str]:
@@ -86,7 +88,7 @@ def the(kind: str, name: str | None = None) -> Object:
 
 
 def worker_pod_spec() -> Object:
-    spec: Object = the("Deployment")["spec"]["template"]["spec"]
+    spec: Object = the("Deployment", WORKER)["spec"]["template"]["spec"]
     return spec
 
 
@@ -189,7 +191,7 @@ def test_each_allowed_namespaces_role_is_bound_to_the_workers_service_account(
         }
     ]
     assert worker_pod_spec()["serviceAccountName"] == account["metadata"]["name"]
-    assert the("Deployment")["metadata"]["namespace"] == account["metadata"]["namespace"]
+    assert the("Deployment", WORKER)["metadata"]["namespace"] == account["metadata"]["namespace"]
 
 
 # --- the worker ----------------------------------------------------------------
@@ -202,7 +204,7 @@ def test_the_worker_is_probed_and_scraped_on_its_metrics_port() -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz", probe
         assert ports[container[probe]["httpGet"]["port"]] == 9464, probe
-    annotations = the("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    annotations = the("Deployment", WORKER)["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": "9464",
@@ -299,7 +301,7 @@ def test_proxy_pods_admit_only_the_worker_and_labelled_clients_on_the_proxy_port
     namespace: str,
 ) -> None:
     allow = proxy_policy(namespace, "Ingress")
-    deployment = the("Deployment")
+    deployment = the("Deployment", WORKER)
 
     (rule,) = allow["spec"]["ingress"]
     # The container port the provider names, whatever number a workflow chose.
@@ -337,3 +339,63 @@ def test_proxy_pods_reach_only_dns_and_the_connect_ports_of_public_addresses(
         for private in PRIVATE_RANGES:
             if private.version == network.version:
                 assert any(private.subnet_of(e) for e in excluded), private  # type: ignore[arg-type]
+
+
+# --- the gateway -----------------------------------------------------------------
+
+
+def gateway_container() -> Object:
+    container: Object
+    (container,) = the("Deployment", GATEWAY)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_gateway_runs_its_console_script_on_the_workers_config_and_password() -> None:
+    container = gateway_container()
+    command = container["command"]
+    worker_command = worker_container()["command"]
+    env = {e["name"]: e for e in container["env"]}
+    worker_env = {e["name"]: e for e in worker_container()["env"]}
+    pod = the("Deployment", GATEWAY)["spec"]["template"]["spec"]
+
+    assert command[0] == "proxy-operator-gateway"
+    config = command[command.index("--providers-config") + 1]
+    assert config == worker_command[worker_command.index("--providers-config") + 1]
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == the("ConfigMap")["metadata"]["name"]
+    assert env["PROXY_PASSWORD"] == worker_env["PROXY_PASSWORD"], "the same Secret"
+    assert env["TEMPORAL_ADDRESS"] == worker_env["TEMPORAL_ADDRESS"]
+    assert env["PROXY_OPERATOR_GATEWAY_POOL"]["value"]
+    # The Squids' files need a writable directory on a read-only root.
+    state = command[command.index("--state-dir") + 1]
+    assert any(m["mountPath"] == state for m in container["volumeMounts"])
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_the_gateway_is_reachable_through_its_service_and_reaches_the_proxies() -> None:
+    deployment = the("Deployment", GATEWAY)
+    service = the("Service", GATEWAY)
+    container = gateway_container()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    command = container["command"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+
+    assert command[command.index("--listen") + 1] == f"0.0.0.0:{ports['proxy']}"
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "proxy"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # The proxies' NetworkPolicy admits Pods with this label (see above).
+    assert labels["proxy-operator/client"] == "true"
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+
+
+def test_the_gateway_runs_unprivileged_with_limits() -> None:
+    pod = the("Deployment", GATEWAY)["spec"]["template"]["spec"]
+    security = gateway_container()["securityContext"]
+
+    assert pod["securityContext"] == worker_pod_spec()["securityContext"]
+    assert security == worker_container()["securityContext"]
+    assert set(gateway_container()["resources"]["limits"]) == {"cpu", "memory"}

@@ -1,0 +1,244 @@
+"""The gateway: CONNECT throughput and latency against one member, and requests lost in a rotation.
+
+    python -m bench.gateway [--clients 4] [--seconds 10] [--rounds 2] [--replicas 10]
+
+1. Throughput: the same closed-loop load (`--clients` threads, each making
+   one HTTPS request after another: CONNECT, TLS handshake, GET) sent
+   through the gateway's Squids over three local members, and straight to
+   one member, alternating `--rounds` times in one run so both see the same
+   machine. Prints requests/s and p50/p99 latency of each and their ratios.
+2. Rotation: a ProxyPool of `--replicas` local members on a Temporal dev
+   server, `proxy-operator-gateway` in front, the same clients running while
+   `rotate {"all": true}` replaces every member. Prints requests made, lost
+   (any answer but 200 from origin through the tunnel, or a socket error),
+   and how long the rotation took.
+
+Asserts nothing: the figures feed docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from temporalio.client import Client
+
+from activities.provider import ProviderActivities
+from bench.stats import percentile
+from gateway.squids import GatewaySquids
+from providers.base import CreateRequest
+from providers.config import Config
+from providers.local import LocalProvider
+from providers.naming import owner_tags
+from providers.squid import GatewayMember
+from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config, raw_config
+from tests.helpers.gateway import GatewayProcess
+from tests.helpers.network import free_port
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import start_dev_server
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
+from tests.helpers.tunnel import request
+from worker import build_worker
+
+Target = tuple[str, int]
+
+
+class Load:
+    """`clients` threads sending requests through `proxy` until stopped."""
+
+    def __init__(self, proxy: Callable[[], Target], origin: TlsOrigin, clients: int) -> None:
+        self.latencies: list[float] = []
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self._proxy, self._origin = proxy, origin
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        target = (self._origin.host, self._origin.port)
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                answer = request(
+                    self._proxy(), USERNAME, PASSWORD, target, self._origin.client_ssl_context
+                )
+                outcome = "ok" if answer.ok else f"status {answer.connect_status}"
+            except OSError as err:
+                outcome = type(err).__name__
+            with self._lock:
+                self.outcomes[outcome] += 1
+                if outcome == "ok":
+                    self.latencies.append(time.monotonic() - start)
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
+    with local_state_dir("proxy-operator-bench-") as state_dir:
+        config = proxy_config(origin.port, local_entry(state_dir))
+        provider = LocalProvider.from_config(config.providers[0], config)
+        members = []
+        for n in range(3):
+            instance = provider.create(
+                CreateRequest(
+                    name=f"bench-member-{n}",
+                    proxy=config.proxy_settings(),
+                    tags=owner_tags(config.installation, f"bench/{n}", 0),
+                )
+            )
+            members.append(GatewayMember(f"bench/{n}", instance.ip, instance.port))
+        squids = GatewaySquids(
+            config.proxy_settings(), state_dir / ".gateway", ("127.0.0.1", free_port())
+        )
+        squids.start(members)
+        try:
+            paths: dict[str, Target] = {
+                "straight to one member": (members[0].host, members[0].port),
+                "through the gateway": ("127.0.0.1", squids.front.port),
+            }
+            results: dict[str, tuple[int, list[float], float]] = {p: (0, [], 0.0) for p in paths}
+            for _ in range(args.rounds):
+                for name, target in paths.items():
+                    start = time.monotonic()
+                    with Load(lambda t=target: t, origin, args.clients) as load:
+                        time.sleep(args.seconds)
+                    elapsed = time.monotonic() - start
+                    done, latencies, seconds = results[name]
+                    results[name] = (
+                        done + load.outcomes["ok"],
+                        latencies + load.latencies,
+                        seconds + elapsed,
+                    )
+                    failed = sum(load.outcomes.values()) - load.outcomes["ok"]
+                    if failed:
+                        print(f"  {name}: {failed} failed: {dict(load.outcomes)}")
+        finally:
+            squids.stop()
+    rounds = f"{args.rounds} x {args.seconds:.0f} s each"
+    print(f"\nCONNECT + TLS + GET, {args.clients} clients, {rounds}")
+    print(f"{'path':<24} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    figures = {}
+    for name, (done, latencies, seconds) in results.items():
+        rate = done / seconds
+        p50, p99 = percentile(latencies, 50) * 1000, percentile(latencies, 99) * 1000
+        figures[name] = (rate, p50, p99)
+        print(f"{name:<24} {rate:>8.1f} {p50:>8.1f} {p99:>8.1f}")
+    (direct, _, _), (gateway, _, _) = figures.values()
+    p50_ratio = figures["through the gateway"][1] / figures["straight to one member"][1]
+    p99_ratio = figures["through the gateway"][2] / figures["straight to one member"][2]
+    print(f"throughput ratio gateway/direct: {gateway / direct:.2f}")
+    print(f"latency ratio gateway/direct: p50 {p50_ratio:.2f}, p99 {p99_ratio:.2f}")
+
+
+async def rotation(args: argparse.Namespace, origin: TlsOrigin) -> None:
+    env = await start_dev_server()
+    try:
+        with (
+            local_state_dir("proxy-operator-bench-") as state_dir,
+            local_state_dir("proxy-operator-bench-gateway-") as gateway_dir,
+        ):
+            config = proxy_config(origin.port, local_entry(state_dir))
+            await _rotate(args, env.client, config, state_dir, gateway_dir, origin)
+    finally:
+        await env.shutdown()
+
+
+async def _rotate(
+    args: argparse.Namespace,
+    client: Client,
+    config: Config,
+    state_dir: Path,
+    gateway_dir: Path,
+    origin: TlsOrigin,
+) -> None:
+    provider = LocalProvider.from_config(config.providers[0], config)
+    activities = ProviderActivities(
+        {"local": provider}, config, ssl_context=origin.client_ssl_context
+    )
+    task_queue = f"bench-{uuid.uuid4().hex[:8]}"
+    worker = build_worker(client, activities, task_queue=task_queue)
+    run = asyncio.create_task(worker.run())
+    template = {
+        "provider": "local",
+        "health": {"target": origin.url, "interval_seconds": 10, "failure_threshold": 3},
+        "drain_seconds": args.drain,
+    }
+    pool = await client.start_workflow(
+        "ProxyPool",
+        {"replicas": args.replicas, "template": template},
+        id=f"bench-pool-{uuid.uuid4().hex[:6]}",
+        task_queue=task_queue,
+    )
+
+    async def endpoints() -> set[str]:
+        return {e["endpoint"] for e in await pool.query("endpoints")}
+
+    gateway = GatewayProcess(
+        pool=pool.id,
+        raw_config=raw_config(local_entry(state_dir), connect_ports=[443, origin.port]),
+        temporal_address=client.service_client.config.target_host,
+        namespace=client.namespace,
+        directory=gateway_dir,
+    )
+    try:
+        while len(await endpoints()) < args.replicas:
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(gateway.start)
+        old = await endpoints()
+        with Load(lambda: ("127.0.0.1", gateway.port), origin, args.clients) as load:
+            await asyncio.sleep(2)
+            start = time.monotonic()
+            await pool.execute_update("rotate", {"all": True})
+            while True:
+                now = await endpoints()
+                if len(now) == args.replicas and not now & old:
+                    break
+                await asyncio.sleep(0.5)
+            rotated = time.monotonic() - start
+            await asyncio.sleep(args.drain + 3)  # the last old instances drained and gone
+        reloads = sum(
+            v for (name, _), v in gateway.metrics().items() if name.endswith("reloads_total")
+        )
+    finally:
+        gateway.stop()
+        await pool.signal("terminate")
+        while provider.list_by_tag("managed-by", "proxy-operator"):
+            await asyncio.sleep(0.5)
+        await worker.shutdown()
+        await run
+        activities.close()
+    made = sum(load.outcomes.values())
+    print(f"\nFull rotation of a {args.replicas}-member pool through the gateway")
+    print(f"requests made {made}, lost {made - load.outcomes['ok']} ({dict(load.outcomes)})")
+    print(f"every member on a new instance after {rotated:.1f} s; gateway reloads {reloads:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=10)
+    parser.add_argument("--drain", type=int, default=6)
+    args = parser.parse_args()
+    with serve_tls_origin() as origin:
+        throughput(args, origin)
+        asyncio.run(rotation(args, origin))
+
+
+if __name__ == "__main__":
+    main()
