@@ -1,0 +1,137 @@
+"""`proxy-operator-gateway`'s flags and the pool's answer: clear errors, no hang, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from temporalio.testing import WorkflowEnvironment
+
+from gateway.main import UsageError, checked, parse_args
+from gateway.membership import parse_endpoints, split_endpoint
+from providers.squid import GatewayMember, gateway_account
+from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], ["--pool (or PROXY_OPERATOR_GATEWAY_POOL) is required"]),
+        (["--pool", "web", "--listen", "8888"], ["--listen: '8888' is not host:port"]),
+        (["--pool", "web", "--listen", "0.0.0.0:99999"], ["--listen"]),
+        (["--pool", "web", "--poll-interval", "0"], ["--poll-interval: 0.0 is not between"]),
+        (["--pool", "web", "--debounce", "-1"], ["--debounce: -1.0 is not between"]),
+    ],
+)
+def test_bad_flags_are_named(
+    argv: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROXY_OPERATOR_GATEWAY_POOL", raising=False)
+    monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
+    with pytest.raises(UsageError) as caught:
+        checked(parse_args(argv))
+    for text in expected:
+        assert text in str(caught.value)
+
+
+def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
+    assert checked(parse_args(["--pool", "web", "--listen", "[::1]:8888"])) == (
+        "web",
+        ("::1", 8888),
+    )
+
+
+@pytest.mark.parametrize(
+    ("username", "account"),
+    [
+        ("proxy", "proxy"),
+        ("proxy-session-a.b_C~1", "proxy"),
+        ("proxy-proxy-web/3", "proxy"),
+        ("proxy-session-", None),
+        ("proxy-session-a b", None),
+        ("proxy-session-" + "k" * 129, None),
+        ("proxy-proxy-", None),
+        ("proxy-proxy-web 3", None),
+        ("proxyx", None),
+        ("prox", None),
+        ("other-session-a", None),
+        ("", None),
+    ],
+)
+def test_only_the_three_username_forms_authenticate_as_the_user(
+    username: str, account: str | None
+) -> None:
+    assert gateway_account(username, "proxy") == account
+
+
+def test_endpoints_entries_that_are_not_members_are_skipped() -> None:
+    raw = [
+        {"member": "web/0", "endpoint": "10.0.0.5:3128", "provider": "gcp"},
+        {"member": "web/1", "endpoint": "[2001:db8::1]:3128", "provider": "gcp"},
+        {"member": "web/2", "endpoint": "", "provider": "gcp"},
+        {"member": "", "endpoint": "10.0.0.6:3128"},
+        {"endpoint": "10.0.0.7:3128"},
+        {"member": "web/3", "endpoint": "10.0.0.8:70000"},
+        {"member": "web/4", "endpoint": "bad host:3128"},
+        "web/5",
+    ]
+    assert parse_endpoints(raw) == [
+        GatewayMember("web/0", "10.0.0.5", 3128),
+        GatewayMember("web/1", "2001:db8::1", 3128),
+    ]
+    assert split_endpoint("host") is None
+    with pytest.raises(ValueError):
+        parse_endpoints("not a list")
+
+
+def run_gateway(
+    tmp_path: Path, env: WorkflowEnvironment, *args: str
+) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "providers.yaml"
+    config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.main", "--providers-config", str(config), *args],
+        cwd=ROOT,
+        env={
+            PASSWORD_ENV: PASSWORD,
+            "TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
+            "PATH": "/usr/bin:/bin",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_a_pool_that_does_not_exist_is_a_clear_error(
+    temporal_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    result = run_gateway(tmp_path, temporal_env, "--pool", "no-such-pool")
+    assert result.returncode == 2, result.stderr
+    assert "error: --pool: pool 'no-such-pool'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_password_is_reported_before_connecting(tmp_path: Path) -> None:
+    config = tmp_path / "providers.yaml"
+    config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.main", "--pool", "web", "--providers-config", str(config)],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert (
+        "proxy.auth.password_env: environment variable PROXY_PASSWORD is not set" in result.stderr
+    )
