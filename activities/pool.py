@@ -63,8 +63,14 @@ class PoolActivities:
         )
         running: set[str] = set()
         listing = self._client.list_workflows(query, page_size=VISIBILITY_PAGE_SIZE)
-        async for execution in listing:
-            running.add(execution.id)
+        try:
+            async for execution in listing:
+                running.add(execution.id)
+        except RPCError as err:
+            # A server without visibility (the time-skipping test server):
+            # describe every member instead, and find no strays.
+            if err.status != RPCStatusCode.UNIMPLEMENTED:
+                raise
         lookups = 1 + len(running) // VISIBILITY_PAGE_SIZE
         closed: list[ClosedMember] = []
         for member in inp.expected:

@@ -75,6 +75,10 @@ RECONCILE_BUSY = timedelta(seconds=30)
 # A member id missing from visibility this soon after its start is not
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
+MIN_ALARM = timedelta(seconds=1)
+RECONCILE = policies.ActivityProfile(
+    start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
+)
 ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
 
 
@@ -635,7 +639,8 @@ class ProxyPool:
                 PoolActivities.closed_members,
                 MembersInput(workflow.info().workflow_id, settled),
                 summary="reconcile members",
-                start_to_close_timeout=policies.VALIDATE.schedule_to_close,
+                start_to_close_timeout=RECONCILE.start_to_close,
+                schedule_to_close_timeout=RECONCILE.schedule_to_close,
                 retry_policy=policies.TRANSIENT_RETRY,
             )
         except FailureError as err:
@@ -661,7 +666,8 @@ class ProxyPool:
         deadlines = [self._rotate_at(m) for m in self._live() if m.rotate_reason is None]
         if self._start_after is not None and self._stopped is None:
             deadlines.append(self._start_after)
-        if self._last_reconcile is not None:
+        if self._last_reconcile is not None and not self._reconciling:
+            # (A reconcile under way wakes the pool when it ends.)
             every = RECONCILE_IDLE if self._calm() else RECONCILE_BUSY
             deadlines.append(self._last_reconcile + every)
         due = [d for d in deadlines if d is not None]
@@ -676,10 +682,9 @@ class ProxyPool:
             if self._alarm_at <= deadline:
                 return
             self._alarm.cancel()
-        delay = deadline - workflow.now()
-        if delay <= timedelta(0):
-            self._dirty = True
-            return
+        # Past deadlines are acted on in the step that computed them; one
+        # still past is retried in a second, never in a busy loop.
+        delay = max(deadline - workflow.now(), MIN_ALARM)
         self._alarm_at = deadline
         self._alarm = asyncio.create_task(self._ring(delay))
 
