@@ -169,6 +169,8 @@ async def test_a_pool_serves_scales_bans_rotates_and_terminates(
         member_result = await pool.env.client.get_workflow_handle(member).result()
         assert member_result["state"] == "Terminated"
     await record_history(handle, "pool_scaled_banned_rotated_terminated")
+    # A member's history: banned, rotated twice, terminated by its pool.
+    await record_history(pool.env.client.get_workflow_handle(kept[0]), "pool_member")
 
 
 @pytest.mark.parametrize(
