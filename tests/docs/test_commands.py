@@ -45,6 +45,9 @@ DOCS = ("README.md", "docs/operations.md")
 DOCS_TARGET = "https://example.com"
 COMMAND_TIMEOUT = 120
 TASK_QUEUE = "proxy-operator"
+# A URL's host; not the user of `http://user:$(cat password-file)@$ENDPOINT`.
+URL_HOST = re.compile(r"\bhttps?://([A-Za-z0-9.-]+)\b(?!:\$\()")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
 
 
 @dataclass
@@ -61,9 +64,13 @@ class Reader:
         return f"https://{self.origin.host}:{self.origin.port}"
 
     async def run(self, script: str) -> subprocess.CompletedProcess[str]:
+        script = script.replace(DOCS_TARGET, self.target)
+        # A new URL in the docs must not send the suite onto the internet.
+        beyond = [host for host in URL_HOST.findall(script) if host not in LOOPBACK_HOSTS]
+        assert not beyond, f"a docs command reaches beyond loopback: {beyond}"
         return await asyncio.to_thread(
             subprocess.run,
-            ["bash", "-e", "-o", "pipefail", "-c", script.replace(DOCS_TARGET, self.target)],
+            ["bash", "-e", "-o", "pipefail", "-c", script],
             cwd=self.workspace,
             env=self.env,
             capture_output=True,
