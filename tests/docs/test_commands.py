@@ -168,7 +168,11 @@ async def reader(
         yield Reader(workspace, shell_env, env.client, tls_origin)
     finally:
         worker.terminate()
-        await asyncio.to_thread(worker.wait, 60)
+        try:
+            await asyncio.to_thread(worker.wait, 60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            await asyncio.to_thread(worker.wait)
         await env.shutdown()
 
 
