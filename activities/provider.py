@@ -33,6 +33,7 @@ from activities.models import (
     MonitorReason,
     ProbeInput,
     ProbeSummary,
+    TargetCheck,
     ValidateTargetInput,
 )
 from activities.probe import ProbeResult, probe_connect
@@ -116,11 +117,12 @@ class ProviderActivities:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @activity.defn(name="validate_target")
-    async def validate_target(self, inp: ValidateTargetInput) -> list[str]:
+    async def validate_target(self, inp: ValidateTargetInput) -> TargetCheck:
         """Check what only the worker knows: provider names, placement, ports.
 
         Returns every problem, each naming its input field, so the workflow can
-        fail with all of them at once before creating anything.
+        fail with all of them at once before creating anything, and the
+        installation the workflow's instance names are hashed with.
         """
         problems: list[str] = []
         entry = next((p for p in self._config.providers if p.name == inp.provider), None)
@@ -143,16 +145,38 @@ class ProviderActivities:
                 f"health.target: port {target_port} is not in the proxies' "
                 f"allowed_connect_ports {ports}, so every probe would be refused"
             )
-        return problems
+        return TargetCheck(problems, self._config.installation)
 
     @activity.defn(name="create_instance")
     async def create_instance(self, inp: CreateInstanceInput) -> InstanceRef:
-        """Create (or adopt) the instance for this owner and generation."""
-        name = instance_name(inp.owner_id, inp.generation)
+        """Create (or adopt) the instance for this owner and generation.
+
+        The name and tags scope it to this installation and the owner's
+        Temporal namespace, so another installation or namespace sharing the
+        project or cluster never derives the same name nor garbage-collects it.
+        """
+        installation = self._config.installation
+        if inp.installation and inp.installation != installation:
+            raise ApplicationError(
+                f"this workflow belongs to installation {inp.installation!r}, but the worker "
+                f"that ran its create is installation {installation!r}: two installations "
+                "share one task queue in one namespace",
+                type=ErrorType.PERMANENT,
+                non_retryable=True,
+            )
+        namespace = activity.info().workflow_namespace or ""
+        name = instance_name(
+            inp.owner_id,
+            inp.generation,
+            installation=inp.installation or None,
+            namespace=namespace,
+        )
         request = CreateRequest(
             name=name,
             proxy=self._config.proxy_settings(inp.port),
-            tags=owner_tags(self._config.installation, inp.owner_id, inp.generation, inp.labels),
+            tags=owner_tags(
+                installation, inp.owner_id, inp.generation, inp.labels, namespace=namespace
+            ),
             placement=dict(inp.placement),
         )
         provider = self._provider(inp.provider)

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         MonitorReason,
         ProbeInput,
         ProbeSummary,
+        TargetCheck,
         ValidateTargetInput,
     )
     from activities.provider import ProviderActivities
@@ -54,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
-    from workflows.inputs import ProxyInput, parse_input
+    from workflows.inputs import ProxyInput, continued_state, parse_input
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -68,6 +69,10 @@ STABLE_AFTER = timedelta(minutes=10)
 REPLACE_BACKOFF = timedelta(seconds=10)
 MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
+# workflow.patched() id: a lifecycle started since learns its installation
+# from validate_target and hashes it into its instance names.
+INSTALLATION_IN_NAMES = "installation-in-instance-names"
+
 # A failing first probe is reported to the workflow (and so to `status`)
 # after this long, then every FIRST_PROBE_REPORT_EVERY until the deadline.
 FIRST_PROBE_FIRST_REPORT = timedelta(seconds=10)
@@ -123,6 +128,9 @@ class CarriedState:
     # Written by runs before CLEAN_STOP_PATCH; read by none. A continued run
     # starts with no wait of its own, so it has nothing to carry.
     waiting_for_quota: bool = False
+    # The installation instance names are hashed with; None for a lifecycle
+    # started before that, which keeps the old names (providers/naming.py).
+    installation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ class ProxyLifecycle:
         self._creating: asyncio.Task[InstanceRef] | None = None
         self._deletions: dict[str, asyncio.Task[None]] = {}
         self._pending_name: str | None = None
+        self._installation: str | None = None
         # Every wait in progress (provider, quota, backoff), by its timer's
         # summary: status.waiting_for shows the newest.
         self._waits: dict[str, str] = {}
@@ -171,12 +180,14 @@ class ProxyLifecycle:
     # ---- the contract: run, signal, query ------------------------------------------
 
     @workflow.run
-    async def run(self, raw: Any = None, carried: CarriedState | None = None) -> ProxyResult:
-        if carried is not None:
-            self._restore(carried)
+    async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:
+        # Untyped, so no argument can fail to decode outside our validation.
+        state, problems = continued_state(CarriedState, carried, extra)
+        if state is not None:
+            self._restore(state)
         # A continued run was validated when it first started; checking the
         # worker's config again could fail it while it still owns instances.
-        inp = await self._validated(raw, against_worker=carried is None)
+        inp = await self._validated(raw, problems, against_worker=state is None)
         self._input = inp
         self._status.provider = inp.provider
         self._publish()
@@ -223,33 +234,59 @@ class ProxyLifecycle:
 
     # ---- validation -----------------------------------------------------------------
 
-    async def _validated(self, raw: Any, *, against_worker: bool) -> ProxyInput:
+    async def _validated(
+        self, raw: Any, argument_problems: list[str], *, against_worker: bool
+    ) -> ProxyInput:
         inp, problems = parse_input(raw)
-        if against_worker and isinstance(raw, dict) and isinstance(raw.get("provider"), str):
+        problems = argument_problems + problems
+        if (
+            against_worker
+            and not argument_problems
+            and isinstance(raw, dict)
+            and isinstance(raw.get("provider"), str)
+        ):
             # Only the worker knows its providers and their allowed ports.
             placement = raw.get("placement")
-            problems += await workflow.execute_local_activity_method(
-                ProviderActivities.validate_target,
-                ValidateTargetInput(
-                    provider=raw["provider"],
-                    port=inp.port if inp else None,
-                    placement=(
-                        {k: str(v) for k, v in placement.items() if v is not None}
-                        if isinstance(placement, dict)
-                        else {}
-                    ),
-                    health_target=inp.health.target if inp else "",
+            target = ValidateTargetInput(
+                provider=raw["provider"],
+                port=inp.port if inp else None,
+                placement=(
+                    {k: str(v) for k, v in placement.items() if v is not None}
+                    if isinstance(placement, dict)
+                    else {}
                 ),
-                start_to_close_timeout=policies.VALIDATE.start_to_close,
-                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
+                health_target=inp.health.target if inp else "",
             )
+            problems += await self._check_target(target)
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._note_error(message)
             self._set_state(ProxyState.FAILED)
             raise invalid_input(message)
         return inp
+
+    async def _check_target(self, target: ValidateTargetInput) -> list[str]:
+        """The worker's verdict on the target; learns the installation on the way."""
+        if not workflow.patched(INSTALLATION_IN_NAMES):
+            # Recorded before validate_target returned the installation.
+            problems: list[str] = await workflow.execute_local_activity(
+                "validate_target",
+                target,
+                result_type=list[str],
+                start_to_close_timeout=policies.VALIDATE.start_to_close,
+                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+                retry_policy=policies.TRANSIENT_RETRY,
+            )
+            return problems
+        check: TargetCheck = await workflow.execute_local_activity_method(
+            ProviderActivities.validate_target,
+            target,
+            start_to_close_timeout=policies.VALIDATE.start_to_close,
+            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+        self._installation = check.installation
+        return check.problems
 
     # ---- the lifecycle --------------------------------------------------------------
 
@@ -375,10 +412,14 @@ class ProxyLifecycle:
         If terminate arrives mid-create, cleanup awaits this same task and
         deletes what it made.
         """
-        workflow_id = workflow.info().workflow_id
+        info = workflow.info()
+        workflow_id = info.workflow_id
         # Published before the create starts, so orphan GC never mistakes an
         # instance for an orphan in the moment between create and record.
-        self._pending_name = instance_name(workflow_id, generation)
+        # create_instance derives the same name from the same scope.
+        self._pending_name = instance_name(
+            workflow_id, generation, installation=self._installation, namespace=info.namespace
+        )
         self._publish()
         self._creating = asyncio.create_task(
             self._provider_call(
@@ -390,6 +431,7 @@ class ProxyLifecycle:
                     port=inp.port,
                     labels=dict(inp.labels),
                     placement=inp.placement.as_dict(),
+                    installation=self._installation or "",
                 ),
                 policies.CREATE,
                 f"create generation {generation} on {inp.provider}",
@@ -720,6 +762,7 @@ class ProxyLifecycle:
             ready_at=self._ready_at,
             next_generation=self._next_generation,
             terminate_reason=self._terminate_reason,
+            installation=self._installation,
         )
         assert self._input is not None
         workflow.continue_as_new(
@@ -735,6 +778,7 @@ class ProxyLifecycle:
         self._ready_at = carried.ready_at
         self._next_generation = carried.next_generation
         self._terminate_reason = carried.terminate_reason
+        self._installation = carried.installation
         for ref in carried.owned:
             if ref != carried.current:
                 self._retire(ref)
