@@ -247,3 +247,36 @@ async def test_updates_reject_bad_requests_before_acceptance(pool: PoolCli, stac
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
+
+
+async def test_orphan_gc_ends_the_members_of_a_hard_terminated_pool(
+    pool: PoolCli, stack: Stack
+) -> None:
+    await pool.start(pool.pool_input(2))
+    status = await pool.wait_ready(2)
+    members = [pool.env.client.get_workflow_handle(m["member"]) for m in status["members"]]
+    # `temporal workflow terminate` runs no pool code: the members live on.
+    out = await temporal(pool.env, "workflow", "terminate", "--workflow-id", pool.id)
+    assert out.returncode == 0, out.stderr
+    assert len(stack.instances()) == 2
+    # A dry run reports them and ends nothing; within the grace period, nothing either.
+    for body in ({"dry_run": True, "grace_period_seconds": 0}, {"grace_period_seconds": 3600}):
+        result = await _orphan_gc(pool, stack, body)
+        expected = [m.id for m in members] if body.get("dry_run") else []
+        assert result["pool_members_ended"] == expected
+    assert len(stack.instances()) == 2
+    result = await _orphan_gc(pool, stack, {"grace_period_seconds": 0})
+    assert result["pool_members_ended"] == [m.id for m in members]
+    for member in members:
+        assert (await member.result())["state"] == "Terminated"
+    assert stack.instances() == []
+
+
+async def _orphan_gc(pool: PoolCli, stack: Stack, body: dict[str, Any]) -> Any:
+    gc_id = f"orphan-gc-{uuid.uuid4().hex[:8]}"
+    started = await temporal(
+        pool.env, "workflow", "execute", "--type", "OrphanGC", "--task-queue", stack.task_queue,
+        "--workflow-id", gc_id, "--input", json.dumps({**body, "providers": ["local"]}),
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    return await pool.env.client.get_workflow_handle(gc_id).result()
