@@ -186,7 +186,7 @@ def build_worker(
             activities.monitor,
             activities.delete_instance,
             activities.wait_gone,
-            PoolActivities(client).closed_members,
+            *_pool_activities(client),
             *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,
@@ -195,6 +195,11 @@ def build_worker(
         max_cached_workflows=max_concurrent_activities,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
+
+
+def _pool_activities(client: Client) -> list[Callable[..., Any]]:
+    pool = PoolActivities(client)
+    return [pool.closed_members, pool.end_orphaned_members]
 
 
 async def connect(runtime: Runtime | None = None) -> Client:

@@ -523,6 +523,14 @@ class ProxyLifecycle:
                 timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
                 try:
                     await workflow.wait_condition(wake, timeout=timeout, timeout_summary=summary)
+                except asyncio.CancelledError:
+                    # Terminate or cancel: this wait is cancelled, the monitor is
+                    # not (it is a task of its own). Cancel it too, and have _stop
+                    # await it, so the workflow never closes with the monitor pending.
+                    if self._patched():
+                        handle.cancel()
+                        self._retired_monitor = handle
+                    raise
                 except TimeoutError:
                     if summary == STABLE_SUMMARY:
                         # Status says now that the crash budget is whole again.

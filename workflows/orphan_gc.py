@@ -54,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
         SurveyInput,
     )
     from activities.models import InstanceRef
+    from activities.pool import OrphanedMembersInput, OrphanedMembersOutput, PoolActivities
     from contract import ORPHAN_GC, ErrorType
     from workflows import policies
     from workflows.deletion import delete_until_gone
@@ -61,6 +62,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import Seconds, StrictInput, continued_state, describe_error
 
 DEFAULT_GRACE_PERIOD_SECONDS = 600
+# Sweeps recorded before pools existed did not look for their members.
+POOL_MEMBERS_PATCH = "end-members-of-closed-pools"
 MAX_GRACE_PERIOD_SECONDS = 30 * 24 * 3600
 DEFAULT_MAX_DELETE_SHARE = 0.5
 DEFAULT_MAX_DELETE_UNCHECKED = 10
@@ -133,6 +136,8 @@ class GcResult:
     dry_run: bool
     grace_period_seconds: float
     providers: list[ProviderSweep]
+    # Members of closed pools, signalled `terminate` (reported only, in a dry run).
+    pool_members_ended: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -158,6 +163,9 @@ class OrphanGC:
         self._handled = 0
         self._dry_run = False
         self._finished = False
+        # Decided before the first command, as ProxyLifecycle decides its own
+        # patch: a patch marker after a local activity's marker does not replay.
+        self._ends_pool_members = workflow.patched(POOL_MEMBERS_PATCH)
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> GcResult:
@@ -170,9 +178,10 @@ class OrphanGC:
             await self._sweep(progress.sweeps[progress.index], inp)
             progress.index += 1
             progress.pending, progress.more, progress.cursor = None, False, ""
+        members = await _end_members_of_closed_pools(inp) if self._ends_pool_members else []
         self._finished = True
         self._show()
-        result = GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps)
+        result = GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps, members)
         opened = [s.circuit_open for s in progress.sweeps if s.circuit_open]
         if opened and not inp.dry_run:
             raise ApplicationError(
@@ -370,6 +379,28 @@ class OrphanGC:
                 if s.orphaned > len(shown):
                     lines.append(f"- and {s.orphaned - len(shown)} more")
         workflow.set_current_details("\n".join(lines))
+
+
+async def _end_members_of_closed_pools(inp: GcInput) -> list[str]:
+    """Signal `terminate` to members whose pool closed more than the grace period ago.
+
+    A hard-terminated pool runs no code; its members outlive it by design
+    (workflows/pool.py). Ended by signal, each deletes its own instance, so
+    the next sweep finds nothing of theirs. Returns the members (up to MAX_IDS).
+    """
+    try:
+        found: OrphanedMembersOutput = await workflow.execute_activity_method(
+            PoolActivities.end_orphaned_members,
+            OrphanedMembersInput(inp.grace_period_seconds, inp.dry_run),
+            summary="end members of closed pools",
+            start_to_close_timeout=policies.GC_SURVEY.start_to_close,
+            schedule_to_close_timeout=policies.GC_SURVEY.schedule_to_close,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+    except ActivityError as err:
+        workflow.logger.warning("could not end members of closed pools: %s", message(err))
+        return []
+    return found.members[:MAX_IDS]
 
 
 def _parse(raw: Any) -> tuple[GcInput | None, list[str]]:

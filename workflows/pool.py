@@ -51,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
     )
     from workflows import policies
-    from workflows.inputs import continued_state
+    from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state
     from workflows.membership import MemberReport
     from workflows.pool_input import (
         BanRequest,
@@ -80,6 +80,10 @@ RECONCILE_BUSY = timedelta(seconds=30)
 # A member id missing from visibility this soon after its start is not
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
+MIN_ALARM = timedelta(seconds=1)
+RECONCILE = policies.ActivityProfile(
+    start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
+)
 ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
 
 
@@ -386,30 +390,47 @@ class ProxyPool:
         if continued and inp is not None and not argument_problems:
             return inp  # validated when the pool first started
         problems = argument_problems + problems + pool_id_problems(workflow.info().workflow_id)
-        if inp is not None and not problems:
-            problems += await self._worker_problems(inp)
+        if not argument_problems and isinstance(raw, dict):
+            problems += await self._worker_problems(raw)
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._last_error = message
             raise invalid_input(message)
         return inp
 
-    async def _worker_problems(self, inp: PoolInput) -> list[str]:
-        """What only the worker can check, for the template and every spread entry."""
-        targets = [("template.", inp.template.provider, inp.template.placement.as_dict())]
-        targets += [
-            (f"spread.{i}.", entry.provider, entry.placement.as_dict())
-            for i, entry in enumerate(inp.spread or [])
+    async def _worker_problems(self, raw: dict[str, Any]) -> list[str]:
+        """What only the worker can check, for the template and every spread entry.
+
+        Read from the raw input, so these are named even when other fields
+        are wrong too.
+        """
+        template = raw.get("template")
+        template = template if isinstance(template, dict) else {}
+        spread = raw.get("spread")
+        targets = [("template.", template)] + [
+            (f"spread.{i}.", entry)
+            for i, entry in enumerate(spread if isinstance(spread, list) else [])
+            if isinstance(entry, dict)
         ]
+        port = template.get("port")
+        health = template.get("health")
+        target = health.get("target") if isinstance(health, dict) else None
         problems: list[str] = []
-        for prefix, provider, placement in targets:
+        for prefix, entry in targets:
+            provider, placement = entry.get("provider"), entry.get("placement")
+            if not isinstance(provider, str):
+                continue
             found: TargetCheck = await workflow.execute_local_activity_method(
                 ProviderActivities.validate_target,
                 ValidateTargetInput(
                     provider=provider,
-                    port=inp.template.port,
-                    placement=placement,
-                    health_target=inp.template.health.target,
+                    port=port if isinstance(port, int) and 0 < port < 65536 else None,
+                    placement=(
+                        {k: str(v) for k, v in placement.items() if v is not None}
+                        if isinstance(placement, dict)
+                        else {}
+                    ),
+                    health_target=target if isinstance(target, str) else DEFAULT_HEALTH_TARGET,
                 ),
                 start_to_close_timeout=policies.VALIDATE.start_to_close,
                 schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
@@ -635,7 +656,8 @@ class ProxyPool:
                 PoolActivities.closed_members,
                 MembersInput(workflow.info().workflow_id, settled),
                 summary="reconcile members",
-                start_to_close_timeout=policies.VALIDATE.schedule_to_close,
+                start_to_close_timeout=RECONCILE.start_to_close,
+                schedule_to_close_timeout=RECONCILE.schedule_to_close,
                 retry_policy=policies.TRANSIENT_RETRY,
             )
         except FailureError as err:
@@ -661,7 +683,8 @@ class ProxyPool:
         deadlines = [self._rotate_at(m) for m in self._live() if m.rotate_reason is None]
         if self._start_after is not None and self._stopped is None:
             deadlines.append(self._start_after)
-        if self._last_reconcile is not None:
+        if self._last_reconcile is not None and not self._reconciling:
+            # (A reconcile under way wakes the pool when it ends.)
             every = RECONCILE_IDLE if self._calm() else RECONCILE_BUSY
             deadlines.append(self._last_reconcile + every)
         due = [d for d in deadlines if d is not None]
@@ -676,10 +699,9 @@ class ProxyPool:
             if self._alarm_at <= deadline:
                 return
             self._alarm.cancel()
-        delay = deadline - workflow.now()
-        if delay <= timedelta(0):
-            self._dirty = True
-            return
+        # Past deadlines are acted on in the step that computed them; one
+        # still past is retried in a second, never in a busy loop.
+        delay = max(deadline - workflow.now(), MIN_ALARM)
         self._alarm_at = deadline
         self._alarm = asyncio.create_task(self._ring(delay))
 

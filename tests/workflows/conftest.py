@@ -15,6 +15,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.gc import GcActivities
 from activities.provider import ProviderActivities
 from providers.base import Provider
 from providers.config import Config
@@ -44,7 +45,9 @@ async def stack_on(
             {"local": provider}, config, ssl_context=tls_origin.client_ssl_context
         )
         task_queue = task_queue or f"test-{uuid.uuid4().hex[:12]}"
-        worker = build_worker(env.client, acts, task_queue=task_queue)
+        # OrphanGC too, as every real worker serves it (it runs only when started).
+        gc = GcActivities({"local": provider}, config.installation, env.client)
+        worker = build_worker(env.client, acts, gc=gc, task_queue=task_queue)
         workers.append(worker)
         activities.append(acts)
         asyncio.get_running_loop().create_task(worker.run())

@@ -17,6 +17,7 @@ from temporalio.worker import Replayer
 
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
+from workflows.pool import ProxyPool
 
 HISTORIES = {
     path.stem: json.loads(path.read_text())
@@ -33,5 +34,5 @@ async def test_replays_without_nondeterminism(name: str) -> None:
     recorded = HISTORIES[name]
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
     # The namespace the tests record in: instance names hash it (providers/naming.py).
-    replayer = Replayer(workflows=[ProxyLifecycle, OrphanGC], namespace="default")
+    replayer = Replayer(workflows=[ProxyLifecycle, OrphanGC, ProxyPool], namespace="default")
     await replayer.replay_workflow(history)

@@ -1,0 +1,282 @@
+"""ProxyPool through the Temporal CLI, with the local provider and real Squids.
+
+What an operator does: start a pool, read `endpoints` and curl through each,
+scale up and down, report a ban, rotate everything, terminate. Every update
+goes through `temporal workflow update execute`, every read through
+`temporal workflow query`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import wait_for
+from tests.workflows.test_cli import curl, temporal
+
+pytestmark = pytest.mark.slow
+
+
+class PoolCli:
+    """One pool, driven only through the CLI."""
+
+    def __init__(self, env: WorkflowEnvironment, stack: Stack) -> None:
+        self.env = env
+        self.stack = stack
+        self.id = f"pool-{uuid.uuid4().hex[:8]}"
+
+    async def start(self, body: dict[str, Any]) -> None:
+        started = await temporal(
+            self.env, "workflow", "start", "--type", "ProxyPool",
+            "--task-queue", self.stack.task_queue, "--workflow-id", self.id,
+            "--input", json.dumps(body),
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr
+
+    async def query(self, name: str) -> Any:
+        out = await temporal(
+            self.env, "workflow", "query", "--workflow-id", self.id, "--name", name, "-o", "json"
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["queryResult"][0]
+
+    async def update(self, name: str, body: dict[str, Any]) -> tuple[int, str]:
+        """(exit code, stdout + stderr) of `temporal workflow update execute`."""
+        out = await temporal(
+            self.env, "workflow", "update", "execute", "--workflow-id", self.id,
+            "--name", name, "--input", json.dumps(body),
+        )  # fmt: skip
+        return out.returncode, out.stdout + out.stderr
+
+    async def wait_ready(self, count: int) -> dict[str, Any]:
+        seen: list[dict[str, Any]] = []
+
+        async def check() -> bool:
+            seen.append(await self.query("status"))
+            status = seen[-1]
+            return bool(
+                status["ready"] == count
+                and len(status["members"]) == count
+                and all(m["state"] == "Ready" for m in status["members"])
+            )
+
+        try:
+            await wait_for(check, f"{count} Ready members", deadline=90)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; last status: {seen[-1] if seen else None}") from None
+        return seen[-1]
+
+    def pool_input(self, replicas: int, **overrides: Any) -> dict[str, Any]:
+        return {"replicas": replicas, "template": self.stack.proxy_input(), **overrides}
+
+
+@pytest.fixture
+def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> PoolCli:
+    return PoolCli(temporal_env, stack)
+
+
+async def test_a_pool_serves_scales_bans_rotates_and_terminates(
+    pool: PoolCli, stack: Stack, tmp_path: Path
+) -> None:
+    await pool.start(pool.pool_input(3))
+    status = await pool.wait_ready(3)
+    assert status["state"] == "Ready"
+    members = [m["member"] for m in status["members"]]
+    assert members == [f"{pool.id}/{n}" for n in range(3)]
+
+    # Every endpoint a scraper reads works, with the fleet's credentials.
+    endpoints = await pool.query("endpoints")
+    assert [e["member"] for e in endpoints] == members
+    assert all(e["provider"] == "local" for e in endpoints)
+    cacert = tmp_path / "ca.pem"
+    stack.origin.ca.cert_pem.write_to_path(str(cacert))
+    for entry in endpoints:
+        reply = await curl(entry["endpoint"], stack.origin.url, cacert, f"{USERNAME}:{PASSWORD}")
+        assert reply == ("200", "200")
+    # A member's history says which pool started it.
+    described = await temporal(pool.env, "workflow", "describe", "--workflow-id", members[0])
+    assert pool.id in described.stdout
+
+    code, out = await pool.update("scale", {"replicas": 5})
+    assert code == 0, out
+    await pool.wait_ready(5)
+    assert len(stack.instances()) == 5
+
+    # Down to 2: the oldest go, the two newest stay.
+    code, out = await pool.update("scale", {"replicas": 2})
+    assert code == 0, out
+    status = await pool.wait_ready(2)
+    kept = [m["member"] for m in status["members"]]
+    assert kept == [f"{pool.id}/3", f"{pool.id}/4"]
+    await wait_for(lambda: len(stack.instances()) == 2, "the removed members' Squids gone")
+
+    # A ban takes that member out of endpoints at once, then rotates it alone.
+    before = {e["member"]: e["endpoint"] for e in await pool.query("endpoints")}
+    banned = kept[0]
+    code, out = await pool.update("report_ban", {"member": banned, "reason": "403 from shop"})
+    assert code == 0, out
+    assert banned not in {e["member"] for e in await pool.query("endpoints")}
+    # The same ban again is accepted and changes nothing (idempotent).
+    code, out = await pool.update("report_ban", {"member": banned, "reason": "403 again"})
+    assert code == 0, out
+
+    async def ban_served() -> bool:
+        now = {e["member"]: e["endpoint"] for e in await pool.query("endpoints")}
+        return banned in now and now[banned] != before[banned]
+
+    await wait_for(ban_served, "the banned member back with a new instance", deadline=60)
+    after = {e["member"]: e["endpoint"] for e in await pool.query("endpoints")}
+    assert after[kept[1]] == before[kept[1]]  # the other member was not touched
+    # The ban limit (a quarter of 2 replicas, at least 1, per 10 minutes) is spent.
+    code, out = await pool.update("report_ban", {"member": kept[1], "reason": "again"})
+    assert code != 0 and "ban rate limit" in out, out
+
+    # Rotate all: rolling, make before break, never fewer than 2 Ready.
+    code, out = await pool.update("rotate", {"all": True})
+    assert code == 0, out
+    generations = {m["member"]: m["generation"] for m in (await pool.query("status"))["members"]}
+    ready_seen: list[int] = []
+
+    async def all_rotated() -> bool:
+        status = await pool.query("status")
+        ready_seen.append(status["ready"])
+        return all(m["generation"] > generations[m["member"]] for m in status["members"]) and (
+            status["ready"] == 2
+        )
+
+    await wait_for(all_rotated, "every member rotated", deadline=90)
+    assert min(ready_seen) >= 2, ready_seen
+    await wait_for(lambda: len(stack.instances()) == 2, "the rotated-out Squids gone")
+
+    sent = await temporal(
+        pool.env, "workflow", "signal", "--workflow-id", pool.id, "--name", "terminate"
+    )
+    assert sent.returncode == 0, sent.stderr
+    handle = pool.env.client.get_workflow_handle(pool.id)
+    result = await handle.result()
+    assert result["state"] == "Terminated"
+    assert stack.instances() == []
+    for member in kept:
+        member_result = await pool.env.client.get_workflow_handle(member).result()
+        assert member_result["state"] == "Terminated"
+    await record_history(handle, "pool_scaled_banned_rotated_terminated")
+    # A member's history: banned, rotated twice, terminated by its pool.
+    await record_history(pool.env.client.get_workflow_handle(kept[0]), "pool_member")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, ["replicas: field required", "template: field required"]),
+        (
+            {"replicas": -1, "template": {"provider": "local"}},
+            ["replicas: input should be greater"],
+        ),
+        ({"replicas": 2, "template": {}}, ["template.provider: field required"]),
+        (
+            {"replicas": 2, "template": {"provider": "nowhere", "port": 0}},
+            ["template.port: input should be greater", "template.provider"],
+        ),
+        (
+            {"replicas": 2, "template": {"provider": "nowhere"}, "max_surge": 0},
+            ["max_surge: input should be greater", "template.provider: unknown provider"],
+        ),
+        (
+            {
+                "replicas": 2,
+                "template": {"provider": "local"},
+                "spread": [{"provider": "elsewhere"}],
+            },
+            ["spread.0.provider: unknown provider 'elsewhere'"],
+        ),
+        (
+            {"replicas": 2, "template": {"provider": "local"}, "lifetime_jitter": 2, "colour": 1},
+            ["lifetime_jitter: input should be less", "colour: unknown field"],
+        ),
+        ([1, 2], ["input: expected a JSON object"]),
+    ],
+)
+async def test_bad_pool_input_fails_fast_naming_each_field(
+    pool: PoolCli, stack: Stack, body: Any, expected: list[str]
+) -> None:
+    started = await temporal(
+        pool.env, "workflow", "start", "--type", "ProxyPool", "--task-queue", stack.task_queue,
+        "--workflow-id", pool.id, "--input", json.dumps(body),
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    with pytest.raises(WorkflowFailureError) as failure:
+        await pool.env.client.get_workflow_handle(pool.id).result()
+    message = str(failure.value.cause)
+    for fragment in expected:
+        assert fragment in message
+    assert stack.provider.calls["create"] == 0
+
+
+async def test_updates_reject_bad_requests_before_acceptance(pool: PoolCli, stack: Stack) -> None:
+    await pool.start(pool.pool_input(1))
+    await pool.wait_ready(1)
+    handle = pool.env.client.get_workflow_handle(pool.id)
+    events_before = len((await handle.fetch_history()).events)
+    rejected = [
+        ("scale", {"replicas": "3"}, "replicas: input should be a valid integer"),
+        ("scale", {"replicas": 5000}, "replicas: input should be less"),
+        ("scale", {}, "replicas: field required"),
+        ("rotate", {}, 'give either "member"'),
+        ("rotate", {"member": f"{pool.id}/0", "all": True}, 'give either "member"'),
+        ("rotate", {"member": "someone-else/0"}, "no member 'someone-else/0'"),
+        ("report_ban", {"member": f"{pool.id}/9"}, "no member"),
+        ("report_ban", {"reason": "x"}, "member: field required"),
+        ("report_ban", {"member": f"{pool.id}/0", "reason": "x" * 600}, "reason:"),
+    ]
+    for name, body, fragment in rejected:
+        code, out = await pool.update(name, body)
+        assert code != 0 and fragment in out, (name, body, out)
+    # Rejected before acceptance: nothing of them is in the history.
+    assert len((await handle.fetch_history()).events) == events_before
+    status = await pool.query("status")
+    assert status["replicas"] == 1 and status["members"][0]["generation"] == 0
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+
+
+async def test_orphan_gc_ends_the_members_of_a_hard_terminated_pool(
+    pool: PoolCli, stack: Stack
+) -> None:
+    await pool.start(pool.pool_input(2))
+    status = await pool.wait_ready(2)
+    members = [pool.env.client.get_workflow_handle(m["member"]) for m in status["members"]]
+    # `temporal workflow terminate` runs no pool code: the members live on.
+    out = await temporal(pool.env, "workflow", "terminate", "--workflow-id", pool.id)
+    assert out.returncode == 0, out.stderr
+    assert len(stack.instances()) == 2
+    # A dry run reports them and ends nothing; within the grace period, nothing either.
+    for body in ({"dry_run": True, "grace_period_seconds": 0}, {"grace_period_seconds": 3600}):
+        result = await _orphan_gc(pool, stack, body)
+        expected = [m.id for m in members] if body.get("dry_run") else []
+        assert result["pool_members_ended"] == expected
+    assert len(stack.instances()) == 2
+    result = await _orphan_gc(pool, stack, {"grace_period_seconds": 0})
+    assert result["pool_members_ended"] == [m.id for m in members]
+    for member in members:
+        assert (await member.result())["state"] == "Terminated"
+    assert stack.instances() == []
+
+
+async def _orphan_gc(pool: PoolCli, stack: Stack, body: dict[str, Any]) -> Any:
+    gc_id = f"orphan-gc-{uuid.uuid4().hex[:8]}"
+    started = await temporal(
+        pool.env, "workflow", "execute", "--type", "OrphanGC", "--task-queue", stack.task_queue,
+        "--workflow-id", gc_id, "--input", json.dumps({**body, "providers": ["local"]}),
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    return await pool.env.client.get_workflow_handle(gc_id).result()

@@ -1,0 +1,179 @@
+"""Pool members' lifetimes on the dev server: jitter, rolling rotation, continue-as-new.
+
+The time-skipping server cannot skip time while an activity runs, and every
+Ready member runs its monitor, so lifetimes are tested here with short ones
+(as for ProxyLifecycle, tests/workflows/test_lifecycle.py), and what matters
+is read from the members' own histories.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from providers.base import CreateRequest, InstanceState
+from providers.local import LocalConfig, LocalProvider
+from providers.memory import MemoryProvider
+from providers.naming import instance_name, owner_tags
+from tests.helpers.config import INSTALLATION, build_config
+from tests.helpers.stacks import Stack, StackFactory
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import wait_for
+from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+class OneSquid(MemoryProvider):
+    """Instances in memory, every one of them served by the same real Squid."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        super().__init__()
+        self._address = address
+
+    def address(self, req: CreateRequest) -> tuple[str, int]:
+        return self._address
+
+
+@pytest.fixture
+async def one_squid(tls_origin: TlsOrigin, state_dir: Any) -> AsyncIterator[OneSquid]:
+    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
+    local = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
+    owner = "pool-test-squid"
+    squid = local.create(
+        CreateRequest(
+            name=instance_name(owner, 0),
+            proxy=config.proxy_settings(),
+            tags=owner_tags(INSTALLATION, owner, 0),
+        )
+    )
+    await wait_for(lambda: local.get(squid.provider_id).state is InstanceState.RUNNING, "Squid")
+    yield OneSquid((squid.ip, squid.port))
+    local.delete(squid.provider_id)
+
+
+def _memory_entry() -> dict[str, Any]:
+    return {"name": "memory", "type": "memory"}
+
+
+async def test_twenty_members_never_rotate_together(
+    temporal_env: WorkflowEnvironment,
+    provider_stack_on: StackFactory,
+    one_squid: OneSquid,
+    tls_origin: TlsOrigin,
+) -> None:
+    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
+    stack = await provider_stack_on(temporal_env, {"memory": one_squid}, config)
+    pool_id = f"pool-{uuid.uuid4().hex[:8]}"
+    template = stack.proxy_input(
+        "memory",
+        max_lifetime_seconds=20,
+        # Twenty members probe one Squid: not every second on a busy machine.
+        health={"target": tls_origin.url, "interval_seconds": 5, "failure_threshold": 3},
+    )
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 20, "template": template, "lifetime_jitter": 0.5},
+        id=pool_id,
+        task_queue=stack.task_queue,
+    )
+    stack.handles.append(handle)
+
+    members = [f"{pool_id}/{n}" for n in range(20)]
+
+    async def all_rotated() -> bool:
+        status = await handle.query("status")
+        if len(status["members"]) < 20 or any(m["generation"] < 1 for m in status["members"]):
+            return False
+        for member in members:
+            if not await _rotations(stack.client.get_workflow_handle(member)):
+                return False
+        return True
+
+    await wait_for(all_rotated, "every member rotated once", deadline=180)
+    rotations = [
+        span
+        for member in members
+        for span in await _rotations(stack.client.get_workflow_handle(member))
+    ]
+    assert len(rotations) >= 20, await handle.query("status")
+    rotations.sort()
+    for (_, end), (start, _) in itertools.pairwise(rotations):
+        assert end <= start, f"two members rotating at once: {rotations}"
+    # Jitter spread the first rotations over the lifetime's window.
+    firsts = sorted(
+        [(await _rotations(stack.client.get_workflow_handle(m)))[0][0] for m in members]
+    )
+    assert (firsts[-1] - firsts[0]).total_seconds() >= 5
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert one_squid.ids() == set()
+
+
+async def _rotations(member: WorkflowHandle[Any, Any]) -> list[tuple[datetime, datetime]]:
+    """(rotate signal received, new instance's first probe passed) from a member's history."""
+    spans: list[tuple[datetime, datetime]] = []
+    started: datetime | None = None
+    probe_scheduled: int | None = None
+    async for event in member.fetch_history_events():
+        at = event.event_time.ToDatetime(tzinfo=UTC)
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            if event.workflow_execution_signaled_event_attributes.signal_name == "rotate":
+                started = started or at
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            if started is not None and name == "wait_healthy":
+                probe_scheduled = event.event_id
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            attrs = event.activity_task_completed_event_attributes
+            if started is not None and attrs.scheduled_event_id == probe_scheduled:
+                spans.append((started, at))
+                started = probe_scheduled = None
+    return spans
+
+
+async def test_members_live_on_across_the_pools_continue_as_new(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+) -> None:
+    stack = await stack_on(eager_can_env)
+    pool_id = f"pool-{uuid.uuid4().hex[:8]}"
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 2, "template": stack.proxy_input(max_lifetime_seconds=10)},
+        id=pool_id,
+        task_queue=stack.task_queue,
+    )
+    first_run = (await handle.describe()).run_id
+
+    async def continued() -> bool:
+        return (await handle.describe()).run_id != first_run
+
+    await wait_for(continued, "the pool's continue-as-new", deadline=120)
+    members = [stack.client.get_workflow_handle(f"{pool_id}/{n}") for n in range(2)]
+    for member in members:
+        described = await member.describe()
+        assert described.status is not None and described.status.name == "RUNNING"
+
+    async def two_ready_rotated() -> bool:
+        status = await handle.query("status")
+        return bool(
+            status["ready"] == 2
+            and [m["member"] for m in status["members"]] == [m.id for m in members]
+            and all(m["generation"] >= 2 for m in status["members"])
+        )
+
+    # The new run keeps the same members, and keeps rotating them.
+    await wait_for(two_ready_rotated, "the same two members Ready and rotating", deadline=90)
+    await wait_for(lambda: len(stack.instances()) == 2, "one instance per member")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert stack.instances() == []
