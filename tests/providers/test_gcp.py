@@ -18,7 +18,12 @@ from google.auth.credentials import AnonymousCredentials
 from providers.base import CreateRequest, InstanceState
 from providers.config import parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.gcp import GcpConfig, GcpProvider
+from providers.gcp import (
+    STARTUP_READY,
+    STARTUP_STATE_ATTRIBUTE,
+    GcpConfig,
+    GcpProvider,
+)
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
 from providers.squid import ProxySettings, md5_crypt
 from tests.conftest import RealCredentialsForbidden
@@ -61,7 +66,14 @@ def make_request(
 
 def make_provider(fake: FakeCompute, **settings: Any) -> GcpProvider:
     config = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, **settings)
-    return GcpProvider(config, INSTALLATION, **fake.clients())
+    # Every `get` asks for the startup state: tests step through it quickly.
+    return GcpProvider(config, INSTALLATION, guest_attribute_interval=0, **fake.clients())
+
+
+def boot(fake: FakeCompute, zone: str, name: str, nat_ip: str = "203.0.113.10") -> None:
+    """The VM boots and its startup script reports Squid ready, as on a real VM."""
+    fake.set_status(zone, name, "RUNNING", nat_ip=nat_ip)
+    fake.guest_write(zone, name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
 
 
 @pytest.fixture
@@ -114,13 +126,18 @@ def test_create_sends_the_instance_a_proxy_needs(
     assert disk["initializeParams"]["sourceImage"] == (
         "projects/debian-cloud/global/images/family/debian-12"
     )
+    # Disk listings and billing exports show whose boot disk it is.
+    assert disk["initializeParams"]["labels"] == body["labels"]
     assert "scheduling" not in body
     assert "serviceAccounts" not in body
     metadata = metadata_of(body)
     assert json.loads(metadata["proxy-operator-tags"]) == req.tags
     assert metadata["proxy-operator-port"] == "3128"
+    # The startup script reports readiness here; no project-wide SSH keys.
+    assert metadata["enable-guest-attributes"] == "TRUE"
+    assert metadata["block-project-ssh-keys"] == "TRUE"
     script = metadata["startup-script"]
-    assert "apt-get install -y -q --no-install-recommends squid" in script
+    assert "install -y --no-install-recommends squid" in script
     assert "systemctl restart squid" in script
     assert PASSWORD not in json.dumps(body), "the plaintext password must stay in the worker"
     # The insert operation was waited on, then the instance read back.
@@ -264,6 +281,7 @@ def test_get_maps_every_status(
     state: InstanceState,
 ) -> None:
     created = provider.create(make_request())
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
     fake_compute.set_status(ZONE_B, created.name, status, nat_ip=nat_ip)
 
     instance = provider.get(created.provider_id)
@@ -294,7 +312,7 @@ def test_malformed_provider_id_is_permanent_and_calls_nothing(
 def test_create_adopts_an_instance_that_already_exists(fake_compute: FakeCompute) -> None:
     req = make_request()
     first = make_provider(fake_compute).create(req)
-    fake_compute.set_status(ZONE_B, req.name, "RUNNING", nat_ip="203.0.113.10")
+    boot(fake_compute, ZONE_B, req.name)
 
     # A retried activity, possibly on another worker with a fresh provider.
     again = make_provider(fake_compute).create(req)
@@ -317,7 +335,8 @@ def test_delete_waits_for_the_operation_and_is_idempotent(
     with pytest.raises(NotFound):
         provider.get(created.provider_id)
     provider.delete(created.provider_id)  # already gone: success
-    assert len(fake_compute.calls("delete")) == 2
+    # The second delete read the instance first (to check its tags) and found it gone.
+    assert len(fake_compute.calls("delete")) == 1
 
 
 # -- list_by_tag ----------------------------------------------------------------
@@ -329,7 +348,10 @@ def test_list_by_tag_finds_tagged_instances_in_every_zone(
     ours = [make_request(f"proxy-{zone}", zone=zone) for zone in (ZONE_B, ZONE_C, ZONE_D)]
     for req in ours:
         provider.create(req)
-    provider.create(make_request("other-installation", zone=ZONE_C, installation="staging"))
+    staging = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B), "staging", **fake_compute.clients()
+    )
+    staging.create(make_request("other-installation", zone=ZONE_C, installation="staging"))
     fake_compute.add_instance(ZONE_B, "someone-elses-vm", labels={"team": "web"})
     # Same label, different exact tag: a label collision the metadata resolves.
     fake_compute.add_instance(
@@ -527,6 +549,10 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         ("insert", "forbidden", Permanent),
         ("insert", "bad_request", Permanent),
         ("insert", "not_found", Permanent),  # e.g. the image family does not exist
+        # An organisation policy (no external IPs): no retry gets past it.
+        ("insert", "org_policy", Permanent),
+        ("insert", "org_policy_operation", Permanent),
+        ("insert", "rate_limit", QuotaExceeded),
         ("insert", "unavailable", Transient),
         ("zone_operation_wait", "unavailable", Transient),
         ("delete", "unavailable", Transient),
@@ -567,6 +593,11 @@ def test_api_errors_are_mapped_onto_the_taxonomy(
     assert error.__cause__ is error.cause
     if kind == "too_many_requests":
         assert error.retry_after_seconds == 7
+    if kind == "rate_limit":
+        # Rate quotas refill within a minute; a resource quota waits longer.
+        assert error.retry_after_seconds == 60
+    if kind in ("quota", "quota_operation", "stockout"):
+        assert error.retry_after_seconds is None
 
 
 def test_unreachable_api_is_transient(fake_compute: FakeCompute, provider: GcpProvider) -> None:
@@ -627,6 +658,14 @@ def test_the_fake_can_be_driven_from_another_process(
         name=created.name,
         status="RUNNING",
         nat_ip="127.0.0.1",
+    )
+    remote(
+        fake_compute.url,
+        "guest_write",
+        zone=ZONE_B,
+        name=created.name,
+        path=STARTUP_STATE_ATTRIBUTE,
+        value=STARTUP_READY,
     )
 
     assert provider.get(created.provider_id).endpoint == "127.0.0.1:3128"

@@ -27,7 +27,9 @@ from contract import QUOTA_RETRY_DELAY
 from providers.config import Config
 from providers.gcp import (
     SQUID_CONF,
+    STARTUP_READY,
     STARTUP_SCRIPT_KEY,
+    STARTUP_STATE_ATTRIBUTE,
     GcpConfig,
     GcpProvider,
     firewall_name,
@@ -70,7 +72,7 @@ def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
     config = gcp_config(tls_origin.port)
     settings = config.provider(PROVIDER).settings
     assert isinstance(settings, GcpConfig)
-    return GcpProvider(settings, config.installation, **fake.clients())
+    return GcpProvider(settings, config.installation, guest_attribute_interval=0, **fake.clients())
 
 
 @pytest.fixture
@@ -129,6 +131,10 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     files = script_files(startup_script(instance))
     squid_conf = files.pop(SQUID_CONF)
     squid = await squid_upstreams.start(squid_conf, files, port=port)
+    # The VM has been RUNNING all along; only now does its startup script
+    # report Squid ready, and only now may the workflow probe it.
+    assert (await status_of(handle)).state == "Provisioning"
+    fake.guest_write(ZONE, name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
 
     status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
     assert status.waiting_for is None
