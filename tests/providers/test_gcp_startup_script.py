@@ -139,17 +139,6 @@ def boot(tmp_path: Path, port: int, *, squid_installed: bool = False, **env: str
     )
 
 
-def test_the_script_is_valid_bash(tmp_path: Path) -> None:
-    script = tmp_path / "startup.sh"
-    script.write_text(
-        startup_script(ProxySettings(3128, "proxy", "pw-pw-pw-pw", ("192.0.2.0/24",), (443,)))
-    )
-
-    syntax = subprocess.run([BASH, "-n", str(script)], capture_output=True, text=True)
-
-    assert syntax.returncode == 0, syntax.stderr
-
-
 def test_a_held_apt_lock_and_a_broken_repository_still_end_ready(
     tmp_path: Path, listener: int
 ) -> None:

@@ -171,3 +171,33 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     assert fake.instance_keys() == set()
     final = await status_of(handle)
     assert (final.state, final.endpoint) == ("Terminated", "")
+
+
+async def test_a_vm_whose_startup_fails_is_replaced_and_the_reason_shown(
+    stack: ProviderStack, fake: FakeCompute
+) -> None:
+    handle = await stack.start(PROVIDER, port=free_port())
+    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    await wait_for(lambda: vm_status(fake, first) == "RUNNING", f"{first} running")
+
+    # The VM runs, but its startup script could not install Squid.
+    fake.guest_write(
+        ZONE,
+        first,
+        STARTUP_STATE_ATTRIBUTE,
+        "failed: apt-get could not install squid in 5 attempts",
+    )
+
+    status = await wait_status(
+        handle,
+        lambda s: "apt-get could not install squid" in (s.last_error or ""),
+        "the startup failure in status",
+    )
+    assert status.state in ("Provisioning", "Replacing")
+    await wait_for(lambda: fake.instance(ZONE, second) is not None, f"the replacement {second}")
+    await wait_for(lambda: fake.instance(ZONE, first) is None, f"{first} deleted")
+
+    await handle.signal("terminate", {"reason": "test done"})
+    result = await handle.result()
+    assert result["state"] == "Terminated"
+    assert fake.instance_keys() == set()
