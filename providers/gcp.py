@@ -203,6 +203,7 @@ BLOCK_PROJECT_SSH_KEYS_KEY = "block-project-ssh-keys"
 STARTUP_STATE_ATTRIBUTE = "proxy-operator/state"
 STARTUP_READY = "ready"
 STARTUP_FAILED_PREFIX = "failed"
+MAX_REASON_CHARS = 300
 # Guest attributes are meant for "at most 10 queries per minute per VM"
 # (compute/docs/metadata/manage-guest-attributes); a VM not ready yet is asked
 # at most this often, the answer in between reused.
@@ -348,19 +349,16 @@ class GcpProvider:
                 # would run a second VM under the same name.
                 existing = self._find_by_name(req, zones)
                 if existing is not None:
+                    self._remove_twins(req, existing)
                     return existing
-            for zone in zones:
+            for zone in zones[:-1]:
                 try:
-                    instance, inserted = self._create_in_zone(req, zone)
+                    return self._create_in_zone(req, zone)
                 except api_exceptions.GoogleAPICallError as exc:
-                    if zone == zones[-1] or not _reasons(exc) & _STOCKOUT_REASONS:
+                    if not _reasons(exc) & _STOCKOUT_REASONS:
                         raise
                     log.info("zone %s has no capacity for %s, trying the next zone", zone, req.name)
-                    continue
-                if inserted:
-                    self._remove_twins(req, zone)
-                return instance
-        raise AssertionError("unreachable: the last zone returns or raises")
+            return self._create_in_zone(req, zones[-1])
 
     def get(self, provider_id: str) -> Instance:
         zone, name = _parse_provider_id(provider_id)
@@ -407,8 +405,8 @@ class GcpProvider:
     def _candidate_zones(self) -> list[str]:
         return list(dict.fromkeys([self._settings.zone, *self._settings.zones]))
 
-    def _create_in_zone(self, req: CreateRequest, zone: str) -> tuple[Instance, bool]:
-        """The VM in `zone`, and whether this call inserted it (else it was adopted).
+    def _create_in_zone(self, req: CreateRequest, zone: str) -> Instance:
+        """The VM in `zone`, inserted or adopted, with no twin left elsewhere.
 
         Each zone gets its own operation budget. A failed insert's instance
         lingers for a while: the error is raised only once it is gone, so the
@@ -426,7 +424,9 @@ class GcpProvider:
             )
         except api_exceptions.Conflict:
             # Already exists: a retried create, or somebody else's VM.
-            return self._adopt(req, zone, self._fetch(zone, req.name)), False
+            instance = self._adopt(req, zone, self._fetch(zone, req.name))
+            self._remove_twins(req, instance)
+            return instance
         except api_exceptions.NotFound as exc:
             # On insert, a 404 names what the request refers to (image family,
             # zone, network), never the instance: a config error, not a lost VM.
@@ -435,7 +435,9 @@ class GcpProvider:
         if done.error.errors:
             self._wait_vanished(zone, req.name, deadline)
             raise _operation_error(done)
-        return self._with_readiness(zone, self._fetch(zone, req.name)), True
+        instance = self._with_readiness(zone, self._fetch(zone, req.name))
+        self._remove_twins(req, instance)
+        return instance
 
     def _adopt(self, req: CreateRequest, zone: str, gce: compute_v1.Instance) -> Instance:
         """The existing VM of the requested name, if it is the one this request made.
@@ -468,19 +470,17 @@ class GcpProvider:
                 return self._adopt(req, zone, self._fetch(zone, req.name))
         return None
 
-    def _remove_twins(self, req: CreateRequest, zone: str) -> None:
-        """Delete this request's VMs in zones other than `zone`.
+    def _remove_twins(self, req: CreateRequest, keep: Instance) -> None:
+        """Delete this request's VMs in zones other than `keep`'s.
 
         An earlier attempt may have reached a fallback zone that a config
         change has since removed from `zones`, so `_find_by_name` never asked
-        there. Best effort: the VM just made is fine either way, and a twin
-        this cannot see (its zone unreachable) is logged.
+        there. It runs after every successful create, adopted or inserted, so
+        a create that failed while deleting a twin finishes the job when
+        retried. A twin this cannot see (its zone unreachable) is logged.
         """
-        try:
-            found, unreachable = self._aggregated(f'name = "{req.name}"')
-        except api_exceptions.GoogleAPICallError as exc:
-            log.warning("cannot check for twins of %s in other zones: %s", req.name, exc)
-            return
+        zone = keep.provider_id.partition("/")[0]
+        found, unreachable = self._aggregated(f'name = "{req.name}"')
         if unreachable:
             log.warning(
                 "cannot check %s for twins of %s: unreachable", ", ".join(unreachable), req.name
@@ -626,8 +626,10 @@ class GcpProvider:
         if state == STARTUP_READY:
             return instance
         if state.startswith(STARTUP_FAILED_PREFIX):
+            # Written by the VM: shown to users, so kept short and printable.
+            said = "".join(c if c.isprintable() else "?" for c in state[:MAX_REASON_CHARS])
             return dataclasses.replace(
-                instance, state=InstanceState.TERMINATED, ip="", reason=f"startup script {state}"
+                instance, state=InstanceState.TERMINATED, ip="", reason=f"startup script {said}"
             )
         return dataclasses.replace(
             instance,

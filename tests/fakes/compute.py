@@ -988,6 +988,15 @@ def _validate_instance(zone: str, body: dict[str, Any]) -> None:
         raise _invalid("Exactly one boot disk with initializeParams.sourceImage is required")
     if not body.get("networkInterfaces"):
         raise _invalid("At least one network interface is required")
+    region = zone.rsplit("-", 1)[0]
+    for i, nic in enumerate(body["networkInterfaces"]):
+        # A subnetwork is regional: an interface can use one in its zone's region only.
+        subnet = re.search(r"regions/([^/]+)/subnetworks/", nic.get("subnetwork", ""))
+        if subnet is not None and subnet[1] != region:
+            raise _invalid(
+                f"Invalid value for field 'resource.networkInterfaces[{i}].subnetwork': "
+                f"'{nic['subnetwork']}'. Subnetwork should belong to region '{region}'"
+            )
     scheduling = body.get("scheduling", {})
     if scheduling.get("provisioningModel") == "SPOT" and (
         scheduling.get("automaticRestart", True)

@@ -724,6 +724,23 @@ def test_a_startup_failure_ends_the_instance_with_its_reason(
     assert failed.reason == "startup script failed: apt-get could not install squid in 5 attempts"
 
 
+def test_what_a_vm_reports_is_shown_short_and_printable(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """Any process on the VM can write the attribute; users read the reason."""
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+    fake_compute.guest_write(
+        ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, "failed: \x1b[2J" + "x" * 10_000
+    )
+
+    failed = provider.get(created.provider_id)
+
+    assert failed.state is InstanceState.TERMINATED
+    assert failed.reason.startswith("startup script failed: ?[2Jxxx")
+    assert len(failed.reason) < 400 and failed.reason.isprintable()
+
+
 def test_startup_state_queries_are_paced_per_vm(fake_compute: FakeCompute) -> None:
     """Guest attributes are meant for a few queries a minute per VM."""
     provider = GcpProvider(
@@ -842,6 +859,22 @@ def test_a_zone_dropped_from_the_config_between_attempts_leaves_one_vm(
 
     assert instance.provider_id == f"{ZONE_B}/{req.name}"
     assert fake_compute.instance_keys() == {(ZONE_B, req.name), (ZONE_US, req.name)}
+
+
+def test_a_twin_that_could_not_be_deleted_is_deleted_by_the_retry(
+    fake_compute: FakeCompute,
+) -> None:
+    req = make_request()
+    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
+    make_provider(fake_compute, zones=[ZONE_C]).create(req)
+    fake_compute.inject_error("delete", "unavailable", zone=ZONE_C)
+    with pytest.raises(Transient):
+        make_provider(fake_compute, zones=[ZONE_D]).create(req)
+
+    instance = make_provider(fake_compute, zones=[ZONE_D]).create(req)  # adopts B's VM
+
+    assert instance.provider_id == f"{ZONE_B}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_B, req.name)}
 
 
 # -- zone fallback ----------------------------------------------------------------
