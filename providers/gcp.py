@@ -62,7 +62,9 @@ from providers.config import Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
 from providers.naming import (
     GENERATION_KEY,
+    HASHED_IN_LABELS,
     INSTALLATION_KEY,
+    NAMESPACE_KEY,
     OWNER_KEY,
     RFC1035_LABEL,
     ownership_mismatch,
@@ -445,19 +447,24 @@ class GcpProvider:
         Its owner, installation and generation tags must match the request's:
         anything else is someone else's VM, never silently adopted.
         """
-        generation = req.tags.get(GENERATION_KEY, "")
-        mismatch = ownership_mismatch(
-            _tags(gce),
-            self._installation,
-            owner_id=req.tags.get(OWNER_KEY, ""),
-            generation=int(generation) if generation.isdigit() else -1,
-        )
+        mismatch = self._not_made_by(req, gce)
         if mismatch:
             raise Permanent(
                 f"create instance {zone}/{req.name}: an instance of that name exists and is "
                 f"not this proxy's, {mismatch}"
             )
         return self._with_readiness(zone, gce)
+
+    def _not_made_by(self, req: CreateRequest, gce: compute_v1.Instance) -> str | None:
+        """Why `gce` is not the VM `req` makes (installation, namespace, owner, generation)."""
+        generation = req.tags.get(GENERATION_KEY, "")
+        return ownership_mismatch(
+            _tags(gce),
+            self._installation,
+            owner_id=req.tags.get(OWNER_KEY, ""),
+            generation=int(generation) if generation.isdigit() else -1,
+            namespace=req.tags.get(NAMESPACE_KEY),
+        )
 
     def _find_by_name(self, req: CreateRequest, zones: list[str]) -> Instance | None:
         """Ask each candidate zone for the VM (one `instances.get` each).
@@ -489,13 +496,7 @@ class GcpProvider:
             twin_zone = _zone_of(gce)
             if twin_zone == zone:
                 continue
-            generation = req.tags.get(GENERATION_KEY, "")
-            if ownership_mismatch(
-                _tags(gce),
-                self._installation,
-                owner_id=req.tags.get(OWNER_KEY, ""),
-                generation=int(generation) if generation.isdigit() else -1,
-            ):
+            if self._not_made_by(req, gce):
                 continue  # not ours: never touched
             log.warning(
                 "deleting %s/%s: a twin of %s/%s left by an earlier attempt",
@@ -890,11 +891,12 @@ def label_key(key: str) -> str:
 def label_value(key: str, value: str) -> str:
     """A tag value as a label value: itself when valid, else its short hash.
 
-    The owner (a user-chosen workflow id) is always hashed, so its label has
-    one predictable form and no free text reaches labels, which billing
-    exports copy. The exact value is in the instance metadata.
+    The owner (a user-chosen workflow id) and the Temporal namespace are
+    always hashed (HASHED_IN_LABELS), so their labels have one predictable
+    form and no free text reaches labels, which billing exports copy. The
+    exact value is in the instance metadata.
     """
-    if key != OWNER_KEY and _LABEL_VALUE.fullmatch(value):
+    if key not in HASHED_IN_LABELS and _LABEL_VALUE.fullmatch(value):
         return value
     return short_hash(value)
 

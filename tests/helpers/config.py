@@ -1,8 +1,8 @@
 """Worker configs for tests and benchmarks: one provider entry, a proxy open to loopback only.
 
 One builder so every test and benchmark config has the same shape (auth from
-an environment variable, the 127.0.0.0/8 allowlist) and differs only in what
-it says it differs in.
+an environment variable, the 127.0.0.0/8 allowlist, CONNECT to loopback
+allowed for the test origin) and differs only in what it says it differs in.
 """
 
 from __future__ import annotations
@@ -12,12 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from providers.config import Config, parse_config
+from providers.naming import instance_name
+from providers.squid import DEFAULT_DENIED_DESTINATIONS
 
 INSTALLATION = "test"
 USERNAME = "proxy"
 PASSWORD = "test-password-7f3a"
 PASSWORD_ENV = "PROXY_PASSWORD"
 LOOPBACK = "127.0.0.0/8"
+# The default list minus loopback: tests tunnel to an origin on 127.0.0.1,
+# which a proxy refuses by default. Everything else stays refused.
+LOOPBACK_ORIGIN_DENIED: tuple[str, ...] = tuple(
+    cidr for cidr in DEFAULT_DENIED_DESTINATIONS if cidr not in (LOOPBACK, "::1/128")
+)
 
 
 def local_entry(state_dir: str | Path, name: str = "local") -> dict[str, Any]:
@@ -39,6 +46,7 @@ def raw_config(
             "auth": {"username": username, "password_env": PASSWORD_ENV},
             "allowed_cidrs": [LOOPBACK],
             "allowed_connect_ports": list(connect_ports),
+            "denied_destinations": list(LOOPBACK_ORIGIN_DENIED),
         },
         "providers": [provider],
     }
@@ -64,3 +72,18 @@ def proxy_config(origin_port: int, provider: dict[str, Any], *, password: str = 
 def stack_config(origin_port: int, state_dir: str | Path) -> Config:
     """`proxy_config` with the local provider, named `local`, on `state_dir`."""
     return proxy_config(origin_port, local_entry(state_dir))
+
+
+def lifecycle_instance_name(
+    workflow_id: str,
+    generation: int,
+    *,
+    installation: str = INSTALLATION,
+    namespace: str = "default",
+) -> str:
+    """The name a lifecycle started today gives an instance on the test servers.
+
+    Scoped to the installation and the Temporal namespace (the test servers'
+    `default`), as providers/naming.py describes.
+    """
+    return instance_name(workflow_id, generation, installation=installation, namespace=namespace)

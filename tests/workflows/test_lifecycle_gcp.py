@@ -34,9 +34,8 @@ from providers.gcp import (
     GcpProvider,
     firewall_name,
 )
-from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
-from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
+from tests.helpers.config import INSTALLATION, USERNAME, lifecycle_instance_name, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_files
 from tests.helpers.stacks import ProviderStack, StackFactory
@@ -111,7 +110,7 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     port = free_port()
     fake.inject_error("insert", "quota", zone=ZONE)
     handle = await stack.start(PROVIDER, port=port)
-    name = instance_name(handle.id, 0)
+    name = lifecycle_instance_name(handle.id, 0)
 
     waiting = await wait_status(
         handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "quota wait"
@@ -177,7 +176,7 @@ async def test_a_vm_whose_startup_fails_is_replaced_and_the_reason_shown(
     stack: ProviderStack, fake: FakeCompute
 ) -> None:
     handle = await stack.start(PROVIDER, port=free_port())
-    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
     await wait_for(lambda: vm_status(fake, first) == "RUNNING", f"{first} running")
 
     # The VM runs, but its startup script could not install Squid.
