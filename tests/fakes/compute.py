@@ -932,24 +932,24 @@ def _error_body(kind: ErrorKind) -> dict[str, Any]:
     }
 
 
-def _unreachable_scope(zone: str) -> dict[str, Any]:
+def _scope_warning(zone: str, code: str, message: str) -> dict[str, Any]:
+    """A scope of an aggregated list that carries a warning instead of instances."""
+    scope = f"zones/{zone}"
     return {
-        "warning": {
-            "code": "UNREACHABLE",
-            "message": f"Scope 'zones/{zone}' is unreachable.",
-            "data": [{"key": "scope", "value": f"zones/{zone}"}],
-        }
+        "warning": {"code": code, "message": message, "data": [{"key": "scope", "value": scope}]}
     }
+
+
+def _unreachable_scope(zone: str) -> dict[str, Any]:
+    return _scope_warning(zone, "UNREACHABLE", f"Scope 'zones/{zone}' is unreachable.")
 
 
 def _no_results(zone: str) -> dict[str, Any]:
-    return {
-        "warning": {
-            "code": "NO_RESULTS_ON_PAGE",
-            "message": f"There are no results for scope 'zones/{zone}' on this page.",
-            "data": [{"key": "scope", "value": f"zones/{zone}"}],
-        }
-    }
+    return _scope_warning(
+        zone,
+        "NO_RESULTS_ON_PAGE",
+        f"There are no results for scope 'zones/{zone}' on this page.",
+    )
 
 
 def _validate_labels(field_name: str, labels: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ from providers.naming import (
     GENERATION_KEY,
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
+    NAMESPACE_KEY,
     OWNER_KEY,
     instance_name,
     owner_tags,
@@ -64,11 +65,12 @@ def make_request(
     installation: str = INSTALLATION,
     labels: dict[str, str] | None = None,
     cidrs: tuple[str, ...] = CIDRS,
+    namespace: str | None = None,
 ) -> CreateRequest:
     return CreateRequest(
         name=instance_name(owner, 1),
         proxy=proxy_settings(port, cidrs),
-        tags=owner_tags(installation, owner, 1, labels),
+        tags=owner_tags(installation, owner, 1, labels, namespace=namespace),
         placement={"zone": zone} if zone else {},
     )
 
@@ -706,39 +708,28 @@ def test_a_running_vm_is_provisioning_until_its_startup_script_reports_ready(
     assert len(fake_compute.calls("get_guest_attributes")) == asked  # ready is remembered
 
 
+@pytest.mark.parametrize(
+    ("reported", "reason"),
+    [
+        (
+            "failed: apt-get could not install squid in 5 attempts",
+            "startup script failed: apt-get could not install squid in 5 attempts",
+        ),
+        # Any process on the VM can write the attribute: users see it short and printable.
+        ("failed: \x1b[2J" + "x" * 10_000, "startup script failed: ?[2J" + "x" * 288),
+    ],
+)
 def test_a_startup_failure_ends_the_instance_with_its_reason(
-    fake_compute: FakeCompute, provider: GcpProvider
+    fake_compute: FakeCompute, provider: GcpProvider, reported: str, reason: str
 ) -> None:
     created = provider.create(make_request())
     fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
-    fake_compute.guest_write(
-        ZONE_B,
-        created.name,
-        STARTUP_STATE_ATTRIBUTE,
-        "failed: apt-get could not install squid in 5 attempts",
-    )
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, reported)
 
     failed = provider.get(created.provider_id)
 
     assert (failed.state, failed.endpoint) == (InstanceState.TERMINATED, "")
-    assert failed.reason == "startup script failed: apt-get could not install squid in 5 attempts"
-
-
-def test_what_a_vm_reports_is_shown_short_and_printable(
-    fake_compute: FakeCompute, provider: GcpProvider
-) -> None:
-    """Any process on the VM can write the attribute; users read the reason."""
-    created = provider.create(make_request())
-    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
-    fake_compute.guest_write(
-        ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, "failed: \x1b[2J" + "x" * 10_000
-    )
-
-    failed = provider.get(created.provider_id)
-
-    assert failed.state is InstanceState.TERMINATED
-    assert failed.reason.startswith("startup script failed: ?[2Jxxx")
-    assert len(failed.reason) < 400 and failed.reason.isprintable()
+    assert failed.reason == reason
 
 
 def test_startup_state_queries_are_paced_per_vm(fake_compute: FakeCompute) -> None:
@@ -831,11 +822,17 @@ def test_lookup_by_name_asks_each_candidate_zone(fake_compute: FakeCompute) -> N
     ]
 
 
+def left_in_fallback_zone(fake: FakeCompute, req: CreateRequest) -> None:
+    """Attempt 1 of `req` reaches fallback zone C, and its worker dies before reporting."""
+    fake.inject_error("insert", "stockout", zone=ZONE_B)
+    make_provider(fake, zones=[ZONE_C]).create(req)
+    assert fake.instance_keys() == {(ZONE_C, req.name)}
+
+
 def test_a_candidate_zone_that_cannot_answer_stops_the_create(fake_compute: FakeCompute) -> None:
     """The VM may be in that zone: inserting elsewhere would make a second one."""
     req = make_request()
-    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
-    make_provider(fake_compute, zones=[ZONE_C]).create(req)
+    left_in_fallback_zone(fake_compute, req)
     fake_compute.set_zone_unreachable(ZONE_C, True)
 
     with pytest.raises(Transient):
@@ -848,9 +845,7 @@ def test_a_zone_dropped_from_the_config_between_attempts_leaves_one_vm(
     fake_compute: FakeCompute,
 ) -> None:
     req = make_request()
-    # Attempt 1 reaches the fallback zone C; its worker dies before reporting.
-    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
-    make_provider(fake_compute, zones=[ZONE_C]).create(req)
+    left_in_fallback_zone(fake_compute, req)
     # Somebody else's VM of the same name elsewhere is never touched.
     fake_compute.add_instance(ZONE_US, req.name, metadata={"proxy-operator-tags": "{}"})
 
@@ -865,8 +860,7 @@ def test_a_twin_that_could_not_be_deleted_is_deleted_by_the_retry(
     fake_compute: FakeCompute,
 ) -> None:
     req = make_request()
-    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
-    make_provider(fake_compute, zones=[ZONE_C]).create(req)
+    left_in_fallback_zone(fake_compute, req)
     fake_compute.inject_error("delete", "unavailable", zone=ZONE_C)
     with pytest.raises(Transient):
         make_provider(fake_compute, zones=[ZONE_D]).create(req)
@@ -1083,6 +1077,7 @@ def test_delete_refuses_instances_that_are_not_this_installations(
         (owner_tags("staging", "proxy-eu-1", 1), INSTALLATION_KEY),
         (owner_tags(INSTALLATION, "someone-else", 1), OWNER_KEY),
         (owner_tags(INSTALLATION, "proxy-eu-1", 2), GENERATION_KEY),
+        (owner_tags(INSTALLATION, "proxy-eu-1", 1, namespace="staging"), NAMESPACE_KEY),
     ],
 )
 @pytest.mark.parametrize("zones", [[], [ZONE_C]])
@@ -1090,7 +1085,7 @@ def test_create_never_adopts_an_instance_it_did_not_make(
     fake_compute: FakeCompute, tags: dict[str, str], named: str, zones: list[str]
 ) -> None:
     """Same name, other tags: another installation's, another owner's, or hand-made."""
-    req = make_request("proxy-eu-1")
+    req = make_request("proxy-eu-1", namespace="default")
     fake_compute.add_instance(
         ZONE_B, req.name, metadata={"proxy-operator-tags": json.dumps(tags)}, nat_ip="192.0.2.9"
     )
