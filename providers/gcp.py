@@ -47,7 +47,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Annotated, cast
 
@@ -113,13 +113,12 @@ class GcpConfig(StrictModel):
         """Every zone must be in the subnetwork's region, or no insert there can succeed."""
         if self.subnetwork is None:
             return self
-        match = _SUBNETWORK_REGION.search(self.subnetwork)
-        if match is None:
+        region = self.subnetwork_region
+        if region is None:
             raise ValueError(
                 f"subnetwork {self.subnetwork!r} must name its region: "
                 "regions/<region>/subnetworks/<name>"
             )
-        region = match["region"]
         wrong = [
             f"{where} {zone!r} is not in region {region!r}"
             for where, zone in [("zone", self.zone)]
@@ -129,6 +128,30 @@ class GcpConfig(StrictModel):
         if wrong:
             raise ValueError(f"{'; '.join(wrong)}, the region of subnetwork {self.subnetwork!r}")
         return self
+
+    @property
+    def subnetwork_region(self) -> str | None:
+        match = _SUBNETWORK_REGION.search(self.subnetwork or "")
+        return match["region"] if match else None
+
+    def placement_problems(self, placement: Mapping[str, str]) -> list[str]:
+        """Why a workflow's `placement.zone` cannot be used here, naming the field.
+
+        The zone goes into API paths, so only a zone name passes; with a
+        subnetwork, it must be in the subnetwork's region.
+        """
+        zone = placement.get("zone")
+        if zone is None:
+            return []
+        if not isinstance(zone, str) or not re.fullmatch(ZONE_NAME, zone):
+            return [f"placement.zone: {zone!r} is not a zone name such as europe-west1-b"]
+        region = self.subnetwork_region
+        if region is not None and zone_region(zone) != region:
+            return [
+                f"placement.zone: {zone!r} is not in region {region!r} of this provider's "
+                f"subnetwork {self.subnetwork!r}"
+            ]
+        return []
 
 
 def zone_region(zone: str) -> str:
@@ -184,6 +207,7 @@ PROVIDER_TYPE = ProviderType(
     settings=GcpConfig,
     placement_keys=frozenset({"zone"}),
     build=lambda entry, config: GcpProvider.from_config(entry, config),
+    placement_problems=GcpConfig.placement_problems,
     config_problems=config_problems,
 )
 log = logging.getLogger(__name__)
@@ -341,6 +365,11 @@ class GcpProvider:
                 f"create {req.name}: tag {INSTALLATION_KEY} must be {self._installation!r}, "
                 f"got {req.tags.get(INSTALLATION_KEY)!r}"
             )
+        # validate_target rejects this first; checked again so no caller can
+        # steer the API paths this builds.
+        problems = self._settings.placement_problems(req.placement)
+        if problems:
+            raise Permanent(f"create {req.name}: {'; '.join(problems)}")
         with _edge():
             self._ensure_firewall(req.proxy, time.monotonic() + self._operation_timeout)
             pinned = req.placement.get("zone")

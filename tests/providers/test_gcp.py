@@ -948,6 +948,29 @@ def test_zones_are_checked_at_config_load(settings: dict[str, Any], problem: str
     assert any(p.startswith(problem) for p in problems), problems
 
 
+@pytest.mark.parametrize(
+    ("zone", "problem"),
+    [
+        ("../global/firewalls/x", "is not a zone name"),
+        ("europe-west1-b/instances/x", "is not a zone name"),
+        ("EUROPE-WEST1-B", "is not a zone name"),
+        (ZONE_US, "is not in region 'europe-west1'"),
+    ],
+)
+def test_a_placement_zone_is_a_zone_of_the_subnetworks_region(
+    fake_compute: FakeCompute, zone: str, problem: str
+) -> None:
+    provider = make_provider(fake_compute, subnetwork=SUBNET_EU)
+
+    with pytest.raises(Permanent, match=re.escape(problem)) as caught:
+        provider.create(make_request(zone=zone))
+
+    assert "placement.zone" in str(caught.value)
+    assert fake_compute.calls() == []
+    settings = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, subnetwork=SUBNET_EU)
+    assert settings.placement_problems({"zone": ZONE_C}) == []
+
+
 def test_zones_in_the_subnetworks_region_load() -> None:
     config = parse_config(
         raw_config([gcp_entry(zone=ZONE_B, zones=[ZONE_C, ZONE_D], subnetwork=SUBNET_EU)]),
