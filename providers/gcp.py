@@ -968,7 +968,7 @@ report() {{
     -H "Metadata-Flavor: Google" --data "$1" "$STATE_URL" || true
 }}
 trap 'report "{STARTUP_FAILED_PREFIX}: line $LINENO: ${{BASH_COMMAND:0:200}} (exit $?)"' ERR
-APT=(apt-get -q -o DPkg::Lock::Timeout=300 -o Acquire::Retries=3)
+APT=(apt-get -q -o DPkg::Lock::Timeout=120 -o Acquire::Retries=3)
 install_squid() {{
   for attempt in 1 2 3 4 5; do
     # A broken third-party repository fails the update, not Debian's own lists.

@@ -149,7 +149,7 @@ def test_a_held_apt_lock_and_a_broken_repository_still_end_ready(
     installs = [c for c in run.calls if c.startswith("apt-get") and " install " in c]
     assert len(installs) == 3
     # apt itself waits for the lock unattended-upgrades holds, before failing.
-    assert all("-o DPkg::Lock::Timeout=300" in c for c in installs)
+    assert all("-o DPkg::Lock::Timeout=120" in c for c in installs)
     assert f"squid -k parse -f {run.etc}/squid.conf" in run.calls
     assert "systemctl restart squid" in run.calls
     assert (run.etc / "squid.conf").read_text().startswith("# Rendered by proxy-operator")
