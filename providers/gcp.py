@@ -30,11 +30,12 @@ Design choices, and why:
   status and error reasons, or from the error codes of a failed operation.
 - The provider acts only on its own: `delete` reads the instance's tags first
   and a `create` that meets an existing instance adopts it only when owner,
-  installation and generation match (providers.naming.ownership_mismatch).
+  installation, generation (and namespace, when tagged) match
+  (providers.naming.ownership_mismatch).
 - An instance is looked up by name with one `instances.get` per candidate
-  zone, never an aggregated list (which costs list quota and is incomplete
+  zone, not an aggregated list (which costs list quota and is incomplete
   whenever a zone is unreachable). A twin that an earlier attempt left in a
-  zone no longer configured is deleted after a fresh insert.
+  zone no longer configured is deleted once a create has its VM.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ _SUBNETWORK_REGION = re.compile(
     r"(?:^|/)regions/(?P<region>[a-z]+-[a-z]+[0-9]+)/subnetworks/[^/]+$"
 )
 # Zones a create may try, fallbacks included. Each gets its own operation
-# budget, so all of them fit in the create activity's start-to-close timeout.
+# budget (OPERATION_TIMEOUT_SECONDS), so trying all of them stays within the
+# create activity's 10-minute start-to-close timeout in all but the worst
+# case, where the retry adopts whatever the timed-out attempt made.
 MAX_ZONES = 4
 
 
@@ -243,8 +246,7 @@ SQUID_CONF = "/etc/squid/squid.conf"
 CALL_TIMEOUT_SECONDS = 60.0
 # Default bound on one operation: the insert in one zone (a zone that reports
 # a stockout late leaves the next one its own full budget), a delete, or the
-# firewall. MAX_ZONES inserts and the firewall fit in the create activity's
-# start-to-close timeout (10 minutes).
+# firewall.
 OPERATION_TIMEOUT_SECONDS = 120.0
 # Compute Engine counts API rate quotas per minute (compute/docs/api-quota):
 # a rate limit is over within one, unlike a resource quota.
