@@ -732,6 +732,27 @@ def test_a_startup_failure_ends_the_instance_with_its_reason(
     assert failed.reason == reason
 
 
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", QuotaExceeded)],
+)
+def test_a_failed_readiness_query_is_classified(
+    fake_compute: FakeCompute,
+    provider: GcpProvider,
+    kind: str,
+    expected: type[ProviderError],
+) -> None:
+    """A role without compute.instances.getGuestAttributes fails loudly, not slowly."""
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+    fake_compute.inject_error("get_guest_attributes", kind)
+
+    with pytest.raises(ProviderError) as caught:
+        provider.get(created.provider_id)
+
+    assert type(caught.value) is expected
+
+
 def test_startup_state_queries_are_paced_per_vm(fake_compute: FakeCompute) -> None:
     """Guest attributes are meant for a few queries a minute per VM."""
     provider = GcpProvider(
