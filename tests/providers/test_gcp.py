@@ -900,13 +900,14 @@ def test_each_zone_gets_its_own_operation_budget(fake_compute: FakeCompute) -> N
     provider = GcpProvider(
         GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, zones=[ZONE_C]),
         INSTALLATION,
-        operation_timeout=5.0,
+        operation_timeout=8.0,
         guest_attribute_interval=0,
         **fake_compute.clients(),
     )
     provider.create(make_request("warm-up", zone=ZONE_D))  # firewall in place
-    fake_compute.set_operation_seconds(3.0, zone=ZONE_B)
-    fake_compute.set_operation_seconds(3.0, zone=ZONE_C)
+    # Together longer than one budget, each well within its own.
+    fake_compute.set_operation_seconds(5.0, zone=ZONE_B)
+    fake_compute.set_operation_seconds(5.0, zone=ZONE_C)
     fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
     req = make_request()
 
