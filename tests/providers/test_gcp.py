@@ -962,6 +962,10 @@ SUBNET_EU = "regions/europe-west1/subnetworks/proxies"
             {"zone": ZONE_B, "zones": [ZONE_C, ZONE_D, "europe-west1-a", "europe-west1-e"]},
             "providers[0].gcp.zones: list should have at most 3 items",
         ),
+        (
+            {"zone": ZONE_B, "firewall_rule": "Proxies_EU"},
+            "providers[0].gcp.firewall_rule: string should match pattern",
+        ),
     ],
 )
 def test_zones_are_checked_at_config_load(settings: dict[str, Any], problem: str) -> None:
