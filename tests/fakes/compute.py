@@ -3,9 +3,12 @@
 The real google-cloud-compute clients talk to it over HTTP on 127.0.0.1 with
 anonymous credentials, so requests are built, serialised and parsed exactly
 as they would be against compute.googleapis.com. It keeps instances per
-zone, zonal and global operations, and firewall rules, and it rejects what
-the real API would reject in the requests this project sends (invalid names,
-labels, metadata, spot scheduling): a provider bug shows up as a 400 here.
+zone, zonal and global operations, firewall rules and guest attributes, and
+it rejects what the real API would reject in the requests this project sends
+(invalid names, labels on instances and disks, metadata, spot scheduling, a
+subnetwork outside the zone's region, IPv4 and IPv6 in one firewall rule, a
+rule moved to another network): a provider bug shows up as a 400 here.
+docs/fakes.md lists what it models and where the real behaviour is documented.
 
 Stable API (used by the provider tests and by workflow-level tests):
 
@@ -37,8 +40,9 @@ Stable API (used by the provider tests and by workflow-level tests):
   insert is a 409), then it vanishes, as on the real API.
 - Errors (`inject_error(method, kind, times=1, zone=None)`; `times=None`
   means until cleared): METHODS lists the methods, ERROR_KINDS the kinds.
-  `stockout` and `quota_operation` fail the operation (as Compute Engine
-  reports them) and are accepted only for methods that return one.
+  `stockout`, `quota_operation` and `org_policy_operation` fail the
+  operation (as Compute Engine reports them) and are accepted only for
+  methods that return one.
 - From another process: `python -m tests.fakes.compute --port 8089` serves
   it, and `remote(url, "inject_error", method="insert", kind="quota")`
   (a POST to `/_fake/<name>` with the keyword arguments as JSON) calls any of
