@@ -70,6 +70,7 @@ REPLACE_BACKOFF = timedelta(seconds=10)
 # `drain_seconds`: longer than a gateway takes to poll, debounce and reload
 # (docs/architecture.md, "The gateway").
 DEFAULT_MEMBER_DRAIN_SECONDS = 15
+MEMBER_DRAIN_PATCH = "member-drain"
 MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 # The reconcile runs when the pool is awake anyway and this long has passed,
 RECONCILE_EVERY = timedelta(minutes=10)
@@ -570,7 +571,8 @@ class ProxyPool:
         self._spawn(self._drain_then_terminate(member, reason, drain))
 
     async def _drain_then_terminate(self, member: Member, reason: str, drain: int) -> None:
-        if drain:
+        # Pools recorded before drains existed signal at once.
+        if drain and workflow.patched(MEMBER_DRAIN_PATCH):
             await workflow.sleep(drain, summary=f"drain {member.member} {drain}s")
         await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
