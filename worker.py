@@ -289,15 +289,16 @@ def _free_port() -> int:
         return port
 
 
-def run() -> NoReturn:
-    """The console entry point: `main`, then exit without interpreter teardown.
+def run(entry: Callable[[], int] = main) -> NoReturn:
+    """The console entry point: `entry` (the worker's `main`), then exit without teardown.
 
     Tearing down the interpreter while the Temporal SDK's native runtime
     threads still exist can abort the process after a clean drain
-    (temporalio/sdk-python#300). By the time `main` returns everything worth
-    doing is done, so flush and leave with its exit code.
+    (temporalio/sdk-python#300). By the time `entry` returns everything worth
+    doing is done, so flush and leave with its exit code. The gateway's
+    console script leaves the same way.
     """
-    code = main()
+    code = entry()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

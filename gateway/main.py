@@ -29,6 +29,7 @@ from typing import NoReturn
 from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError
 
+import worker
 from gateway import membership, metrics
 from gateway.squids import GatewayError, GatewaySquids
 from providers.config import ConfigError, load_config
@@ -246,12 +247,8 @@ def _private_dir() -> Path:
 
 
 def run() -> NoReturn:
-    """The console entry point (see worker.run for why it leaves with os._exit)."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The console entry point; leaves as the worker's does (worker.run says why)."""
+    worker.run(main)
 
 
 if __name__ == "__main__":
