@@ -6,7 +6,13 @@ Each prints tables for docs/benchmarks.md; none asserts anything.
 import runpy
 import sys
 
-BENCHMARKS = ("bench.local_squid", "bench.lifecycle", "bench.orphan_gc", "bench.fleet")
+BENCHMARKS = (
+    "bench.local_squid",
+    "bench.lifecycle",
+    "bench.orphan_gc",
+    "bench.fleet",
+    "bench.pool",
+)
 
 for module in BENCHMARKS:
     print(f"\n=== {module}", flush=True)
