@@ -326,7 +326,10 @@ class ProxyPool:
     def rotate(self, request: Any) -> dict[str, list[str]]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
         req = self._request(RotateRequest, request, "rotate")
-        targets = self._live() if req.all else [self._members[str(req.member)]]
+        # All: every member that has served; one still starting is new already.
+        targets = (
+            [m for m in self._live() if m.served] if req.all else [self._members[str(req.member)]]
+        )
         queued = []
         for member in targets:
             if member.rotate_reason is None and member.rotating_from is None:
