@@ -243,7 +243,7 @@ class LocalProvider:
             directory = self._dir(name)
             if not directory.exists() or _vacated(directory):
                 return
-            mismatch = ownership_mismatch(_tags_if_any(directory), self._installation)
+            mismatch = ownership_mismatch(_read_tags(directory), self._installation)
             if mismatch:
                 raise Permanent(f"delete {provider_id}: refused, {mismatch}")
             # A create of the same name may restart Squid while it is being
@@ -335,7 +335,7 @@ class LocalProvider:
             return None
         generation = req.tags.get(GENERATION_KEY, "")
         mismatch = ownership_mismatch(
-            _tags_if_any(directory),
+            _read_tags(directory),
             self._installation,
             owner_id=req.tags.get(OWNER_KEY, ""),
             generation=int(generation) if generation.isdigit() else -1,
@@ -714,8 +714,18 @@ def _write(path: Path, text: str, mode: int = 0o644, group: int | None = None) -
 
 
 def _read_tags(directory: Path) -> dict[str, str]:
-    tags: dict[str, str] = json.loads((directory / TAGS_FILE).read_text())
-    return tags
+    """The directory's tags; none at all for one this provider never made (or a mangled file).
+
+    Never raises for its content: one odd directory must not make listing,
+    and so orphan GC, fail for every instance.
+    """
+    try:
+        tags = json.loads((directory / TAGS_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(tags, dict):
+        return {}
+    return {k: v for k, v in tags.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _vacated(directory: Path) -> bool:
@@ -729,14 +739,6 @@ def _vacated(directory: Path) -> bool:
             return True
         raise
     return True
-
-
-def _tags_if_any(directory: Path) -> dict[str, str]:
-    """The directory's tags; none at all for one this provider never made."""
-    try:
-        return _read_tags(directory)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def _check_config(binary: str, conf: Path) -> None:

@@ -557,6 +557,13 @@ def test_a_directory_made_by_hand_is_not_deleted(state_dir: Path) -> None:
     with pytest.raises(Permanent, match="managed-by=None"):
         provider_for(state_dir).delete("local/proxy-by-hand")
     assert (hand_made / "notes.txt").read_text() == "mine"
+    # Mangled tags are no tags: refused, and no reason for listing to fail.
+    for mangled, content in (("proxy-truncated", '{"managed-by": "pro'), ("proxy-list", "[1]")):
+        (state_dir / mangled).mkdir()
+        (state_dir / mangled / TAGS_FILE).write_text(content)
+        with pytest.raises(Permanent, match="managed-by=None"):
+            provider_for(state_dir).delete(f"local/{mangled}")
+    assert provider_for(state_dir).list_by_tag("managed-by", "proxy-operator") == []
     # What a removal interrupted before its rmdir leaves is just finished off.
     (hand_made / "notes.txt").unlink()
     provider_for(state_dir).delete("local/proxy-by-hand")
