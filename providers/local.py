@@ -418,7 +418,8 @@ class LocalProvider:
         if account is not None:
             _check_traversable(self._state_dir, *account)
             group = account[1]
-        if previous is None and not directory.exists():
+        fresh = previous is None and not directory.exists()
+        if fresh:
             self._make_dir(name, req.tags, group)
 
         port = self._allocate_port(name, previous.port if previous else None)
@@ -444,8 +445,10 @@ class LocalProvider:
         _check_config(binary, conf)
 
         # Helpers of a Squid that was killed may still be exiting; once none
-        # runs, segments it left would only make the new one fail.
-        self._stop(name, None)
+        # runs, segments it left would only make the new one fail. Nothing
+        # can run from a directory made just now.
+        if not fresh:
+            self._stop(name, None)
         service = service_name(name)
         _remove_shm(service)
         created_at = previous.created_at if previous else datetime.now(UTC)
