@@ -64,6 +64,9 @@ class ErrorType(StrEnum):
     CRASH_LOOP = "CrashLoop"
     # A lifecycle's end on an error that carried no type of its own.
     UNCLASSIFIED = "Failed"
+    # OrphanGC's end when a sweep would have deleted too much of what it saw;
+    # it deleted nothing on that provider (docs/security.md).
+    GC_CIRCUIT_OPEN = "GcCircuitOpen"
 
 
 # The four the provider taxonomy maps onto one to one.

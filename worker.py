@@ -44,6 +44,7 @@ from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_
 from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
+from workflows.payloads import with_input_payload_converter
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
 DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
@@ -170,7 +171,8 @@ def build_worker(
         [] if gc is None else [gc.providers, gc.survey, gc.confirm, gc.record_deleted]
     )
     return Worker(
-        client,
+        # Undecodable start arguments fail the workflow instead of wedging it.
+        with_input_payload_converter(client),
         task_queue=task_queue,
         workflows=[ProxyLifecycle] if gc is None else [ProxyLifecycle, OrphanGC],
         activities=[

@@ -1,5 +1,10 @@
 """Orphan GC's look-ups: which of this installation's instances does nobody own?
 
+Only instances of this installation and this Temporal namespace are
+considered: owners are looked up in this namespace, so an instance another
+namespace made would always look orphaned here. Instances made before the
+namespace tag existed are kept and reported, never judged.
+
 Ownership is decided by Temporal, never guessed from the instance: a
 ProxyLifecycle lists every instance it owns or is creating in its
 `ProxyInstances` search attribute, and publishes a name there before it asks a
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import TypeVar
@@ -41,6 +46,7 @@ from providers.naming import (
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
+    NAMESPACE_KEY,
     OWNER_KEY,
 )
 
@@ -108,6 +114,16 @@ class Survey:
     more: bool
     # Temporal calls this survey made: visibility pages.
     lookups: int
+    # Not owned, but without a namespace tag (made before it existed): kept,
+    # since nothing says which namespace to look their owner up in.
+    untagged: int = 0
+    # provider_id -> why it is kept, for up to `limit` of them.
+    untagged_ids: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def unowned(self) -> int:
+        """Every candidate of the listing, after the cursor or not: what a sweep would delete."""
+        return self.seen - self.owned - self.young - self.untagged
 
 
 @dataclass(frozen=True)
@@ -177,12 +193,21 @@ class GcActivities:
         now = datetime.now(UTC)
         grace = timedelta(seconds=inp.grace_period_seconds)
         limit = inp.limit or SURVEY_LIMIT
-        owned = young = 0
+        owned = young = untagged = 0
         young_ids: dict[str, str] = {}
+        untagged_ids: dict[str, str] = {}
         candidates: list[Candidate] = []
         for instance in instances:
             if instance.name in owners.get(instance.tags.get(OWNER_KEY, ""), frozenset()):
                 owned += 1
+                continue
+            if NAMESPACE_KEY not in instance.tags:
+                untagged += 1
+                if len(untagged_ids) < limit:
+                    untagged_ids[instance.provider_id] = (
+                        f"no {NAMESPACE_KEY} tag (made before instances carried one): "
+                        "its owner's namespace is unknown; delete it by hand if it is an orphan"
+                    )
                 continue
             age = now - _aware(instance.created_at)
             if age < grace:
@@ -202,6 +227,8 @@ class GcActivities:
             candidates=candidates[:limit],
             more=len(candidates) > limit,
             lookups=lookups,
+            untagged=untagged,
+            untagged_ids=untagged_ids,
         )
 
     @activity.defn(name="gc_confirm")
@@ -234,18 +261,23 @@ class GcActivities:
         ORPHANS_DELETED.labels(inp.provider).inc(inp.count)
 
     async def _list(self, provider_name: str) -> list[Instance]:
-        """Every instance of this installation and this operator, on one provider."""
+        """Every instance of this installation, this operator and this namespace, on one provider.
+
+        Instances without a namespace tag are included; the survey keeps them.
+        """
         provider = self._providers.get(provider_name)
         if provider is None:
             raise invalid_input(f"providers: unknown provider {provider_name!r}")
         found = await _threaded(provider.list_by_tag, INSTALLATION_KEY, self._installation)
         # list_by_tag selects on one tag; the others are checked here, so an
         # instance some other tool tagged alike is never touched.
+        namespace = self._client.namespace
         return [
             i
             for i in found
             if i.tags.get(MANAGED_BY_KEY) == MANAGED_BY_VALUE
             and i.tags.get(INSTALLATION_KEY) == self._installation
+            and i.tags.get(NAMESPACE_KEY, namespace) == namespace
         ]
 
     async def _running_owners(self, provider_name: str) -> tuple[dict[str, frozenset[str]], int]:

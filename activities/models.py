@@ -38,6 +38,18 @@ class ValidateTargetInput:
 
 
 @dataclass(frozen=True)
+class TargetCheck:
+    """What `validate_target` found: every problem, and the worker's installation.
+
+    The installation is how a new lifecycle learns, deterministically, the
+    scope its instance names are hashed in (providers/naming.py).
+    """
+
+    problems: list[str]
+    installation: str
+
+
+@dataclass(frozen=True)
 class CreateInstanceInput:
     provider: str
     owner_id: str
@@ -45,6 +57,10 @@ class CreateInstanceInput:
     port: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     placement: dict[str, str] = field(default_factory=dict)
+    # The installation the lifecycle learned at its first run; empty for a
+    # lifecycle started before installations were hashed into names, which
+    # keeps the old formula so its instances keep their names.
+    installation: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,9 @@ class ProbeInput:
     target: str
     timeout_seconds: float = 5.0
     deadline_seconds: float = 120.0
+    # Return a failed probe after this long, before the deadline, so the
+    # workflow can show it; None: only at the deadline.
+    report_after_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,8 @@ class ProbeSummary:
     total_ms: float | None = None
     failure: str | None = None
     error: str | None = None
+    # While waiting for an instance's first probe: how many were made so far.
+    attempts: int | None = None
 
 
 class MonitorReason(StrEnum):

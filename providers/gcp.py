@@ -45,7 +45,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
-from providers.naming import OWNER_KEY, RFC1035_LABEL, short_hash
+from providers.naming import HASHED_IN_LABELS, RFC1035_LABEL, short_hash
 from providers.squid import SQUID_USER, ProxySettings, SquidPaths, render
 
 
@@ -500,11 +500,12 @@ def label_key(key: str) -> str:
 def label_value(key: str, value: str) -> str:
     """A tag value as a label value: itself when valid, else its short hash.
 
-    The owner (a user-chosen workflow id) is always hashed, so its label has
-    one predictable form and no free text reaches labels, which billing
-    exports copy. The exact value is in the instance metadata.
+    The owner (a user-chosen workflow id) and the Temporal namespace are
+    always hashed (HASHED_IN_LABELS), so their labels have one predictable
+    form and no free text reaches labels, which billing exports copy. The
+    exact value is in the instance metadata.
     """
-    if key != OWNER_KEY and _LABEL_VALUE.fullmatch(value):
+    if key not in HASHED_IN_LABELS and _LABEL_VALUE.fullmatch(value):
         return value
     return short_hash(value)
 

@@ -44,9 +44,11 @@ from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
     GENERATION_KEY,
+    HASHED_IN_LABELS,
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
+    NAMESPACE_KEY,
     OWNER_KEY,
     ownership_mismatch,
     short_hash,
@@ -367,6 +369,7 @@ class KubernetesProvider:
             self._installation,
             owner_id=req.tags.get(OWNER_KEY, ""),
             generation=int(generation) if generation.isdigit() else -1,
+            namespace=req.tags.get(NAMESPACE_KEY),
         )
         if mismatch:
             raise Permanent(
@@ -544,10 +547,11 @@ def label_key(key: str) -> str:
 def label_value(key: str, value: str) -> str:
     """A tag value as a label value: itself when valid, else its short hash.
 
-    The owner (a user-chosen workflow id) is always hashed, as on GCP, so its
-    label has one predictable form; the exact value is in the annotation.
+    The owner (a user-chosen workflow id) and the Temporal namespace are
+    always hashed (HASHED_IN_LABELS), as on GCP, so their labels have one
+    predictable form; the exact value is in the annotation.
     """
-    if key != OWNER_KEY and (value == "" or _LABEL_NAME.fullmatch(value)):
+    if key not in HASHED_IN_LABELS and (value == "" or _LABEL_NAME.fullmatch(value)):
         return value
     return short_hash(value, _HASH_CHARS)
 

@@ -59,8 +59,12 @@ class MemoryProvider:
         *,
         age: timedelta = OLD,
         tags: dict[str, str] | None = None,
+        namespace: str = "default",
     ) -> Instance:
-        """An instance as the lifecycle names and tags it, created `age` ago."""
+        """An instance as the lifecycle names and tags it, created `age` ago.
+
+        Its owner runs in Temporal namespace `namespace` (the dev server's default).
+        """
         name = instance_name(owner, generation)
         instance = Instance(
             provider_id=PROVIDER_ID_PREFIX + name,
@@ -68,7 +72,11 @@ class MemoryProvider:
             state=InstanceState.RUNNING,
             ip="127.0.0.1",
             port=3128,
-            tags=tags if tags is not None else owner_tags(installation, owner, generation),
+            tags=(
+                tags
+                if tags is not None
+                else owner_tags(installation, owner, generation, namespace=namespace)
+            ),
             created_at=datetime.now(UTC) - age,
         )
         with self._lock:

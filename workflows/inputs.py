@@ -1,20 +1,35 @@
-"""ProxyLifecycle's input, validated inside the workflow.
+"""Workflow inputs and continue-as-new arguments, validated inside the workflow.
 
-The run method takes raw JSON and validates it here: a typed argument that
-failed to decode would make the SDK retry the workflow task forever, while a
-validation error fails the workflow at once, naming every bad field.
+Run methods take raw JSON and validate it here: a typed argument that failed
+to decode would make the SDK retry the workflow task forever, while a
+validation error fails the workflow at once, naming every bad field. Every
+number is bounded, so no input can overflow a timer or a timedelta later,
+after an instance exists (docs/security.md, "No input wedges a workflow").
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from temporalio import workflow
+from temporalio.converter import value_to_type
 
 DEFAULT_HEALTH_TARGET = "https://example.com"
 LABEL_KEY = r"^[a-z][a-z0-9_-]{0,62}$"
 LABEL_VALUE = r"^[a-z0-9_-]{0,63}$"
+# A year: rotating less often than that is not rotating; any longer and a
+# timer would come close to what timedelta and Temporal can hold.
+MAX_LIFETIME_SECONDS = 366 * 24 * 3600
+# GCP allows 64 labels per instance, and the operator's own tags take some.
+MAX_LABELS = 32
+MAX_URL_LENGTH = 2048
+
+T = TypeVar("T")
+
+# Floats: finite only (JSON from the Python SDK may carry NaN and Infinity).
+Seconds = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class StrictInput(BaseModel):
@@ -24,10 +39,10 @@ class StrictInput(BaseModel):
 
 
 class HealthInput(StrictInput):
-    target: str = DEFAULT_HEALTH_TARGET
-    interval_seconds: Annotated[float, Field(ge=1, le=3600)] = 10
+    target: Annotated[str, Field(max_length=MAX_URL_LENGTH)] = DEFAULT_HEALTH_TARGET
+    interval_seconds: Annotated[Seconds, Field(ge=1, le=3600)] = 10
     failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
-    timeout_seconds: Annotated[float, Field(ge=0.5, le=60)] = 5
+    timeout_seconds: Annotated[Seconds, Field(ge=0.5, le=60)] = 5
 
     @field_validator("target")
     @classmethod
@@ -55,11 +70,12 @@ class ProxyInput(StrictInput):
 
     provider: Annotated[str, Field(min_length=1, max_length=63)]
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
-    labels: dict[
-        Annotated[str, Field(pattern=LABEL_KEY)], Annotated[str, Field(pattern=LABEL_VALUE)]
+    labels: Annotated[
+        dict[Annotated[str, Field(pattern=LABEL_KEY)], Annotated[str, Field(pattern=LABEL_VALUE)]],
+        Field(max_length=MAX_LABELS),
     ] = {}
     health: HealthInput = HealthInput()
-    max_lifetime_seconds: Annotated[int, Field(ge=10)] | None = None
+    max_lifetime_seconds: Annotated[int, Field(ge=10, le=MAX_LIFETIME_SECONDS)] | None = None
     placement: PlacementInput = PlacementInput()
 
 
@@ -83,3 +99,31 @@ def describe_error(err: Any) -> str:
         return f"{path}: unknown field"
     message = str(err["msg"]).removeprefix("Value error, ")
     return f"{path}: {message[:1].lower()}{message[1:]}"
+
+
+def continued_state(
+    state_type: type[T], carried: Any, extra: tuple[Any, ...]
+) -> tuple[T | None, list[str]]:
+    """The state a previous run of this workflow handed over, or why it is refused.
+
+    Only a run this workflow's own continue-as-new started may carry state:
+    anyone who can start a workflow could otherwise hand it instances to
+    probe with the fleet's credentials or to delete. Cron runs and retries
+    start again from the first run's arguments, which a starter chose, so
+    they are refused too. Any argument after the second is refused as well.
+    """
+    problems = [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, start=3)]
+    if carried is None:
+        return None, problems
+    info = workflow.info()
+    if info.continued_run_id is None or info.attempt > 1 or info.cron_schedule:
+        refused = (
+            "argument 2: carried state is accepted only from this workflow's own "
+            "continue-as-new; start it with one argument, the input object"
+        )
+        return None, [refused, *problems]
+    try:
+        state: T = value_to_type(state_type, carried)
+    except Exception as err:  # any shape the converter cannot take is bad input
+        return None, [f"argument 2: not a {state_type.__name__}: {err}", *problems]
+    return state, problems

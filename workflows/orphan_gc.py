@@ -19,6 +19,13 @@ For each provider:
    and `wait_gone` activities, a batch at a time (bounded concurrency); one
    failure is counted and the sweep goes on.
 
+Before step 2, a circuit breaker: when a provider's survey would delete more
+than `max_delete_share` of the instances it saw there, and more than
+`max_delete_unchecked` of them, nothing is deleted on that provider and the
+run fails as `GcCircuitOpen` with the figures (after sweeping the others). A
+worker pointed at the wrong namespace sees every instance as an orphan; this
+is what keeps it from wiping the fleet.
+
 A dry run stops after step 2 and reports the same orphans. The workflow never
 reads a wall clock: ages are judged by the activities' clocks. Long sweeps
 continue as new, carrying their counts, the candidates still to handle and a
@@ -33,7 +40,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
@@ -43,16 +50,23 @@ with workflow.unsafe.imports_passed_through():
         Decision,
         DeletedInput,
         GcActivities,
+        Survey,
         SurveyInput,
     )
     from activities.models import InstanceRef
-    from contract import ORPHAN_GC
+    from contract import ORPHAN_GC, ErrorType
     from workflows import policies
     from workflows.deletion import delete_until_gone
     from workflows.failures import message
-    from workflows.inputs import StrictInput, describe_error
+    from workflows.inputs import Seconds, StrictInput, continued_state, describe_error
 
 DEFAULT_GRACE_PERIOD_SECONDS = 600
+MAX_GRACE_PERIOD_SECONDS = 30 * 24 * 3600
+DEFAULT_MAX_DELETE_SHARE = 0.5
+DEFAULT_MAX_DELETE_UNCHECKED = 10
+# workflow.patched() id: sweeps recorded before the breaker existed never
+# consulted it.
+CIRCUIT_BREAKER = "gc-circuit-breaker"
 
 # Candidates confirmed, then deleted concurrently, per batch: the bound on
 # concurrent deletions, and on how stale a confirmation can get.
@@ -70,11 +84,22 @@ class GcInput(StrictInput):
     """What a user passes to `temporal workflow start --type OrphanGC --input`."""
 
     dry_run: bool = False
-    grace_period_seconds: Annotated[float, Field(ge=0)] = DEFAULT_GRACE_PERIOD_SECONDS
-    # Provider names; all the worker's providers when unset.
-    providers: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = (
-        None
+    grace_period_seconds: Annotated[Seconds, Field(ge=0, le=MAX_GRACE_PERIOD_SECONDS)] = (
+        DEFAULT_GRACE_PERIOD_SECONDS
     )
+    # Provider names; all the worker's providers when unset.
+    providers: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=63)]],
+            Field(min_length=1, max_length=100),
+        ]
+        | None
+    ) = None
+    # The circuit breaker: the largest share of the instances seen on a
+    # provider that one sweep deletes, once it would delete more than
+    # max_delete_unchecked of them.
+    max_delete_share: Annotated[Seconds, Field(ge=0, le=1)] = DEFAULT_MAX_DELETE_SHARE
+    max_delete_unchecked: Annotated[int, Field(ge=0, le=1_000_000)] = DEFAULT_MAX_DELETE_UNCHECKED
 
 
 @dataclass
@@ -99,6 +124,8 @@ class ProviderSweep:
     lookups: int = 0
     # Set when the provider could not be listed at all.
     error: str = ""
+    # Set when the circuit breaker kept this sweep from deleting: the figures.
+    circuit_open: str = ""
 
 
 @dataclass
@@ -130,10 +157,12 @@ class OrphanGC:
         self._progress = GcProgress()
         self._handled = 0
         self._dry_run = False
+        self._finished = False
 
     @workflow.run
-    async def run(self, raw: Any = None, carried: GcProgress | None = None) -> GcResult:
-        inp = await self._validated(raw, carried)
+    async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> GcResult:
+        # Untyped, so no argument can fail to decode outside our validation.
+        inp = await self._validated(raw, carried, extra)
         self._dry_run = inp.dry_run
         self._show()
         progress = self._progress
@@ -141,20 +170,39 @@ class OrphanGC:
             await self._sweep(progress.sweeps[progress.index], inp)
             progress.index += 1
             progress.pending, progress.more, progress.cursor = None, False, ""
+        self._finished = True
         self._show()
-        return GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps)
+        result = GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps)
+        opened = [s.circuit_open for s in progress.sweeps if s.circuit_open]
+        if opened and not inp.dry_run:
+            raise ApplicationError(
+                "circuit breaker open, nothing deleted on "
+                + "; ".join(opened)
+                + ". Check that this worker uses the right Temporal namespace and "
+                "installation; if these deletions are intended, run OrphanGC once with a "
+                "higher max_delete_share or max_delete_unchecked",
+                result,
+                type=ErrorType.GC_CIRCUIT_OPEN,
+                non_retryable=True,
+            )
+        return result
 
     # ---- validation -----------------------------------------------------------------
 
-    async def _validated(self, raw: Any, carried: GcProgress | None) -> GcInput:
+    async def _validated(self, raw: Any, carried: Any, extra: tuple[Any, ...]) -> GcInput:
         """The input, or a non-retryable failure naming every bad field.
 
         Provider names are checked against the worker's own providers (a
-        local activity); a continued run has done all this already.
+        local activity); a continued run has done all this already. Carried
+        progress is honoured only from this workflow's own continue-as-new:
+        forged candidates would be deleted without being listed.
         """
+        state, argument_problems = continued_state(GcProgress, carried, extra)
         inp, problems = _parse(raw)
-        if carried is not None and inp is not None:
-            self._progress = carried
+        if argument_problems:
+            raise invalid_input("invalid input: " + "; ".join(argument_problems + problems))
+        if state is not None and inp is not None:
+            self._progress = state
             return inp
         configured = await workflow.execute_local_activity_method(
             GcActivities.providers,
@@ -197,8 +245,15 @@ class OrphanGC:
                 sweep.lookups += survey.lookups
                 if not progress.cursor:
                     # Later surveys list the provider again; count each instance once.
-                    sweep.seen, sweep.owned, sweep.skipped = survey.seen, survey.owned, survey.young
+                    sweep.seen, sweep.owned = survey.seen, survey.owned
+                    sweep.skipped = survey.young + survey.untagged
                     sweep.skips.update(survey.young_ids)
+                    sweep.skips.update(survey.untagged_ids)
+                    if workflow.patched(CIRCUIT_BREAKER):
+                        sweep.circuit_open = _breaker(sweep.provider, survey, inp)
+                        if sweep.circuit_open and not inp.dry_run:
+                            self._show()
+                            return
                 progress.pending, progress.more = survey.candidates, survey.more
                 self._show()
             while progress.pending:
@@ -220,7 +275,7 @@ class OrphanGC:
                 GcActivities.confirm,
                 ConfirmInput(batch),
                 policies.GC_CONFIRM,
-                f"confirm {len(batch)} candidates on {sweep.provider}",
+                f"confirm {_plural(len(batch), 'candidate')} on {sweep.provider}",
             )
         except ActivityError as err:
             for candidate in batch:
@@ -287,7 +342,10 @@ class OrphanGC:
 
     def _show(self) -> None:
         """The Web UI's current details: the counts so far and the orphans found."""
-        mode = "dry run, deleting nothing" if self._dry_run else "deleting orphans"
+        if self._dry_run:
+            mode = "dry run, finished: deleted nothing" if self._finished else "dry run"
+        else:
+            mode = "finished" if self._finished else "deleting orphans"
         lines = [
             f"**Orphan GC** ({mode})",
             "",
@@ -303,6 +361,8 @@ class OrphanGC:
         for s in sweeps:
             if s.error:
                 lines.append(f"\n`{s.provider}` could not be swept: {s.error}")
+            if s.circuit_open:
+                lines.append(f"\ncircuit breaker open on {s.circuit_open}")
             shown = list(s.orphans.items())[:DETAILS_IDS]
             if shown:
                 lines.append(f"\norphans on `{s.provider}`:")
@@ -322,6 +382,22 @@ def _parse(raw: Any) -> tuple[GcInput | None, list[str]]:
         return GcInput.model_validate(raw), []
     except ValidationError as exc:
         return None, [describe_error(err) for err in exc.errors()]
+
+
+def _breaker(provider: str, survey: Survey, inp: GcInput) -> str:
+    """The figures when a sweep would delete too much of what it saw, else ""."""
+    would, seen = survey.unowned, survey.seen
+    if would <= inp.max_delete_unchecked or would <= inp.max_delete_share * seen:
+        return ""
+    return (
+        f"`{provider}`: {would} of the {seen} instances seen would be deleted "
+        f"({would / seen:.0%}), more than max_delete_share {inp.max_delete_share:.0%} "
+        f"and more than max_delete_unchecked {inp.max_delete_unchecked}"
+    )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _note(ids: dict[str, str], provider_id: str, reason: str) -> None:

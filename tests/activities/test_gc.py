@@ -37,8 +37,10 @@ from providers.naming import (
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
+    NAMESPACE_KEY,
     OWNER_KEY,
     instance_name,
+    owner_tags,
 )
 from tests.fakes.owners import start_owner
 from tests.helpers.waiting import wait_for
@@ -122,17 +124,29 @@ async def test_survey_keeps_owned_and_young_and_returns_the_rest(fleet: Fleet) -
         INSTALLATION,
         "ignored",
         0,
-        tags={MANAGED_BY_KEY: MANAGED_BY_VALUE, INSTALLATION_KEY: INSTALLATION},
+        tags={
+            MANAGED_BY_KEY: MANAGED_BY_VALUE,
+            INSTALLATION_KEY: INSTALLATION,
+            NAMESPACE_KEY: fleet.client.namespace,
+        },
     )
-    # Another installation's, and one this operator did not make: never seen.
+    # Made before instances carried their namespace: kept, and said why.
+    before_namespaces = fleet.provider.add(
+        INSTALLATION, "old", 0, tags=owner_tags(INSTALLATION, "old", 0)
+    )
+    # Another installation's, another namespace's, and one this operator did
+    # not make: never seen.
     fleet.provider.add("other-installation", "never-started", 7)
+    fleet.provider.add(INSTALLATION, "never-started", 9, namespace="staging")
     fleet.provider.add(INSTALLATION, "x", 8, tags={INSTALLATION_KEY: INSTALLATION, OWNER_KEY: "x"})
     await fleet.listed(1)
 
     survey = await run(fleet.gc.survey, SurveyInput(fleet.name, grace_period_seconds=60))
 
-    assert (survey.seen, survey.owned, survey.young) == (5, 1, 1)
+    assert (survey.seen, survey.owned, survey.young, survey.untagged) == (6, 1, 1, 1)
+    assert survey.unowned == 3
     assert list(survey.young_ids) == [young.provider_id]
+    assert "proxy-operator/namespace" in survey.untagged_ids[before_namespaces.provider_id]
     assert {c.provider_id for c in survey.candidates} == {
         old_generation.provider_id,
         missing.provider_id,

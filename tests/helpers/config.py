@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from providers.config import Config, parse_config
+from providers.naming import instance_name
 from providers.squid import DEFAULT_DENIED_DESTINATIONS
 
 INSTALLATION = "test"
@@ -71,3 +72,18 @@ def proxy_config(origin_port: int, provider: dict[str, Any], *, password: str = 
 def stack_config(origin_port: int, state_dir: str | Path) -> Config:
     """`proxy_config` with the local provider, named `local`, on `state_dir`."""
     return proxy_config(origin_port, local_entry(state_dir))
+
+
+def lifecycle_instance_name(
+    workflow_id: str,
+    generation: int,
+    *,
+    installation: str = INSTALLATION,
+    namespace: str = "default",
+) -> str:
+    """The name a lifecycle started today gives an instance on the test servers.
+
+    Scoped to the installation and the Temporal namespace (the test servers'
+    `default`), as providers/naming.py describes.
+    """
+    return instance_name(workflow_id, generation, installation=installation, namespace=namespace)

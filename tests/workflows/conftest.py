@@ -31,11 +31,11 @@ from worker import build_worker
 async def stack_on(
     tls_origin: TlsOrigin, state_dir: Path
 ) -> AsyncIterator[Callable[[WorkflowEnvironment], Awaitable[Stack]]]:
-    """Start a worker against a given environment; stopped after the test."""
+    """Start a worker against a given environment (on its own task queue unless given one)."""
     workers: list[Any] = []
     activities: list[ProviderActivities] = []
 
-    async def start(env: WorkflowEnvironment) -> Stack:
+    async def start(env: WorkflowEnvironment, task_queue: str | None = None) -> Stack:
         config = stack_config(tls_origin.port, str(state_dir))
         provider = FaultyProvider(
             LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
@@ -43,7 +43,7 @@ async def stack_on(
         acts = ProviderActivities(
             {"local": provider}, config, ssl_context=tls_origin.client_ssl_context
         )
-        task_queue = f"test-{uuid.uuid4().hex[:12]}"
+        task_queue = task_queue or f"test-{uuid.uuid4().hex[:12]}"
         worker = build_worker(env.client, acts, task_queue=task_queue)
         workers.append(worker)
         activities.append(acts)

@@ -32,9 +32,8 @@ from providers.gcp import (
     GcpProvider,
     firewall_name,
 )
-from providers.naming import instance_name
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
-from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
+from tests.helpers.config import INSTALLATION, USERNAME, lifecycle_instance_name, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_files
 from tests.helpers.stacks import ProviderStack, StackFactory
@@ -109,7 +108,7 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     port = free_port()
     fake.inject_error("insert", "quota", zone=ZONE)
     handle = await stack.start(PROVIDER, port=port)
-    name = instance_name(handle.id, 0)
+    name = lifecycle_instance_name(handle.id, 0)
 
     waiting = await wait_status(
         handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "quota wait"

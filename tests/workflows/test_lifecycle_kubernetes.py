@@ -24,9 +24,9 @@ import activities.provider as provider_activities
 from activities.probe import probe_connect
 from providers.config import Config
 from providers.kubernetes import CONFIG_DIR, SQUID_CONF_KEY, KubernetesConfig, KubernetesProvider
-from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, instance_name
+from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
-from tests.helpers.config import INSTALLATION, USERNAME, proxy_config
+from tests.helpers.config import INSTALLATION, USERNAME, lifecycle_instance_name, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import LocalSquid, SquidUpstreams, requires_squid, secret_files
 from tests.helpers.stacks import ProviderStack, StackFactory
@@ -149,7 +149,7 @@ async def test_pod_becomes_ready_serves_and_is_deleted_on_terminate(
     stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
 ) -> None:
     handle = await start_proxy(stack, kubelet)
-    name = instance_name(handle.id, 0)
+    name = lifecycle_instance_name(handle.id, 0)
 
     await wait_for(lambda: kubelet.pod(name) is not None, f"pod {name}")
     provisioning = await status_of(handle)
@@ -187,7 +187,7 @@ async def test_pod_that_fails_while_ready_is_replaced_by_a_new_generation(
     stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
 ) -> None:
     handle = await start_proxy(stack, kubelet)
-    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
     await kubelet.run_pod(first)
     await wait_status(handle, lambda s: s.state == "Ready", "generation 0 Ready")
 
@@ -218,7 +218,7 @@ async def test_a_pod_whose_image_cannot_be_pulled_is_replaced_and_the_reason_sho
 ) -> None:
     """Written off at once, not left Provisioning forever; status says why."""
     handle = await start_proxy(stack, kubelet)
-    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
     await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
     message = 'failed to pull image "ubuntu/squid:no-such-tag": not found'
     kubelet.fake.set_container_waiting(NAMESPACE, first, "ErrImagePull", message)
@@ -265,7 +265,7 @@ async def test_a_pod_pending_past_the_wait_running_deadline_is_replaced_with_the
     """
     monkeypatch.setattr(provider_activities, "WAIT_RUNNING_DEADLINE_SECONDS", 1.0)
     handle = await start_proxy(stack, kubelet)
-    first, second = instance_name(handle.id, 0), instance_name(handle.id, 1)
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
     await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
 
     replacing = await wait_status(

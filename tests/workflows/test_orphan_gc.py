@@ -93,7 +93,7 @@ def create_directly(stack: Stack, owner: str, generation: int, installation: str
         CreateRequest(
             name=instance_name(owner, generation),
             proxy=stack.config.proxy_settings(),
-            tags=owner_tags(installation, owner, generation),
+            tags=owner_tags(installation, owner, generation, namespace=stack.client.namespace),
         )
     )
 
@@ -294,7 +294,8 @@ async def test_adversarial_fleet_loses_no_owned_instance_and_keeps_no_old_orphan
     task_queue = gc_worker({name: provider}, config)
     handle = await client.start_workflow(
         "OrphanGC",
-        {"grace_period_seconds": 60},
+        # Most of this fleet is orphaned on purpose: let the breaker allow it.
+        {"grace_period_seconds": 60, "max_delete_share": 1},
         id=f"orphan-gc-{uuid.uuid4().hex[:8]}",
         task_queue=task_queue,
         result_type=GcResult,
@@ -349,3 +350,68 @@ async def _current_details(handle: WorkflowHandle[Any, Any]) -> str:
         "__temporal_workflow_metadata", result_type=WorkflowMetadata
     )
     return metadata.current_details
+
+
+# ---- the circuit breaker --------------------------------------------------------------
+
+
+async def test_circuit_breaker_refuses_to_wipe_a_provider_and_says_why(
+    temporal_env: WorkflowEnvironment, gc_worker: StartGcWorker
+) -> None:
+    """A sweep that would delete most of what it saw deletes nothing there, and fails loudly.
+
+    This is what a worker pointed at the wrong namespace looks like: every
+    instance of the installation seems to have no owner.
+    """
+    client = temporal_env.client
+    config = stack_config(443, "/nonexistent")
+    big, small, one = MemoryProvider(), MemoryProvider(), MemoryProvider()
+    wiped = {
+        big.add(config.installation, f"gone-{i}-{uuid.uuid4().hex}", 0).provider_id
+        for i in range(12)
+    }
+    small_orphans = {
+        small.add(config.installation, f"gone-{uuid.uuid4().hex}", 0).provider_id for _ in range(2)
+    }
+    single = one.add(config.installation, f"gone-{uuid.uuid4().hex}", 0).provider_id
+    providers = {"big": big, "small": small, "one": one}
+    task_queue = gc_worker(providers, config)
+
+    dry = await sweep(client, task_queue, dry_run=True, grace_period_seconds=0)
+
+    by_name = {s.provider: s for s in dry.providers}
+    assert "12 of the 12 instances seen would be deleted (100%)" in by_name["big"].circuit_open
+    assert set(by_name["big"].orphans) == wiped, "a dry run still lists what it would delete"
+    assert by_name["small"].circuit_open == by_name["one"].circuit_open == ""
+
+    handle = await client.start_workflow(
+        "OrphanGC",
+        {"grace_period_seconds": 0},
+        id=f"orphan-gc-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue,
+    )
+    with pytest.raises(WorkflowFailureError) as failure:
+        await handle.result()
+
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "GcCircuitOpen"
+    assert "`big`: 12 of the 12 instances seen would be deleted (100%)" in cause.message
+    assert "max_delete_share 50%" in cause.message and "max_delete_unchecked 10" in cause.message
+    assert big.ids() == wiped and big.deleted == []
+    assert small.ids() == set() and set(small.deleted) == small_orphans
+    assert one.deleted == [single]
+    details = await _current_details(handle)
+    assert "(finished)" in details and "deleting orphans" not in details
+    assert "circuit breaker open on `big`" in details
+    summaries = [
+        event.user_metadata.summary.data.decode()
+        for event in (await handle.fetch_history()).events
+        if event.activity_task_scheduled_event_attributes.activity_type.name == "gc_confirm"
+    ]
+    assert '"confirm 1 candidate on one"' in summaries
+    assert '"confirm 2 candidates on small"' in summaries
+
+    allowed = await sweep(client, task_queue, grace_period_seconds=0, max_delete_share=1)
+
+    assert {s.provider: s.deleted for s in allowed.providers} == {"big": 12, "small": 0, "one": 0}
+    assert big.ids() == set()

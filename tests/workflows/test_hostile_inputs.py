@@ -1,0 +1,278 @@
+"""No input wedges a workflow: hundreds of hostile starts, through the client, on one worker.
+
+Each case replaces one path of a valid input (or a whole argument, or adds
+one) with a hostile value: huge and negative numbers, NaN and Infinity,
+deep nesting, wrong types, long strings, unicode, extra positional arguments,
+and payloads the SDK cannot decode at all. Every workflow must either run
+(schedule its first activity) or fail as InvalidInput, and no history may
+contain a WorkflowTaskFailed event: a failed workflow task is retried
+forever, and such a workflow can no longer be terminated cleanly. Cases are
+generated deterministically; the ones that run are terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.common import RawValue
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+from activities.gc import GcActivities
+from activities.provider import ProviderActivities
+from contract import ORPHAN_GC, PROXY_LIFECYCLE, ErrorType
+from providers.memory import MemoryProvider
+from tests.helpers.config import build_config
+from tests.helpers.waiting import wait_for
+from worker import build_worker
+
+pytestmark = pytest.mark.slow
+
+# Nothing listens on loopback's port 443 here, so a proxy that runs probes
+# nothing beyond this machine.
+LIFECYCLE_INPUT: dict[str, Any] = {
+    "provider": "mem",
+    "health": {"target": "https://127.0.0.1/", "interval_seconds": 1},
+}
+LIFECYCLE_PATHS = [
+    ("provider",),
+    ("port",),
+    ("labels",),
+    ("labels", "team"),
+    ("health",),
+    ("health", "target"),
+    ("health", "interval_seconds"),
+    ("health", "failure_threshold"),
+    ("health", "timeout_seconds"),
+    ("max_lifetime_seconds",),
+    ("placement",),
+    ("placement", "zone"),
+    ("placement", "namespace"),
+    ("colour",),
+]
+NUMBERS = {
+    "port",
+    "health.interval_seconds",
+    "health.failure_threshold",
+    "health.timeout_seconds",
+    "max_lifetime_seconds",
+    "grace_period_seconds",
+    "max_delete_share",
+    "max_delete_unchecked",
+}
+# Out of every numeric field's range: `max_lifetime_seconds: 10**20` used to
+# pass validation and raise OverflowError in workflow code once Ready.
+OUT_OF_RANGE = [10**20, -(10**20), 2**63, 1e308, float("nan"), float("inf"), float("-inf")]
+GC_INPUT: dict[str, Any] = {"dry_run": True, "grace_period_seconds": 0}
+GC_PATHS = [
+    ("dry_run",),
+    ("grace_period_seconds",),
+    ("providers",),
+    ("providers", 0),
+    ("max_delete_share",),
+    ("max_delete_unchecked",),
+]
+
+
+def nested(depth: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE: list[Any] = [
+    10**20,
+    -(10**20),
+    -1,
+    0,
+    2**63,
+    1e20,
+    1e308,
+    -1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1.5,
+    True,
+    None,
+    "",
+    "1",
+    "x" * 100_000,
+    "ünïcødé 🙂 \u202e\u0000",
+    "\ud800",  # a lone surrogate: not even valid UTF-8
+    [],
+    {},
+    {"a": {"b": {"c": {}}}},
+    nested(200),
+]
+
+
+def json_payload(data: bytes, encoding: bytes = b"json/plain") -> RawValue:
+    return RawValue(Payload(metadata={"encoding": encoding}, data=data))
+
+
+# Arguments the Python client could not even encode, and the SDK cannot decode.
+UNDECODABLE = [
+    json_payload(b"[" * 100_000 + b"]" * 100_000),
+    json_payload(b'{"provider": "mem", "port": ' + b"9" * 5000 + b"}"),
+    json_payload(b"{not json"),
+    json_payload(b"\xff\xfe", b"binary/who-knows"),
+    json_payload(b"{}", b"json/protobuf"),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    workflow: str
+    args: list[Any]
+    what: str
+    # A field the failure must name, when the case must fail.
+    must_name: str = ""
+
+
+def replaced(base: dict[str, Any], path: tuple[str | int, ...], value: Any) -> dict[str, Any]:
+    """`base` with the value at `path` replaced, creating the containers on the way."""
+    body = copy.deepcopy(base)
+    node: Any = body
+    for key, next_key in itertools.pairwise(path):
+        if key not in node:
+            node[key] = [None] if isinstance(next_key, int) else {}
+        node = node[key]
+    node[path[-1]] = value
+    return body
+
+
+def shown(value: Any) -> str:
+    text = repr(value.payload.data[:20]) if isinstance(value, RawValue) else repr(value)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def cases() -> Iterator[Case]:
+    for workflow, base, paths in (
+        (PROXY_LIFECYCLE, LIFECYCLE_INPUT, LIFECYCLE_PATHS),
+        (ORPHAN_GC, GC_INPUT, GC_PATHS),
+    ):
+        for path in paths:
+            dotted = ".".join(map(str, path))
+            for value in HOSTILE:
+                must_name = dotted if dotted in NUMBERS and value in OUT_OF_RANGE else ""
+                if isinstance(value, float) and value != value:  # NaN is in no list
+                    must_name = dotted if dotted in NUMBERS else ""
+                yield Case(
+                    workflow,
+                    [replaced(base, path, value)],
+                    f"{dotted} = {shown(value)}",
+                    must_name,
+                )
+        for value in [*HOSTILE, *UNDECODABLE]:
+            yield Case(workflow, [value], f"input = {shown(value)}")
+            yield Case(workflow, [base, value], f"argument 2 = {shown(value)}")
+        yield Case(workflow, [base, None, "extra"], "a third argument")
+        yield Case(workflow, [base, {}, {}, {}], "four arguments")
+
+
+@pytest.fixture
+async def worker_queue(temporal_env: WorkflowEnvironment) -> AsyncIterator[str]:
+    provider = MemoryProvider()
+    config = build_config({"name": "mem", "type": "memory"}, connect_ports=[443])
+    acts = ProviderActivities({"mem": provider}, config)
+    gc = GcActivities({"mem": provider}, config.installation, temporal_env.client)
+    task_queue = f"hostile-{uuid.uuid4().hex[:12]}"
+    async with build_worker(temporal_env.client, acts, gc=gc, task_queue=task_queue):
+        yield task_queue
+    acts.close()
+
+
+@dataclass
+class Outcome:
+    case: Case
+    handle: WorkflowHandle[Any, Any]
+    ran: bool = False
+    failure: ApplicationError | None = None
+
+
+async def settle(client: Client, task_queue: str, case: Case) -> Outcome:
+    """Start the case; wait until it fails or schedules its first activity."""
+    handle = await client.start_workflow(
+        case.workflow,
+        args=case.args,
+        id=f"hostile-{uuid.uuid4().hex[:12]}",
+        task_queue=task_queue,
+    )
+    outcome = Outcome(case, handle)
+
+    async def settled() -> bool:
+        try:
+            await asyncio.wait_for(handle.result(), timeout=2)
+        except WorkflowFailureError as err:
+            assert isinstance(err.cause, ApplicationError), f"{case.what}: {err.cause!r}"
+            outcome.failure = err.cause
+            return True
+        except TimeoutError:
+            outcome.ran = any(
+                e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                for e in (await handle.fetch_history()).events
+            )
+            return outcome.ran
+        outcome.ran = True  # completed: an OrphanGC dry run over an empty provider
+        return True
+
+    await wait_for(settled, f"{case.workflow} with {case.what} to run or fail")
+    return outcome
+
+
+async def test_no_hostile_input_wedges_a_workflow(
+    temporal_env: WorkflowEnvironment, worker_queue: str
+) -> None:
+    client = temporal_env.client
+    all_cases = list(cases())
+    assert len(all_cases) > 300
+    slots = asyncio.Semaphore(64)
+
+    async def one(case: Case) -> Outcome:
+        async with slots:
+            return await settle(client, worker_queue, case)
+
+    outcomes = await asyncio.gather(*(one(c) for c in all_cases))
+    try:
+        for outcome in outcomes:
+            if outcome.failure is not None:
+                what = outcome.case.what
+                assert outcome.failure.type == ErrorType.INVALID_INPUT, what
+                assert outcome.failure.message.startswith("invalid input: "), what
+                assert outcome.case.must_name in outcome.failure.message, what
+            else:
+                assert not outcome.case.must_name, f"{outcome.case.what} was accepted"
+    finally:
+        running = [o.handle for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE]
+        await asyncio.gather(*(h.terminate("hostile-input test") for h in running))
+
+    async def task_failures(outcome: Outcome) -> list[str]:
+        async with slots:
+            history = await outcome.handle.fetch_history()
+        return [
+            f"{outcome.case.workflow} with {outcome.case.what}: "
+            + json.dumps(str(e.workflow_task_failed_event_attributes.failure.message))
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+        ]
+
+    failed_tasks = [
+        f for found in await asyncio.gather(*map(task_failures, outcomes)) for f in found
+    ]
+    assert failed_tasks == []
+    ran = {o.case.what for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE}
+    # The valid variants ran, so the cases were not all rejected for one reason.
+    assert {"health = {}", "labels = {}", "port = None", "argument 2 = None"} <= ran
