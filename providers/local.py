@@ -56,7 +56,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.naming import GENERATION_KEY, OWNER_KEY, ownership_mismatch
+from providers.naming import GENERATION_KEY, NAMESPACE_KEY, OWNER_KEY, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
 
 
@@ -327,8 +327,8 @@ class LocalProvider:
         """The record of `req.name` if it exists and is this request's; the caller holds the lock.
 
         A directory of that name with other tags (another installation
-        sharing the state_dir, another owner or generation, one made by
-        hand) is Permanent: it is never adopted, restarted or overwritten.
+        sharing the state_dir, another owner, generation or Temporal
+        namespace, one made by hand) is Permanent: it is never adopted, restarted or overwritten.
         """
         directory = self._dir(req.name)
         if not directory.exists() or _vacated(directory):
@@ -339,6 +339,7 @@ class LocalProvider:
             self._installation,
             owner_id=req.tags.get(OWNER_KEY, ""),
             generation=int(generation) if generation.isdigit() else -1,
+            namespace=req.tags.get(NAMESPACE_KEY),
         )
         if mismatch:
             raise Permanent(

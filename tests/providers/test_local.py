@@ -42,7 +42,7 @@ from providers.local import (
     LocalProvider,
     service_name,
 )
-from providers.naming import owner_tags
+from providers.naming import NAMESPACE_KEY, owner_tags
 from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.tls_origin import TlsOrigin
@@ -528,16 +528,18 @@ def test_instances_of_another_installation_are_never_deleted_or_adopted(
     staging_tags = owner_tags("staging", OWNER, 0)
     with pytest.raises(Permanent, match="not this proxy's"):
         staging.create(request("proxy-shared-name", tls_origin, tags=staging_tags))
-    # Another owner or generation of this installation cannot take it over either.
-    for owner, generation in (("proxy-someone-else", 0), (OWNER, 1)):
-        with pytest.raises(Permanent, match=r"(owner|generation)=.* \(expected"):
-            ours.create(
-                request(
-                    "proxy-shared-name",
-                    tls_origin,
-                    tags=owner_tags(INSTALLATION, owner, generation),
-                )
-            )
+    # Another owner, generation or namespace of this installation cannot take it over either.
+    ours_tagged = request("proxy-shared-name", tls_origin, tags=TAGS | {NAMESPACE_KEY: "prod"})
+    wrong_namespace = request("proxy-shared-name", tls_origin, tags=TAGS | {NAMESPACE_KEY: "dev"})
+    (state_dir / "proxy-shared-name" / TAGS_FILE).write_text(json.dumps(ours_tagged.tags))
+    for other in [
+        request("proxy-shared-name", tls_origin, tags=owner_tags(INSTALLATION, "proxy-x", 0)),
+        request("proxy-shared-name", tls_origin, tags=owner_tags(INSTALLATION, OWNER, 1)),
+        wrong_namespace,
+    ]:
+        with pytest.raises(Permanent, match=r"(owner|generation|namespace)=.* \(expected"):
+            ours.create(other)
+    assert ours.create(ours_tagged).provider_id == created.provider_id
     # A request that this installation could never find again is refused at once.
     with pytest.raises(Permanent, match="request's tags"):
         ours.create(request("proxy-foreign", tls_origin, tags=staging_tags))
@@ -545,7 +547,7 @@ def test_instances_of_another_installation_are_never_deleted_or_adopted(
 
     assert squid_pid(state_dir, "proxy-shared-name") == pid
     assert ours.get(created.provider_id).state is InstanceState.RUNNING
-    assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == TAGS
+    assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == ours_tagged.tags
     ours.delete(created.provider_id)
     assert_removed(state_dir / "proxy-shared-name")
 
