@@ -21,7 +21,7 @@ Squid started as root drops to the `proxy` user, so the directories are
 shared with that user's group.
 
 Only instances whose tags say they belong to this installation are deleted,
-and only the one a request's owner and generation made is adopted.
+and only the one a request's owner, generation and namespace made is adopted.
 """
 
 from __future__ import annotations
@@ -328,7 +328,8 @@ class LocalProvider:
 
         A directory of that name with other tags (another installation
         sharing the state_dir, another owner, generation or Temporal
-        namespace, one made by hand) is Permanent: it is never adopted, restarted or overwritten.
+        namespace, one made by hand) is Permanent: it is never adopted,
+        restarted or overwritten.
         """
         directory = self._dir(req.name)
         if not directory.exists() or _vacated(directory):
