@@ -495,6 +495,14 @@ class ProxyLifecycle:
             try:
                 await workflow.wait_condition(handle.done, timeout=timeout, timeout_summary=summary)
                 break
+            except asyncio.CancelledError:
+                # Terminate or cancel: this wait is cancelled, the monitor is not
+                # (it is a task of its own). Cancel it too, and have _stop await
+                # it, so the workflow never closes with the monitor pending.
+                if self._patched():
+                    handle.cancel()
+                    self._retired_monitor = handle
+                raise
             except TimeoutError:
                 if summary == STABLE_SUMMARY:
                     # Status says now that the crash budget is whole again.
