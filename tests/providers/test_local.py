@@ -146,7 +146,7 @@ def squid_pid(state_dir: Path, name: str) -> int:
 def live_processes_naming(path: Path) -> list[str]:
     """`ps` lines of live (non-zombie) processes whose arguments mention `path`."""
     out = subprocess.run(
-        ["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True
+        ["ps", "-ww", "-eo", "stat=,args="], capture_output=True, text=True, check=True
     ).stdout
     return [line for line in out.splitlines() if f"{path}/" in line and not line.startswith("Z")]
 
@@ -608,8 +608,13 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     assert record["pid"] is None, "the kill did not land between launch and record"
     conf = state_dir / "proxy-window" / CONF_FILE
 
-    def squids() -> list[str]:
-        return [line for line in live_processes_naming(state_dir) if f"-f {conf}" in line]
+    def squids() -> list[int]:
+        """Pids of live Squids running this instance's config (ps's state column varies)."""
+        out = subprocess.run(  # -ww: whole command lines, whatever COLUMNS says
+            ["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True
+        ).stdout
+        rows = [line.split(None, 2) for line in out.splitlines()]
+        return [int(pid) for pid, stat, args in rows if f"-f {conf} " in args and stat[0] != "Z"]
 
     provider = provider_for(state_dir)  # the retry, in the next worker
     found = wait_for_state(provider, "local/proxy-window", InstanceState.RUNNING)
@@ -622,8 +627,7 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     assert retried.port == record["port"]
     assert squids() == [squid]  # adopted, not started again
     assert shm_segments("proxy-window") == segments  # its shared memory kept
-    recorded = squid_pid(state_dir, "proxy-window")
-    assert str(conf) in Path(f"/proc/{recorded}/cmdline").read_bytes().decode()
+    assert squid_pid(state_dir, "proxy-window") == squid  # recorded now
     assert raw_status(retried.ip or "127.0.0.1", retried.port, connect_head(tls_origin)) == 200
     provider.delete(retried.provider_id)
     assert_removed(state_dir / "proxy-window")
