@@ -750,14 +750,11 @@ class ProxyLifecycle:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched():
-            # Activities still running would report to a closed run, which the
-            # worker logs as a warning: let background deletions finish first.
-            await workflow.wait_condition(
-                lambda: not self._deletions or self._terminate_reason is not None
-            )
-            if self._terminate_reason is not None:
-                return
+        if self._patched() and self._deletions:
+            # Their activities would report to a closed run (a warning in the
+            # worker's log): continue after the next monitor cycle instead,
+            # rather than leave the instance unmonitored while they finish.
+            return
         carried = CarriedState(
             status=self._status,
             current=self._current,
