@@ -12,6 +12,7 @@ BENCHMARKS = (
     "bench.orphan_gc",
     "bench.fleet",
     "bench.gateway",
+    "bench.pool",
 )
 
 for module in BENCHMARKS:

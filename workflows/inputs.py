@@ -89,11 +89,22 @@ class ProxyInput(StrictInput):
 
 def parse_input(raw: Any) -> tuple[ProxyInput | None, list[str]]:
     """The validated input, or every problem as `field: message`."""
+    return parse_model(ProxyInput, raw, "with at least 'provider'")
+
+
+Model = TypeVar("Model", bound=StrictInput)
+
+
+def parse_model(model: type[Model], raw: Any, what: str) -> tuple[Model | None, list[str]]:
+    """`raw` validated as `model`, or every problem as `field: message`.
+
+    `what` completes "expected a JSON object ..." for input that is no object.
+    """
     if not isinstance(raw, dict):
         got = "nothing" if raw is None else type(raw).__name__
-        return None, [f"input: expected a JSON object with at least 'provider', got {got}"]
+        return None, [f"input: expected a JSON object {what}, got {got}"]
     try:
-        return ProxyInput.model_validate(raw), []
+        return model.model_validate(raw), []
     except ValidationError as exc:
         return None, [describe_error(err) for err in exc.errors()]
 

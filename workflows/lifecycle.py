@@ -178,10 +178,8 @@ class ProxyLifecycle:
         # then awaited once its instance is deleted, so its end is observed.
         self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
         self._published: tuple[dict[str, str], list[str]] = ({}, [])
-        # Decided once, before the first command: a marker recorded later, after
-        # the validation's local-activity marker, does not replay (Core reports
-        # "patch marker encountered ... no corresponding change command").
-        self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
+        # Whether this run takes CLEAN_STOP_PATCH's paths: decided in run().
+        self._new_paths = False
         self._rotate_reason: str | None = None
         # What the pool (if this is a pool member) was last told, and the
         # signals telling it that are still in flight.
@@ -195,6 +193,11 @@ class ProxyLifecycle:
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:
         # Untyped, so no argument can fail to decode outside our validation.
         state, problems = continued_state(CarriedState, carried, extra)
+        if not problems:
+            # Decided once, before the first command: a marker recorded later,
+            # after the validation's local-activity marker, did not replay
+            # ("patch marker encountered ... no corresponding change command").
+            self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
         if state is not None:
             self._restore(state)
         # A continued run was validated when it first started; checking the
@@ -808,14 +811,11 @@ class ProxyLifecycle:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched():
-            # Activities still running would report to a closed run, which the
-            # worker logs as a warning: let background deletions finish first.
-            await workflow.wait_condition(
-                lambda: not self._deletions or self._terminate_reason is not None
-            )
-            if self._terminate_reason is not None:
-                return
+        if self._patched() and self._deletions:
+            # Their activities would report to a closed run (a warning in the
+            # worker's log): continue after the next monitor cycle instead,
+            # rather than leave the instance unmonitored while they finish.
+            return
         carried = CarriedState(
             status=self._status,
             current=self._current,

@@ -51,14 +51,13 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
     )
     from workflows import policies
-    from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state
+    from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state, parse_model
     from workflows.membership import MemberReport
     from workflows.pool_input import (
         BanRequest,
         PoolInput,
         RotateRequest,
         ScaleRequest,
-        parse,
         pool_id_problems,
     )
 
@@ -333,7 +332,10 @@ class ProxyPool:
     def rotate(self, request: Any) -> dict[str, list[str]]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
         req = self._request(RotateRequest, request, "rotate")
-        targets = self._live() if req.all else [self._members[str(req.member)]]
+        # All: every member that has served; one still starting is new already.
+        targets = (
+            [m for m in self._live() if m.served] if req.all else [self._members[str(req.member)]]
+        )
         queued = []
         for member in targets:
             if member.rotate_reason is None and member.rotating_from is None:
@@ -387,7 +389,7 @@ class ProxyPool:
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, continued: bool
     ) -> PoolInput:
-        inp, problems = parse(PoolInput, raw, "with at least 'replicas' and 'template'")
+        inp, problems = parse_model(PoolInput, raw, "with at least 'replicas' and 'template'")
         if continued and inp is not None and not argument_problems:
             return inp  # validated when the pool first started
         problems = argument_problems + problems + pool_id_problems(workflow.info().workflow_id)
@@ -446,7 +448,7 @@ class ProxyPool:
         """An update's request, or a rejection naming every bad field."""
         if self._inp is None or self._terminate_reason is not None:
             raise invalid_input(f"{what}: the pool is {self._state()}, not taking updates")
-        req, problems = parse(model, raw, what)
+        req, problems = parse_model(model, raw, f"(the {what} request)")
         if problems or req is None:
             raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
         return req

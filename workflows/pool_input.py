@@ -9,11 +9,11 @@ ProxyLifecycle input, validated as one: its errors read `template.<field>`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from workflows.inputs import PlacementInput, ProxyInput, StrictInput, describe_error
+from workflows.inputs import PlacementInput, ProxyInput, StrictInput
 
 MAX_REPLICAS = 1000
 # Pool ids end up in member ids (`<pool id>/<n>`) and in visibility queries:
@@ -84,20 +84,6 @@ class BanRequest(StrictInput):
 
 class TerminateRequest(StrictInput):
     reason: Text = ""
-
-
-M = TypeVar("M", bound=StrictInput)
-
-
-def parse(model: type[M], raw: Any, what: str) -> tuple[M | None, list[str]]:
-    """The validated request, or every problem as `field: message`."""
-    if not isinstance(raw, dict):
-        got = "nothing" if raw is None else type(raw).__name__
-        return None, [f"input: expected a JSON object ({what}), got {got}"]
-    try:
-        return model.model_validate(raw), []
-    except ValidationError as exc:
-        return None, [describe_error(err) for err in exc.errors()]
 
 
 def pool_id_problems(pool_id: str) -> list[str]:

@@ -8,8 +8,11 @@ goes through `temporal workflow update execute`, every read through
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,13 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.config import PASSWORD, USERNAME, local_entry
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
+from tests.test_worker import worker_process  # noqa: F401 (a fixture)
 from tests.workflows.test_cli import curl, temporal
+from tests.workflows.test_lifecycle_worker_process import origin, write_config  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -280,3 +285,54 @@ async def _orphan_gc(pool: PoolCli, stack: Stack, body: dict[str, Any]) -> Any:
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     return await pool.env.client.get_workflow_handle(gc_id).result()
+
+
+async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak(
+    temporal_env: WorkflowEnvironment,
+    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],  # noqa: F811
+    origin: tuple[int, dict[str, str]],  # noqa: F811
+    state_dir: Path,
+    tmp_path: Path,
+) -> None:
+    origin_port, env = origin
+    config = write_config(tmp_path / "providers.yaml", local_entry(state_dir), origin_port)
+    task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    client = temporal_env.client
+    worker = worker_process(config, task_queue, env)
+    template = {"provider": "local", "health": {"target": f"https://127.0.0.1:{origin_port}/"}}
+    handle = await client.start_workflow(
+        "ProxyPool",
+        {"replicas": 2, "template": template},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue,
+    )
+
+    async def ready(count: int) -> bool:
+        status = await handle.query("status")
+        return bool(status["ready"] == count and len(status["members"]) == count)
+
+    await wait_for(lambda: ready(2), "2 Ready", deadline=90)
+    await handle.execute_update("scale", {"replicas": 5})
+
+    async def scaling() -> bool:
+        return len((await handle.query("status"))["members"]) > 2
+
+    await wait_for(scaling, "the scale under way")
+    worker.kill()  # kill -9, mid-scale
+    await asyncio.to_thread(worker.wait, 30)
+    worker_process(config, task_queue, env)
+    await wait_for(lambda: ready(5), "5 Ready after the worker's loss", deadline=240)
+    status = await handle.query("status")
+    members = [m["member"] for m in status["members"]]
+    assert members == [f"{handle.id}/{n}" for n in range(5)]  # no member started twice
+    instances = {(await client.get_workflow_handle(m).query("status"))["instance"] for m in members}
+
+    def on_disk() -> set[str]:
+        return {p.name for p in state_dir.iterdir() if p.is_dir()}
+
+    # One instance per member, and nothing else left running.
+    await wait_for(lambda: on_disk() == instances, "exactly the members' instances on disk")
+    assert len(instances) == 5
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert on_disk() == set()

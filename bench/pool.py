@@ -1,0 +1,178 @@
+"""ProxyPool against its targets (docs/benchmarks.md).
+
+    python -m bench.pool [--members 200] [--squids 4] [--steady-minutes 3] [--real 20]
+
+1. A pool of `--members` on the in-memory provider, every instance served by
+   one of `--squids` real local Squids (probes are real): time from start to
+   all Ready; then, with nothing to scale or rotate, the pool's history events
+   over `--steady-minutes`, scaled to a pool-hour, and the CPU the process
+   (worker and this script) used meanwhile.
+2. A pool of `--real` real local Squids: time to all Ready, then `rotate
+   {"all": true}` to every member on a new instance, one surge at a time.
+
+Real dev server, in-process worker, a local TLS origin. Prints tables,
+asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+
+from activities.provider import ProviderActivities
+from bench.fleet.parameters import INSTALLATION
+from bench.fleet.squids import create_squids, delete_squids
+from bench.fleet.worker_process import PoolProvider
+from providers.config import Config
+from providers.local import LocalConfig, LocalProvider
+from tests.helpers.config import build_config, local_entry
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import start_dev_server
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
+from worker import build_worker
+
+PASSWORD = "bench-pool-password-2f9c1e"
+POLL = 0.5
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--members", type=int, default=200)
+    parser.add_argument("--squids", type=int, default=4)
+    parser.add_argument("--steady-minutes", type=float, default=3.0)
+    parser.add_argument("--real", type=int, default=20)
+    args = parser.parse_args()
+    env = await start_dev_server()
+    try:
+        with serve_tls_origin() as origin, local_state_dir() as state_dir:
+            local = LocalProvider(LocalConfig(state_dir=str(state_dir)), INSTALLATION)
+            config = _config(origin, local_entry(state_dir))
+            try:
+                await _memory_pool(env.client, origin, local, config, args)
+                await _real_pool(env.client, origin, local, config, args.real)
+            finally:
+                await delete_squids(local)
+    finally:
+        await env.shutdown()
+
+
+def _config(origin: TlsOrigin, entry: dict[str, Any]) -> Config:
+    return build_config(
+        entry, connect_ports=[443, origin.port], installation=INSTALLATION, password=PASSWORD
+    )
+
+
+async def _memory_pool(
+    client: Client, origin: TlsOrigin, local: LocalProvider, local_config: Config, args: Any
+) -> None:
+    squids = await create_squids(local, local_config, args.squids)
+    config = _config(origin, {"name": "memory", "type": "memory"})
+    provider = PoolProvider(squids)
+    async with _worker(client, {"memory": provider}, config, origin) as task_queue:
+        template = {"provider": "memory", "health": {"target": origin.url}}
+        handle, ready_s = await _start_until_ready(client, task_queue, args.members, template)
+        # Let the last reports and the first reconcile settle, then watch.
+        await asyncio.sleep(15)
+        events_before = await _events(handle)
+        cpu_before, wall_before = time.process_time(), time.monotonic()
+        await asyncio.sleep(args.steady_minutes * 60)
+        cpu = time.process_time() - cpu_before
+        wall = time.monotonic() - wall_before
+        events = await _events(handle) - events_before
+        await handle.signal("terminate")
+        await handle.result()
+    per_hour = events * 3600 / wall
+    print(f"\nPool of {args.members} on the memory provider ({args.squids} real Squids behind)")
+    print("| what | figure |\n| --- | --- |")
+    print(f"| start to all {args.members} Ready | {ready_s:.1f} s |")
+    print(f"| pool history events in {wall / 60:.1f} min of steady state | {events} |")
+    print(f"| pool history events per pool-hour (scaled) | {per_hour:.0f} |")
+    print(
+        f"| process CPU (worker + this script), steady state | {100 * cpu / wall:.1f} % of a core |"
+    )
+
+
+async def _real_pool(
+    client: Client, origin: TlsOrigin, local: LocalProvider, config: Config, members: int
+) -> None:
+    async with _worker(client, {"local": local}, config, origin) as task_queue:
+        template = {"provider": "local", "health": {"target": origin.url}}
+        handle, ready_s = await _start_until_ready(client, task_queue, members, template)
+        started = time.monotonic()
+        await handle.execute_update("rotate", {"all": True})
+        least_ready = members
+
+        async def rotated() -> bool:
+            nonlocal least_ready
+            status = await handle.query("status")
+            least_ready = min(least_ready, status["ready"])
+            return status["ready"] == members and all(
+                m["generation"] >= 1 for m in status["members"]
+            )
+
+        await _until(rotated)
+        rotate_s = time.monotonic() - started
+        await handle.signal("terminate")
+        await handle.result()
+    print(f"\nPool of {members} real local Squids (max_surge 1)")
+    print("| what | figure |\n| --- | --- |")
+    print(f"| start to all {members} Ready | {ready_s:.1f} s |")
+    print(f"| rotate all, to every member on a new instance | {rotate_s:.1f} s |")
+    print(f"| fewest Ready members seen while rotating | {least_ready} of {members} |")
+
+
+class _worker:
+    """An in-process worker on a task queue of its own."""
+
+    def __init__(
+        self, client: Client, providers: dict[str, Any], config: Config, origin: TlsOrigin
+    ) -> None:
+        self._acts = ProviderActivities(providers, config, ssl_context=origin.client_ssl_context)
+        self._task_queue = f"bench-pool-{uuid.uuid4().hex[:8]}"
+        self._worker = build_worker(client, self._acts, task_queue=self._task_queue)
+        self._run: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> str:
+        self._run = asyncio.create_task(self._worker.run())
+        return self._task_queue
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._worker.shutdown()
+        self._acts.close()
+
+
+async def _start_until_ready(
+    client: Client, task_queue: str, members: int, template: dict[str, Any]
+) -> tuple[WorkflowHandle[Any, Any], float]:
+    started = time.monotonic()
+    handle = await client.start_workflow(
+        "ProxyPool",
+        {"replicas": members, "template": template},
+        id=f"bench-pool-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await handle.query("status"))["ready"] == members)
+
+    await _until(ready)
+    return handle, time.monotonic() - started
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    while not await check():
+        await asyncio.sleep(POLL)
+
+
+async def _events(handle: WorkflowHandle[Any, Any]) -> int:
+    return len((await handle.fetch_history()).events)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
