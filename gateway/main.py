@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -194,18 +195,19 @@ async def _run(
     fetch: membership.Fetch,
     members: Sequence[GatewayMember],
 ) -> int:
-    async def apply(new: Sequence[GatewayMember]) -> None:
+    async def apply(new: Sequence[GatewayMember]) -> bool:
         for member in new:
             names.add(member.member)
         try:
             await asyncio.to_thread(squids.apply, new)
-        except GatewayError as err:
+        except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome="failed").inc()
             log.error("reload failed, keeping the previous members: %s", err)
-            return
+            return False
         metrics.RELOADS.labels(outcome="ok").inc()
         metrics.MEMBERS.set(len(new))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
+        return True
 
     def on_error(err: BaseException) -> None:
         metrics.MEMBERSHIP_ERRORS.inc()

@@ -75,7 +75,7 @@ async def query_members(client: Client, pool: str) -> list[GatewayMember]:
 
 async def follow(
     fetch: Fetch,
-    apply: Callable[[Sequence[GatewayMember]], Awaitable[None]],
+    apply: Callable[[Sequence[GatewayMember]], Awaitable[bool]],
     current: Sequence[GatewayMember],
     *,
     poll_seconds: float,
@@ -83,6 +83,8 @@ async def follow(
     on_error: Callable[[BaseException], None],
 ) -> None:
     """Poll `fetch` forever; `apply` a new membership once it held still for the debounce.
+
+    `apply` says whether the gateway now serves that membership.
 
     A failed poll keeps the members the gateway has: a pool that cannot be
     asked for a moment has not lost them.
@@ -103,5 +105,5 @@ async def follow(
         except (RPCError, PoolNotFound, ValueError) as err:
             on_error(err)
             continue
-        await apply(members)
-        applied = set(members)
+        if await apply(members):  # a failed reload is tried again at the next poll
+            applied = set(members)

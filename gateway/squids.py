@@ -166,9 +166,13 @@ class GatewaySquids:
         members = tuple(members)
         if set(members) == set(self.members):
             return False
-        self.members = members
-        for back in self.backs:
-            self._reload(back)
+        previous, self.members = self.members, members
+        try:
+            for back in self.backs:
+                self._reload(back)
+        except (GatewayError, subprocess.SubprocessError):
+            self.members = previous  # so the same change is tried again
+            raise
         return True
 
     def stop(self) -> None:

@@ -299,3 +299,15 @@ def test_a_config_squid_rejects_fails_without_the_password_in_the_error(
     finally:
         squids.stop()
     assert PASSWORD not in str(caught.value)
+
+
+def test_a_membership_squid_rejects_keeps_the_gateway_on_the_previous_one(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    bad = GatewayMember(f"{POOL}/9", "not a host", 3128)
+    with pytest.raises(GatewayError) as caught:
+        gateway.apply([*members.by_member.values(), bad])
+
+    assert PASSWORD not in str(caught.value)
+    assert set(gateway.members) == set(members.by_member.values()), "tried again next time"
+    assert all(through(gateway, tls_origin, USERNAME).ok for _ in range(6))
