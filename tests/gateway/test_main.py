@@ -110,6 +110,7 @@ def run_gateway(
     )
 
 
+@pytest.mark.slow
 async def test_a_pool_that_does_not_exist_is_a_clear_error(
     temporal_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
@@ -119,6 +120,7 @@ async def test_a_pool_that_does_not_exist_is_a_clear_error(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_password_is_reported_before_connecting(tmp_path: Path) -> None:
     config = tmp_path / "providers.yaml"
     config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
