@@ -150,7 +150,10 @@ async def serve(
     listen: tuple[str, int],
     settings: ProxySettings,
 ) -> int:
-    client = await connect()
+    try:
+        client = await connect()
+    except RuntimeError as err:  # what the SDK raises for an unreachable server
+        raise GatewayError(f"cannot connect to Temporal: {err}") from err
 
     async def fetch() -> list[GatewayMember]:
         try:

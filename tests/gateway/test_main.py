@@ -137,3 +137,21 @@ def test_a_missing_password_is_reported_before_connecting(tmp_path: Path) -> Non
     assert (
         "proxy.auth.password_env: environment variable PROXY_PASSWORD is not set" in result.stderr
     )
+
+
+@pytest.mark.slow
+def test_an_unreachable_temporal_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "providers.yaml"
+    config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.main", "--pool", "web", "--providers-config", str(config)],
+        cwd=ROOT,
+        env={PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": "127.0.0.1:1", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "error: cannot connect to Temporal" in result.stderr
+    assert "Traceback" not in result.stderr
