@@ -1,12 +1,13 @@
 """The gateway: CONNECT throughput and latency against one member, and requests lost in a rotation.
 
-    python -m bench.gateway [--clients 4] [--seconds 10] [--rounds 2] [--replicas 10]
+    python -m bench.gateway [--clients 4] [--seconds 10] [--rounds 2] [--rate 100] [--replicas 10]
 
 1. Throughput: the same closed-loop load (`--clients` threads, each making
    one HTTPS request after another: CONNECT, TLS handshake, GET) sent
    through the gateway's Squids over three local members, and straight to
    one member, alternating `--rounds` times in one run so both see the same
-   machine. Prints requests/s and p50/p99 latency of each and their ratios.
+   machine; then the same at an offered `--rate` below saturation. Prints
+   requests/s and p50/p99 latency of each and their ratios.
 2. Rotation: a ProxyPool of `--replicas` local members on a Temporal dev
    server, `proxy-operator-gateway` in front, the same clients running while
    `rotate {"all": true}` replaces every member. Prints requests made, lost
@@ -52,7 +53,16 @@ Target = tuple[str, int]
 class Load:
     """`clients` threads sending requests through `proxy` until stopped."""
 
-    def __init__(self, proxy: Callable[[], Target], origin: TlsOrigin, clients: int) -> None:
+    def __init__(
+        self,
+        proxy: Callable[[], Target],
+        origin: TlsOrigin,
+        clients: int,
+        rate: float | None = None,
+    ) -> None:
+        # With `rate` (requests/s in all), each client paces itself: an open
+        # load below saturation; without, each sends as fast as it can.
+        self._interval = clients / rate if rate else 0.0
         self.latencies: list[float] = []
         self.outcomes: collections.Counter[str] = collections.Counter()
         self._proxy, self._origin = proxy, origin
@@ -62,7 +72,12 @@ class Load:
 
     def _run(self) -> None:
         target = (self._origin.host, self._origin.port)
+        due = time.monotonic()
         while not self._stop.is_set():
+            if self._interval:
+                due += self._interval
+                if (wait := due - time.monotonic()) > 0:
+                    self._stop.wait(wait)
             start = time.monotonic()
             try:
                 answer = request(
@@ -88,6 +103,12 @@ class Load:
 
 
 def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
+    """Closed loop (as fast as the clients go), then an open load at `--rate`."""
+    for rate in (None, args.rate):
+        _throughput(args, origin, rate)
+
+
+def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None) -> None:
     with local_state_dir("proxy-operator-bench-") as state_dir:
         config = proxy_config(origin.port, local_entry(state_dir))
         provider = LocalProvider.from_config(config.providers[0], config)
@@ -114,7 +135,7 @@ def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
             for _ in range(args.rounds):
                 for name, target in paths.items():
                     start = time.monotonic()
-                    with Load(lambda t=target: t, origin, args.clients) as load:
+                    with Load(lambda t=target: t, origin, args.clients, rate) as load:
                         time.sleep(args.seconds)
                     elapsed = time.monotonic() - start
                     done, latencies, seconds = results[name]
@@ -129,7 +150,8 @@ def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
         finally:
             squids.stop()
     rounds = f"{args.rounds} x {args.seconds:.0f} s each"
-    print(f"\nCONNECT + TLS + GET, {args.clients} clients, {rounds}")
+    offered = f"offered {rate:.0f} requests/s" if rate else "closed loop"
+    print(f"\nCONNECT + TLS + GET, {args.clients} clients, {offered}, {rounds}")
     print(f"{'path':<24} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     figures = {}
     for name, (done, latencies, seconds) in results.items():
@@ -234,10 +256,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=10)
     parser.add_argument("--drain", type=int, default=6)
+    parser.add_argument("--rate", type=float, default=100.0, help="the open load, requests/s")
+    parser.add_argument("--skip-rotation", action="store_true")
     args = parser.parse_args()
     with serve_tls_origin() as origin:
         throughput(args, origin)
-        asyncio.run(rotation(args, origin))
+        if not args.skip_rotation:
+            asyncio.run(rotation(args, origin))
 
 
 if __name__ == "__main__":
