@@ -311,3 +311,25 @@ def test_a_membership_squid_rejects_keeps_the_gateway_on_the_previous_one(
     assert PASSWORD not in str(caught.value)
     assert set(gateway.members) == set(members.by_member.values()), "tried again next time"
     assert all(through(gateway, tls_origin, USERNAME).ok for _ in range(6))
+
+
+def test_two_gateways_send_a_session_key_to_the_same_member(
+    gateway: GatewaySquids, members: Members, state_dir: Path, config: Config, tls_origin: TlsOrigin
+) -> None:
+    other = GatewaySquids(
+        config.proxy_settings(), state_dir / ".other-gateway", ("127.0.0.1", free_port())
+    )
+    # The other gateway learns the members in another order: it does not matter.
+    other.start(list(reversed(members.by_member.values())))
+    try:
+        for key in range(10):
+            username = f"{USERNAME}-session-shared{key}"
+            chosen = []
+            for squids in (gateway, other):
+                before = members.tunnels()
+                assert through(squids, tls_origin, username).ok
+                (member,) = (members.tunnels() - before).keys()
+                chosen.append(member)
+            assert chosen[0] == chosen[1], username
+    finally:
+        other.stop()
