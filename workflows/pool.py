@@ -259,7 +259,7 @@ class ProxyPool:
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         """
         reason = request.get("reason") if isinstance(request, dict) else request
-        self._terminate_reason = str(reason) if reason else "terminate signal"
+        self._terminate_reason = str(reason)[:500] if reason else "terminate signal"
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
     def member_changed(self, report: MemberReport) -> None:
