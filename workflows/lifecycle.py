@@ -73,6 +73,8 @@ STABLE_AFTER = timedelta(minutes=10)
 REPLACE_BACKOFF = timedelta(seconds=10)
 MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
+# The longest `rotate` reason kept.
+MAX_REASON = 500
 # workflow.patched() id: a lifecycle started since learns its installation
 # from validate_target and hashes it into its instance names.
 INSTALLATION_IN_NAMES = "installation-in-instance-names"
@@ -252,7 +254,8 @@ class ProxyLifecycle:
         Rotates sent while a rotation is under way are absorbed by it.
         """
         reason = request.get("reason") if isinstance(request, dict) else request
-        self._rotate_reason = str(reason) if reason else "rotate signal"
+        # Bounded: it is carried across continue-as-new.
+        self._rotate_reason = str(reason)[:MAX_REASON] if reason else "rotate signal"
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:

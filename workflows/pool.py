@@ -81,6 +81,9 @@ RECONCILE_BUSY = timedelta(seconds=30)
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
 MIN_ALARM = timedelta(seconds=1)
+# Member starts in flight at once: a pool of hundreds starts in batches, so
+# no one workflow task carries hundreds of commands.
+START_BATCH = 50
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
@@ -265,7 +268,7 @@ class ProxyPool:
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         """
         reason = request.get("reason") if isinstance(request, dict) else request
-        self._terminate_reason = str(reason) if reason else "terminate signal"
+        self._terminate_reason = str(reason)[:500] if reason else "terminate signal"
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
     def member_changed(self, report: MemberReport) -> None:
@@ -497,7 +500,8 @@ class ProxyPool:
         if self._start_after is not None and now < self._start_after:
             return
         self._start_after = None
-        for _ in range(-excess):
+        # A bounded batch per workflow task: the next starts when these answer.
+        for _ in range(min(-excess, max(0, START_BATCH - len(self._starting)))):
             self._start_member(inp, now)
 
     def _start_rotations(self, inp: PoolInput, now: datetime) -> None:
@@ -546,6 +550,7 @@ class ProxyPool:
         # The pool rotates its members itself (`rotate` signal), one surge at a time.
         body.pop("max_lifetime_seconds", None)
         body["drain_seconds"] = self._drain_seconds(inp)
+        self._starting.add(member.member)
         self._spawn(self._start_child(member, body))
 
     def _placement(self, inp: PoolInput) -> tuple[int | None, str, dict[str, str]]:
@@ -616,7 +621,6 @@ class ProxyPool:
         task.add_done_callback(done)
 
     async def _start_child(self, member: Member, body: dict[str, Any]) -> None:
-        self._starting.add(member.member)
         try:
             await workflow.start_child_workflow(
                 PROXY_LIFECYCLE,

@@ -165,7 +165,10 @@ async def test_start_query_curl_terminate_end_to_end(
     assert stack.instances() == []
 
 
-@pytest.mark.parametrize("signal_input", [None, '{"reason": "banned by example.org"}', "[1, 2]"])
+@pytest.mark.parametrize(
+    "signal_input",
+    [None, '{"reason": "banned by example.org"}', "[1, 2]", json.dumps({"reason": "x" * 100_000})],
+)
 async def test_rotate_signal_replaces_the_instance_make_before_break(
     temporal_env: WorkflowEnvironment, stack: Stack, signal_input: str | None
 ) -> None:

@@ -336,3 +336,19 @@ async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
     assert on_disk() == set()
+
+
+@pytest.mark.parametrize("pool_id", ["pool with space", "pool'quote", "-starts-with-dash"])
+async def test_a_pool_id_that_would_need_quoting_is_refused(
+    temporal_env: WorkflowEnvironment, stack: Stack, pool_id: str
+) -> None:
+    handle = await temporal_env.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 1, "template": stack.proxy_input()},
+        id=pool_id,
+        task_queue=stack.task_queue,
+    )
+    with pytest.raises(WorkflowFailureError) as failure:
+        await handle.result()
+    assert "workflow id: a pool's id must be" in str(failure.value.cause)
+    assert stack.provider.calls["create"] == 0
