@@ -77,6 +77,9 @@ class ProbeInput:
     target: str
     timeout_seconds: float = 5.0
     deadline_seconds: float = 120.0
+    # Return a failed probe after this long, before the deadline, so the
+    # workflow can show it; None: only at the deadline.
+    report_after_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class ProbeSummary:
     total_ms: float | None = None
     failure: str | None = None
     error: str | None = None
+    # While waiting for an instance's first probe: how many were made so far.
+    attempts: int | None = None
 
 
 class MonitorReason(StrEnum):

@@ -14,13 +14,13 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
 from activities.metrics import PROBE_SECONDS, PROBES
@@ -59,6 +59,9 @@ GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
 # While a new instance fails its first probes (a VM still booting), ask the
 # provider this often whether it still exists.
 GONE_CHECK_SECONDS = 5.0
+# A create heartbeats this often while its provider call runs; the SDK sends
+# at most one every 80% of the heartbeat timeout (workflows/policies.py).
+CREATE_HEARTBEAT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,14 @@ class ProviderActivities:
             placement=dict(inp.placement),
         )
         provider = self._provider(inp.provider)
-        instance = await self._call(provider.create, request)
+        call = asyncio.ensure_future(self._call(provider.create, request))
+        # Heartbeat while the provider works: a lost worker is then noticed
+        # within the heartbeat timeout, and the retry adopts the instance by
+        # its name, instead of the server waiting out the start-to-close.
+        while not call.done():
+            activity.heartbeat(f"creating {name}")
+            await asyncio.wait([call], timeout=CREATE_HEARTBEAT_SECONDS)
+        instance = call.result()
         return _ref(inp.provider, inp.generation, instance)
 
     @activity.defn(name="wait_running")
@@ -224,13 +234,18 @@ class ProviderActivities:
         deleted meanwhile (say, by a worker restart that stopped local
         proxies) is reported as InstanceLost at once instead of at the deadline.
         """
-        deadline = time.monotonic() + inp.deadline_seconds
-        next_check = time.monotonic() + GONE_CHECK_SECONDS
+        started = time.monotonic()
+        deadline = started + inp.deadline_seconds
+        report_at = None if inp.report_after_seconds is None else started + inp.report_after_seconds
+        next_check = started + GONE_CHECK_SECONDS
         delay = FIRST_POLL_SECONDS
+        attempts = 0
         while True:
             summary = _summarise(await self._probe(inp.instance, inp.target, inp.timeout_seconds))
-            if summary.ok or time.monotonic() >= deadline:
-                return summary
+            attempts += 1
+            now = time.monotonic()
+            if summary.ok or now >= deadline or (report_at is not None and now >= report_at):
+                return replace(summary, attempts=attempts)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + GONE_CHECK_SECONDS
                 gone = await self._gone_reason(inp.instance)
@@ -371,8 +386,11 @@ async def _pause(seconds: float) -> None:
     drain, and the server retries it on a worker that is staying.
     """
     if await _worker_shutting_down_within(seconds):
+        # Benign: the SDK logs it at debug, not as a warning with a traceback.
         raise ApplicationError(
-            "worker shutting down; retrying elsewhere", type=ErrorType.WORKER_SHUTDOWN
+            "worker shutting down; retrying elsewhere",
+            type=ErrorType.WORKER_SHUTDOWN,
+            category=ApplicationErrorCategory.BENIGN,
         )
 
 

@@ -171,7 +171,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     with serve_tls_origin() as origin, local_state_dir("proxy-operator-bench-") as state_dir:
         config = config_for(origin, state_dir)
-        provider = LocalProvider(LocalConfig(state_dir=str(state_dir)))
+        provider = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
         activities = activities_for(config, provider, origin)
         task_queue = f"bench-{uuid.uuid4().hex[:8]}"
         worker = build_worker(client, activities, task_queue=task_queue)

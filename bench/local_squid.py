@@ -24,11 +24,14 @@ from activities.probe import ProbeResult, probe_connect
 from bench.stats import percentile
 from providers.base import CreateRequest, InstanceState
 from providers.local import METADATA_FILE, LocalConfig, LocalProvider
+from providers.naming import owner_tags
 from providers.squid import ProxySettings
+from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.procfs import children_by_parent
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 
 USERNAME = "bench"
+INSTALLATION = "bench"
 FIRST_PORT = 25000
 LAST_PORT = 25999
 
@@ -89,17 +92,26 @@ def main() -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="bench-local-squid-"))
     state_dir.chmod(0o755)  # Squid drops to `proxy`, which must traverse it
     provider = LocalProvider(
-        LocalConfig(state_dir=str(state_dir), first_port=FIRST_PORT, last_port=LAST_PORT)
+        LocalConfig(state_dir=str(state_dir), first_port=FIRST_PORT, last_port=LAST_PORT),
+        INSTALLATION,
     )
     names: list[str] = []
     try:
         with serve_tls_origin() as origin:
-            settings = ProxySettings(3128, USERNAME, password, ("127.0.0.1/32",), (origin.port,))
+            settings = ProxySettings(
+                3128,
+                USERNAME,
+                password,
+                ("127.0.0.1/32",),
+                (origin.port,),
+                denied_destinations=LOOPBACK_ORIGIN_DENIED,
+            )
             starts = []
             for i in range(args.proxies):
                 name = f"bench-{i}"
                 names.append(name)
-                starts.append(start_to_running(provider, CreateRequest(name, settings, {})))
+                request = CreateRequest(name, settings, owner_tags(INSTALLATION, name, 0))
+                starts.append(start_to_running(provider, request))
 
             memory = [
                 memory_kib(json.loads((state_dir / n / METADATA_FILE).read_text())["pid"])

@@ -146,7 +146,6 @@ async def run(instances: int, orphans: int) -> None:
             {"name": PROVIDER, "type": "memory"},
             connect_ports=[443],
             installation=INSTALLATION,
-            password="unused",
         )
         activities = ProviderActivities({PROVIDER: provider}, config)
         gc = GcActivities({PROVIDER: provider}, INSTALLATION, client)

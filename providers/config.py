@@ -9,6 +9,7 @@ the YAML, never from the YAML itself, and never leave the worker.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,10 +29,15 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from providers.catalog import TYPE_NAMES, provider_type
-from providers.squid import ProxySettings
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+
+log = logging.getLogger(__name__)
 
 LABEL_VALUE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 Port = Annotated[int, Field(ge=1, le=65535)]
+# Anything shorter is within reach of offline guessing from the htpasswd hash,
+# which GCP instance metadata and Kubernetes Secrets show to their readers.
+MIN_PASSWORD_LENGTH = 16
 
 
 class StrictModel(BaseModel):
@@ -41,6 +47,7 @@ class StrictModel(BaseModel):
 
 
 class AuthConfig(StrictModel):
+    # Case-sensitive: the rendered squid.conf tells Squid not to lowercase it.
     username: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "proxy"
     password_env: str | None = None
     password_file: str | None = None
@@ -53,20 +60,45 @@ class ProxyDefaults(StrictModel):
     auth: AuthConfig
     allowed_cidrs: Annotated[list[str], Field(min_length=1)]
     allowed_connect_ports: Annotated[list[Port], Field(min_length=1)] = [443]
+    # None: providers.squid.DEFAULT_DENIED_DESTINATIONS. A list replaces it
+    # whole; [] lets CONNECT reach every address, private ones included.
+    denied_destinations: list[str] | None = None
 
-    @field_validator("allowed_cidrs")
+    @field_validator("allowed_cidrs", "denied_destinations")
     @classmethod
-    def _cidrs_are_networks(cls, cidrs: list[str]) -> list[str]:
+    def _cidrs_are_networks(cls, cidrs: list[str] | None) -> list[str] | None:
+        """Every entry a network, kept in canonical prefix form.
+
+        `0.0.0.0/0.0.0.0` becomes `0.0.0.0/0`, so what reads the settings
+        (Squid's renderer, the GCP firewall rule) sees every network one way.
+        """
+        if cidrs is None:
+            return None
         # Report every bad entry, not just the first: the config fails once.
-        bad = []
+        bad, canonical = [], []
         for cidr in cidrs:
             try:
-                ipaddress.ip_network(cidr, strict=True)
+                canonical.append(ipaddress.ip_network(cidr, strict=True).with_prefixlen)
             except ValueError as exc:
                 bad.append(f"bad CIDR {cidr!r}: {exc}")
         if bad:
             raise ValueError("; ".join(bad))
-        return cidrs
+        return canonical
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but open more than an operator may mean to."""
+        found = [
+            f"proxy.allowed_cidrs: {cidr} admits every {kind} client; anyone on the "
+            "network who has the password can use the proxies"
+            for cidr, kind in (("0.0.0.0/0", "IPv4"), ("::/0", "IPv6"))
+            if cidr in self.allowed_cidrs
+        ]
+        if self.denied_destinations == []:
+            found.append(
+                "proxy.denied_destinations: empty, so proxy users can reach loopback, "
+                "the cloud metadata server and private networks through the proxies"
+            )
+        return found
 
 
 class ProviderEntry(StrictModel):
@@ -168,6 +200,11 @@ class Config(StrictModel):
             password=self._password,
             allowed_cidrs=tuple(self.proxy.allowed_cidrs),
             allowed_connect_ports=tuple(self.proxy.allowed_connect_ports),
+            denied_destinations=(
+                DEFAULT_DENIED_DESTINATIONS
+                if self.proxy.denied_destinations is None
+                else tuple(self.proxy.denied_destinations)
+            ),
         )
 
     def provider(self, name: str) -> ProviderEntry:
@@ -189,7 +226,11 @@ class ConfigError(Exception):
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
-    """Read, validate and resolve secrets; raise ConfigError listing every problem."""
+    """Read, validate and resolve secrets; raise ConfigError listing every problem.
+
+    What is valid but risky (a proxy open to every address) is logged as a
+    warning, once, when the worker loads its config at start.
+    """
     source = str(path)
     try:
         raw = yaml.safe_load(Path(path).read_text())
@@ -197,7 +238,10 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
         raise ConfigError(source, [f"cannot read file: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
-    return parse_config(raw, source=source, environ=os.environ if environ is None else environ)
+    config = parse_config(raw, source=source, environ=os.environ if environ is None else environ)
+    for warning in config.proxy.warnings():
+        log.warning("%s: %s", source, warning)
+    return config
 
 
 def parse_config(raw: Any, *, source: str = "<config>", environ: Mapping[str, str]) -> Config:
@@ -250,7 +294,7 @@ def _resolve_password(raw: dict[str, Any], environ: Mapping[str, str]) -> tuple[
         value = environ.get(env_name, "")
         if not value:
             return "", [f"{where}.password_env: environment variable {env_name} is not set"]
-        return value, []
+        return _long_enough(value, f"{where}.password_env", f"environment variable {env_name}")
     if isinstance(file_name, str):
         try:
             value = Path(file_name).read_text().strip()
@@ -258,8 +302,18 @@ def _resolve_password(raw: dict[str, Any], environ: Mapping[str, str]) -> tuple[
             return "", [f"{where}.password_file: cannot read {file_name}: {exc.strerror}"]
         if not value:
             return "", [f"{where}.password_file: {file_name} is empty"]
-        return value, []
+        return _long_enough(value, f"{where}.password_file", file_name)
     return "", []  # a wrong type is reported by pydantic
+
+
+def _long_enough(password: str, path: str, where: str) -> tuple[str, list[str]]:
+    """The password, or a problem naming where it came from (never the password)."""
+    if len(password) < MIN_PASSWORD_LENGTH:
+        return "", [
+            f"{path}: the password in {where} has {len(password)} characters, "
+            f"at least {MIN_PASSWORD_LENGTH} are required (e.g. openssl rand -base64 24)"
+        ]
+    return password, []
 
 
 def _describe(err: Mapping[str, Any]) -> str:

@@ -3,9 +3,11 @@
 Each instance is one Squid bound to `bind_address`, on its own port from
 `first_port..last_port`, with everything it owns in `<state_dir>/<name>/`:
 
+    tags.json                 the owner's tags: list_by_tag selects on them,
+                              delete and adoption check them; first in, last out
     squid.conf, htpasswd      rendered by providers.squid
-    instance.json             port, pid (and its start time), created_at
-    tags.json                 what list_by_tag selects on
+    instance.json             port and created_at, recorded before Squid starts;
+                              its pid (and start time) once it serves
     cache.log, access.log     Squid's own logs
     squid.out                 Squid's stdout and stderr (early start-up errors)
 
@@ -13,8 +15,13 @@ The directories are the only state, so a restarted worker, or a second
 provider object over the same `state_dir`, finds every instance again. Squid
 runs in the foreground (`-N`) in a session of its own: a worker killed with
 SIGKILL leaves it serving, and the next worker recognises it by its pid and
-start time. Squid started as root drops to the `proxy` user, so the
-directories are shared with that user's group.
+start time, or, when the worker died before recording the pid, by its
+command line, and adopts it: there is never a second Squid for one instance.
+Squid started as root drops to the `proxy` user, so the directories are
+shared with that user's group.
+
+Only instances whose tags say they belong to this installation are deleted,
+and only the one a request's owner and generation made is adopted.
 """
 
 from __future__ import annotations
@@ -43,10 +50,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationInfo, field_validator
+
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
+from providers.naming import GENERATION_KEY, OWNER_KEY, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
 
 
@@ -60,6 +70,15 @@ class LocalConfig(StrictModel):
     first_port: Port = 20000
     last_port: Port = 20999
     squid_binary: str = "squid"
+
+    @field_validator("last_port")
+    @classmethod
+    def _range_not_empty(cls, last: int, info: ValidationInfo) -> int:
+        # An empty range would only show up later, as QuotaExceeded on every create.
+        first = info.data.get("first_port")
+        if first is not None and last < first:
+            raise ValueError(f"must be at least first_port ({first}), not {last}")
+        return last
 
 
 PROVIDER_TYPE = ProviderType(
@@ -81,6 +100,9 @@ CACHE_LOG = "cache.log"
 ACCESS_LOG = "access.log"
 SQUID_OUT = "squid.out"
 LOCK_FILE = ".lock"
+# An instance directory is assembled under this prefix and renamed into place,
+# so `<name>/` never exists without its tags.
+NEW_DIR_PREFIX = ".new-"
 FALLBACK_BINARY = "/usr/sbin/squid"
 SHM_DIR = Path("/dev/shm")
 
@@ -120,9 +142,11 @@ class _Metadata:
     """instance.json: what the provider needs to find the process again."""
 
     port: int
-    pid: int
+    # None from just before Squid is launched until it serves: a worker
+    # killed in between leaves the record, and the next one finds the process.
+    pid: int | None
     # _process_start(pid) when Squid was launched: tells it from a reused pid.
-    started: str
+    started: str | None
     created_at: datetime
 
     def to_json(self) -> str:
@@ -133,10 +157,11 @@ class _Metadata:
     @classmethod
     def from_json(cls, text: str) -> _Metadata:
         data: dict[str, Any] = json.loads(text)
+        pid, started = data.get("pid"), data.get("started")
         return cls(
             port=int(data["port"]),
-            pid=int(data["pid"]),
-            started=str(data["started"]),
+            pid=None if pid is None else int(pid),
+            started=None if started is None else str(started),
             created_at=datetime.fromisoformat(data["created_at"]),
         )
 
@@ -144,12 +169,13 @@ class _Metadata:
 class LocalProvider:
     """Squid processes on this machine, one directory each under `state_dir`."""
 
-    def __init__(self, settings: LocalConfig) -> None:
+    def __init__(self, settings: LocalConfig, installation: str) -> None:
         try:
             address = ipaddress.ip_address(settings.bind_address)
         except ValueError as exc:
             raise Permanent(f"local.bind_address: {exc}", cause=exc) from exc
         self._settings = settings
+        self._installation = installation
         # Absolute and canonical: squid.conf names its files by this path, and
         # Squid's helpers are found by it in their command lines.
         self._state_dir = Path(settings.state_dir).resolve()
@@ -163,22 +189,43 @@ class LocalProvider:
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> LocalProvider:
         """The registry's constructor; the proxy settings arrive with each request."""
-        return cls(PROVIDER_TYPE.settings_of(entry))
+        return cls(PROVIDER_TYPE.settings_of(entry), config.installation)
 
     # -- the Provider contract ---------------------------------------------
 
     def create(self, req: CreateRequest) -> Instance:
-        """Start Squid for `req.name`, adopt it if it runs, restart it if it died."""
+        """Start Squid for `req.name`, adopt it if it runs, restart it if it died.
+
+        A create that fails leaves nothing behind: no directory, no process,
+        no shm segment. Only an instance this request's owner and generation
+        made is adopted or restarted; any other of that name is Permanent.
+        """
         name = _checked_name(req.name)
         with _edge(f"create local instance {name}"):
+            mismatch = ownership_mismatch(req.tags, self._installation)
+            if mismatch:
+                # This installation's delete and orphan GC could never act on it.
+                raise Permanent(f"create {name}: the request's tags are {mismatch}")
             binary = self._squid_binary()
             self._state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             with self._locked():
-                previous = self._metadata(name)
-                if previous is not None and self._alive(previous):
+                previous = self._claimed(req)
+                if previous is not None and self._adopted(name, previous):
                     return self._instance(name)
-                self._start(binary, req, previous)
-            return self._await_start(name)
+                try:
+                    process, port = self._start(binary, req, previous)
+                except Exception:
+                    self._discard(name)
+                    raise
+            try:
+                self._await_start(name, process, port)
+                with self._locked():
+                    self._record(name, process)
+            except Exception:
+                with self._locked():
+                    self._discard(name)
+                raise
+            return self._instance(name)
 
     def get(self, provider_id: str) -> Instance:
         name = self._name(provider_id)
@@ -193,19 +240,21 @@ class LocalProvider:
         """
         name = self._name(provider_id)
         with _edge(f"delete {provider_id}"):
-            if not self._dir(name).exists():
+            directory = self._dir(name)
+            if not directory.exists() or _vacated(directory):
                 return
+            mismatch = ownership_mismatch(_tags_if_any(directory), self._installation)
+            if mismatch:
+                raise Permanent(f"delete {provider_id}: refused, {mismatch}")
             # A create of the same name may restart Squid while it is being
             # stopped without the lock; then it is stopped again.
             while True:
                 self._stop(name, self._metadata(name))
                 with self._locked():
                     meta = self._metadata(name)
-                    if meta is not None and self._alive(meta):
+                    if meta is not None and self._squid(name, meta) is not None:
                         continue
-                    with contextlib.suppress(FileNotFoundError):
-                        shutil.rmtree(self._dir(name))
-                    _remove_shm(service_name(name))
+                    self._remove(name)
                     return
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
@@ -247,7 +296,7 @@ class LocalProvider:
         if meta is None:
             raise NotFound(f"local instance {name} does not exist")
         tags = _read_tags(self._dir(name))
-        if not self._alive(meta):
+        if self._squid(name, meta) is None:
             state, ip = InstanceState.TERMINATED, ""
         elif _accepting(self._client_ip, meta.port):
             state, ip = InstanceState.RUNNING, self._client_ip
@@ -274,6 +323,69 @@ class LocalProvider:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
+    def _claimed(self, req: CreateRequest) -> _Metadata | None:
+        """The record of `req.name` if it exists and is this request's; the caller holds the lock.
+
+        A directory of that name with other tags (another installation
+        sharing the state_dir, another owner or generation, one made by
+        hand) is Permanent: it is never adopted, restarted or overwritten.
+        """
+        directory = self._dir(req.name)
+        if not directory.exists() or _vacated(directory):
+            return None
+        generation = req.tags.get(GENERATION_KEY, "")
+        mismatch = ownership_mismatch(
+            _tags_if_any(directory),
+            self._installation,
+            owner_id=req.tags.get(OWNER_KEY, ""),
+            generation=int(generation) if generation.isdigit() else -1,
+        )
+        if mismatch:
+            raise Permanent(
+                f"create {req.name}: a local instance of that name exists and is not "
+                f"this proxy's, {mismatch}"
+            )
+        return self._metadata(req.name)
+
+    def _adopted(self, name: str, meta: _Metadata) -> bool:
+        """Whether Squid of this record runs; one never recorded is recorded now."""
+        squid = self._squid(name, meta)
+        if squid is None:
+            return False
+        if meta.pid is None:
+            pid, started = squid
+            _write(self._dir(name) / METADATA_FILE, _recorded(meta, pid, started).to_json())
+        return True
+
+    def _record(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        """Write the pid of a started Squid into its record; the caller holds the lock."""
+        meta = self._metadata(name)
+        started = _process_start(process.pid)
+        if meta is None or started is None:
+            raise Transient(f"squid for {name} was stopped while it started")
+        if meta.pid is None:
+            _write(self._dir(name) / METADATA_FILE, _recorded(meta, process.pid, started).to_json())
+
+    def _discard(self, name: str) -> None:
+        """Undo a failed create: stop what runs, remove what was written."""
+        self._stop(name, self._metadata(name))
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        """The directory, its tags last (so what remains is still known as ours), and shm."""
+        directory = self._dir(name)
+        with contextlib.suppress(FileNotFoundError):
+            for entry in directory.iterdir():
+                if entry.name == TAGS_FILE:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            (directory / TAGS_FILE).unlink(missing_ok=True)
+            directory.rmdir()
+        _remove_shm(service_name(name))
+
     # -- starting --------------------------------------------------------------
 
     def _squid_binary(self) -> str:
@@ -290,8 +402,15 @@ class LocalProvider:
             )
         return found
 
-    def _start(self, binary: str, req: CreateRequest, previous: _Metadata | None) -> None:
-        """Render, check and launch Squid; the caller holds the lock."""
+    def _start(
+        self, binary: str, req: CreateRequest, previous: _Metadata | None
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Render, check, record and launch Squid; the caller holds the lock.
+
+        The record (port, created_at) is written before the launch, so a
+        worker killed right after it leaves a record the next create adopts
+        the running Squid by. Returns the process and its port.
+        """
         name = req.name
         directory = self._dir(name)
         account = _squid_account()
@@ -299,10 +418,8 @@ class LocalProvider:
         if account is not None:
             _check_traversable(self._state_dir, *account)
             group = account[1]
-        directory.mkdir(mode=0o770, exist_ok=True)
-        directory.chmod(0o770)  # mkdir's mode is narrowed by the umask
-        if group is not None:
-            os.chown(directory, -1, group)
+        if previous is None and not directory.exists():
+            self._make_dir(name, req.tags, group)
 
         port = self._allocate_port(name, previous.port if previous else None)
         paths = SquidPaths(
@@ -324,12 +441,16 @@ class LocalProvider:
         _write(conf, rendered.squid_conf, 0o640, group)
         # Squid's auth helper reads the hash as `proxy`: group-readable, never world.
         _write(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
-        _write(directory / TAGS_FILE, json.dumps(req.tags, indent=2, sort_keys=True) + "\n")
         _check_config(binary, conf)
 
+        # Helpers of a Squid that was killed may still be exiting; once none
+        # runs, segments it left would only make the new one fail.
+        self._stop(name, None)
         service = service_name(name)
-        # Segments left by a Squid that was killed would make the new one fail.
         _remove_shm(service)
+        created_at = previous.created_at if previous else datetime.now(UTC)
+        starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
+        _write(directory / METADATA_FILE, starting.to_json())
         with open(directory / SQUID_OUT, "ab") as out:
             process = subprocess.Popen(
                 [binary, "-N", "-f", str(conf), "-n", service],
@@ -343,19 +464,22 @@ class LocalProvider:
             )
         with _CHILDREN_LOCK:
             _CHILDREN[process.pid] = process
-        started = _process_start(process.pid)
-        if started is None:
-            raise Transient(
-                f"squid for {name} exited at once: "
-                + _log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
-            )
-        meta = _Metadata(
-            port=port,
-            pid=process.pid,
-            started=started,
-            created_at=previous.created_at if previous else datetime.now(UTC),
-        )
-        _write(directory / METADATA_FILE, meta.to_json())
+        return process, port
+
+    def _make_dir(self, name: str, tags: dict[str, str], group: int | None) -> None:
+        """Create `<name>/` with its tags in one rename; the caller holds the lock.
+
+        A `.new-` directory can only be left by a worker that died here: the
+        lock is held from its mkdir to its rename.
+        """
+        staging = self._state_dir / f"{NEW_DIR_PREFIX}{name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o770)
+        staging.chmod(0o770)  # mkdir's mode is narrowed by the umask
+        if group is not None:
+            os.chown(staging, -1, group)
+        _write(staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n")
+        staging.rename(self._dir(name))
 
     def _allocate_port(self, name: str, preferred: int | None) -> int:
         """The preferred port if free, else the first port in range that nobody uses.
@@ -378,44 +502,48 @@ class LocalProvider:
             f"({len(taken)} reserved by local instances, the rest in use)"
         )
 
-    def _await_start(self, name: str) -> Instance:
+    def _await_start(self, name: str, process: subprocess.Popen[bytes], port: int) -> None:
         """Wait briefly for Squid to accept; raise with its log if it exits instead."""
         deadline = time.monotonic() + START_GRACE_SECONDS
         while True:
-            instance = self._instance(name)
-            if instance.state is InstanceState.TERMINATED:
+            if process.poll() is not None:
                 directory = self._dir(name)
                 raise Transient(
                     f"squid for {name} exited while starting: "
                     + _log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
                 )
-            if instance.state is InstanceState.RUNNING or time.monotonic() >= deadline:
-                return instance
+            if _accepting(self._client_ip, port) or time.monotonic() >= deadline:
+                return
             time.sleep(POLL_SECONDS)
 
     # -- processes ---------------------------------------------------------
 
-    def _alive(self, meta: _Metadata) -> bool:
-        """Squid for this instance runs, or is still exiting and holding its port.
+    def _squid(self, name: str, meta: _Metadata) -> tuple[int, str] | None:
+        """(pid, start time) of this instance's Squid while it runs or is still exiting.
 
-        The start time guards against pid reuse (after a reboot or a long
-        downtime the pid may be another process's). It is a better witness
-        than the command line, which is already empty while an exiting
-        process still holds its listening socket.
+        The recorded start time guards against pid reuse (after a reboot or a
+        long downtime the pid may be another process's). It is a better
+        witness than the command line, which is already empty while an
+        exiting process still holds its listening socket. A Squid launched but
+        not yet recorded is found by its command line instead.
         """
         _reap()
-        return _process_start(meta.pid) == meta.started
+        if meta.pid is None:
+            return _unrecorded_squid(self._dir(name) / CONF_FILE, service_name(name))
+        return (meta.pid, meta.started or "") if _process_start(meta.pid) == meta.started else None
 
     def _stop(self, name: str, meta: _Metadata | None) -> None:
         """SIGTERM, SIGKILL after a bound, then make sure no helper outlives Squid.
 
-        Without metadata (a worker died between starting Squid and recording
-        it) there is no pid to signal, but the sweep below still finds Squid.
+        Without metadata (a directory from before records were written first)
+        there is no pid to signal, but the sweep below still finds Squid.
         """
-        if meta is not None and self._alive(meta):
-            os.kill(meta.pid, signal.SIGTERM)
-            if not _wait_until(lambda: not self._alive(meta)):
-                os.kill(meta.pid, signal.SIGKILL)
+        squid = self._squid(name, meta) if meta is not None else None
+        if squid is not None:
+            pid, started = squid
+            os.kill(pid, signal.SIGTERM)
+            if not _wait_until(lambda: not _runs(pid, started)):
+                os.kill(pid, signal.SIGKILL)
         # Squid puts each helper in a session of its own, so no process-group
         # signal reaches them; they are found by the instance files they name.
         # They exit once Squid closes their pipes: only a stuck one is killed.
@@ -463,23 +591,45 @@ def _process_start(pid: int) -> str | None:
     return f"{_boot_id()}/{fields[19]}"
 
 
-def processes_under(directory: Path) -> list[int]:
-    """Processes with an argument inside `directory`: Squid and its helpers.
+def _runs(pid: int, started: str) -> bool:
+    _reap()
+    return _process_start(pid) == started
 
-    Zombies drop out by themselves: their command line reads empty.
-    """
-    prefix = os.fsencode(directory) + b"/"
-    pids = []
+
+def _recorded(meta: _Metadata, pid: int, started: str) -> _Metadata:
+    return dataclasses.replace(meta, pid=pid, started=started)
+
+
+def _command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, arguments) of every process; zombies' read empty."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
+            yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")[:-1]
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if any(arg.startswith(prefix) for arg in args):
-            pids.append(int(entry.name))
-    return pids
+
+
+def processes_under(directory: Path) -> list[int]:
+    """Processes with an argument inside `directory`: Squid and its helpers."""
+    prefix = os.fsencode(directory) + b"/"
+    return [pid for pid, args in _command_lines() if any(a.startswith(prefix) for a in args)]
+
+
+def _unrecorded_squid(conf: Path, service: str) -> tuple[int, str] | None:
+    """(pid, start time) of the Squid launched with `conf`, found by its command line.
+
+    `_start` launches `<binary> -N -f <conf> -n <service>`; the tail is
+    matched so a `squid -k parse -f <conf>` check never counts.
+    """
+    tail = [b"-N", b"-f", os.fsencode(conf), b"-n", service.encode()]
+    for pid, args in _command_lines():
+        if args[-len(tail) :] == tail:
+            started = _process_start(pid)
+            if started is not None:
+                return pid, started
+    return None
 
 
 def _wait_until(condition: Callable[[], bool], seconds: float = STOP_GRACE_SECONDS) -> bool:
@@ -566,6 +716,27 @@ def _write(path: Path, text: str, mode: int = 0o644, group: int | None = None) -
 def _read_tags(directory: Path) -> dict[str, str]:
     tags: dict[str, str] = json.loads((directory / TAGS_FILE).read_text())
     return tags
+
+
+def _vacated(directory: Path) -> bool:
+    """Remove `directory` if it is empty, as a removal interrupted before its rmdir leaves it."""
+    try:
+        directory.rmdir()
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        if exc.errno == errno.ENOENT:
+            return True
+        raise
+    return True
+
+
+def _tags_if_any(directory: Path) -> dict[str, str]:
+    """The directory's tags; none at all for one this provider never made."""
+    try:
+        return _read_tags(directory)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def _check_config(binary: str, conf: Path) -> None:

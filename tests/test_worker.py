@@ -26,7 +26,7 @@ from providers.base import CreateRequest
 from providers.local import LocalConfig, LocalProvider, processes_under
 from providers.naming import owner_tags
 from providers.squid import ProxySettings
-from tests.helpers.config import PASSWORD, local_entry, raw_config
+from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
@@ -208,10 +208,17 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
     with serve_tls_origin() as origin:
         ca_file = tmp_path / "ca.pem"
         origin.ca.cert_pem.write_to_path(str(ca_file))
-        squid = LocalProvider(LocalConfig(state_dir=str(state_dir))).create(
+        squid = LocalProvider(LocalConfig(state_dir=str(state_dir)), "worker-test").create(
             CreateRequest(
                 name="upstream",
-                proxy=ProxySettings(3128, "proxy", PASSWORD, ("127.0.0.0/8",), (origin.port,)),
+                proxy=ProxySettings(
+                    3128,
+                    "proxy",
+                    PASSWORD,
+                    ("127.0.0.0/8",),
+                    (origin.port,),
+                    denied_destinations=LOOPBACK_ORIGIN_DENIED,
+                ),
                 tags=owner_tags("worker-test", "upstream", 0),
             )
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
 
 from contract import ErrorType
 
@@ -30,6 +30,19 @@ def ending_type(err: ApplicationError | ActivityError) -> str:
 def next_retry_delay(err: ActivityError) -> timedelta | None:
     cause = err.cause
     return cause.next_retry_delay if isinstance(cause, ApplicationError) else None
+
+
+# What a provider in trouble raises, as opposed to what it says about an instance.
+PROVIDER_TROUBLE = frozenset({ErrorType.TRANSIENT, ErrorType.WORKER_SHUTDOWN})
+
+
+def provider_trouble(err: ActivityError) -> bool:
+    """Whether the call failed for reasons of the provider or the workers, not the instance.
+
+    Transient errors and activity timeouts (a worker lost more than once):
+    waited out, never counted against the crash budget.
+    """
+    return isinstance(err.cause, TimeoutError) or cause_type(err) in PROVIDER_TROUBLE
 
 
 def cancelled(err: ActivityError) -> bool:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
@@ -72,6 +73,26 @@ FIRST_PROBE_DEADLINE = timedelta(minutes=2)
 # from validate_target and hashes it into its instance names.
 INSTALLATION_IN_NAMES = "installation-in-instance-names"
 
+# A failing first probe is reported to the workflow (and so to `status`)
+# after this long, then every FIRST_PROBE_REPORT_EVERY until the deadline.
+FIRST_PROBE_FIRST_REPORT = timedelta(seconds=10)
+FIRST_PROBE_REPORT_EVERY = timedelta(seconds=20)
+# A provider that keeps failing (5xx, 429, timeouts, refused connections) is
+# waited out on a visible timer: PROVIDER_WAIT doubling up to
+# MAX_PROVIDER_WAIT, or the provider's own Retry-After. Never given up on.
+PROVIDER_WAIT = timedelta(seconds=5)
+MAX_PROVIDER_WAIT = timedelta(minutes=10)
+
+# Histories recorded before this patch cancelled activities without waiting,
+# cleaned up only after the lifecycle had unwound, retried Transient errors
+# inside Temporal and slept through quota waits on terminate. Replaying them
+# keeps doing so; new runs take the paths described in docs/architecture.md.
+CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
+
+# The summaries of the monitor's two timers; the one that fired says which.
+LIFETIME_SUMMARY = "max lifetime reached"
+STABLE_SUMMARY = "stable: crash budget restored"
+
 
 @dataclass
 class ProxyStatus:
@@ -90,6 +111,8 @@ class ProxyStatus:
     waiting_for: str | None = None
     last_error: str | None = None
     terminate_reason: str | None = None
+    # When last_error happened: an error older than ready_since is history.
+    last_error_at: str | None = None
 
 
 @dataclass
@@ -102,8 +125,8 @@ class CarriedState:
     ready_at: str | None = None
     next_generation: int = 0
     terminate_reason: str | None = None
-    # Whether status.waiting_for is a quota wait, which the next successful
-    # provider call ends.
+    # Written by runs before CLEAN_STOP_PATCH; read by none. A continued run
+    # starts with no wait of its own, so it has nothing to carry.
     waiting_for_quota: bool = False
     # The installation instance names are hashed with; None for a lifecycle
     # started before that, which keeps the old names (providers/naming.py).
@@ -141,9 +164,18 @@ class ProxyLifecycle:
         self._creating: asyncio.Task[InstanceRef] | None = None
         self._deletions: dict[str, asyncio.Task[None]] = {}
         self._pending_name: str | None = None
-        self._waiting_for_quota = False
         self._installation: str | None = None
+        # Every wait in progress (provider, quota, backoff), by its timer's
+        # summary: status.waiting_for shows the newest.
+        self._waits: dict[str, str] = {}
+        # The monitor of an instance that is being rotated out: cancelled,
+        # then awaited once its instance is deleted, so its end is observed.
+        self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
         self._published: tuple[dict[str, str], list[str]] = ({}, [])
+        # Decided once, before the first command: a marker recorded later, after
+        # the validation's local-activity marker, does not replay (Core reports
+        # "patch marker encountered ... no corresponding change command").
+        self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -177,7 +209,7 @@ class ProxyLifecycle:
             lifecycle.result()
         except (ApplicationError, ActivityError) as err:
             reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
-            self._status.last_error = reason
+            self._note_error(reason)
             await self._cleanup()
             self._show_instance(None)
             self._set_state(ProxyState.FAILED)
@@ -228,7 +260,7 @@ class ProxyLifecycle:
             problems += await self._check_target(target)
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
-            self._status.last_error = message
+            self._note_error(message)
             self._set_state(ProxyState.FAILED)
             raise invalid_input(message)
         return inp
@@ -315,17 +347,7 @@ class ProxyLifecycle:
             self._owned[ref.provider_id] = ref
             if visible:
                 self._show_instance(ref)
-            probe = await self._provider_call(
-                ProviderActivities.wait_healthy,
-                ProbeInput(
-                    ref,
-                    inp.health.target,
-                    timeout_seconds=inp.health.timeout_seconds,
-                    deadline_seconds=FIRST_PROBE_DEADLINE.total_seconds(),
-                ),
-                policies.WAIT_HEALTHY,
-                f"first probe of {ref.endpoint} via {inp.health.target}",
-            )
+            probe = await self._first_probe(inp, ref)
         except ActivityError as err:
             if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
@@ -336,6 +358,53 @@ class ProxyLifecycle:
                 f"{ref.name} never passed a probe: {probe.failure} ({probe.error})", ref
             )
         return ref
+
+    async def _first_probe(self, inp: ProxyInput, ref: InstanceRef) -> ProbeSummary:
+        """Probe until one passes or FIRST_PROBE_DEADLINE has passed.
+
+        While the probes fail (a VM still booting, a target unreachable), the
+        activity reports back now and then, so `status` shows the last failure,
+        the attempts so far and when the instance will be written off.
+        """
+        what = f"first probe of {ref.endpoint} via {inp.health.target}"
+        # Histories from before CLEAN_STOP_PATCH waited in one call, to the deadline.
+        reports = self._patched()
+        deadline = workflow.now() + FIRST_PROBE_DEADLINE
+        report_after = FIRST_PROBE_FIRST_REPORT
+        attempts = 0
+        try:
+            while True:
+                left = max(timedelta(0), deadline - workflow.now())
+                probe = await self._provider_call(
+                    ProviderActivities.wait_healthy,
+                    ProbeInput(
+                        ref,
+                        inp.health.target,
+                        timeout_seconds=inp.health.timeout_seconds,
+                        deadline_seconds=left.total_seconds(),
+                        report_after_seconds=report_after.total_seconds() if reports else None,
+                    ),
+                    policies.WAIT_HEALTHY,
+                    what,
+                )
+                if not reports:
+                    return probe
+                attempts += probe.attempts or 1
+                probe = replace(probe, attempts=attempts)
+                # The activity returns a failure early only while time is left.
+                if probe.ok or left <= report_after:
+                    return probe
+                self._status.last_probe = probe
+                written_off = (deadline - workflow.now()).total_seconds()
+                self._begin_wait(
+                    what,
+                    f"waiting for the {what}: {attempts} attempts failed, last "
+                    f"{probe.failure}: {probe.error}; written off in {max(0, written_off):.0f}s "
+                    f"(at {deadline.isoformat(timespec='seconds')})",
+                )
+                report_after = FIRST_PROBE_REPORT_EVERY
+        finally:
+            self._end_wait(what)
 
     async def _create(self, inp: ProxyInput, generation: int) -> InstanceRef:
         """Create the instance; shielded so terminate never orphans a half-made one.
@@ -379,15 +448,20 @@ class ProxyLifecycle:
                     type=ErrorType.PERMANENT,
                     non_retryable=True,
                 ) from err
+            # Provider trouble is waited out in _provider_call; only histories
+            # from before CLEAN_STOP_PATCH get here with a Transient error.
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
         self._pending_name = None
         self._owned[ref.provider_id] = ref
+        if generation > 0:
+            self._status.replacements += 1
         self._publish()
         return ref
 
     async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
         """Run the monitor; None means the instance reached its max lifetime."""
+        await self._settle_retired_monitor()
         ref = self._current
         assert ref is not None
         handle = workflow.start_activity_method(
@@ -404,17 +478,36 @@ class ProxyLifecycle:
             start_to_close_timeout=policies.MONITOR.start_to_close,
             heartbeat_timeout=policies.MONITOR.heartbeat,
             retry_policy=policies.TRANSIENT_RETRY,
+            cancellation_type=self._cancellation(),
         )
-        lifetime_left = self._lifetime_left(inp)
-        if lifetime_left is not None:
-            try:
-                await workflow.wait_condition(
-                    handle.done, timeout=lifetime_left, timeout_summary="max lifetime reached"
+        while True:
+            deadlines = [
+                (left, summary)
+                for left, summary in (
+                    (self._lifetime_left(inp), LIFETIME_SUMMARY),
+                    (self._stable_left(), STABLE_SUMMARY),
                 )
+                if left is not None
+            ]
+            if not deadlines:
+                break
+            timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
+            try:
+                await workflow.wait_condition(handle.done, timeout=timeout, timeout_summary=summary)
+                break
             except TimeoutError:
+                if summary == STABLE_SUMMARY:
+                    # Status says now that the crash budget is whole again.
+                    self._forgive_if_stable()
+                    self._publish()
+                    continue
+                # Make before break: the old monitor ends once its instance
+                # is deleted, and is awaited then (_settle_retired_monitor).
                 handle.cancel()
+                self._retired_monitor = handle
                 return None
         outcome: MonitorOutcome = await handle
+        self._raise_if_stopping()
         self._status.last_probe = outcome.last_probe
         return outcome
 
@@ -432,9 +525,21 @@ class ProxyLifecycle:
         self._current = new
         self._ready_at = workflow.now().isoformat()
         self._status.ready_since = self._ready_at
-        self._status.replacements += 1
         self._set_state(ProxyState.READY)
         await self._delete_and_wait(old)
+        await self._settle_retired_monitor()
+
+    async def _settle_retired_monitor(self) -> None:
+        """Await a monitor cancelled for a rotation, so its ending is retrieved.
+
+        With WAIT_CANCELLATION_COMPLETED this returns once the monitor has
+        ended: at its next probe after its instance is deleted, or when its
+        next heartbeat carries the cancel. Either way nothing stays pending.
+        """
+        handle, self._retired_monitor = self._retired_monitor, None
+        if handle is not None:
+            with contextlib.suppress(ActivityError):
+                await handle
 
     def _retire(self, ref: InstanceRef | None) -> None:
         """Stop using an instance and delete it in the background."""
@@ -442,10 +547,15 @@ class ProxyLifecycle:
             return
         if ref == self._current:
             self._current = None
-            self._status.replacements += 1
             self._show_instance(None)
         if ref.provider_id not in self._deletions:
             self._deletions[ref.provider_id] = asyncio.create_task(self._delete_and_wait(ref))
+
+    def _stable_left(self) -> timedelta | None:
+        """Time until the current instance has been Ready for STABLE_AFTER, if that matters."""
+        if not self._patched() or self._status.failures_in_a_row == 0 or self._ready_at is None:
+            return None
+        return max(timedelta(0), STABLE_AFTER - self._ready_for())
 
     def _forgive_if_stable(self) -> None:
         """An instance that stayed healthy long enough resets the crash budget."""
@@ -458,8 +568,9 @@ class ProxyLifecycle:
         The first failure after a healthy spell is replaced at once; repeated
         ones wait longer each time.
         """
+        self._raise_if_stopping()
         self._status.failures_in_a_row += 1
-        self._status.last_error = reason
+        self._note_error(reason)
         in_a_row = self._status.failures_in_a_row
         if in_a_row >= CRASH_BUDGET:
             raise ApplicationError(
@@ -470,11 +581,12 @@ class ProxyLifecycle:
         if in_a_row == 1:
             return
         delay = min(REPLACE_BACKOFF * 2 ** (in_a_row - 2), MAX_REPLACE_BACKOFF)
-        self._waiting_for_quota = False
-        self._status.waiting_for = f"backing off after {in_a_row} failed instances in a row"
-        self._publish()
-        await workflow.sleep(delay, summary=f"back off {int(delay.total_seconds())}s")
-        self._status.waiting_for = None
+        await self._wait(
+            f"backing off after {in_a_row} failed instances in a row",
+            delay,
+            summary=f"back off {int(delay.total_seconds())}s",
+            interruptible=False,  # the lifecycle is cancelled on terminate, and this timer with it
+        )
 
     # ---- provider calls -------------------------------------------------------------
 
@@ -484,36 +596,97 @@ class ProxyLifecycle:
         arg: A,
         profile: policies.ActivityProfile,
         summary: str,
+        *,
+        interruptible: bool = True,
     ) -> R:
-        """Execute one provider activity, waiting out quota errors on a visible timer."""
+        """Execute one provider activity; wait out quota and provider trouble on visible timers.
+
+        Transient errors (5xx, 429, timeouts, a refused API connection) and
+        activity timeouts are not retried inside Temporal, where nothing shows
+        them, but waited out here: `status.waiting_for` says "waiting for
+        provider: <message>", PROVIDER_WAIT doubling to MAX_PROVIDER_WAIT. An
+        outage never spends the crash budget. Terminate and cancel end an
+        `interruptible` call between attempts at once; a completed activity's
+        result is never thrown away, so a create that succeeded is cleaned up.
+        """
+        patched = self._patched()
+        provider_waits = 0
         while True:
+            if interruptible:
+                self._raise_if_stopping()
             try:
-                result = await policies.execute(activity, arg, profile, summary)
+                return await policies.execute(
+                    activity,
+                    arg,
+                    profile,
+                    summary,
+                    retry_policy=policies.PROVIDER_RETRY if patched else policies.TRANSIENT_RETRY,
+                    cancellation_type=self._cancellation(),
+                )
             except ActivityError as err:
-                if failures.cause_type(err) != ErrorType.QUOTA_EXCEEDED:
+                if interruptible and not failures.cancelled(err):
+                    self._raise_if_stopping()
+                if failures.cause_type(err) == ErrorType.QUOTA_EXCEEDED:
+                    waiting_for = "quota"
+                    delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
+                elif patched and failures.provider_trouble(err):
+                    waiting_for = "provider"
+                    delay = failures.next_retry_delay(err) or min(
+                        PROVIDER_WAIT * 2**provider_waits, MAX_PROVIDER_WAIT
+                    )
+                    provider_waits += 1
+                else:
                     raise
-                delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
-                self._waiting_for_quota = True
-                self._status.waiting_for = f"waiting for quota: {failures.message(err)}"
-                self._status.last_error = failures.message(err)
-                self._publish()
-                await workflow.sleep(delay, summary=f"waiting for quota ({summary})")
-                continue
-            if self._waiting_for_quota:
-                self._waiting_for_quota = False
-                self._status.waiting_for = None
-                self._publish()
-            return result
+                self._note_error(failures.message(err))
+                await self._wait(
+                    f"waiting for {waiting_for}: {failures.message(err)}",
+                    delay,
+                    summary=f"waiting for {waiting_for} ({summary})",
+                    interruptible=interruptible,
+                )
+
+    async def _cleanup_call(
+        self,
+        activity: Callable[[ProviderActivities, A], Awaitable[R]],
+        arg: A,
+        profile: policies.ActivityProfile,
+        summary: str,
+    ) -> R:
+        """A provider call that terminate does not interrupt: the deletes that end a proxy."""
+        return await self._provider_call(activity, arg, profile, summary, interruptible=False)
+
+    async def _wait(
+        self, waiting_for: str, delay: timedelta, *, summary: str, interruptible: bool
+    ) -> None:
+        """Sleep on a timer while status and the Web UI say what for.
+
+        An interruptible wait ends at once on terminate or cancel (raising
+        CancelledError), instead of when its timer fires.
+        """
+        self._begin_wait(summary, waiting_for)
+        try:
+            if interruptible and self._patched():
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(
+                        lambda: self._terminate_reason is not None,
+                        timeout=delay,
+                        timeout_summary=summary,
+                    )
+                self._raise_if_stopping()
+            else:
+                await workflow.sleep(delay, summary=summary)
+        finally:
+            self._end_wait(summary)
 
     async def _delete_and_wait(self, ref: InstanceRef) -> None:
         """Delete and wait until gone; never gives up, whatever the error."""
         while True:
             try:
-                await delete_until_gone(ref, self._provider_call, policies.DELETION, ref.name)
+                await delete_until_gone(ref, self._cleanup_call, policies.DELETION, ref.name)
             except ActivityError as err:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
-                self._status.last_error = f"deleting {ref.name}: {failures.message(err)}"
+                self._note_error(f"deleting {ref.name}: {failures.message(err)}")
                 await workflow.sleep(
                     PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
@@ -529,9 +702,20 @@ class ProxyLifecycle:
         """Terminate or cancel: stop the lifecycle, delete everything, record why."""
         self._set_state(ProxyState.TERMINATING)
         lifecycle.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
-            await lifecycle
+        if self._patched():
+            # Deleting the instances at once is what ends the activities still
+            # running on them (a monitor's or first probe's next probe finds
+            # its instance gone), so the workflow closes with none pending.
+            deleting = asyncio.create_task(self._cleanup())
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await lifecycle
+            await deleting
+        else:
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await lifecycle
+        # Again: the lifecycle may have made or retired an instance while it unwound.
         await self._cleanup()
+        await self._settle_retired_monitor()
         self._current = None
         self._show_instance(None)
         self._set_state(ProxyState.TERMINATED)
@@ -539,11 +723,12 @@ class ProxyLifecycle:
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
         self._current = None  # ending, not replacing: nothing to count
-        if self._creating is not None:
+        creating = self._creating
+        if creating is not None:
             try:
-                ref = await self._creating
+                ref = await creating
                 self._owned[ref.provider_id] = ref
-            except ActivityError:
+            except (ActivityError, asyncio.CancelledError):
                 pass  # nothing was made that we know of; orphan GC covers the rest
             self._creating = None
         for ref in list(self._owned.values()):
@@ -554,7 +739,14 @@ class ProxyLifecycle:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        # Background deletions are remembered in `owned` and finished by the next run.
+        if self._patched():
+            # Activities still running would report to a closed run, which the
+            # worker logs as a warning: let background deletions finish first.
+            await workflow.wait_condition(
+                lambda: not self._deletions or self._terminate_reason is not None
+            )
+            if self._terminate_reason is not None:
+                return
         carried = CarriedState(
             status=self._status,
             current=self._current,
@@ -562,7 +754,6 @@ class ProxyLifecycle:
             ready_at=self._ready_at,
             next_generation=self._next_generation,
             terminate_reason=self._terminate_reason,
-            waiting_for_quota=self._waiting_for_quota,
             installation=self._installation,
         )
         assert self._input is not None
@@ -572,12 +763,13 @@ class ProxyLifecycle:
 
     def _restore(self, carried: CarriedState) -> None:
         self._status = carried.status
+        # Waits belong to the run that waited; this one has none yet.
+        self._status.waiting_for = None
         self._current = carried.current
         self._owned = {ref.provider_id: ref for ref in carried.owned}
         self._ready_at = carried.ready_at
         self._next_generation = carried.next_generation
         self._terminate_reason = carried.terminate_reason
-        self._waiting_for_quota = carried.waiting_for_quota
         self._installation = carried.installation
         for ref in carried.owned:
             if ref != carried.current:
@@ -597,6 +789,42 @@ class ProxyLifecycle:
         if self._ready_at is None:
             return timedelta(0)
         return workflow.now() - datetime.fromisoformat(self._ready_at)
+
+    def _patched(self) -> bool:
+        """Whether this run takes the paths of CLEAN_STOP_PATCH (every run started since)."""
+        return self._new_paths
+
+    def _cancellation(self) -> ActivityCancellationType:
+        """How a cancelled activity ends: waited for, so none outlives the workflow."""
+        if self._patched():
+            return ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+        return ActivityCancellationType.TRY_CANCEL
+
+    def _raise_if_stopping(self) -> None:
+        """End the lifecycle's current step once terminate or cancel has arrived.
+
+        A cancelled activity that is waited for may still complete normally
+        (its instance was deleted under it); what follows must not act on it.
+        """
+        if self._terminate_reason is not None and self._patched():
+            raise asyncio.CancelledError(self._terminate_reason)
+
+    def _note_error(self, message: str) -> None:
+        self._status.last_error = message
+        self._status.last_error_at = workflow.now().isoformat(timespec="seconds")
+
+    def _begin_wait(self, key: str, waiting_for: str) -> None:
+        self._waits.pop(key, None)  # re-inserted: the newest wait is the one shown
+        self._waits[key] = waiting_for
+        self._show_waits()
+
+    def _end_wait(self, key: str) -> None:
+        if self._waits.pop(key, None) is not None:
+            self._show_waits()
+
+    def _show_waits(self) -> None:
+        self._status.waiting_for = next(reversed(self._waits.values()), None)
+        self._publish()
 
     def _show_instance(self, ref: InstanceRef | None) -> None:
         if ref is not None:
@@ -640,5 +868,5 @@ class ProxyLifecycle:
         if status.waiting_for:
             lines.append(status.waiting_for)
         if status.last_error:
-            lines.append(f"last error: {status.last_error}")
+            lines.append(f"last error ({status.last_error_at or '?'}): {status.last_error}")
         workflow.set_current_details("\n\n".join(lines))

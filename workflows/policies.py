@@ -5,7 +5,10 @@ policy of their own.
 
 | error          | behaviour                                                        |
 | -------------- | ---------------------------------------------------------------- |
-| Transient      | retried by Temporal, exponential backoff capped at a minute      |
+| Transient      | a lifecycle's provider calls: handed to the workflow, which      |
+|                | waits on a visible timer, "waiting for provider" (seconds        |
+|                | doubling to 10 minutes), and never gives up; elsewhere retried   |
+|                | by Temporal, exponential backoff capped at a minute              |
 | QuotaExceeded  | handed to the workflow, which waits `next_retry_delay` (minutes) |
 |                | on a visible timer while `status` says "waiting for quota"       |
 | Permanent      | fails fast with the provider's message (non-retryable)           |
@@ -26,19 +29,34 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType
 
 from contract import ErrorType
 
+# What no retry of the same call can fix: the workflow decides.
+NON_RETRYABLE: list[str] = [
+    ErrorType.PERMANENT,
+    ErrorType.QUOTA_EXCEEDED,
+    ErrorType.INSTANCE_LOST,
+    ErrorType.INVALID_INPUT,
+]
 TRANSIENT_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(minutes=1),
-    non_retryable_error_types=[
-        ErrorType.PERMANENT,
-        ErrorType.QUOTA_EXCEEDED,
-        ErrorType.INSTANCE_LOST,
-        ErrorType.INVALID_INPUT,
-    ],
+    non_retryable_error_types=NON_RETRYABLE,
+)
+
+# A lifecycle's provider calls: Transient goes straight back to the workflow,
+# which waits it out on a timer `status` shows (workflows/lifecycle.py). A
+# lost worker (heartbeat or start-to-close timeout) is still retried here,
+# at once and a few times, so the retry adopts what the lost attempt made.
+PROVIDER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=3,
+    non_retryable_error_types=[ErrorType.TRANSIENT, *NON_RETRYABLE],
 )
 
 
@@ -51,11 +69,10 @@ class ActivityProfile:
     schedule_to_close: timedelta | None = None
 
 
-# A create that keeps failing transiently is given up after half an hour and
-# counted as a failed instance, so a broken provider cannot hang a workflow.
-CREATE = ActivityProfile(
-    start_to_close=timedelta(minutes=10), schedule_to_close=timedelta(minutes=30)
-)
+# A create heartbeats while the provider call runs (a GCP insert waits on its
+# operation), so a worker lost mid-create is noticed within the heartbeat
+# timeout and the retry, on another worker, adopts what the first attempt made.
+CREATE = ActivityProfile(start_to_close=timedelta(minutes=10), heartbeat=timedelta(seconds=20))
 WAIT_RUNNING = ActivityProfile(
     start_to_close=timedelta(minutes=15), heartbeat=timedelta(seconds=30)
 )
@@ -108,9 +125,15 @@ R = TypeVar("R")
 
 
 async def execute(
-    activity: Callable[[Any, A], Awaitable[R]], arg: A, profile: ActivityProfile, summary: str
+    activity: Callable[[Any, A], Awaitable[R]],
+    arg: A,
+    profile: ActivityProfile,
+    summary: str,
+    *,
+    retry_policy: RetryPolicy = TRANSIENT_RETRY,
+    cancellation_type: ActivityCancellationType = ActivityCancellationType.TRY_CANCEL,
 ) -> R:
-    """Execute one activity method with its profile's timeouts and the shared retries."""
+    """Execute one activity method with its profile's timeouts and the given retries."""
     return await workflow.execute_activity_method(
         activity,
         arg,
@@ -118,5 +141,6 @@ async def execute(
         start_to_close_timeout=profile.start_to_close,
         heartbeat_timeout=profile.heartbeat,
         schedule_to_close_timeout=profile.schedule_to_close,
-        retry_policy=TRANSIENT_RETRY,
+        retry_policy=retry_policy,
+        cancellation_type=cancellation_type,
     )

@@ -37,7 +37,7 @@ async def main(args: argparse.Namespace) -> None:
             tempfile.TemporaryDirectory(prefix="bench-fleet-") as workdir,
         ):
             config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
-            squids = LocalProvider(LocalConfig(state_dir=str(state_dir)))
+            squids = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
             try:
                 await run_fleet(args, env.client, origin, squids, config, Path(workdir))
             finally:

@@ -6,13 +6,22 @@ worker on deploy/local/providers.yaml (Squid processes on 127.0.0.1), then
 prints the commands to start, query, use and terminate a proxy.
 
 On Ctrl-C it drains the worker, stops the dev server and stops the local
-Squid processes, so nothing it started is left running. The workflows stay in
-.data/temporal.db: the next `make run` picks them up and replaces the proxies
-that were stopped.
+Squid processes, so nothing it started is left running, even when its output
+went to a pipe that the same Ctrl-C closed (`make run | tee log`). The
+workflows keep running in .data/temporal.db: the next `make run` picks them up
+and replaces the proxies that were stopped.
+
+At start it checks that the workflows' default health target
+(https://example.com) is reachable from this machine, and says how to set
+`health.target` when it is not: behind a firewall, a proxy started with the
+default never passes its first probe.
+
+The flags exist so tests can run it beside a developer's own `make run`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import signal
@@ -20,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -29,61 +39,87 @@ sys.path.insert(0, str(ROOT))
 
 from contract import SEARCH_ATTRIBUTES  # noqa: E402
 from providers.config import ConfigError, load_config  # noqa: E402
+from providers.errors import ProviderError  # noqa: E402
 from providers.local import LocalProvider  # noqa: E402
 from providers.naming import INSTALLATION_KEY  # noqa: E402
+from workflows.inputs import DEFAULT_HEALTH_TARGET  # noqa: E402
 
-DATA = ROOT / ".data"
-CONFIG = ROOT / "deploy" / "local" / "providers.yaml"
-PASSWORD_FILE = DATA / "proxy-password"
 BIN = Path(sys.executable).parent
 TEMPORAL = BIN / "temporal"
-FRONTEND = ("127.0.0.1", 7233)
-UI_PORT = 8233
-METRICS = "127.0.0.1:9464"
+HOST = "127.0.0.1"
 STARTUP_DEADLINE = 60.0
+REACHABLE_TIMEOUT = 5.0
 CLI_TYPES = {"KEYWORD": "Keyword", "KEYWORD_LIST": "KeywordList"}
 
 
-def main() -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--data-dir", type=Path, default=ROOT / ".data")
+    parser.add_argument(
+        "--providers-config", type=Path, default=ROOT / "deploy" / "local" / "providers.yaml"
+    )
+    parser.add_argument("--port", type=int, default=7233, help="Temporal frontend (gRPC)")
+    parser.add_argument("--ui-port", type=int, default=8233)
+    parser.add_argument("--metrics-port", type=int, default=9464)
+    parser.add_argument(
+        "--check-target",
+        default=DEFAULT_HEALTH_TARGET,
+        help="the health target whose reachability is checked at start",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
     # Ctrl-C and SIGTERM both mean "stop everything", even where the shell
     # started us with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    DATA.mkdir(exist_ok=True)
-    for port in (FRONTEND[1], UI_PORT):
-        if _listening(("127.0.0.1", port)):
-            print(f"port {port} is already in use: is another `make run` (or Temporal) running?")
+    args = _parse_args(argv)
+    data: Path = args.data_dir.resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    frontend = (HOST, args.port)
+    metrics = f"{HOST}:{args.metrics_port}"
+    for port in (args.port, args.ui_port):
+        if _listening((HOST, port)):
+            _say(f"port {port} is already in use: is another `make run` (or Temporal) running?")
             return 1
-    env = {**os.environ, "PROXY_PASSWORD": _password()}
+    password_file = data / "proxy-password"
+    env = {**os.environ, "PROXY_PASSWORD": _password(password_file)}
     try:
-        config = load_config(CONFIG, env)
+        config = load_config(args.providers_config, env)
     except ConfigError as err:
-        print(err)
+        _say(str(err))
         return 2
+    _warn_if_unreachable(args.check_target)
 
     children: list[subprocess.Popen[bytes]] = []
     try:
-        children.append(_start_dev_server())
-        _wait("the Temporal dev server", lambda: _listening(FRONTEND))
+        children.append(_start_dev_server(data, frontend, args.ui_port))
+        _wait("the Temporal dev server", lambda: _listening(frontend))
         worker = subprocess.Popen(
-            [sys.executable, str(ROOT / "worker.py"), "--providers-config", str(CONFIG)],
+            [
+                sys.executable,
+                str(ROOT / "worker.py"),
+                "--providers-config",
+                str(args.providers_config),
+            ],
             cwd=ROOT,
             env={
                 **env,
-                "TEMPORAL_ADDRESS": "{}:{}".format(*FRONTEND),
-                "PROXY_OPERATOR_METRICS_ADDRESS": METRICS,
+                "TEMPORAL_ADDRESS": "{}:{}".format(*frontend),
+                "PROXY_OPERATOR_METRICS_ADDRESS": metrics,
             },
         )
         children.append(worker)
-        _wait("the worker", lambda: _healthy(worker))
-        _print_guide()
+        _wait("the worker", lambda: _healthy(worker, metrics))
+        _print_guide(args.ui_port, metrics, password_file)
         # Either child exiting on its own is a failure worth stopping for.
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
-        print("a process exited unexpectedly; stopping everything")
+        _say("a process exited unexpectedly; stopping everything")
         return 1
     except KeyboardInterrupt:
-        print("\nstopping: draining the worker, then the dev server and the local proxies")
+        _say("\nstopping: draining the worker, then the dev server and the local proxies")
         return 0
     finally:
         for child in reversed(children):
@@ -91,20 +127,66 @@ def main() -> int:
         for entry in config.providers:
             if entry.type == "local":
                 _stop_local_proxies(LocalProvider.from_config(entry, config), config.installation)
+        _say(
+            "The workflows keep running in the dev server's database: "
+            "the next `make run` replaces the proxies stopped here."
+        )
 
 
-def _password() -> str:
-    """PROXY_PASSWORD if set; otherwise one generated once and kept in .data/."""
+def _say(text: str) -> None:
+    """Print, surviving a closed stdout.
+
+    `make run | tee log` and Ctrl-C: the same Ctrl-C ends tee, and a print
+    while stopping raises BrokenPipeError (or EIO, once a terminal is gone),
+    which would abandon the cleanup half-way and leave Squids running. The
+    rest of the output goes to /dev/null instead, so the interpreter's last
+    flush does not fail either (as the `signal` module's docs advise).
+    """
+    try:
+        print(text, flush=True)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _warn_if_unreachable(target: str) -> None:
+    """Warn when this machine cannot open a TCP connection to the health target.
+
+    A local proxy's probe tunnels from Squid, on this machine, to the target:
+    if the machine cannot reach it (a firewall, no route, no DNS), every
+    proxy started with that target fails its first probes and ends Failed.
+    """
+    url = urllib.parse.urlsplit(target)
+    host, port = url.hostname or "", url.port or 443
+    try:
+        socket.create_connection((host, port), timeout=REACHABLE_TIMEOUT).close()
+    except OSError as err:
+        _say(
+            f"""
+warning: the default health target {target} is not reachable from this machine
+({host}:{port}: {err}). Proxies started with it never pass their first
+probe: they are replaced again and again and end Failed after about 11 minutes.
+Give them a target this machine can reach, with its port in allowed_connect_ports:
+  --input '{{"provider": "local", "health": {{"target": "https://<a reachable host>"}}}}'
+"""
+        )
+
+
+def _password(password_file: Path) -> str:
+    """PROXY_PASSWORD if set; otherwise one generated once and kept in the data directory."""
     if os.environ.get("PROXY_PASSWORD"):
         return os.environ["PROXY_PASSWORD"]
-    if not PASSWORD_FILE.exists():
-        PASSWORD_FILE.write_text(secrets.token_urlsafe(24) + "\n")
-        PASSWORD_FILE.chmod(0o600)
-        print(f"created the local proxy password in {PASSWORD_FILE.relative_to(ROOT)}")
-    return PASSWORD_FILE.read_text().strip()
+    if not password_file.exists():
+        password_file.write_text(secrets.token_urlsafe(24) + "\n")
+        password_file.chmod(0o600)
+        _say(f"created the local proxy password in {os.path.relpath(password_file)}")
+    return password_file.read_text().strip()
 
 
-def _start_dev_server() -> subprocess.Popen[bytes]:
+def _start_dev_server(
+    data: Path, frontend: tuple[str, int], ui_port: int
+) -> subprocess.Popen[bytes]:
     attributes = []
     for key in SEARCH_ATTRIBUTES:
         attributes += ["--search-attribute", f"{key.name}={CLI_TYPES[key.indexed_value_type.name]}"]
@@ -114,13 +196,13 @@ def _start_dev_server() -> subprocess.Popen[bytes]:
             "server",
             "start-dev",
             "--db-filename",
-            str(DATA / "temporal.db"),
+            str(data / "temporal.db"),
             "--ip",
-            FRONTEND[0],
+            frontend[0],
             "--port",
-            str(FRONTEND[1]),
+            str(frontend[1]),
             "--ui-port",
-            str(UI_PORT),
+            str(ui_port),
             "--log-level",
             "error",
             *attributes,
@@ -129,15 +211,15 @@ def _start_dev_server() -> subprocess.Popen[bytes]:
     )
 
 
-def _print_guide() -> None:
+def _print_guide(ui_port: int, metrics: str, password_file: Path) -> None:
     temporal = os.path.relpath(TEMPORAL, Path.cwd())
-    password = os.path.relpath(PASSWORD_FILE, Path.cwd())
+    password = os.path.relpath(password_file, Path.cwd())
     secret = "$PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else f"$(cat {password})"
-    print(
+    _say(
         f"""
 proxy-operator is running.
-  Temporal Web UI   http://localhost:{UI_PORT}
-  worker metrics    http://{METRICS}/metrics
+  Temporal Web UI   http://localhost:{ui_port}
+  worker metrics    http://{metrics}/metrics
   proxy password    {"from $PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else password}
 
 In another terminal:
@@ -158,9 +240,9 @@ In another terminal:
   {temporal} workflow list --query "ProxyState = 'Ready'"
   {temporal} workflow signal --workflow-id proxy-demo --name terminate
 
-Ctrl-C stops everything started here.
-""",
-        flush=True,
+Ctrl-C stops everything started here; the workflows keep running and the next
+`make run` replaces their proxies.
+"""
     )
 
 
@@ -176,8 +258,13 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
 
 def _stop_local_proxies(provider: LocalProvider, installation: str) -> None:
     for instance in provider.list_by_tag(INSTALLATION_KEY, installation):
-        provider.delete(instance.provider_id)
-        print(f"stopped local proxy {instance.name} ({instance.endpoint or 'not serving'})")
+        # One proxy that will not stop must not leave the others running.
+        try:
+            provider.delete(instance.provider_id)
+        except ProviderError as err:
+            _say(f"could not stop local proxy {instance.name}: {err}")
+            continue
+        _say(f"stopped local proxy {instance.name} ({instance.endpoint or 'not serving'})")
 
 
 def _listening(address: tuple[str, int]) -> bool:
@@ -186,11 +273,11 @@ def _listening(address: tuple[str, int]) -> bool:
         return sock.connect_ex(address) == 0
 
 
-def _healthy(worker: subprocess.Popen[bytes]) -> bool:
+def _healthy(worker: subprocess.Popen[bytes], metrics: str) -> bool:
     if worker.poll() is not None:
         raise SystemExit(f"the worker exited with code {worker.returncode}; see its output above")
     try:
-        with urllib.request.urlopen(f"http://{METRICS}/healthz", timeout=1) as response:
+        with urllib.request.urlopen(f"http://{metrics}/healthz", timeout=1) as response:
             return bool(response.status == 200)
     except OSError:
         return False

@@ -403,6 +403,10 @@ class FakeKubernetes:
         failure = Failure(method, re.compile(path), status, message, headers or {}, times, delay)
         self._on_loop(lambda: self.api.failures.append(failure))
 
+    def clear_failures(self) -> None:
+        """Stop answering with injected failures, e.g. at the end of an outage."""
+        self._on_loop(lambda: self.api.failures.clear())
+
     def get(self, resource: kmock.resource, namespace: str, name: str) -> dict[str, Any] | None:
         """The stored object, or None when it does not exist (a copy: edits do nothing)."""
 

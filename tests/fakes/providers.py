@@ -29,8 +29,10 @@ class FaultyProvider:
         self.delete_gate = threading.Event()
         self.delete_gate.set()
         self.delete_entered = threading.Event()
-        # When set, every instance is destroyed right after it is created.
+        # When set, every instance is destroyed right after it is created;
+        # `doomed_creates` does that to the next this many only.
         self.doomed = False
+        self.doomed_creates = 0
 
     def fail(self, operation: str, *errors: ProviderError) -> None:
         """Queue errors that the next calls of `operation` raise, one each."""
@@ -42,7 +44,10 @@ class FaultyProvider:
         self.create_entered.set()
         self.create_gate.wait(timeout=120)
         instance = self.inner.create(req)
-        if self.doomed:
+        with self._lock:
+            doomed = self.doomed or self.doomed_creates > 0
+            self.doomed_creates = max(0, self.doomed_creates - 1)
+        if doomed:
             self.inner.delete(instance.provider_id)
         return instance
 

@@ -1,8 +1,8 @@
 """Worker configs for tests and benchmarks: one provider entry, a proxy open to loopback only.
 
 One builder so every test and benchmark config has the same shape (auth from
-an environment variable, the 127.0.0.0/8 allowlist) and differs only in what
-it says it differs in.
+an environment variable, the 127.0.0.0/8 allowlist, CONNECT to loopback
+allowed for the test origin) and differs only in what it says it differs in.
 """
 
 from __future__ import annotations
@@ -13,12 +13,18 @@ from typing import Any
 
 from providers.config import Config, parse_config
 from providers.naming import instance_name
+from providers.squid import DEFAULT_DENIED_DESTINATIONS
 
 INSTALLATION = "test"
 USERNAME = "proxy"
 PASSWORD = "test-password-7f3a"
 PASSWORD_ENV = "PROXY_PASSWORD"
 LOOPBACK = "127.0.0.0/8"
+# The default list minus loopback: tests tunnel to an origin on 127.0.0.1,
+# which a proxy refuses by default. Everything else stays refused.
+LOOPBACK_ORIGIN_DENIED: tuple[str, ...] = tuple(
+    cidr for cidr in DEFAULT_DENIED_DESTINATIONS if cidr not in (LOOPBACK, "::1/128")
+)
 
 
 def local_entry(state_dir: str | Path, name: str = "local") -> dict[str, Any]:
@@ -40,6 +46,7 @@ def raw_config(
             "auth": {"username": username, "password_env": PASSWORD_ENV},
             "allowed_cidrs": [LOOPBACK],
             "allowed_connect_ports": list(connect_ports),
+            "denied_destinations": list(LOOPBACK_ORIGIN_DENIED),
         },
         "providers": [provider],
     }

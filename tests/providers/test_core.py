@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import ipaddress
+import logging
 import re
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from activities.models import InstanceRef
@@ -33,7 +36,7 @@ from providers.naming import (
     ownership_mismatch,
 )
 from providers.registry import build_providers
-from providers.squid import ProxySettings
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 
 REPO = Path(__file__).resolve().parents[2]
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -395,6 +398,32 @@ BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
         ENVIRON,
         ["proxy.auth: set exactly one of password_env, password_file"],
     ),
+    "a password too short to withstand guessing, named without being shown": (
+        broken(lambda raw: None),
+        {"PROXY_PASSWORD": "fifteen-chars-x"},
+        [
+            "proxy.auth.password_env: the password in environment variable PROXY_PASSWORD "
+            "has 15 characters, at least 16 are required (e.g. openssl rand -base64 24)"
+        ],
+    ),
+    "an empty port range": (
+        broken(set_in("providers.0.local", {"first_port": 21000, "last_port": 20999})),
+        ENVIRON,
+        ["providers[0].local.last_port: must be at least first_port (21000), not 20999"],
+    ),
+    "a name among the denied destinations (Squid's dst list takes addresses)": (
+        broken(set_in("proxy.denied_destinations", ["169.254.169.254", "metadata.google"])),
+        ENVIRON,
+        [
+            "proxy.denied_destinations: bad CIDR 'metadata.google': "
+            "'metadata.google' does not appear to be an IPv4 or IPv6 network",
+        ],
+    ),
+    "denied destinations not a list": (
+        broken(set_in("proxy.denied_destinations", "10.0.0.0/8")),
+        ENVIRON,
+        ["proxy.denied_destinations: input should be a valid list"],
+    ),
 }
 
 
@@ -409,9 +438,66 @@ def test_broken_configs_report_every_problem_with_its_path(case: str) -> None:
 
 def test_password_file_is_read_and_stripped(tmp_path: Path) -> None:
     secret = tmp_path / "password"
-    secret.write_text("from-a-file\n")
+    secret.write_text("from-a-file-of-20-ch\n")
     raw = broken(set_in("proxy.auth", {"password_file": str(secret)}))
-    assert parse_config(raw, environ={}).proxy_settings().password == "from-a-file"
+    assert parse_config(raw, environ={}).proxy_settings().password == "from-a-file-of-20-ch"
+    # Length is counted after stripping, and in characters.
+    secret.write_text("  short-password \n")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, environ={})
+    assert caught.value.problems == [
+        f"proxy.auth.password_file: the password in {secret} has 14 characters, "
+        "at least 16 are required (e.g. openssl rand -base64 24)"
+    ]
+    assert "short-password" not in str(caught.value)
+    secret.write_text("ünïcödé-päßwörd-16")
+    assert parse_config(raw, environ={}).proxy_settings().password == "ünïcödé-päßwörd-16"
+
+
+def test_destinations_are_denied_by_default_and_a_configured_list_replaces_them() -> None:
+    default = parse_config(minimal_config(), environ=ENVIRON).proxy_settings()
+    assert default.denied_destinations == DEFAULT_DENIED_DESTINATIONS
+    for private in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "100.64.0.1", "::1", "fd00::1"):
+        address = ipaddress.ip_address(private)
+        assert any(address in ipaddress.ip_network(c) for c in default.denied_destinations)
+
+    listed = broken(set_in("proxy.denied_destinations", ["169.254.169.254", "FD00::/8"]))
+    settings = parse_config(listed, environ=ENVIRON).proxy_settings()
+    assert settings.denied_destinations == ("169.254.169.254/32", "fd00::/8")
+    nothing = broken(set_in("proxy.denied_destinations", []))
+    assert parse_config(nothing, environ=ENVIRON).proxy_settings().denied_destinations == ()
+
+
+def test_cidrs_reach_providers_in_one_spelling() -> None:
+    # 0.0.0.0/0.0.0.0 is 0.0.0.0/0: it must meet the all-IPv4 special cases as such.
+    raw = broken(set_in("proxy.allowed_cidrs", ["0.0.0.0/0.0.0.0", "10.0.0.0/255.0.0.0"]))
+    settings = parse_config(raw, environ=ENVIRON).proxy_settings()
+    assert settings.allowed_cidrs == ("0.0.0.0/0", "10.0.0.0/8")
+
+
+def test_risky_but_valid_settings_are_logged_once_at_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = broken(
+        several(
+            set_in("proxy.allowed_cidrs", ["0.0.0.0/0.0.0.0", "::/0"]),
+            set_in("proxy.denied_destinations", []),
+        )
+    )
+    path = tmp_path / "providers.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with caplog.at_level(logging.WARNING, logger="providers.config"):
+        load_config(path, environ=ENVIRON)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings
+    assert all(w.startswith(f"{path}: proxy.") for w in warnings)
+    assert any("0.0.0.0/0 admits every IPv4 client" in w for w in warnings)
+    assert any("::/0 admits every IPv6 client" in w for w in warnings)
+    assert any("denied_destinations: empty" in w for w in warnings)
+
+    caplog.clear()
+    load_config(REPO / "deploy/local/providers.yaml", environ=ENVIRON)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_the_shipped_local_config_loads() -> None:

@@ -20,7 +20,7 @@ from providers.config import parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.gcp import GcpConfig, GcpProvider
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
-from providers.squid import ProxySettings, md5_crypt
+from providers.squid import ProxySettings, sha512_crypt
 from tests.conftest import RealCredentialsForbidden
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute, remote
 from tests.fakes.compute import fake_compute_fixture as fake_compute_fixture
@@ -212,7 +212,7 @@ def test_startup_script_is_valid_bash_and_its_squid_config_parses(
     assert set(files) == {"/etc/squid/squid.conf", "/etc/squid/passwords"}
     user, hashed = files["/etc/squid/passwords"].split(":", 1)
     assert user == "proxy"
-    assert hashed == md5_crypt(PASSWORD, hashed.split("$")[2])
+    assert hashed == sha512_crypt(PASSWORD, hashed)
     # The htpasswd is created readable by root and Squid only, before the hash lands.
     assert script.index("install -m 0640 -o root -g proxy /dev/null /etc/squid/passwords") < (
         script.index("cat > /etc/squid/passwords")

@@ -56,8 +56,9 @@ from providers.kubernetes import (
     labels,
 )
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
-from providers.squid import ProxySettings, md5_crypt, render
+from providers.squid import ProxySettings, render, sha512_crypt
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
+from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SQUID, requires_squid
 from tests.helpers.tls_origin import TlsOrigin
@@ -266,8 +267,7 @@ def test_create_mounts_the_rendered_config_from_a_secret_owned_by_the_pod(
     # Squid finds the htpasswd in the mounted directory, and it holds the password's hash.
     assert f"basic_ncsa_auth {CONFIG_DIR}/passwords" in files["squid.conf"]
     user, hashed = files["passwords"].strip().split(":", 1)
-    salt = hashed.split("$")[2]
-    assert (user, hashed) == ("proxy", md5_crypt(PASSWORD, salt))
+    assert (user, hashed) == ("proxy", sha512_crypt(PASSWORD, hashed))
     assert PASSWORD not in json.dumps(pod) + files["squid.conf"]
 
 
@@ -1087,7 +1087,10 @@ async def test_the_container_config_serves_unprivileged_and_logs_to_stdio(
     """What the Pod does, minus Kubernetes: tunnel, refuse a wrong password, log, stop."""
     port = free_port()
     req = request(
-        port=port, allowed_cidrs=("127.0.0.1/32",), allowed_connect_ports=(tls_origin.port,)
+        port=port,
+        allowed_cidrs=("127.0.0.1/32",),
+        allowed_connect_ports=(tls_origin.port,),
+        denied_destinations=LOOPBACK_ORIGIN_DENIED,
     )
     provider.create(req)
     conf = container_files(fake, req, container_root)

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,25 +30,33 @@ import pytest
 from activities.probe import FORBIDDEN, PROXY_AUTH_REQUIRED, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.config import parse_config
-from providers.errors import NotFound, Permanent, QuotaExceeded
+from providers.errors import NotFound, Permanent, QuotaExceeded, Transient
 from providers.local import (
     CONF_FILE,
     HTPASSWD_FILE,
+    LOCK_FILE,
     METADATA_FILE,
     SHM_DIR,
+    TAGS_FILE,
     LocalConfig,
     LocalProvider,
     service_name,
 )
-from providers.squid import ProxySettings
+from providers.naming import owner_tags
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import wait_for
 
 USERNAME = "probe"
 PASSWORD = "local-test-password"
+INSTALLATION = "test-local"
+OWNER = "proxy-test-local"
 # Away from the default range (20000..20999) that other suites' workers use.
 FIRST_PORT = 24100
 LAST_PORT = 24199
-TAGS = {"managed-by": "proxy-operator", "suite": "test_local"}
+TAGS = owner_tags(INSTALLATION, OWNER, 0, {"suite": "test_local"})
+SQUID = shutil.which("squid") or "/usr/sbin/squid"
 
 
 def proxy_settings(origin: TlsOrigin, **changes: object) -> ProxySettings:
@@ -57,18 +66,36 @@ def proxy_settings(origin: TlsOrigin, **changes: object) -> ProxySettings:
         password=PASSWORD,
         allowed_cidrs=("127.0.0.1/32",),
         allowed_connect_ports=(origin.port,),
+        denied_destinations=LOOPBACK_ORIGIN_DENIED,  # the origin is on loopback
     )
     return replace(settings, **changes)  # type: ignore[arg-type]
 
 
-def request(name: str, origin: TlsOrigin, **changes: object) -> CreateRequest:
-    return CreateRequest(name=name, proxy=proxy_settings(origin, **changes), tags=dict(TAGS))
+def request(
+    name: str, origin: TlsOrigin, *, tags: dict[str, str] | None = None, **changes: object
+) -> CreateRequest:
+    return CreateRequest(
+        name=name, proxy=proxy_settings(origin, **changes), tags=dict(tags or TAGS)
+    )
 
 
-def provider_for(state_dir: Path, **changes: object) -> LocalProvider:
+def provider_for(
+    state_dir: Path, installation: str = INSTALLATION, **changes: object
+) -> LocalProvider:
     config = {"state_dir": str(state_dir), "first_port": FIRST_PORT, "last_port": LAST_PORT}
     config.update(changes)
-    return LocalProvider(LocalConfig(**config))  # type: ignore[arg-type]
+    return LocalProvider(LocalConfig(**config), installation)  # type: ignore[arg-type]
+
+
+def wrapper_binary(directory: Path, on_launch: str) -> str:
+    """A `squid_binary` that runs `on_launch` (shell) before a launch, then the real Squid.
+
+    `squid -k parse` checks pass through untouched; a launch is `squid -N ...`.
+    """
+    script = directory / "squid-wrapper"
+    script.write_text(f'#!/bin/sh\ncase "$1" in -N) {on_launch} ;; esac\nexec {SQUID} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
 
 
 @contextlib.contextmanager
@@ -79,11 +106,17 @@ def fresh_state_dir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        provider = provider_for(path)
         names = [entry.name for entry in path.iterdir() if entry.is_dir()]
+
+        def delete(name: str) -> None:
+            # Whatever a test left is stopped and removed, whoever's tags it carries.
+            with contextlib.suppress(FileNotFoundError):
+                (path / name / TAGS_FILE).write_text(json.dumps(TAGS))
+            provider_for(path).delete(f"local/{name}")
+
         # Squid takes seconds to shut down: stop them all at once.
         with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
-            list(pool.map(lambda name: provider.delete(f"local/{name}"), names))
+            list(pool.map(delete, names))
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -282,9 +315,10 @@ def test_squid_survives_its_worker_and_a_new_provider_takes_over(
         from providers.squid import ProxySettings
 
         provider = LocalProvider(LocalConfig(
-            state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT}))
+            state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT}),
+            {INSTALLATION!r})
         settings = ProxySettings(3128, {USERNAME!r}, {PASSWORD!r}, ("127.0.0.1/32",),
-                                 ({tls_origin.port},))
+                                 ({tls_origin.port},), {LOOPBACK_ORIGIN_DENIED!r})
         instance = provider.create(CreateRequest("proxy-orphan", settings, {TAGS!r}))
         print(instance.state.value, flush=True)
         sys.stdin.read()  # stay alive until killed
@@ -305,13 +339,13 @@ def test_squid_survives_its_worker_and_a_new_provider_takes_over(
     assert state in ("RUNNING", "PROVISIONING")
 
     provider = provider_for(state_dir)
-    found = provider.list_by_tag("suite", "test_local")
+    found = provider.list_by_tag("label/suite", "test_local")
     assert [i.provider_id for i in found] == ["local/proxy-orphan"]
     wait_for_state(provider, "local/proxy-orphan", InstanceState.RUNNING)
-    assert provider.list_by_tag("suite", "other") == []
+    assert provider.list_by_tag("label/suite", "other") == []
 
     provider.delete("local/proxy-orphan")
-    assert provider.list_by_tag("suite", "test_local") == []
+    assert provider.list_by_tag("label/suite", "test_local") == []
     assert_removed(state_dir / "proxy-orphan")
 
 
@@ -320,7 +354,7 @@ def test_unknown_ids_and_bad_input(state_dir: Path, tls_origin: TlsOrigin) -> No
     with pytest.raises(NotFound):
         provider.get("local/proxy-missing")
     provider.delete("local/proxy-missing")
-    assert provider.list_by_tag("suite", "test_local") == []
+    assert provider.list_by_tag("label/suite", "test_local") == []
     with pytest.raises(Permanent):
         provider.get("zone-a/proxy-missing")
     with pytest.raises(Permanent):
@@ -329,6 +363,7 @@ def test_unknown_ids_and_bad_input(state_dir: Path, tls_origin: TlsOrigin) -> No
         provider_for(state_dir, bind_address="localhost")
     with pytest.raises(Permanent, match="cannot render"):
         provider.create(request("proxy-nopassword", tls_origin, password=""))
+    assert not (state_dir / "not-created-yet" / "proxy-nopassword").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="Squid only drops to `proxy` when started as root")
@@ -351,10 +386,12 @@ def test_missing_binary_is_permanent(state_dir: Path, tls_origin: TlsOrigin) -> 
 
 def test_config_squid_rejects_is_permanent(state_dir: Path, tls_origin: TlsOrigin) -> None:
     provider = provider_for(state_dir)
-    bad = request("proxy-badconf", tls_origin, allowed_cidrs=("300.1.1.1/32",))
+    # Config validation allows ports up to 65535 only; Squid rejects this one.
+    bad = request("proxy-badconf", tls_origin, allowed_connect_ports=(70000,))
     with pytest.raises(Permanent, match="squid rejected"):
         provider.create(bad)
     assert live_processes_naming(state_dir / "proxy-badconf") == []
+    assert not (state_dir / "proxy-badconf").exists()
 
 
 def test_from_config_uses_the_entry_block(tmp_path: Path) -> None:
@@ -364,10 +401,10 @@ def test_from_config_uses_the_entry_block(tmp_path: Path) -> None:
             "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": ["127.0.0.0/8"]},
             "providers": [{"name": "here", "type": "local", "local": {"state_dir": str(tmp_path)}}],
         },
-        environ={"PW": "x"},
+        environ={"PW": PASSWORD},
     )
     provider = LocalProvider.from_config(config.provider("here"), config)
-    assert provider.list_by_tag("suite", "test_local") == []
+    assert provider.list_by_tag("label/suite", "test_local") == []
 
 
 # -- what the proxy refuses, on one shared Squid ------------------------------
@@ -454,3 +491,155 @@ def test_every_ipv4_client_does_not_mean_ipv6_clients(
     head = connect_head(tls_origin)
     assert raw_status("127.0.0.1", running.port, head) == 200
     assert raw_status("::1", running.port, head) == 403
+
+
+async def test_by_default_a_proxy_refuses_loopback_even_with_credentials(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    provider = provider_for(state_dir)
+    defaults = request(
+        "proxy-defaults", tls_origin, denied_destinations=DEFAULT_DENIED_DESTINATIONS
+    )
+    running = wait_for_state(provider, provider.create(defaults).provider_id, InstanceState.RUNNING)
+    # The origin listens on 127.0.0.1 and its port is allowed: only the
+    # destination rule can refuse, and it does before Squid connects anywhere.
+    assert raw_status(running.ip, running.port, connect_head(tls_origin)) == 403
+    refusal = f"TCP_DENIED/403 .* CONNECT {tls_origin.host}:{tls_origin.port} - HIER_NONE/-"
+    log = state_dir / "proxy-defaults" / "access.log"
+    # HIER_NONE: Squid contacted nothing. It writes its log with a delay.
+    await wait_for(
+        lambda: re.search(refusal, log.read_text()) is not None, "the refusal's log line"
+    )
+
+
+# -- whose instances a provider acts on ------------------------------------------
+
+
+def test_instances_of_another_installation_are_never_deleted_or_adopted(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    ours = provider_for(state_dir)
+    created = ours.create(request("proxy-shared-name", tls_origin))
+    pid = squid_pid(state_dir, "proxy-shared-name")
+    staging = provider_for(state_dir, installation="staging")
+
+    with pytest.raises(Permanent, match=r"installation='test-local' \(expected 'staging'\)"):
+        staging.delete(created.provider_id)
+    staging_tags = owner_tags("staging", OWNER, 0)
+    with pytest.raises(Permanent, match="not this proxy's"):
+        staging.create(request("proxy-shared-name", tls_origin, tags=staging_tags))
+    # Another owner or generation of this installation cannot take it over either.
+    for owner, generation in (("proxy-someone-else", 0), (OWNER, 1)):
+        with pytest.raises(Permanent, match=r"(owner|generation)=.* \(expected"):
+            ours.create(
+                request(
+                    "proxy-shared-name",
+                    tls_origin,
+                    tags=owner_tags(INSTALLATION, owner, generation),
+                )
+            )
+    # A request that this installation could never find again is refused at once.
+    with pytest.raises(Permanent, match="request's tags"):
+        ours.create(request("proxy-foreign", tls_origin, tags=staging_tags))
+    assert not (state_dir / "proxy-foreign").exists()
+
+    assert squid_pid(state_dir, "proxy-shared-name") == pid
+    assert ours.get(created.provider_id).state is InstanceState.RUNNING
+    assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == TAGS
+    ours.delete(created.provider_id)
+    assert_removed(state_dir / "proxy-shared-name")
+
+
+def test_a_directory_made_by_hand_is_not_deleted(state_dir: Path) -> None:
+    hand_made = state_dir / "proxy-by-hand"
+    hand_made.mkdir()
+    (hand_made / "notes.txt").write_text("mine")
+    with pytest.raises(Permanent, match="managed-by=None"):
+        provider_for(state_dir).delete("local/proxy-by-hand")
+    assert (hand_made / "notes.txt").read_text() == "mine"
+    # What a removal interrupted before its rmdir leaves is just finished off.
+    (hand_made / "notes.txt").unlink()
+    provider_for(state_dir).delete("local/proxy-by-hand")
+    assert not hand_made.exists()
+
+
+# -- crashes and failures leave one Squid, or nothing --------------------------------
+
+
+def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adopted(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    # The launch kills the worker that made it, then becomes Squid: the
+    # worker dies after the launch and before it could record the pid.
+    binary = wrapper_binary(state_dir, "kill -KILL $PPID")
+    worker_code = textwrap.dedent(
+        f"""
+        from providers.base import CreateRequest
+        from providers.local import LocalConfig, LocalProvider
+        from providers.squid import ProxySettings
+
+        provider = LocalProvider(LocalConfig(
+            state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT},
+            squid_binary={binary!r}), {INSTALLATION!r})
+        settings = ProxySettings(3128, {USERNAME!r}, {PASSWORD!r}, ("127.0.0.1/32",),
+                                 ({tls_origin.port},), {LOOPBACK_ORIGIN_DENIED!r})
+        provider.create(CreateRequest("proxy-window", settings, {TAGS!r}))
+        """
+    )
+    worker = subprocess.run(
+        [sys.executable, "-c", worker_code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert worker.returncode == -signal.SIGKILL, worker.stderr
+    record = json.loads((state_dir / "proxy-window" / METADATA_FILE).read_text())
+    assert record["pid"] is None, "the kill did not land between launch and record"
+    conf = state_dir / "proxy-window" / CONF_FILE
+
+    def squids() -> list[str]:
+        return [line for line in live_processes_naming(state_dir) if f"-f {conf}" in line]
+
+    provider = provider_for(state_dir)  # the retry, in the next worker
+    found = wait_for_state(provider, "local/proxy-window", InstanceState.RUNNING)
+    assert found.port == record["port"]
+    (squid,) = squids()
+    segments = shm_segments("proxy-window")
+    assert segments
+
+    retried = provider.create(request("proxy-window", tls_origin))
+    assert retried.port == record["port"]
+    assert squids() == [squid]  # adopted, not started again
+    assert shm_segments("proxy-window") == segments  # its shared memory kept
+    recorded = squid_pid(state_dir, "proxy-window")
+    assert str(conf) in Path(f"/proc/{recorded}/cmdline").read_bytes().decode()
+    assert raw_status(retried.ip or "127.0.0.1", retried.port, connect_head(tls_origin)) == 200
+    provider.delete(retried.provider_id)
+    assert_removed(state_dir / "proxy-window")
+
+
+def test_failed_creates_leave_nothing_in_the_state_dir(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    def left() -> list[str]:
+        return sorted(entry.name for entry in state_dir.iterdir())
+
+    with pytest.raises(Permanent, match="squid rejected"):
+        provider_for(state_dir).create(
+            request("proxy-rejected", tls_origin, allowed_connect_ports=(70000,))
+        )
+    assert left() == [LOCK_FILE]
+
+    dies = provider_for(state_dir, squid_binary=wrapper_binary(state_dir, "echo FATAL: no; exit 1"))
+    with pytest.raises(Transient, match=r"exited while starting: .*FATAL: no"):
+        dies.create(request("proxy-dies", tls_origin))
+    assert left() == [LOCK_FILE, "squid-wrapper"]
+    assert shm_segments("proxy-dies") == []
+
+    with socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(QuotaExceeded):
+        port = taken.getsockname()[1]
+        full = provider_for(state_dir, first_port=port, last_port=port)
+        full.create(request("proxy-noport", tls_origin))
+    assert left() == [LOCK_FILE, "squid-wrapper"]

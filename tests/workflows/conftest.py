@@ -37,7 +37,9 @@ async def stack_on(
 
     async def start(env: WorkflowEnvironment, task_queue: str | None = None) -> Stack:
         config = stack_config(tls_origin.port, str(state_dir))
-        provider = FaultyProvider(LocalProvider(LocalConfig(state_dir=str(state_dir))))
+        provider = FaultyProvider(
+            LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
+        )
         acts = ProviderActivities(
             {"local": provider}, config, ssl_context=tls_origin.client_ssl_context
         )

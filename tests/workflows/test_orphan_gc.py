@@ -30,6 +30,7 @@ from activities.provider import ProviderActivities
 from providers.base import CreateRequest, Instance, Provider
 from providers.config import Config
 from providers.errors import Permanent
+from providers.local import LocalConfig, LocalProvider
 from providers.memory import MemoryProvider
 from providers.naming import instance_name, owner_tags
 from tests.fakes.owners import start_owner
@@ -80,8 +81,15 @@ async def sweep(client: Client, task_queue: str, **inp: Any) -> GcResult:
 
 
 def create_directly(stack: Stack, owner: str, generation: int, installation: str) -> Instance:
-    """An instance made without a workflow, tagged as `owner`'s generation."""
-    return stack.provider.create(
+    """An instance made without a workflow, tagged as `owner`'s generation.
+
+    Another installation's instance is made by that installation's provider
+    over the same state_dir: the stack's provider refuses foreign tags.
+    """
+    provider: Provider = stack.provider
+    if installation != stack.config.installation:
+        provider = LocalProvider(LocalConfig(state_dir=str(stack.state_dir)), installation)
+    return provider.create(
         CreateRequest(
             name=instance_name(owner, generation),
             proxy=stack.config.proxy_settings(),
