@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +28,7 @@ from activities.provider import ProviderActivities
 from contract import ErrorType
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config
+from tests.helpers.loopback_peer import LoopbackPeer, loopback_peer
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
 from worker import build_worker
@@ -39,33 +40,11 @@ pytestmark = pytest.mark.slow
 LOCAL_ACTIVITY_MARKER = "core_local_activity"
 
 
-class Listener:
-    """A TCP server on loopback that records whatever anyone sends it."""
-
-    def __init__(self) -> None:
-        self.received: list[bytes] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Listener:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *_exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.received.append(await reader.read(4096))
-        writer.close()
-
-
 @pytest.fixture
-async def listener() -> AsyncIterator[Listener]:
-    async with Listener() as server:
-        yield server
+def listener() -> Iterator[LoopbackPeer]:
+    """Where the forged state points: it records any CONNECT the worker sends it."""
+    with loopback_peer() as peer:
+        yield peer
 
 
 def forged_ref(name: str, port: int = 3999) -> dict[str, Any]:
@@ -101,7 +80,7 @@ async def activities_run(handle: WorkflowHandle[Any, Any]) -> list[str]:
 
 
 async def test_forged_current_instance_never_gets_the_fleet_password(
-    stack: Stack, listener: Listener
+    stack: Stack, listener: LoopbackPeer
 ) -> None:
     """The issue's reproduction: the monitor used to CONNECT to 127.0.0.1:<port> with auth."""
     forged = {"status": {}, "current": forged_ref("x", listener.port)}
@@ -116,7 +95,7 @@ async def test_forged_current_instance_never_gets_the_fleet_password(
 
     assert "argument 2: carried state is accepted only from this workflow's own" in cause.message
     assert await activities_run(handle) == []
-    assert listener.received == []
+    assert listener.requests == []
     assert stack.instances() == []
 
 
@@ -158,7 +137,7 @@ async def test_extra_arguments_fail_naming_each(stack: Stack) -> None:
 
 
 async def test_a_retry_never_honours_the_carried_state_of_its_first_attempt(
-    temporal_env: WorkflowEnvironment, stack_on: Any, listener: Listener
+    temporal_env: WorkflowEnvironment, stack_on: Any, listener: LoopbackPeer
 ) -> None:
     """A retry is 'continued' from the failed attempt but starts from the starter's arguments.
 
@@ -189,7 +168,7 @@ async def test_a_retry_never_honours_the_carried_state_of_its_first_attempt(
     started = (await retry.fetch_history()).events[0].workflow_execution_started_event_attributes
     assert started.attempt == 2 and started.continued_execution_run_id
     assert await activities_run(retry) == []
-    assert listener.received == []
+    assert listener.requests == []
 
 
 async def test_forged_gc_progress_deletes_nothing(temporal_env: WorkflowEnvironment) -> None:
