@@ -28,6 +28,7 @@ from activities.provider import ProviderActivities
 from contract import ErrorType
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config
+from tests.helpers.histories import record_history
 from tests.helpers.loopback_peer import LoopbackPeer, loopback_peer
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
@@ -97,6 +98,7 @@ async def test_forged_current_instance_never_gets_the_fleet_password(
     assert await activities_run(handle) == []
     assert listener.requests == []
     assert stack.instances() == []
+    await record_history(handle, "forged_carried_state")
 
 
 async def test_forged_owned_list_deletes_nobody_elses_instance(stack: Stack) -> None:

@@ -32,4 +32,8 @@ def test_histories_are_committed() -> None:
 async def test_replays_without_nondeterminism(name: str) -> None:
     recorded = HISTORIES[name]
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
-    await Replayer(workflows=[ProxyLifecycle, OrphanGC]).replay_workflow(history)
+    # Histories recorded before the namespace was stored come from the test
+    # servers' default namespace.
+    namespace = recorded.get("namespace", "default")
+    replayer = Replayer(workflows=[ProxyLifecycle, OrphanGC], namespace=namespace)
+    await replayer.replay_workflow(history)

@@ -31,7 +31,9 @@ from providers.memory import MemoryProvider
 from providers.naming import INSTALLATION_KEY, NAMESPACE_KEY, OWNER_KEY, instance_name
 from startup.search_attributes import ensure_search_attributes
 from tests.helpers.config import build_config, lifecycle_instance_name
-from tests.helpers.waiting import wait_for
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import wait_for, wait_status
 from worker import build_worker
 from workflows.orphan_gc import GcResult
 
@@ -64,6 +66,18 @@ def test_lifecycles_recorded_before_the_change_keep_their_names(history: str) ->
     assert created
     for ref in created:
         assert ref["name"] == instance_name(recorded["workflow_id"], ref["generation"])
+
+
+async def test_a_new_lifecycle_names_its_instance_in_its_scope(stack: Stack) -> None:
+    handle = await stack.start()
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+
+    assert ready.instance == lifecycle_instance_name(handle.id, 0)
+    assert stack.instances() == [ready.instance]
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+    await record_history(handle, "ready_then_terminate_scoped_names")
 
 
 class Namespaced:
