@@ -21,10 +21,12 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.gc import GcActivities
+from activities.models import CreateInstanceInput
 from activities.provider import ProviderActivities
 from contract import INSTANCES
 from providers.memory import MemoryProvider
@@ -78,6 +80,24 @@ async def test_a_new_lifecycle_names_its_instance_in_its_scope(stack: Stack) -> 
     await handle.result()
     assert stack.instances() == []
     await record_history(handle, "ready_then_terminate_scoped_names")
+
+
+async def test_a_worker_of_another_installation_refuses_the_create() -> None:
+    """Two installations on one task queue would otherwise tag one's instance as the other's."""
+    provider = MemoryProvider()
+    config = build_config({"name": "mem", "type": "memory"}, connect_ports=[443])
+    acts = ProviderActivities({"mem": provider}, config)
+    request = CreateInstanceInput(
+        provider="mem", owner_id="proxy-eu-1", generation=0, installation="prod"
+    )
+    try:
+        with pytest.raises(ApplicationError) as refused:
+            await ActivityEnvironment().run(acts.create_instance, request)
+    finally:
+        acts.close()
+    assert refused.value.type == "Permanent" and refused.value.non_retryable
+    assert "installation 'prod'" in refused.value.message
+    assert provider.ids() == set()
 
 
 class Namespaced:
