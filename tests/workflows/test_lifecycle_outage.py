@@ -20,8 +20,8 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from providers.kubernetes import KubernetesProvider
-from providers.naming import instance_name
 from tests.fakes.kubernetes import FakeKubernetes
+from tests.helpers.config import lifecycle_instance_name
 from tests.helpers.histories import record_history
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
@@ -63,7 +63,7 @@ async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
     kubelet = Kubelet(fake, squid_upstreams, free_port())
     handles = [await stack.start(PROVIDER, port=kubelet.port) for _ in range(2)]
     for handle in handles:
-        await kubelet.run_pod(instance_name(handle.id, 0))
+        await kubelet.run_pod(lifecycle_instance_name(handle.id, 0))
         await wait_status(handle, lambda s: s.state == "Ready", "generation 0 Ready")
 
     # The outage: every API request answers 503, and every Pod dies with it,
@@ -73,7 +73,7 @@ async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
             method, ".", 503, "the server is currently unable to handle the request", times=None
         )
     for handle in handles:
-        await kubelet.crash(instance_name(handle.id, 0))
+        await kubelet.crash(lifecycle_instance_name(handle.id, 0))
     for handle in handles:
         waiting = await wait_status(
             handle,
@@ -94,7 +94,7 @@ async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
     fake.clear_failures()
     for handle in handles:
         # Its next provider timer fires: the new Pod is made, the old one deleted.
-        replacement = instance_name(handle.id, 1)
+        replacement = lifecycle_instance_name(handle.id, 1)
 
         async def replacement_created() -> bool:
             if kubelet.pod(replacement) is None:  # noqa: B023 (awaited within the iteration)
@@ -103,20 +103,20 @@ async def test_six_hours_of_503_are_waited_out_and_every_proxy_comes_back(
             return kubelet.pod(replacement) is not None  # noqa: B023
 
         await wait_for(replacement_created, "the replacement's pod once the API is back")
-        await kubelet.finish_deletion(instance_name(handle.id, 0))
-        await kubelet.run_pod(instance_name(handle.id, 1))
+        await kubelet.finish_deletion(lifecycle_instance_name(handle.id, 0))
+        await kubelet.run_pod(lifecycle_instance_name(handle.id, 1))
     for handle in handles:
         ready = await wait_status(
             handle, lambda s: s.state == "Ready" and s.generation == 1, "generation 1 Ready"
         )
         assert ready.waiting_for is None and ready.replacements == 1, ready
     assert sorted(leftover_pods(provider)) == sorted(
-        f"{NAMESPACE}/{instance_name(h.id, 1)}" for h in handles
+        f"{NAMESPACE}/{lifecycle_instance_name(h.id, 1)}" for h in handles
     )
 
     for handle in handles:
         await handle.signal("terminate")
-        await kubelet.finish_deletion(instance_name(handle.id, 1))
+        await kubelet.finish_deletion(lifecycle_instance_name(handle.id, 1))
         result = await handle.result()
         assert result["state"] == "Terminated", result
     assert leftover_pods(provider) == []

@@ -21,9 +21,8 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from providers.naming import instance_name
 from tests.fakes.kubernetes import FakeKubernetes
-from tests.helpers.config import local_entry, raw_config
+from tests.helpers.config import lifecycle_instance_name, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
 from tests.helpers.tls_origin import serve_tls_origin
@@ -34,6 +33,8 @@ from tests.workflows.test_lifecycle_kubernetes import NAMESPACE, PROVIDER, Kubel
 pytestmark = pytest.mark.slow
 
 StartWorker = Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]
+
+INSTALLATION = "worker-log-test"
 
 # What a clean end never leaves in the worker's log: the SDK Core's warning
 # for an activity completing after its workflow closed, the SDK's warning for
@@ -61,7 +62,7 @@ def origin(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
 
 
 def write_config(path: Path, provider: dict[str, Any], origin_port: int) -> Path:
-    raw = raw_config(provider, connect_ports=[origin_port], installation="worker-log-test")
+    raw = raw_config(provider, connect_ports=[origin_port], installation=INSTALLATION)
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -182,7 +183,7 @@ async def test_a_worker_killed_mid_create_is_replaced_by_a_retry_that_adopts_the
         handle = await start_proxy(
             temporal_env.client, task_queue, PROVIDER, origin_port, port=kubelet.port
         )
-        name = instance_name(handle.id, 0)
+        name = lifecycle_instance_name(handle.id, 0, installation=INSTALLATION)
         await wait_for(lambda: kubelet.pod(name) is not None, "the first attempt's pod")
         first.kill()  # SIGKILL: no drain, no goodbye to the server
         await asyncio.to_thread(first.wait)
@@ -191,7 +192,8 @@ async def test_a_worker_killed_mid_create_is_replaced_by_a_retry_that_adopts_the
         await kubelet.run_pod(name)
         ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready", deadline=120)
         assert (ready.instance, ready.generation, ready.replacements) == (name, 0, 0)
-        assert kubelet.pod(instance_name(handle.id, 1)) is None, "a second pod was made"
+        second_name = lifecycle_instance_name(handle.id, 1, installation=INSTALLATION)
+        assert kubelet.pod(second_name) is None, "a second pod was made"
         attempts = [
             event.activity_task_started_event_attributes.attempt
             async for event in handle.fetch_history_events()
