@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from contract import QUOTA_RETRY_DELAY, ErrorType
 from providers.errors import Permanent, ProviderError, QuotaExceeded
@@ -35,8 +35,18 @@ def is_not_found(err: ApplicationError) -> bool:
 
 
 def instance_lost(message: str) -> ApplicationError:
-    """The instance died or vanished while we waited on it: replace, do not retry."""
-    return ApplicationError(message, type=ErrorType.INSTANCE_LOST, non_retryable=True)
+    """The instance died or vanished while we waited on it: replace, do not retry.
+
+    Benign: the workflow shows it (`status.last_error`) and acts on it, and it
+    is what a terminate's deletion makes of a first probe still running, so
+    the SDK logs it at debug instead of as a warning with a traceback.
+    """
+    return ApplicationError(
+        message,
+        type=ErrorType.INSTANCE_LOST,
+        non_retryable=True,
+        category=ApplicationErrorCategory.BENIGN,
+    )
 
 
 def invalid_input(message: str) -> ApplicationError:

@@ -53,7 +53,7 @@ from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from worker import build_worker
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 
-PASSWORD = "bench-password"
+PASSWORD = "bench-password-4b9e1c07"  # at least 16 characters, as the config requires
 POLL = 0.005
 INTERVAL = 10
 

@@ -46,6 +46,9 @@ class ProviderType(Generic[S]):
     validated entry (the module's `from_config`). `placement_problems`, where
     set, judges placement values against the entry's settings (a Kubernetes
     namespace outside `allowed_namespaces`), each problem naming its field.
+    `config_problems`, where set, judges the whole validated config for this
+    type (entries together, the proxy defaults they share), each problem
+    naming its path.
     """
 
     name: str
@@ -54,6 +57,7 @@ class ProviderType(Generic[S]):
     build: Callable[[ProviderEntry, Config], Provider]
     block_optional: bool = False
     placement_problems: Callable[[S, Mapping[str, str]], list[str]] | None = None
+    config_problems: Callable[[Config], list[str]] | None = None
 
     def settings_of(self, entry: ProviderEntry) -> S:
         """The entry's block, refused the same way by every `from_config` if of another type."""

@@ -253,6 +253,8 @@ def parse_config(raw: Any, *, source: str = "<config>", environ: Mapping[str, st
         config = Config.model_validate(raw)
     except ValidationError as exc:
         problems += [_describe(err) for err in exc.errors()]
+    if config is not None:
+        problems += _type_problems(config)
     password, secret_problems = _resolve_password(raw, environ)
     problems += secret_problems
     # One problem may be found by both passes; report it once, in order.
@@ -278,6 +280,16 @@ def _structure_problems(raw: dict[str, Any]) -> list[str]:
             if name in seen:
                 problems.append(f"providers[{i}].name: duplicate {name!r}")
             seen.add(name)
+    return problems
+
+
+def _type_problems(config: Config) -> list[str]:
+    """What each provider type in use finds wrong across the config (providers/catalog.py)."""
+    problems: list[str] = []
+    for kind in dict.fromkeys(entry.type for entry in config.providers):
+        check = provider_type(kind).config_problems
+        if check is not None:
+            problems += check(config)
     return problems
 
 

@@ -30,6 +30,25 @@ def _forbidden(*_args: Any, **_kwargs: Any) -> Any:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """Start a native traceback at the test, as pytest's own styles do.
+
+    pyproject.toml asks for native tracebacks (it says why), and pytest then
+    prints every pytest and pluggy frame above the test too
+    (pytest-dev/pytest#13023). The traceback is cut where pytest would cut
+    its own; this reads frames and code objects only, it parses no source.
+    """
+    config = item.config
+    if call.excinfo is None or config.getoption("tbstyle") != "native":
+        return
+    if config.getoption("fulltrace"):
+        return
+    trimmed = item._traceback_filter(call.excinfo)
+    if trimmed:
+        call.excinfo.traceback = trimmed
+
+
 @pytest.fixture(autouse=True)
 def _no_real_credentials(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory

@@ -7,7 +7,10 @@ failing test's module, while this suite's workers format tracebacks on
 Temporal's workflow threads; when the two met, pytest crashed with exit 3 and
 the rest of the suite never ran. pyproject.toml therefore renders tracebacks
 natively. This test recreates the race (threads parsing while a hundred
-failures are rendered) under the project's pytest configuration.
+failures are rendered) under the project's pytest configuration: with
+`--tb=short` instead, that run ended in INTERNALERROR every time it was tried
+(and 1 run in 3 with the default `auto`), with `--tb=native` never. The
+tracebacks start at the test, trimmed by tests/conftest.py's report hook.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def test_failures_under_a_concurrent_ast_parse_are_reported_as_failures(tmp_path
     module = tmp_path / "test_deliberately_failing.py"
     module.write_text(FAILING_MODULE + PADDING)
     command = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
-    command += ["--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(module)]
+    # tests/conftest.py as a plugin: its hook trims the native tracebacks.
+    command += ["-p", "tests.conftest", "--rootdir", str(tmp_path), "-p", "no:cacheprovider"]
+    command += ["-q", str(module)]
     run = subprocess.run(
         command,
         cwd=tmp_path,
@@ -92,3 +97,6 @@ def test_failures_under_a_concurrent_ast_parse_are_reported_as_failures(tmp_path
     assert run.returncode == 1, output[-3000:]
     assert f"{FAILURES} failed" in run.stdout
     assert "AssertionError: state is Provisioning" in run.stdout
+    # Each traceback starts at the test, not in pytest's own machinery.
+    assert "Traceback (most recent call last)" in run.stdout
+    assert "/pluggy/" not in run.stdout and "/_pytest/" not in run.stdout

@@ -172,10 +172,8 @@ class ProxyLifecycle:
         # then awaited once its instance is deleted, so its end is observed.
         self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
         self._published: tuple[dict[str, str], list[str]] = ({}, [])
-        # Decided once, before the first command: a marker recorded later, after
-        # the validation's local-activity marker, does not replay (Core reports
-        # "patch marker encountered ... no corresponding change command").
-        self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
+        # Whether this run takes CLEAN_STOP_PATCH's paths: decided in run().
+        self._new_paths = False
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -183,6 +181,11 @@ class ProxyLifecycle:
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:
         # Untyped, so no argument can fail to decode outside our validation.
         state, problems = continued_state(CarriedState, carried, extra)
+        if not problems:
+            # Decided once, before the first command: a marker recorded later,
+            # after the validation's local-activity marker, did not replay
+            # ("patch marker encountered ... no corresponding change command").
+            self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
         if state is not None:
             self._restore(state)
         # A continued run was validated when it first started; checking the
@@ -498,6 +501,14 @@ class ProxyLifecycle:
             try:
                 await workflow.wait_condition(handle.done, timeout=timeout, timeout_summary=summary)
                 break
+            except asyncio.CancelledError:
+                # Terminate or cancel: this wait is cancelled, the monitor is not
+                # (it is a task of its own). Cancel it too, and have _stop await
+                # it, so the workflow never closes with the monitor pending.
+                if self._patched():
+                    handle.cancel()
+                    self._retired_monitor = handle
+                raise
             except TimeoutError:
                 if summary == STABLE_SUMMARY:
                     # Status says now that the crash budget is whole again.
@@ -742,14 +753,11 @@ class ProxyLifecycle:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched():
-            # Activities still running would report to a closed run, which the
-            # worker logs as a warning: let background deletions finish first.
-            await workflow.wait_condition(
-                lambda: not self._deletions or self._terminate_reason is not None
-            )
-            if self._terminate_reason is not None:
-                return
+        if self._patched() and self._deletions:
+            # Their activities would report to a closed run (a warning in the
+            # worker's log): continue after the next monitor cycle instead,
+            # rather than leave the instance unmonitored while they finish.
+            return
         carried = CarriedState(
             status=self._status,
             current=self._current,

@@ -224,11 +224,12 @@ proxy-operator is running.
 
 In another terminal:
 
-  # start a proxy
+  # start a proxy (its health target must be reachable from this machine)
   {temporal} workflow start --type ProxyLifecycle --task-queue proxy-operator \\
-      --workflow-id proxy-demo --input '{{"provider": "local"}}'
+      --workflow-id proxy-demo \\
+      --input '{{"provider": "local", "health": {{"target": "https://example.com"}}}}'
 
-  # its state and endpoint (state becomes Ready once a probe to https://example.com passes)
+  # its state and endpoint (state becomes Ready once a probe to the target passes)
   {temporal} workflow query --workflow-id proxy-demo --name status
 
   # use it

@@ -3,9 +3,12 @@
 The real google-cloud-compute clients talk to it over HTTP on 127.0.0.1 with
 anonymous credentials, so requests are built, serialised and parsed exactly
 as they would be against compute.googleapis.com. It keeps instances per
-zone, zonal and global operations, and firewall rules, and it rejects what
-the real API would reject in the requests this project sends (invalid names,
-labels, metadata, spot scheduling): a provider bug shows up as a 400 here.
+zone, zonal and global operations, firewall rules and guest attributes, and
+it rejects what the real API would reject in the requests this project sends
+(invalid names, labels on instances and disks, metadata, spot scheduling, a
+subnetwork outside the zone's region, IPv4 and IPv6 in one firewall rule, a
+rule moved to another network): a provider bug shows up as a 400 here.
+docs/fakes.md lists what it models and where the real behaviour is documented.
 
 Stable API (used by the provider tests and by workflow-level tests):
 
@@ -16,6 +19,9 @@ Stable API (used by the provider tests and by workflow-level tests):
         fake.inject_error("get", "unavailable", times=2)
         fake.clear_errors()
         fake.set_operations_paused(True)      # operations stay RUNNING until resumed
+        fake.set_operation_seconds(3.0, zone=zone)  # operations there take 3 s
+        fake.guest_write(zone, name, "proxy-operator/state", "ready")  # as the VM would
+        fake.set_zone_unreachable(zone, True)  # aggregated lists cannot see it
         fake.instance(zone, name)             # stored resource (dict) or None
         fake.calls("insert")                  # requests received, oldest first
 
@@ -25,10 +31,18 @@ Stable API (used by the provider tests and by workflow-level tests):
   DONE, as on the real API.
 - `auto_start_ip`: when set, an instance whose insert operation finishes is
   RUNNING with that external IP (e.g. 127.0.0.1 in front of a local Squid).
+  RUNNING is only the hypervisor's view: the guest's startup script has not
+  run yet. Its guest attributes stay empty (`getGuestAttributes` answers 404)
+  until a test writes them as the script would (`guest_write`), which is how
+  the fake models the minutes a real first boot takes.
+- A failed insert operation leaves its instance behind as PROVISIONING for
+  the next FAILED_INSERT_LINGER_GETS `get`s (its name still taken: a second
+  insert is a 409), then it vanishes, as on the real API.
 - Errors (`inject_error(method, kind, times=1, zone=None)`; `times=None`
   means until cleared): METHODS lists the methods, ERROR_KINDS the kinds.
-  `stockout` and `quota_operation` fail the operation (as Compute Engine
-  reports them) and are accepted only for methods that return one.
+  `stockout`, `quota_operation` and `org_policy_operation` fail the
+  operation (as Compute Engine reports them) and are accepted only for
+  methods that return one.
 - From another process: `python -m tests.fakes.compute --port 8089` serves
   it, and `remote(url, "inject_error", method="insert", kind="quota")`
   (a POST to `/_fake/<name>` with the keyword arguments as JSON) calls any of
@@ -43,6 +57,7 @@ import itertools
 import json
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -63,6 +78,18 @@ SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"
 # How long `wait` holds a request for a paused operation before answering
 # "still RUNNING" (the real API holds up to two minutes).
 WAIT_HOLD_SECONDS = 0.05
+# How long `wait` holds one for an operation that takes time (set_operation_seconds).
+TIMED_WAIT_HOLD_SECONDS = 2.0
+# A failed insert's instance stays visible, PROVISIONING, for this many `get`s
+# before it vanishes. The API accepts the insert and creates the instance
+# before the zone reports the failure, then cleans it up; a client that reads
+# the instance right after the failed operation still finds it (e.g.
+# dragonflydb/dragonfly#8155: a freshly inserted instance 404s minutes later).
+FAILED_INSERT_LINGER_GETS = 1
+# Guest attributes, written by the guest through the metadata server, are
+# accepted only when the instance's metadata enables them
+# (https://cloud.google.com/compute/docs/metadata/manage-guest-attributes).
+GUEST_ATTRIBUTES_KEY = "enable-guest-attributes"
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -77,6 +104,7 @@ OPERATION_METHODS = frozenset({"insert", "delete", "firewall_insert", "firewall_
 METHODS = (
     *sorted(OPERATION_METHODS),
     "get",
+    "get_guest_attributes",
     "aggregated_list",
     "firewall_get",
     "zone_operation_get",
@@ -90,6 +118,9 @@ CONTROL_METHODS = frozenset(
         "inject_error",
         "clear_errors",
         "set_operations_paused",
+        "set_operation_seconds",
+        "set_zone_unreachable",
+        "guest_write",
         "add_instance",
         "put_firewall",
         "instance",
@@ -127,6 +158,26 @@ ERROR_KINDS: dict[str, ErrorKind] = {
         in_operation=True,
     ),
     "rate_limit": ErrorKind(403, "rateLimitExceeded", "Rate Limit Exceeded"),
+    # An organisation policy refusing the request: HTTP 412, reason
+    # conditionNotMet, e.g. gardener/gardener-extension-provider-gcp#415 and
+    # fortinet/fortigate-terraform-deploy#34 ("googleapi: Error 412: Constraint
+    # constraints/compute.vmExternalIpAccess violated ..., conditionNotMet").
+    "org_policy": ErrorKind(
+        412,
+        "conditionNotMet",
+        "Constraint constraints/compute.vmExternalIpAccess violated for project 123456789. "
+        "Add instance projects/test-project/zones/europe-west1-b/instances/x to the "
+        "constraint to use external IP with it.",
+    ),
+    # The same refusal reported by the insert's operation (code CONDITION_NOT_MET,
+    # as in GoogleCloudPlatform/pubsub#258 and 2i2c-org/infrastructure#489).
+    "org_policy_operation": ErrorKind(
+        412,
+        "CONDITION_NOT_MET",
+        "Instance 'x' creation failed: Constraint constraints/compute.vmExternalIpAccess "
+        "violated for project 123456789.",
+        in_operation=True,
+    ),
     "too_many_requests": ErrorKind(429, "tooManyRequests", "Too Many Requests", retry_after=7),
     "unavailable": ErrorKind(503, "backendError", "The service is currently unavailable."),
     "internal": ErrorKind(500, "internalError", "Internal error. Please try again."),
@@ -220,6 +271,8 @@ class _Operation:
     error: ErrorKind | None = None
     on_done: Callable[[], None] | None = None
     status: str = "RUNNING"
+    # time.monotonic() before which polls still find it RUNNING.
+    not_before: float = 0.0
 
 
 @dataclass
@@ -252,6 +305,11 @@ class FakeCompute:
         self._errors: list[_Injection] = []
         self._calls: list[Call] = []
         self._paused = False
+        self._operation_seconds: dict[str | None, float] = {}
+        self._unreachable: set[str] = set()
+        # (zone, name) -> `get`s left before a failed insert's instance vanishes.
+        self._lingering: dict[tuple[str, str], int] = {}
+        self._guest: dict[tuple[str, str], dict[str, str]] = {}
         self._ids = itertools.count(1000)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -328,6 +386,46 @@ class FakeCompute:
             self._paused = paused
             self._cond.notify_all()
 
+    def set_operation_seconds(self, seconds: float, *, zone: str | None = None) -> None:
+        """Operations started from now on (in `zone`, or global ones) take `seconds`.
+
+        Real inserts take tens of seconds, and a stockout can be reported
+        minutes after the insert was accepted.
+        """
+        with self._cond:
+            self._operation_seconds[zone] = seconds
+
+    def set_zone_unreachable(self, zone: str, unreachable: bool) -> None:
+        """Make `zone` unreachable: aggregated lists report it, zonal calls get 503.
+
+        An aggregated list then carries the zone in `unreachables` and an
+        UNREACHABLE warning on its scope instead of its instances (Warning.code
+        UNREACHABLE, "a given scope cannot be reached", in the API reference of
+        instances.aggregatedList); calls to the zone itself fail as unavailable.
+        """
+        with self._cond:
+            if unreachable:
+                self._unreachable.add(zone)
+            else:
+                self._unreachable.discard(zone)
+
+    def guest_write(self, zone: str, name: str, path: str, value: str) -> None:
+        """What a process on the VM does with `PUT .../guest-attributes/<path>`.
+
+        `path` is `<namespace>/<key>`. Refused (ValueError) unless the instance's
+        metadata sets `enable-guest-attributes: TRUE`, as the metadata server
+        refuses such writes.
+        """
+        namespace, _, key = path.partition("/")
+        with self._cond:
+            inst = self._require(zone, name)
+            metadata = {i["key"]: i.get("value", "") for i in inst["metadata"].get("items", [])}
+            if metadata.get(GUEST_ATTRIBUTES_KEY, "").upper() != "TRUE":
+                raise ValueError(f"guest attributes are not enabled on {zone}/{name}")
+            if not (namespace and key):
+                raise ValueError(f"guest attribute path {path!r}: expected <namespace>/<key>")
+            self._guest.setdefault((zone, name), {})[path] = value
+
     def add_instance(
         self,
         zone: str,
@@ -382,6 +480,12 @@ class FakeCompute:
         table: list[tuple[str, str, str, Callable[..., tuple[int, Any]]]] = [
             ("POST", zone + r"/instances", "insert", self._insert),
             ("GET", zone + r"/instances/(?P<name>[^/]+)", "get", self._get),
+            (
+                "GET",
+                zone + r"/instances/(?P<name>[^/]+)/getGuestAttributes",
+                "get_guest_attributes",
+                self._guest_attributes,
+            ),
             ("DELETE", zone + r"/instances/(?P<name>[^/]+)", "delete", self._delete),
             ("GET", project + r"/aggregated/instances", "aggregated_list", self._aggregated),
             ("GET", zone + r"/operations/(?P<op>[^/]+)", "zone_operation_get", self._op_get),
@@ -477,6 +581,8 @@ class FakeCompute:
                     raise _not_found(f"projects/{self.project}")
                 if zone is not None and zone not in self.zones:
                     raise _not_found(f"projects/{self.project}/zones/{zone}")
+                if zone in self._unreachable:
+                    raise ApiError(ERROR_KINDS["unavailable"])
                 injected = self._take_error(route.method, zone)
                 if injected is not None and not injected.in_operation:
                     raise ApiError(injected)
@@ -511,8 +617,12 @@ class FakeCompute:
                     "already exists",
                 )
             )
-        if failure is None:
-            self._store_instance(zone, body)
+        # The instance exists from the moment the insert is accepted, even if
+        # the operation later fails; `lingered` below removes it then.
+        self._store_instance(zone, body)
+
+        def lingered() -> None:
+            self._lingering[zone, name] = FAILED_INSERT_LINGER_GETS
 
         def started() -> None:
             if self.auto_start_ip is not None and (zone, name) in self._instances:
@@ -521,11 +631,47 @@ class FakeCompute:
                 access["natIP"] = self.auto_start_ip
 
         return 200, self._new_operation(
-            zone, "insert", f"zones/{zone}/instances/{name}", failure, started
+            zone, "insert", f"zones/{zone}/instances/{name}", failure, started, lingered
         )
 
     def _get(self, *, zone: str, name: str, **_: Any) -> tuple[int, Any]:
-        return 200, self._require(zone, name)
+        inst = self._require(zone, name)
+        left = self._lingering.get((zone, name))
+        if left is not None:
+            if left <= 0:
+                self._forget(zone, name)
+                return 200, self._require(zone, name)  # raises the 404
+            self._lingering[zone, name] = left - 1
+        return 200, inst
+
+    def _guest_attributes(
+        self, *, zone: str, name: str, query: dict[str, list[str]], **_: Any
+    ) -> tuple[int, Any]:
+        """instances.getGuestAttributes with a `queryPath` of `<namespace>/[<key>]`.
+
+        Nothing written under the path yet is a 404, which is how tools that
+        wait on a guest attribute see "not yet" (GoogleCloudPlatform's
+        compute-image-tools e2e helpers poll WaitForGuestAttributes through 404s).
+        """
+        self._require(zone, name)
+        path = query.get("queryPath", [""])[0]
+        if "variableKey" in query or "/" not in path:
+            raise _invalid(f"Invalid value for field 'queryPath': '{path}'")
+        written = self._guest.get((zone, name), {})
+        items = [
+            {"namespace": k.split("/", 1)[0], "key": k.split("/", 1)[1], "value": v}
+            for k, v in sorted(written.items())
+            if k == path or (path.endswith("/") and k.startswith(path))
+        ]
+        if not items:
+            raise _not_found(
+                f"projects/{self.project}/zones/{zone}/instances/{name}/guestAttributes/{path}"
+            )
+        return 200, {
+            "kind": "compute#guestAttributes",
+            "queryPath": path,
+            "queryValue": {"items": items},
+        }
 
     def _delete(
         self, *, zone: str, name: str, failure: ErrorKind | None, **_: Any
@@ -535,14 +681,18 @@ class FakeCompute:
             inst["status"] = "STOPPING"
 
         def gone() -> None:
-            self._instances.pop((zone, name), None)
+            self._forget(zone, name)
 
         return 200, self._new_operation(
             zone, "delete", f"zones/{zone}/instances/{name}", failure, gone
         )
 
     def _aggregated(self, *, query: dict[str, list[str]], **_: Any) -> tuple[int, Any]:
-        matches = self._filter(query.get("filter", [""])[0])
+        matches = [
+            (zone, inst)
+            for zone, inst in self._filter(query.get("filter", [""])[0])
+            if zone not in self._unreachable
+        ]
         page_size = self.page_size or int(query.get("maxResults", ["500"])[0])
         start = int(query.get("pageToken", ["0"])[0])
         page = matches[start : start + page_size]
@@ -551,12 +701,15 @@ class FakeCompute:
             items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(inst)
         if start == 0:
             for zone in self.zones:
-                items.setdefault(f"zones/{zone}", _no_results(zone))
+                scope = _unreachable_scope(zone) if zone in self._unreachable else _no_results(zone)
+                items.setdefault(f"zones/{zone}", scope)
         payload: dict[str, Any] = {
             "kind": "compute#instanceAggregatedList",
             "id": f"projects/{self.project}/aggregated/instances",
             "items": items,
         }
+        if start == 0 and self._unreachable:
+            payload["unreachables"] = [f"zones/{zone}" for zone in sorted(self._unreachable)]
         if start + page_size < len(matches):
             payload["nextPageToken"] = str(start + page_size)
         return 200, payload
@@ -596,6 +749,11 @@ class FakeCompute:
             nic.update(name=f"nic{i}", networkIP=f"10.132.0.{next(self._ids) % 250 + 2}")
         self._instances[zone, name] = inst
 
+    def _forget(self, zone: str, name: str) -> None:
+        self._instances.pop((zone, name), None)
+        self._lingering.pop((zone, name), None)
+        self._guest.pop((zone, name), None)
+
     def _require(self, zone: str, name: str) -> dict[str, Any]:
         inst = self._instances.get((zone, name))
         if inst is None:
@@ -611,6 +769,7 @@ class FakeCompute:
         target: str,
         failure: ErrorKind | None,
         on_done: Callable[[], None],
+        on_failed: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         op = _Operation(
             name=f"operation-{next(self._ids)}-fake",
@@ -618,7 +777,8 @@ class FakeCompute:
             op_type=op_type,
             target=target,
             error=failure,
-            on_done=None if failure else on_done,
+            on_done=on_failed if failure else on_done,
+            not_before=time.monotonic() + self._operation_seconds.get(zone, 0.0),
         )
         self._operations[op.name] = op
         return self._op_json(op)
@@ -629,8 +789,15 @@ class FakeCompute:
     def _op_wait(self, *, op: str, zone: str | None = None, **_: Any) -> tuple[int, Any]:
         operation = self._poll(op, zone)
         if operation.status != "DONE":
-            self._cond.wait(WAIT_HOLD_SECONDS)
-            operation = self._poll(op, zone)
+            # Like the real wait: hold the request until the operation is done,
+            # or for a while (the real API holds up to two minutes).
+            hold = WAIT_HOLD_SECONDS if self._paused else TIMED_WAIT_HOLD_SECONDS
+            held_until = time.monotonic() + hold
+            while operation.status != "DONE" and (left := held_until - time.monotonic()) > 0:
+                # Not done although due means paused: wait to be resumed.
+                until_done = operation.not_before - time.monotonic()
+                self._cond.wait(left if until_done <= 0 else min(left, until_done))
+                operation = self._poll(op, zone)
         return 200, self._op_json(operation)
 
     def _poll(self, name: str, zone: str | None) -> _Operation:
@@ -638,7 +805,7 @@ class FakeCompute:
         if op is None or op.zone != zone:
             scope = f"zones/{zone}" if zone else "global"
             raise _not_found(f"projects/{self.project}/{scope}/operations/{name}")
-        if op.status != "DONE" and not self._paused:
+        if op.status != "DONE" and not self._paused and time.monotonic() >= op.not_before:
             op.status = "DONE"
             if op.on_done is not None:
                 op.on_done()
@@ -696,10 +863,18 @@ class FakeCompute:
     def _fw_update(
         self, *, name: str, body: dict[str, Any] | None, failure: ErrorKind | None, **_: Any
     ) -> tuple[int, Any]:
-        self._fw_get(name=name)
+        _, current = self._fw_get(name=name)
         rule = self._complete_firewall(body or {})
         if rule["name"] != name:
             raise _invalid("Invalid value for field 'resource.name'")
+        if rule["network"] != current["network"]:
+            # A rule belongs to one network for life; firewall names are unique
+            # per project, not per network (firewall/docs/using-firewalls:
+            # "the name you choose for each of them must be unique to the project").
+            raise _invalid(
+                f"Invalid value for field 'resource.network': '{rule['network']}'. "
+                "The network of a firewall rule cannot be changed."
+            )
 
         def store() -> None:
             self._firewalls[name] = rule
@@ -711,13 +886,21 @@ class FakeCompute:
         rule: dict[str, Any] = json.loads(json.dumps(body))
         if not RFC1035.match(rule.get("name", "")):
             raise _invalid(f"Invalid value for field 'resource.name': '{rule.get('name')}'")
+        families = set()
         for cidr in rule.get("sourceRanges", []):
             try:
-                ipaddress.ip_network(cidr)
+                families.add(ipaddress.ip_network(cidr).version)
             except ValueError:
                 raise _invalid(
                     f"Invalid value for field 'resource.sourceRanges': '{cidr}'"
                 ) from None
+        if len(families) > 1:
+            # "A firewall rule can contain either IPv4 or IPv6 ranges, but not
+            # both" (https://cloud.google.com/firewall/docs/using-firewalls).
+            raise _invalid(
+                "Invalid value for field 'resource.sourceRanges': IPv4 and IPv6 "
+                "ranges cannot be combined in one firewall rule"
+            )
         for allowed in rule.get("allowed", []):
             if allowed.get("IPProtocol") not in ("tcp", "udp", "icmp", "all"):
                 raise _invalid("Invalid value for field 'resource.allowed[].IPProtocol'")
@@ -753,14 +936,33 @@ def _error_body(kind: ErrorKind) -> dict[str, Any]:
     }
 
 
-def _no_results(zone: str) -> dict[str, Any]:
+def _scope_warning(zone: str, code: str, message: str) -> dict[str, Any]:
+    """A scope of an aggregated list that carries a warning instead of instances."""
+    scope = f"zones/{zone}"
     return {
-        "warning": {
-            "code": "NO_RESULTS_ON_PAGE",
-            "message": f"There are no results for scope 'zones/{zone}' on this page.",
-            "data": [{"key": "scope", "value": f"zones/{zone}"}],
-        }
+        "warning": {"code": code, "message": message, "data": [{"key": "scope", "value": scope}]}
     }
+
+
+def _unreachable_scope(zone: str) -> dict[str, Any]:
+    return _scope_warning(zone, "UNREACHABLE", f"Scope 'zones/{zone}' is unreachable.")
+
+
+def _no_results(zone: str) -> dict[str, Any]:
+    return _scope_warning(
+        zone,
+        "NO_RESULTS_ON_PAGE",
+        f"There are no results for scope 'zones/{zone}' on this page.",
+    )
+
+
+def _validate_labels(field_name: str, labels: dict[str, str]) -> None:
+    """Label rules are the same on instances and disks (resource-manager/docs/labels)."""
+    if len(labels) > 64:
+        raise _invalid(f"Invalid value for field '{field_name}': at most 64 labels")
+    for key, value in labels.items():
+        if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
+            raise _invalid(f"Invalid value for field '{field_name}': '{key}': '{value}'")
 
 
 def _validate_instance(zone: str, body: dict[str, Any]) -> None:
@@ -771,12 +973,10 @@ def _validate_instance(zone: str, body: dict[str, Any]) -> None:
     machine_type = body.get("machineType", "")
     if not re.fullmatch(rf"(.*/)?zones/{re.escape(zone)}/machineTypes/[a-z0-9-]+", machine_type):
         raise _invalid(f"Invalid value for field 'resource.machineType': '{machine_type}'")
-    labels = body.get("labels", {})
-    if len(labels) > 64:
-        raise _invalid("Invalid value for field 'resource.labels': at most 64 labels")
-    for key, value in labels.items():
-        if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
-            raise _invalid(f"Invalid value for field 'resource.labels': '{key}': '{value}'")
+    _validate_labels("resource.labels", body.get("labels", {}))
+    for i, disk in enumerate(body.get("disks", [])):
+        params = disk.get("initializeParams", {})
+        _validate_labels(f"resource.disks[{i}].initializeParams.labels", params.get("labels", {}))
     items = body.get("metadata", {}).get("items", [])
     keys = [item.get("key", "") for item in items]
     if len(set(keys)) != len(keys) or not all(METADATA_KEY.match(k) for k in keys):
@@ -792,6 +992,15 @@ def _validate_instance(zone: str, body: dict[str, Any]) -> None:
         raise _invalid("Exactly one boot disk with initializeParams.sourceImage is required")
     if not body.get("networkInterfaces"):
         raise _invalid("At least one network interface is required")
+    region = zone.rsplit("-", 1)[0]
+    for i, nic in enumerate(body["networkInterfaces"]):
+        # A subnetwork is regional: an interface can use one in its zone's region only.
+        subnet = re.search(r"regions/([^/]+)/subnetworks/", nic.get("subnetwork", ""))
+        if subnet is not None and subnet[1] != region:
+            raise _invalid(
+                f"Invalid value for field 'resource.networkInterfaces[{i}].subnetwork': "
+                f"'{nic['subnetwork']}'. Subnetwork should belong to region '{region}'"
+            )
     scheduling = body.get("scheduling", {})
     if scheduling.get("provisioningModel") == "SPOT" and (
         scheduling.get("automaticRestart", True)

@@ -16,16 +16,30 @@ from google.api_core.exceptions import GoogleAPICallError
 from google.auth.credentials import AnonymousCredentials
 
 from providers.base import CreateRequest, InstanceState
-from providers.config import parse_config
+from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.gcp import GcpConfig, GcpProvider
-from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
+from providers.gcp import (
+    STARTUP_READY,
+    STARTUP_STATE_ATTRIBUTE,
+    GcpConfig,
+    GcpProvider,
+)
+from providers.naming import (
+    GENERATION_KEY,
+    INSTALLATION_KEY,
+    MANAGED_BY_KEY,
+    NAMESPACE_KEY,
+    OWNER_KEY,
+    instance_name,
+    owner_tags,
+    short_hash,
+)
 from providers.squid import ProxySettings, sha512_crypt
 from tests.conftest import RealCredentialsForbidden
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute, remote
 from tests.fakes.compute import fake_compute_fixture as fake_compute_fixture
 
-ZONE_B, ZONE_C, ZONE_D = DEFAULT_ZONES[:3]
+ZONE_B, ZONE_C, ZONE_D, ZONE_US = DEFAULT_ZONES
 INSTALLATION = "prod-eu"
 FIREWALL = "proxy-operator-prod-eu"
 PASSWORD = "correct horse battery staple"
@@ -50,18 +64,27 @@ def make_request(
     port: int = 3128,
     installation: str = INSTALLATION,
     labels: dict[str, str] | None = None,
+    cidrs: tuple[str, ...] = CIDRS,
+    namespace: str | None = None,
 ) -> CreateRequest:
     return CreateRequest(
         name=instance_name(owner, 1),
-        proxy=proxy_settings(port),
-        tags=owner_tags(installation, owner, 1, labels),
+        proxy=proxy_settings(port, cidrs),
+        tags=owner_tags(installation, owner, 1, labels, namespace=namespace),
         placement={"zone": zone} if zone else {},
     )
 
 
 def make_provider(fake: FakeCompute, **settings: Any) -> GcpProvider:
     config = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, **settings)
-    return GcpProvider(config, INSTALLATION, **fake.clients())
+    # Every `get` asks for the startup state: tests step through it quickly.
+    return GcpProvider(config, INSTALLATION, guest_attribute_interval=0, **fake.clients())
+
+
+def boot(fake: FakeCompute, zone: str, name: str, nat_ip: str = "203.0.113.10") -> None:
+    """The VM boots and its startup script reports Squid ready, as on a real VM."""
+    fake.set_status(zone, name, "RUNNING", nat_ip=nat_ip)
+    fake.guest_write(zone, name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
 
 
 @pytest.fixture
@@ -114,13 +137,18 @@ def test_create_sends_the_instance_a_proxy_needs(
     assert disk["initializeParams"]["sourceImage"] == (
         "projects/debian-cloud/global/images/family/debian-12"
     )
+    # Disk listings and billing exports show whose boot disk it is.
+    assert disk["initializeParams"]["labels"] == body["labels"]
     assert "scheduling" not in body
     assert "serviceAccounts" not in body
     metadata = metadata_of(body)
     assert json.loads(metadata["proxy-operator-tags"]) == req.tags
     assert metadata["proxy-operator-port"] == "3128"
+    # The startup script reports readiness here; no project-wide SSH keys.
+    assert metadata["enable-guest-attributes"] == "TRUE"
+    assert metadata["block-project-ssh-keys"] == "TRUE"
     script = metadata["startup-script"]
-    assert "apt-get install -y -q --no-install-recommends squid" in script
+    assert "install -y --no-install-recommends squid" in script
     assert "systemctl restart squid" in script
     assert PASSWORD not in json.dumps(body), "the plaintext password must stay in the worker"
     # The insert operation was waited on, then the instance read back.
@@ -264,6 +292,7 @@ def test_get_maps_every_status(
     state: InstanceState,
 ) -> None:
     created = provider.create(make_request())
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
     fake_compute.set_status(ZONE_B, created.name, status, nat_ip=nat_ip)
 
     instance = provider.get(created.provider_id)
@@ -294,7 +323,7 @@ def test_malformed_provider_id_is_permanent_and_calls_nothing(
 def test_create_adopts_an_instance_that_already_exists(fake_compute: FakeCompute) -> None:
     req = make_request()
     first = make_provider(fake_compute).create(req)
-    fake_compute.set_status(ZONE_B, req.name, "RUNNING", nat_ip="203.0.113.10")
+    boot(fake_compute, ZONE_B, req.name)
 
     # A retried activity, possibly on another worker with a fresh provider.
     again = make_provider(fake_compute).create(req)
@@ -317,7 +346,8 @@ def test_delete_waits_for_the_operation_and_is_idempotent(
     with pytest.raises(NotFound):
         provider.get(created.provider_id)
     provider.delete(created.provider_id)  # already gone: success
-    assert len(fake_compute.calls("delete")) == 2
+    # The second delete read the instance first (to check its tags) and found it gone.
+    assert len(fake_compute.calls("delete")) == 1
 
 
 # -- list_by_tag ----------------------------------------------------------------
@@ -329,7 +359,10 @@ def test_list_by_tag_finds_tagged_instances_in_every_zone(
     ours = [make_request(f"proxy-{zone}", zone=zone) for zone in (ZONE_B, ZONE_C, ZONE_D)]
     for req in ours:
         provider.create(req)
-    provider.create(make_request("other-installation", zone=ZONE_C, installation="staging"))
+    staging = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B), "staging", **fake_compute.clients()
+    )
+    staging.create(make_request("other-installation", zone=ZONE_C, installation="staging"))
     fake_compute.add_instance(ZONE_B, "someone-elses-vm", labels={"team": "web"})
     # Same label, different exact tag: a label collision the metadata resolves.
     fake_compute.add_instance(
@@ -420,16 +453,12 @@ def test_firewall_inserted_by_a_racing_worker_is_accepted(
     assert len(fake_compute.calls("firewall_update")) == 0  # and the rule was right
 
 
-def test_empty_allowed_cidrs_never_open_the_port_to_everyone(
-    fake_compute: FakeCompute, provider: GcpProvider
+@pytest.mark.parametrize("cidrs", [(), ("2001:db8::/32",)])
+def test_no_ipv4_allowed_cidrs_never_open_the_port_to_everyone(
+    fake_compute: FakeCompute, provider: GcpProvider, cidrs: tuple[str, ...]
 ) -> None:
-    req = make_request()
-    req = CreateRequest(
-        name=req.name, proxy=proxy_settings(cidrs=()), tags=req.tags, placement=req.placement
-    )
-
-    with pytest.raises(Permanent):
-        provider.create(req)
+    with pytest.raises(Permanent, match="allowed_cidrs"):
+        provider.create(make_request(cidrs=cidrs))
 
     assert fake_compute.firewall(FIREWALL) is None
     assert fake_compute.calls("insert") == []
@@ -527,6 +556,10 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         ("insert", "forbidden", Permanent),
         ("insert", "bad_request", Permanent),
         ("insert", "not_found", Permanent),  # e.g. the image family does not exist
+        # An organisation policy (no external IPs): no retry gets past it.
+        ("insert", "org_policy", Permanent),
+        ("insert", "org_policy_operation", Permanent),
+        ("insert", "rate_limit", QuotaExceeded),
         ("insert", "unavailable", Transient),
         ("zone_operation_wait", "unavailable", Transient),
         ("delete", "unavailable", Transient),
@@ -567,6 +600,11 @@ def test_api_errors_are_mapped_onto_the_taxonomy(
     assert error.__cause__ is error.cause
     if kind == "too_many_requests":
         assert error.retry_after_seconds == 7
+    if kind == "rate_limit":
+        # Rate quotas refill within a minute; a resource quota waits longer.
+        assert error.retry_after_seconds == 60
+    if kind in ("quota", "quota_operation", "stockout"):
+        assert error.retry_after_seconds is None
 
 
 def test_unreachable_api_is_transient(fake_compute: FakeCompute, provider: GcpProvider) -> None:
@@ -628,8 +666,481 @@ def test_the_fake_can_be_driven_from_another_process(
         status="RUNNING",
         nat_ip="127.0.0.1",
     )
+    remote(
+        fake_compute.url,
+        "guest_write",
+        zone=ZONE_B,
+        name=created.name,
+        path=STARTUP_STATE_ATTRIBUTE,
+        value=STARTUP_READY,
+    )
 
     assert provider.get(created.provider_id).endpoint == "127.0.0.1:3128"
     assert remote(fake_compute.url, "instance", zone=ZONE_B, name=created.name)["status"] == (
         "RUNNING"
     )
+
+
+# -- readiness: RUNNING means Squid is up ----------------------------------------
+
+
+def test_a_running_vm_is_provisioning_until_its_startup_script_reports_ready(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+
+    booting = provider.get(created.provider_id)
+    assert (booting.state, booting.endpoint) == (InstanceState.PROVISIONING, "")
+    assert "booting" in booting.reason
+
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, "installing")
+    installing = provider.get(created.provider_id)
+    assert (installing.state, installing.endpoint) == (InstanceState.PROVISIONING, "")
+    assert "installing" in installing.reason
+
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
+    ready = provider.get(created.provider_id)
+    assert (ready.state, ready.endpoint) == (InstanceState.RUNNING, "203.0.113.10:3128")
+
+    asked = len(fake_compute.calls("get_guest_attributes"))
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+    assert len(fake_compute.calls("get_guest_attributes")) == asked  # ready is remembered
+
+
+@pytest.mark.parametrize(
+    ("reported", "reason"),
+    [
+        (
+            "failed: apt-get could not install squid in 5 attempts",
+            "startup script failed: apt-get could not install squid in 5 attempts",
+        ),
+        # Any process on the VM can write the attribute: users see it short and printable.
+        ("failed: \x1b[2J" + "x" * 10_000, "startup script failed: ?[2J" + "x" * 288),
+    ],
+)
+def test_a_startup_failure_ends_the_instance_with_its_reason(
+    fake_compute: FakeCompute, provider: GcpProvider, reported: str, reason: str
+) -> None:
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+    fake_compute.guest_write(ZONE_B, created.name, STARTUP_STATE_ATTRIBUTE, reported)
+
+    failed = provider.get(created.provider_id)
+
+    assert (failed.state, failed.endpoint) == (InstanceState.TERMINATED, "")
+    assert failed.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", QuotaExceeded)],
+)
+def test_a_failed_readiness_query_is_classified(
+    fake_compute: FakeCompute,
+    provider: GcpProvider,
+    kind: str,
+    expected: type[ProviderError],
+) -> None:
+    """A role without compute.instances.getGuestAttributes fails loudly, not slowly."""
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+    fake_compute.inject_error("get_guest_attributes", kind)
+
+    with pytest.raises(ProviderError) as caught:
+        provider.get(created.provider_id)
+
+    assert type(caught.value) is expected
+
+
+def test_startup_state_queries_are_paced_per_vm(fake_compute: FakeCompute) -> None:
+    """Guest attributes are meant for a few queries a minute per VM."""
+    provider = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B),
+        INSTALLATION,
+        guest_attribute_interval=3600,
+        **fake_compute.clients(),
+    )
+    created = provider.create(make_request())
+    fake_compute.set_status(ZONE_B, created.name, "RUNNING", nat_ip="203.0.113.10")
+
+    states = {provider.get(created.provider_id).state for _ in range(5)}
+
+    assert states == {InstanceState.PROVISIONING}
+    assert len(fake_compute.calls("get_guest_attributes")) == 1
+
+
+def test_a_vm_made_before_readiness_reporting_keeps_its_status(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """Running workflows keep the VMs an older worker made, without guest attributes."""
+    tags = owner_tags(INSTALLATION, "proxy-old", 3)
+    fake_compute.add_instance(
+        ZONE_B,
+        "proxy-old",
+        metadata={"proxy-operator-tags": json.dumps(tags), "proxy-operator-port": "3128"},
+        nat_ip="203.0.113.11",
+    )
+
+    instance = provider.get(f"{ZONE_B}/proxy-old")
+
+    assert (instance.state, instance.endpoint) == (InstanceState.RUNNING, "203.0.113.11:3128")
+    assert fake_compute.calls("get_guest_attributes") == []
+
+
+# -- errors as the real API sends them ---------------------------------------------
+
+
+def test_a_failed_insert_is_reported_once_its_instance_is_gone(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """The failed insert's instance lingers as PROVISIONING; a retry must not adopt it."""
+    req = make_request()
+    fake_compute.inject_error("insert", "quota_operation", zone=ZONE_B)
+
+    with pytest.raises(QuotaExceeded):
+        provider.create(req)
+    assert fake_compute.instance(ZONE_B, req.name) is None
+
+    # The workflow's retry after its quota wait inserts afresh (no 409 adoption).
+    again = provider.create(req)
+    assert fake_compute.instance(ZONE_B, req.name) is not None
+    assert provider.get(again.provider_id).name == req.name
+    assert len(fake_compute.calls("insert")) == 2
+
+
+def test_list_by_tag_refuses_to_answer_for_part_of_the_project(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    provider.create(make_request("in-b", zone=ZONE_B))
+    provider.create(make_request("in-c", zone=ZONE_C))
+    fake_compute.set_zone_unreachable(ZONE_C, True)
+
+    with pytest.raises(Transient, match=f"zones/{ZONE_C}"):
+        provider.list_by_tag(INSTALLATION_KEY, INSTALLATION)
+
+    fake_compute.set_zone_unreachable(ZONE_C, False)
+    assert len(provider.list_by_tag(INSTALLATION_KEY, INSTALLATION)) == 2
+
+
+# -- finding an instance by name -------------------------------------------------
+
+
+def test_lookup_by_name_asks_each_candidate_zone(fake_compute: FakeCompute) -> None:
+    provider = make_provider(fake_compute, zones=[ZONE_C])
+    fake_compute.set_zone_unreachable(ZONE_US, True)  # no candidate: irrelevant here
+    req = make_request()
+
+    provider.create(req)
+
+    methods = [call.method for call in fake_compute.calls()]
+    before_insert = fake_compute.calls()[: methods.index("insert")]
+    assert [(c.method, c.zone) for c in before_insert if c.method != "firewall_get"] == [
+        ("firewall_insert", None),
+        ("global_operation_wait", None),
+        ("get", ZONE_B),
+        ("get", ZONE_C),
+    ]
+
+
+def left_in_fallback_zone(fake: FakeCompute, req: CreateRequest) -> None:
+    """Attempt 1 of `req` reaches fallback zone C, and its worker dies before reporting."""
+    fake.inject_error("insert", "stockout", zone=ZONE_B)
+    make_provider(fake, zones=[ZONE_C]).create(req)
+    assert fake.instance_keys() == {(ZONE_C, req.name)}
+
+
+def test_a_candidate_zone_that_cannot_answer_stops_the_create(fake_compute: FakeCompute) -> None:
+    """The VM may be in that zone: inserting elsewhere would make a second one."""
+    req = make_request()
+    left_in_fallback_zone(fake_compute, req)
+    fake_compute.set_zone_unreachable(ZONE_C, True)
+
+    with pytest.raises(Transient):
+        make_provider(fake_compute, zones=[ZONE_C]).create(req)
+
+    assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
+
+
+def test_a_zone_dropped_from_the_config_between_attempts_leaves_one_vm(
+    fake_compute: FakeCompute,
+) -> None:
+    req = make_request()
+    left_in_fallback_zone(fake_compute, req)
+    # Somebody else's VM of the same name elsewhere is never touched.
+    fake_compute.add_instance(ZONE_US, req.name, metadata={"proxy-operator-tags": "{}"})
+
+    # The retry runs on a worker whose config no longer lists zone C.
+    instance = make_provider(fake_compute, zones=[ZONE_D]).create(req)
+
+    assert instance.provider_id == f"{ZONE_B}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_B, req.name), (ZONE_US, req.name)}
+
+
+def test_a_twin_that_could_not_be_deleted_is_deleted_by_the_retry(
+    fake_compute: FakeCompute,
+) -> None:
+    req = make_request()
+    left_in_fallback_zone(fake_compute, req)
+    fake_compute.inject_error("delete", "unavailable", zone=ZONE_C)
+    with pytest.raises(Transient):
+        make_provider(fake_compute, zones=[ZONE_D]).create(req)
+
+    instance = make_provider(fake_compute, zones=[ZONE_D]).create(req)  # adopts B's VM
+
+    assert instance.provider_id == f"{ZONE_B}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_B, req.name)}
+
+
+# -- zone fallback ----------------------------------------------------------------
+
+
+def test_each_zone_gets_its_own_operation_budget(fake_compute: FakeCompute) -> None:
+    """A stockout reported late in one zone leaves the next zone a whole budget."""
+    provider = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, zones=[ZONE_C]),
+        INSTALLATION,
+        operation_timeout=8.0,
+        guest_attribute_interval=0,
+        **fake_compute.clients(),
+    )
+    provider.create(make_request("warm-up", zone=ZONE_D))  # firewall in place
+    # Together longer than one budget, each well within its own.
+    fake_compute.set_operation_seconds(5.0, zone=ZONE_B)
+    fake_compute.set_operation_seconds(5.0, zone=ZONE_C)
+    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
+    req = make_request()
+
+    instance = provider.create(req)
+
+    assert instance.provider_id == f"{ZONE_C}/{req.name}"
+
+
+def raw_config(providers: list[dict[str, Any]], cidrs: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "installation": INSTALLATION,
+        "proxy": {
+            "auth": {"password_env": "PW"},
+            "allowed_cidrs": list(CIDRS) if cidrs is None else cidrs,
+        },
+        "providers": providers,
+    }
+
+
+def gcp_entry(name: str = "gcp-eu", **settings: Any) -> dict[str, Any]:
+    return {"name": name, "type": "gcp", "gcp": {"project": DEFAULT_PROJECT, **settings}}
+
+
+def config_problems(raw: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, environ={"PW": PASSWORD})
+    return caught.value.problems
+
+
+SUBNET_EU = "regions/europe-west1/subnetworks/proxies"
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        (
+            {"zone": ZONE_B, "zones": [ZONE_C, ZONE_US], "subnetwork": SUBNET_EU},
+            f"providers[0].gcp: zones[1] '{ZONE_US}' is not in region 'europe-west1', "
+            f"the region of subnetwork '{SUBNET_EU}'",
+        ),
+        (
+            {"zone": ZONE_US, "subnetwork": f"projects/p/{SUBNET_EU}"},
+            f"providers[0].gcp: zone '{ZONE_US}' is not in region 'europe-west1'",
+        ),
+        (
+            {"zone": ZONE_B, "subnetwork": "proxies"},
+            "providers[0].gcp: subnetwork 'proxies' must name its region",
+        ),
+        ({"zone": "europe-west1"}, "providers[0].gcp.zone: string should match pattern"),
+        ({"zone": ZONE_B, "zones": ["B"]}, "providers[0].gcp.zones[0]: string should match"),
+        (
+            {"zone": ZONE_B, "zones": [ZONE_C, ZONE_D, "europe-west1-a", "europe-west1-e"]},
+            "providers[0].gcp.zones: list should have at most 3 items",
+        ),
+        (
+            {"zone": ZONE_B, "firewall_rule": "Proxies_EU"},
+            "providers[0].gcp.firewall_rule: string should match pattern",
+        ),
+    ],
+)
+def test_zones_are_checked_at_config_load(settings: dict[str, Any], problem: str) -> None:
+    problems = config_problems(raw_config([gcp_entry(**settings)]))
+
+    assert any(p.startswith(problem) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("zone", "problem"),
+    [
+        ("../global/firewalls/x", "is not a zone name"),
+        ("europe-west1-b/instances/x", "is not a zone name"),
+        ("EUROPE-WEST1-B", "is not a zone name"),
+        (ZONE_US, "is not in region 'europe-west1'"),
+    ],
+)
+def test_a_placement_zone_is_a_zone_of_the_subnetworks_region(
+    fake_compute: FakeCompute, zone: str, problem: str
+) -> None:
+    provider = make_provider(fake_compute, subnetwork=SUBNET_EU)
+
+    with pytest.raises(Permanent, match=re.escape(problem)) as caught:
+        provider.create(make_request(zone=zone))
+
+    assert "placement.zone" in str(caught.value)
+    assert fake_compute.calls() == []
+    settings = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, subnetwork=SUBNET_EU)
+    assert settings.placement_problems({"zone": ZONE_C}) == []
+
+
+def test_zones_in_the_subnetworks_region_load() -> None:
+    config = parse_config(
+        raw_config([gcp_entry(zone=ZONE_B, zones=[ZONE_C, ZONE_D], subnetwork=SUBNET_EU)]),
+        environ={"PW": PASSWORD},
+    )
+
+    assert config.provider("gcp-eu").settings == GcpConfig(
+        project=DEFAULT_PROJECT, zone=ZONE_B, zones=[ZONE_C, ZONE_D], subnetwork=SUBNET_EU
+    )
+
+
+# -- firewall rules: one address family, one network ---------------------------------
+
+
+def test_firewall_admits_the_ipv4_ranges_of_a_mixed_allowlist(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """A rule holds one family; the VMs have an IPv4 external address only."""
+    provider.create(make_request(cidrs=("192.0.2.0/24", "2001:db8::/32", "10.0.0.0/8")))
+
+    rule = fake_compute.firewall(FIREWALL)
+    assert rule is not None
+    assert rule["sourceRanges"] == ["10.0.0.0/8", "192.0.2.0/24"]
+
+
+def test_an_ipv6_only_allowlist_is_a_config_error_for_gcp_only() -> None:
+    problems = config_problems(raw_config([gcp_entry(zone=ZONE_B)], cidrs=["2001:db8::/32"]))
+    assert problems == [
+        "proxy.allowed_cidrs: no IPv4 range, but providers[0] (gcp-eu) is of type gcp, "
+        "whose VMs are reachable on an IPv4 external address only"
+    ]
+
+    local = {"name": "laptop", "type": "local"}
+    assert parse_config(raw_config([local], cidrs=["2001:db8::/32"]), environ={"PW": PASSWORD})
+
+
+def test_two_providers_on_different_networks_need_their_own_firewall_rules(
+    fake_compute: FakeCompute,
+) -> None:
+    eu = gcp_entry("gcp-eu", zone=ZONE_B)
+    proxies = gcp_entry("gcp-proxies", zone=ZONE_C, network="global/networks/proxies")
+    other_project = {**gcp_entry("gcp-other", zone=ZONE_C, network="global/networks/x")}
+    other_project["gcp"]["project"] = "another-project"
+
+    problems = config_problems(raw_config([eu, proxies, other_project]))
+
+    assert problems == [
+        "providers[1].gcp.network: 'global/networks/proxies' shares firewall rule "
+        f"'{FIREWALL}' in project '{DEFAULT_PROJECT}' as providers[0], which is on "
+        "'global/networks/default' (rule names are unique per project): set "
+        "gcp.firewall_rule to a name of its own"
+    ]
+
+    proxies["gcp"]["firewall_rule"] = "proxy-operator-prod-eu-proxies"
+    config = parse_config(raw_config([eu, proxies]), environ={"PW": PASSWORD})
+    for entry in config.providers:
+        settings = entry.settings
+        assert isinstance(settings, GcpConfig)
+        GcpProvider(settings, INSTALLATION, **fake_compute.clients()).create(make_request())
+    for name, network in [(FIREWALL, "default"), ("proxy-operator-prod-eu-proxies", "proxies")]:
+        rule = fake_compute.firewall(name)
+        assert rule is not None and rule["network"].endswith(f"/global/networks/{network}")
+
+
+def test_two_providers_sharing_a_rule_must_share_its_target_tag() -> None:
+    problems = config_problems(
+        raw_config(
+            [
+                gcp_entry("gcp-eu", zone=ZONE_B),
+                gcp_entry("gcp-tagged", zone=ZONE_C, network_tag="corp-proxies"),
+            ]
+        )
+    )
+
+    assert len(problems) == 1 and problems[0].startswith(
+        "providers[1].gcp.network_tag: 'corp-proxies' shares firewall rule"
+    )
+
+
+def test_a_rule_of_that_name_on_another_network_is_not_taken_over(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """Another worker's provider, configured elsewhere, owns the rule on its network."""
+    theirs = {
+        "name": FIREWALL,
+        "network": "global/networks/other",
+        "sourceRanges": ["198.51.100.0/24"],
+        "allowed": [{"IPProtocol": "tcp", "ports": ["3128"]}],
+        "targetTags": [FIREWALL],
+    }
+    fake_compute.put_firewall(theirs)
+
+    with pytest.raises(Permanent, match=re.escape("set gcp.firewall_rule")):
+        provider.create(make_request())
+
+    rule = fake_compute.firewall(FIREWALL)
+    assert rule is not None and rule["sourceRanges"] == ["198.51.100.0/24"]
+    assert fake_compute.calls("firewall_update") == []
+    assert fake_compute.calls("insert") == []
+
+
+# -- acting only on what is ours ------------------------------------------------------
+
+
+def test_delete_refuses_instances_that_are_not_this_installations(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    staging = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B), "staging", **fake_compute.clients()
+    )
+    theirs = staging.create(make_request("staging-proxy", installation="staging"))
+    # Labels can be copied; the exact tags in metadata are what counts.
+    fake_compute.add_instance(ZONE_B, "hand-made", labels={"managed-by": "proxy-operator"})
+
+    for provider_id in (theirs.provider_id, f"{ZONE_B}/hand-made"):
+        with pytest.raises(Permanent, match="not managed by this installation"):
+            provider.delete(provider_id)
+
+    assert fake_compute.instance_keys() == {(ZONE_B, theirs.name), (ZONE_B, "hand-made")}
+    assert fake_compute.calls("delete") == []
+
+
+@pytest.mark.parametrize(
+    ("tags", "named"),
+    [
+        ({}, MANAGED_BY_KEY),
+        (owner_tags("staging", "proxy-eu-1", 1), INSTALLATION_KEY),
+        (owner_tags(INSTALLATION, "someone-else", 1), OWNER_KEY),
+        (owner_tags(INSTALLATION, "proxy-eu-1", 2), GENERATION_KEY),
+        (owner_tags(INSTALLATION, "proxy-eu-1", 1, namespace="staging"), NAMESPACE_KEY),
+    ],
+)
+@pytest.mark.parametrize("zones", [[], [ZONE_C]])
+def test_create_never_adopts_an_instance_it_did_not_make(
+    fake_compute: FakeCompute, tags: dict[str, str], named: str, zones: list[str]
+) -> None:
+    """Same name, other tags: another installation's, another owner's, or hand-made."""
+    req = make_request("proxy-eu-1", namespace="default")
+    fake_compute.add_instance(
+        ZONE_B, req.name, metadata={"proxy-operator-tags": json.dumps(tags)}, nat_ip="192.0.2.9"
+    )
+
+    with pytest.raises(Permanent, match="not this proxy's") as caught:
+        make_provider(fake_compute, zones=zones).create(req)
+
+    assert named in str(caught.value)
+    assert fake_compute.instance_keys() == {(ZONE_B, req.name)}

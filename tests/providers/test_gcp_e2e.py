@@ -1,8 +1,10 @@
 """Opt-in: GcpProvider against a real GCP project. Costs a few cents per run.
 
-Creates one e2-micro proxy VM, waits until it is RUNNING, tunnels an HTTPS
-request through it, deletes it, and removes the firewall rule it made. Skipped
-unless these are set (see docs/providers.md, "GCP"):
+Creates one e2-micro proxy VM, waits until `get` says RUNNING, which must mean
+its startup script has reported Squid ready (so a probe passes at once), checks
+that its boot disk carries its labels, tunnels an HTTPS request through it,
+deletes it, and removes the firewall rule it made. Skipped unless these are
+set (see docs/providers.md, "GCP"):
 
     PROXY_OPERATOR_E2E_GCP_PROJECT      project to create the VM in
     PROXY_OPERATOR_E2E_GCP_ZONE         e.g. europe-west1-b
@@ -30,10 +32,10 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
 from activities.probe import ProbeResult, probe_connect
-from providers.base import CreateRequest, InstanceState
+from providers.base import CreateRequest, Instance, InstanceState
 from providers.config import parse_config
 from providers.errors import NotFound
-from providers.gcp import GcpProvider, firewall_name
+from providers.gcp import GcpProvider, firewall_name, labels
 from providers.naming import INSTALLATION_KEY, instance_name, owner_tags
 
 T = TypeVar("T")
@@ -104,17 +106,27 @@ def test_proxy_vm_lifecycle_on_a_real_project(monkeypatch: pytest.MonkeyPatch) -
         created = provider.create(req)
         assert created.provider_id == provider_id
 
+        # The VM boots in seconds; its startup script then installs Squid,
+        # which takes minutes on an e2-micro. `get` stays PROVISIONING
+        # meanwhile (or ends TERMINATED with the script's reason).
+        seen: list[Instance] = []
+
+        def fetch() -> Instance:
+            seen.append(provider.get(provider_id))
+            return seen[-1]
+
         running = until(
-            lambda: provider.get(provider_id),
-            lambda i: i.state is InstanceState.RUNNING,
-            timeout=300,
-            every=5,
+            fetch, lambda i: i.state is not InstanceState.PROVISIONING, timeout=900, every=10
         )
         assert running.state is InstanceState.RUNNING, running
         assert running.ip and running.tags == req.tags
+        assert any("startup script" in i.reason for i in seen), seen
         assert req.name in {i.name for i in provider.list_by_tag(INSTALLATION_KEY, installation)}
 
-        # The startup script installs Squid after boot: allow it a few minutes.
+        disk = compute_v1.DisksClient().get(project=PROJECT, zone=ZONE, disk=req.name)
+        assert dict(disk.labels) == labels(req.tags)
+
+        # RUNNING means Squid answers: the first probes pass, no boot to wait out.
         def probe() -> ProbeResult:
             return asyncio.run(
                 probe_connect(
@@ -122,7 +134,7 @@ def test_proxy_vm_lifecycle_on_a_real_project(monkeypatch: pytest.MonkeyPatch) -
                 )
             )
 
-        result = until(probe, lambda r: r.ok, timeout=600, every=10)
+        result = until(probe, lambda r: r.ok, timeout=60, every=5)
         assert result.ok, result
     finally:
         provider.delete(provider_id)

@@ -26,8 +26,11 @@ from activities.probe import probe_connect
 from contract import QUOTA_RETRY_DELAY
 from providers.config import Config
 from providers.gcp import (
+    PORT_METADATA_KEY,
     SQUID_CONF,
+    STARTUP_READY,
     STARTUP_SCRIPT_KEY,
+    STARTUP_STATE_ATTRIBUTE,
     GcpConfig,
     GcpProvider,
     firewall_name,
@@ -35,7 +38,12 @@ from providers.gcp import (
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
 from tests.helpers.config import INSTALLATION, USERNAME, lifecycle_instance_name, proxy_config
 from tests.helpers.network import free_port
-from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_files
+from tests.helpers.squid_upstream import (
+    LocalSquid,
+    SquidUpstreams,
+    requires_squid,
+    script_files,
+)
 from tests.helpers.stacks import ProviderStack, StackFactory
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.tls_origin import TlsOrigin
@@ -69,7 +77,7 @@ def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
     config = gcp_config(tls_origin.port)
     settings = config.provider(PROVIDER).settings
     assert isinstance(settings, GcpConfig)
-    return GcpProvider(settings, config.installation, **fake.clients())
+    return GcpProvider(settings, config.installation, guest_attribute_interval=0, **fake.clients())
 
 
 @pytest.fixture
@@ -95,9 +103,53 @@ async def monitor_finished(handle: WorkflowHandle[Any, Any]) -> bool:
     return all(activity.activity_type.name != "monitor" for activity in pending)
 
 
+def instance_metadata(instance: dict[str, Any]) -> dict[str, str]:
+    return {item["key"]: item["value"] for item in instance["metadata"]["items"]}
+
+
 def startup_script(instance: dict[str, Any]) -> str:
-    items = {item["key"]: item["value"] for item in instance["metadata"]["items"]}
-    return str(items[STARTUP_SCRIPT_KEY])
+    return instance_metadata(instance)[STARTUP_SCRIPT_KEY]
+
+
+async def serve(
+    fake: FakeCompute, squid_upstreams: SquidUpstreams, handle: WorkflowHandle[Any, Any], name: str
+) -> LocalSquid:
+    """Play the VM's startup script: run Squid from the files it writes, then report ready."""
+    instance = fake.instance(ZONE, name)
+    assert instance is not None and instance["status"] == "RUNNING"
+    files = script_files(startup_script(instance))
+    squid_conf = files.pop(SQUID_CONF)
+    port = int(instance_metadata(instance)[PORT_METADATA_KEY])
+    squid = await squid_upstreams.start(squid_conf, files, port=port)
+    # The VM has been RUNNING all along; only now does its startup script
+    # report Squid ready, and only now may the workflow probe it.
+    assert (await status_of(handle)).state in ("Provisioning", "Replacing")
+    fake.guest_write(ZONE, name, STARTUP_STATE_ATTRIBUTE, STARTUP_READY)
+    return squid
+
+
+async def terminate(
+    handle: WorkflowHandle[Any, Any], fake: FakeCompute, name: str, squid: LocalSquid
+) -> dict[str, Any]:
+    """Terminate a Ready proxy without leaving an activity behind the workflow.
+
+    Deleting a VM takes a while, and its Squid stops meanwhile. Holding the
+    delete operation until the monitor has seen that keeps any activity from
+    outliving the workflow: on the test server such an activity would hold a
+    time-skipping lock for good (tests/helpers/time_skipping.py).
+    """
+    fake.set_operations_paused(True)
+    await handle.signal("terminate", {"reason": "test done"})
+    await wait_for(lambda: vm_status(fake, name) == "STOPPING", "the VM to be stopping")
+    await squid.terminate()
+    await wait_for(lambda: monitor_finished(handle), "the monitor to see the VM go")
+    fake.set_operations_paused(False)
+    result: dict[str, Any] = await handle.result()
+    assert (result["state"], result["reason"]) == ("Terminated", "test done")
+    assert fake.instance_keys() == set()
+    final = await status_of(handle)
+    assert (final.state, final.endpoint) == ("Terminated", "")
+    return result
 
 
 async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
@@ -122,12 +174,8 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     assert timedelta(minutes=2) < skipped <= QUOTA_RETRY_DELAY  # the long wait, not a retry
 
     await wait_for(lambda: len(fake.calls("insert")) == 2, "the insert retried after the wait")
-    await wait_for(lambda: fake.instance(ZONE, name) is not None, f"instance {name}")
-    instance = fake.instance(ZONE, name)
-    assert instance is not None and instance["status"] == "RUNNING"
-    files = script_files(startup_script(instance))
-    squid_conf = files.pop(SQUID_CONF)
-    squid = await squid_upstreams.start(squid_conf, files, port=port)
+    await wait_for(lambda: vm_status(fake, name) == "RUNNING", f"instance {name}")
+    squid = await serve(fake, squid_upstreams, handle, name)
 
     status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
     assert status.waiting_for is None
@@ -146,21 +194,54 @@ async def test_quota_error_waits_for_quota_then_the_vm_serves_until_terminated(
     rule = fake.firewall(firewall_name(INSTALLATION))
     assert rule is not None and rule["allowed"] == [{"IPProtocol": "tcp", "ports": [str(port)]}]
 
-    # Deleting a VM takes a while, and its Squid stops meanwhile. Holding the
-    # delete operation until the monitor has seen that keeps any activity from
-    # outliving the workflow: on the test server such an activity would hold a
-    # time-skipping lock for good (tests/helpers/time_skipping.py).
-    fake.set_operations_paused(True)
-    await handle.signal("terminate", {"reason": "test done"})
-    await wait_for(lambda: vm_status(fake, name) == "STOPPING", "the VM to be stopping")
-    await squid.terminate()
-    await wait_for(lambda: monitor_finished(handle), "the monitor to see the VM go")
-    fake.set_operations_paused(False)
-    result = await handle.result()
-
-    assert (result["state"], result["reason"]) == ("Terminated", "test done")
-    assert fake.instance(ZONE, name) is None
+    await terminate(handle, fake, name, squid)
     assert [call.path.rsplit("/", 1)[-1] for call in fake.calls("delete")] == [name]
-    assert fake.instance_keys() == set()
-    final = await status_of(handle)
-    assert (final.state, final.endpoint) == ("Terminated", "")
+
+
+async def test_a_rate_limit_waits_about_a_minute(
+    stack: ProviderStack, fake: FakeCompute, squid_upstreams: SquidUpstreams
+) -> None:
+    """API rate quotas refill per minute: no three-minute quota wait for them."""
+    fake.inject_error("insert", "rate_limit", zone=ZONE)
+    handle = await stack.start(PROVIDER, port=free_port())
+    name = lifecycle_instance_name(handle.id, 0)
+    await wait_status(
+        handle, lambda s: "Rate Limit Exceeded" in (s.waiting_for or ""), "the rate-limit wait"
+    )
+
+    skipped = await skip_past_pending_timer(stack.env, handle)
+
+    assert timedelta(seconds=30) < skipped <= timedelta(seconds=60)
+    await wait_for(lambda: vm_status(fake, name) == "RUNNING", f"instance {name}")
+    squid = await serve(fake, squid_upstreams, handle, name)
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    await terminate(handle, fake, name, squid)
+
+
+async def test_a_vm_whose_startup_fails_is_replaced_and_the_reason_shown(
+    stack: ProviderStack, fake: FakeCompute, squid_upstreams: SquidUpstreams
+) -> None:
+    handle = await stack.start(PROVIDER, port=free_port())
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
+    await wait_for(lambda: vm_status(fake, first) == "RUNNING", f"{first} running")
+
+    # The VM runs, but its startup script could not install Squid.
+    fake.guest_write(
+        ZONE,
+        first,
+        STARTUP_STATE_ATTRIBUTE,
+        "failed: apt-get could not install squid in 5 attempts",
+    )
+
+    status = await wait_status(
+        handle,
+        lambda s: "apt-get could not install squid" in (s.last_error or ""),
+        "the startup failure in status",
+    )
+    assert status.state in ("Provisioning", "Replacing")
+    await wait_for(lambda: vm_status(fake, second) == "RUNNING", f"the replacement {second}")
+    await wait_for(lambda: fake.instance(ZONE, first) is None, f"{first} deleted")
+
+    squid = await serve(fake, squid_upstreams, handle, second)
+    await wait_status(handle, lambda s: s.state == "Ready", "the replacement Ready")
+    await terminate(handle, fake, second, squid)

@@ -41,13 +41,14 @@ PASSWORD = "kubernetes-workflow-password"
 POD_IP = "127.0.0.1"
 
 
-def cluster_config(origin_port: int) -> Config:
+def cluster_config(origin_port: int, **settings: Any) -> Config:
+    """The worker's config: one Kubernetes provider, `settings` added to its own."""
     return proxy_config(
         origin_port,
         {
             "name": PROVIDER,
             "type": "kubernetes",
-            "kubernetes": {"namespace": NAMESPACE, "request_timeout_seconds": 5},
+            "kubernetes": {"namespace": NAMESPACE, "request_timeout_seconds": 5, **settings},
         },
         password=PASSWORD,
     )
@@ -276,4 +277,33 @@ async def test_a_pod_pending_past_the_wait_running_deadline_is_replaced_with_the
     assert f"{first} not running after 1s (PROVISIONING" in (replacing.last_error or "")
     await handle.signal("terminate")
     await handle.result()
+    assert leftover_pods(provider) == []
+
+
+async def test_a_create_into_a_namespace_that_does_not_exist_fails_at_once_saying_so(
+    fake: FakeKubernetes,
+    provider_stack_on: StackFactory,
+    temporal_env: WorkflowEnvironment,
+    tls_origin: TlsOrigin,
+) -> None:
+    """Allowed by the config, missing in the cluster: Permanent, not a retried NotFound."""
+    config = cluster_config(tls_origin.port, allowed_namespaces=[NAMESPACE, "not-created-yet"])
+    settings = config.provider(PROVIDER).settings
+    assert isinstance(settings, KubernetesConfig)
+    configuration = fake.configuration()
+    configuration.retries = 0
+    provider = KubernetesProvider(
+        settings, kubernetes.client.ApiClient(configuration), INSTALLATION
+    )
+    stack = await provider_stack_on(temporal_env, {PROVIDER: provider}, config)
+    handle = await stack.start(PROVIDER, placement={"namespace": "not-created-yet"})
+
+    with pytest.raises(WorkflowFailureError) as failure:
+        await handle.result()
+
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "Permanent"
+    assert "namespace 'not-created-yet' does not exist" in cause.message
+    status = await status_of(handle)
+    assert status.state == "Failed" and status.waiting_for is None
     assert leftover_pods(provider) == []

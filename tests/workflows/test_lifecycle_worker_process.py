@@ -32,9 +32,8 @@ from tests.workflows.test_lifecycle_kubernetes import NAMESPACE, PROVIDER, Kubel
 
 pytestmark = pytest.mark.slow
 
-StartWorker = Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]
-
 INSTALLATION = "worker-log-test"
+StartWorker = Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]
 
 # What a clean end never leaves in the worker's log: the SDK Core's warning
 # for an activity completing after its workflow closed, the SDK's warning for
@@ -105,10 +104,11 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
 
     # A max-lifetime rotation, then a terminate while the new instance is monitored.
     rotated = await start_proxy(client, task_queue, "local", origin_port, max_lifetime_seconds=10)
+    first = await wait_status(rotated, lambda s: s.state == "Ready", "Ready")
     await wait_status(
         rotated, lambda s: s.state == "Ready" and s.generation == 1, "a rotation", deadline=120
     )
-    await wait_for(lambda: len(list(state_dir.iterdir())) == 1, "the old instance deleted")
+    await wait_for(lambda: not (state_dir / first.instance).exists(), "the old instance deleted")
     await rotated.signal("terminate", {"reason": "log test"})
     assert (await rotated.result())["state"] == "Terminated"
     assert await pending_activities(rotated) == []
@@ -121,14 +121,10 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
         await cancelled.result()
     assert await pending_activities(cancelled) == []
 
-    # A terminate while the first probe is still failing: the target refuses.
-    refused = await start_proxy(
-        client,
-        task_queue,
-        "local",
-        origin_port,
-        health={"target": f"https://127.0.0.1:{free_port()}/"},
-    )
+    # A terminate while the first probe is still failing: nothing listens on
+    # 127.0.0.2, so Squid answers every CONNECT with an error.
+    unreachable = {"target": f"https://127.0.0.2:{origin_port}/", "interval_seconds": 1}
+    refused = await start_proxy(client, task_queue, "local", origin_port, health=unreachable)
     await wait_status(refused, lambda s: s.last_probe is not None, "a failed first probe")
     await refused.signal("terminate")
     await refused.result()
@@ -140,7 +136,7 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
     assert "worker on task queue" in log
     noisy = [line for line in log.splitlines() if any(word in line for word in NOISE)]
     assert noisy == [], "\n".join(noisy)
-    assert await asyncio.to_thread(lambda: list(state_dir.iterdir())) == []
+    assert await asyncio.to_thread(lambda: [p for p in state_dir.iterdir() if p.is_dir()]) == []
 
 
 @requires_squid
@@ -192,8 +188,9 @@ async def test_a_worker_killed_mid_create_is_replaced_by_a_retry_that_adopts_the
         await kubelet.run_pod(name)
         ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready", deadline=120)
         assert (ready.instance, ready.generation, ready.replacements) == (name, 0, 0)
-        second_name = lifecycle_instance_name(handle.id, 1, installation=INSTALLATION)
-        assert kubelet.pod(second_name) is None, "a second pod was made"
+        assert (
+            kubelet.pod(lifecycle_instance_name(handle.id, 1, installation=INSTALLATION)) is None
+        ), "a second pod was made"
         attempts = [
             event.activity_task_started_event_attributes.attempt
             async for event in handle.fetch_history_events()

@@ -1,0 +1,236 @@
+"""Every `temporal` command in README.md and docs/operations.md, run as a reader runs it.
+
+The commands come out of the Markdown (tests/docs/markdown.py says how), so a
+doc change that breaks one fails here. They run in document order, in bash,
+against a dev server of this module's own, with the real worker
+(`worker.py --no-orphan-gc-schedule`, as the schedule section assumes) and
+real local Squids. A workspace stands in for the repository: `.venv/bin/temporal`
+is the pip CLI and `.data/proxy-password` the proxy password.
+
+Nothing may leave this machine, so the one substitution made to the text is
+the docs' health target and test URL, https://example.com: it becomes a local
+TLS origin, which the worker's probes and curl trust through SSL_CERT_FILE
+and CURL_CA_BUNDLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError
+
+from tests.docs.markdown import Example, console_commands, examples
+from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
+from tests.helpers.network import free_port
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import BIN, TEMPORAL_CLI, start_dev_server
+from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import wait_for, wait_status
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "docs/operations.md")
+DOCS_TARGET = "https://example.com"
+COMMAND_TIMEOUT = 120
+TASK_QUEUE = "proxy-operator"
+# A URL's host; not the user of `http://user:$(cat password-file)@$ENDPOINT`.
+URL_HOST = re.compile(r"\bhttps?://([A-Za-z0-9.-]+)\b(?!:\$\()")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
+
+
+@dataclass
+class Reader:
+    """Where the commands run: a workspace, a shell environment, a client to check on them."""
+
+    workspace: Path
+    env: dict[str, str]
+    client: Client
+    origin: TlsOrigin
+
+    @property
+    def target(self) -> str:
+        return f"https://{self.origin.host}:{self.origin.port}"
+
+    async def run(self, script: str) -> subprocess.CompletedProcess[str]:
+        script = script.replace(DOCS_TARGET, self.target)
+        # A new URL in the docs must not send the suite onto the internet.
+        beyond = [host for host in URL_HOST.findall(script) if host not in LOOPBACK_HOSTS]
+        assert not beyond, f"a docs command reaches beyond loopback: {beyond}"
+        return await asyncio.to_thread(
+            subprocess.run,
+            ["bash", "-e", "-o", "pipefail", "-c", script],
+            cwd=self.workspace,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+
+    async def wait_state(self, workflow_id: str, state: str) -> None:
+        handle = self.client.get_workflow_handle(workflow_id)
+        await wait_status(handle, lambda s: s.state == state, f"{workflow_id} {state}")
+
+    async def fresh_proxy(self, workflow_id: str) -> None:
+        """`workflow_id` running and Ready, started now unless a run already is."""
+        handle = self.client.get_workflow_handle(workflow_id)
+        try:
+            running = (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        except RPCError:
+            running = False
+        if not running:
+            await self.client.start_workflow(
+                "ProxyLifecycle",
+                {"provider": "local", "health": {"target": self.target}},
+                id=workflow_id,
+                task_queue=TASK_QUEUE,
+            )
+        await self.wait_state(workflow_id, "Ready")
+
+    async def wait_closed(self, workflow_id: str) -> None:
+        handle = self.client.get_workflow_handle(workflow_id)
+
+        async def closed() -> bool:
+            return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+
+        await wait_for(closed, f"{workflow_id} to end")
+
+
+def _worker(config: Path, address: str, ca_file: Path, metrics: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "worker.py", "--providers-config", str(config), "--no-orphan-gc-schedule"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            PASSWORD_ENV: PASSWORD,
+            "TEMPORAL_ADDRESS": address,
+            "PROXY_OPERATOR_METRICS_ADDRESS": metrics,
+            "SSL_CERT_FILE": str(ca_file),
+        },
+    )
+
+
+def _polling(worker: subprocess.Popen[bytes], metrics: str) -> bool:
+    assert worker.poll() is None, f"the worker exited with {worker.returncode}"
+    try:
+        with urllib.request.urlopen(f"http://{metrics}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def state_dir_for_docs() -> Iterator[Path]:
+    with local_state_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+async def reader(
+    tls_origin: TlsOrigin, state_dir_for_docs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Reader]:
+    # `proxies` is the namespace the search-attribute commands name.
+    env = await start_dev_server("--namespace", "proxies")
+    address = env.client.service_client.config.target_host
+    home = tmp_path_factory.mktemp("docs")
+    ca_file = home / "ca.pem"
+    tls_origin.ca.cert_pem.write_to_path(str(ca_file))
+    config = home / "providers.yaml"
+    raw = raw_config(local_entry(state_dir_for_docs), connect_ports=[tls_origin.port])
+    config.write_text(yaml.safe_dump(raw))
+    workspace = home / "workspace"
+    (workspace / ".venv" / "bin").mkdir(parents=True)
+    (workspace / ".venv" / "bin" / "temporal").symlink_to(TEMPORAL_CLI)
+    (workspace / ".data").mkdir()
+    (workspace / ".data" / "proxy-password").write_text(PASSWORD + "\n")
+    shell_env = {
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "TEMPORAL_ADDRESS": address,
+        "CURL_CA_BUNDLE": str(ca_file),
+    }
+    metrics = f"127.0.0.1:{free_port()}"
+    worker = _worker(config, address, ca_file, metrics)
+    try:
+        await wait_for(lambda: _polling(worker, metrics), "the worker to poll its task queue")
+        yield Reader(workspace, shell_env, env.client, tls_origin)
+    finally:
+        worker.terminate()
+        try:
+            await asyncio.to_thread(worker.wait, 60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            await asyncio.to_thread(worker.wait)
+        await env.shutdown()
+
+
+def _each_command(example: Example, workflow_id: str) -> list[str]:
+    return [
+        re.sub(r"(?<=\s)\.\.\.(?=\s)", f"--workflow-id {workflow_id}", command)
+        for command in example.text.splitlines()
+    ]
+
+
+async def _failure(reader: Reader, example: Example) -> str | None:
+    """Run one example; what went wrong, or None."""
+    if example.directive("skip") is not None:
+        return None
+    if wait := example.directive("wait"):
+        await reader.wait_state(*wait)
+    if example.kind == "sh":
+        run = await reader.run(example.text)
+        if run.returncode != 0:
+            return f"exit {run.returncode}:\n{example.text}{run.stdout}{run.stderr}"
+    elif example.kind == "console":
+        for command, expected in console_commands(example.text):
+            run = await reader.run(command)
+            missing = _missing_in_order(expected, run.stdout + run.stderr)
+            if missing:
+                return f"$ {command}\nprinted:\n{run.stdout}{run.stderr}\nnot shown: {missing!r}"
+    else:
+        (workflow_id,) = example.directive("each-on-fresh") or [""]
+        for command in _each_command(example, workflow_id):
+            await reader.fresh_proxy(workflow_id)
+            run = await reader.run(command)
+            if run.returncode != 0:
+                return f"exit {run.returncode}: {command}\n{run.stdout}{run.stderr}"
+            await reader.wait_closed(workflow_id)
+    return None
+
+
+def _missing_in_order(expected: list[str], printed: str) -> str | None:
+    """The first expected line not printed after the previous one (whitespace-insensitive)."""
+    lines = [" ".join(line.split()) for line in printed.splitlines()]
+    at = 0
+    for want in expected:
+        want = " ".join(want.split())
+        while at < len(lines) and lines[at] != want:
+            at += 1
+        if at == len(lines):
+            return want
+        at += 1
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS)
+async def test_every_temporal_command_in_the_doc_works(reader: Reader, doc: str) -> None:
+    found = examples(ROOT / doc, ROOT)
+    assert found, f"no temporal commands found in {doc}: has the Markdown convention changed?"
+    failures = []
+    for example in found:
+        failure = await _failure(reader, example)
+        if failure is not None:
+            failures.append(f"--- {example.source}\n{failure}")
+    assert not failures, "\n".join(failures)
