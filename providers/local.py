@@ -21,7 +21,7 @@ Squid started as root drops to the `proxy` user, so the directories are
 shared with that user's group.
 
 Only instances whose tags say they belong to this installation are deleted,
-and only the one a request's owner and generation made is adopted.
+and only the one a request's owner, generation and namespace made is adopted.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.naming import GENERATION_KEY, OWNER_KEY, ownership_mismatch
+from providers.naming import GENERATION_KEY, NAMESPACE_KEY, OWNER_KEY, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
 
 
@@ -243,7 +243,7 @@ class LocalProvider:
             directory = self._dir(name)
             if not directory.exists() or _vacated(directory):
                 return
-            mismatch = ownership_mismatch(_tags_if_any(directory), self._installation)
+            mismatch = ownership_mismatch(_read_tags(directory), self._installation)
             if mismatch:
                 raise Permanent(f"delete {provider_id}: refused, {mismatch}")
             # A create of the same name may restart Squid while it is being
@@ -327,18 +327,20 @@ class LocalProvider:
         """The record of `req.name` if it exists and is this request's; the caller holds the lock.
 
         A directory of that name with other tags (another installation
-        sharing the state_dir, another owner or generation, one made by
-        hand) is Permanent: it is never adopted, restarted or overwritten.
+        sharing the state_dir, another owner, generation or Temporal
+        namespace, one made by hand) is Permanent: it is never adopted,
+        restarted or overwritten.
         """
         directory = self._dir(req.name)
         if not directory.exists() or _vacated(directory):
             return None
         generation = req.tags.get(GENERATION_KEY, "")
         mismatch = ownership_mismatch(
-            _tags_if_any(directory),
+            _read_tags(directory),
             self._installation,
             owner_id=req.tags.get(OWNER_KEY, ""),
             generation=int(generation) if generation.isdigit() else -1,
+            namespace=req.tags.get(NAMESPACE_KEY),
         )
         if mismatch:
             raise Permanent(
@@ -418,7 +420,8 @@ class LocalProvider:
         if account is not None:
             _check_traversable(self._state_dir, *account)
             group = account[1]
-        if previous is None and not directory.exists():
+        fresh = previous is None and not directory.exists()
+        if fresh:
             self._make_dir(name, req.tags, group)
 
         port = self._allocate_port(name, previous.port if previous else None)
@@ -444,8 +447,10 @@ class LocalProvider:
         _check_config(binary, conf)
 
         # Helpers of a Squid that was killed may still be exiting; once none
-        # runs, segments it left would only make the new one fail.
-        self._stop(name, None)
+        # runs, segments it left would only make the new one fail. Nothing
+        # can run from a directory made just now.
+        if not fresh:
+            self._stop(name, None)
         service = service_name(name)
         _remove_shm(service)
         created_at = previous.created_at if previous else datetime.now(UTC)
@@ -714,8 +719,18 @@ def _write(path: Path, text: str, mode: int = 0o644, group: int | None = None) -
 
 
 def _read_tags(directory: Path) -> dict[str, str]:
-    tags: dict[str, str] = json.loads((directory / TAGS_FILE).read_text())
-    return tags
+    """The directory's tags; none at all for one this provider never made (or a mangled file).
+
+    Never raises for its content: one odd directory must not make listing,
+    and so orphan GC, fail for every instance.
+    """
+    try:
+        tags = json.loads((directory / TAGS_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(tags, dict):
+        return {}
+    return {k: v for k, v in tags.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _vacated(directory: Path) -> bool:
@@ -729,14 +744,6 @@ def _vacated(directory: Path) -> bool:
             return True
         raise
     return True
-
-
-def _tags_if_any(directory: Path) -> dict[str, str]:
-    """The directory's tags; none at all for one this provider never made."""
-    try:
-        return _read_tags(directory)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def _check_config(binary: str, conf: Path) -> None:

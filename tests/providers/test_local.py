@@ -42,7 +42,7 @@ from providers.local import (
     LocalProvider,
     service_name,
 )
-from providers.naming import owner_tags
+from providers.naming import NAMESPACE_KEY, owner_tags
 from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.tls_origin import TlsOrigin
@@ -146,7 +146,7 @@ def squid_pid(state_dir: Path, name: str) -> int:
 def live_processes_naming(path: Path) -> list[str]:
     """`ps` lines of live (non-zombie) processes whose arguments mention `path`."""
     out = subprocess.run(
-        ["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True
+        ["ps", "-ww", "-eo", "stat=,args="], capture_output=True, text=True, check=True
     ).stdout
     return [line for line in out.splitlines() if f"{path}/" in line and not line.startswith("Z")]
 
@@ -528,16 +528,18 @@ def test_instances_of_another_installation_are_never_deleted_or_adopted(
     staging_tags = owner_tags("staging", OWNER, 0)
     with pytest.raises(Permanent, match="not this proxy's"):
         staging.create(request("proxy-shared-name", tls_origin, tags=staging_tags))
-    # Another owner or generation of this installation cannot take it over either.
-    for owner, generation in (("proxy-someone-else", 0), (OWNER, 1)):
-        with pytest.raises(Permanent, match=r"(owner|generation)=.* \(expected"):
-            ours.create(
-                request(
-                    "proxy-shared-name",
-                    tls_origin,
-                    tags=owner_tags(INSTALLATION, owner, generation),
-                )
-            )
+    # Another owner, generation or namespace of this installation cannot take it over either.
+    ours_tagged = request("proxy-shared-name", tls_origin, tags=TAGS | {NAMESPACE_KEY: "prod"})
+    wrong_namespace = request("proxy-shared-name", tls_origin, tags=TAGS | {NAMESPACE_KEY: "dev"})
+    (state_dir / "proxy-shared-name" / TAGS_FILE).write_text(json.dumps(ours_tagged.tags))
+    for other in [
+        request("proxy-shared-name", tls_origin, tags=owner_tags(INSTALLATION, "proxy-x", 0)),
+        request("proxy-shared-name", tls_origin, tags=owner_tags(INSTALLATION, OWNER, 1)),
+        wrong_namespace,
+    ]:
+        with pytest.raises(Permanent, match=r"(owner|generation|namespace)=.* \(expected"):
+            ours.create(other)
+    assert ours.create(ours_tagged).provider_id == created.provider_id
     # A request that this installation could never find again is refused at once.
     with pytest.raises(Permanent, match="request's tags"):
         ours.create(request("proxy-foreign", tls_origin, tags=staging_tags))
@@ -545,7 +547,7 @@ def test_instances_of_another_installation_are_never_deleted_or_adopted(
 
     assert squid_pid(state_dir, "proxy-shared-name") == pid
     assert ours.get(created.provider_id).state is InstanceState.RUNNING
-    assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == TAGS
+    assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == ours_tagged.tags
     ours.delete(created.provider_id)
     assert_removed(state_dir / "proxy-shared-name")
 
@@ -557,6 +559,13 @@ def test_a_directory_made_by_hand_is_not_deleted(state_dir: Path) -> None:
     with pytest.raises(Permanent, match="managed-by=None"):
         provider_for(state_dir).delete("local/proxy-by-hand")
     assert (hand_made / "notes.txt").read_text() == "mine"
+    # Mangled tags are no tags: refused, and no reason for listing to fail.
+    for mangled, content in (("proxy-truncated", '{"managed-by": "pro'), ("proxy-list", "[1]")):
+        (state_dir / mangled).mkdir()
+        (state_dir / mangled / TAGS_FILE).write_text(content)
+        with pytest.raises(Permanent, match="managed-by=None"):
+            provider_for(state_dir).delete(f"local/{mangled}")
+    assert provider_for(state_dir).list_by_tag("managed-by", "proxy-operator") == []
     # What a removal interrupted before its rmdir leaves is just finished off.
     (hand_made / "notes.txt").unlink()
     provider_for(state_dir).delete("local/proxy-by-hand")
@@ -599,8 +608,13 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     assert record["pid"] is None, "the kill did not land between launch and record"
     conf = state_dir / "proxy-window" / CONF_FILE
 
-    def squids() -> list[str]:
-        return [line for line in live_processes_naming(state_dir) if f"-f {conf}" in line]
+    def squids() -> list[int]:
+        """Pids of live Squids running this instance's config (ps's state column varies)."""
+        out = subprocess.run(  # -ww: whole command lines, whatever COLUMNS says
+            ["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True
+        ).stdout
+        rows = [line.split(None, 2) for line in out.splitlines()]
+        return [int(pid) for pid, stat, args in rows if f"-f {conf} " in args and stat[0] != "Z"]
 
     provider = provider_for(state_dir)  # the retry, in the next worker
     found = wait_for_state(provider, "local/proxy-window", InstanceState.RUNNING)
@@ -613,8 +627,7 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     assert retried.port == record["port"]
     assert squids() == [squid]  # adopted, not started again
     assert shm_segments("proxy-window") == segments  # its shared memory kept
-    recorded = squid_pid(state_dir, "proxy-window")
-    assert str(conf) in Path(f"/proc/{recorded}/cmdline").read_bytes().decode()
+    assert squid_pid(state_dir, "proxy-window") == squid  # recorded now
     assert raw_status(retried.ip or "127.0.0.1", retried.port, connect_head(tls_origin)) == 200
     provider.delete(retried.provider_id)
     assert_removed(state_dir / "proxy-window")

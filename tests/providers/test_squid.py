@@ -304,7 +304,8 @@ async def start_squid() -> AsyncIterator[StartSquid]:
 SQUID_SETTINGS = ProxySettings(
     port=3128,
     username="proxy",
-    password="right-password-of-24-chr",
+    # What the helper protocol escapes (space, %, +) and what it could split on.
+    password="right pass:wörd%20+of-24",
     allowed_cidrs=("127.0.0.0/8",),
     allowed_connect_ports=(443, 8443),
 )
