@@ -41,7 +41,7 @@ from contract import ErrorType
 from providers.base import CreateRequest, Instance, InstanceState, Provider
 from providers.catalog import provider_type
 from providers.config import Config
-from providers.errors import classify
+from providers.errors import Permanent, classify
 from providers.naming import instance_name, owner_tags
 
 T = TypeVar("T")
@@ -157,12 +157,12 @@ class ProviderActivities:
         """
         installation = self._config.installation
         if inp.installation and inp.installation != installation:
-            raise ApplicationError(
-                f"this workflow belongs to installation {inp.installation!r}, but the worker "
-                f"that ran its create is installation {installation!r}: two installations "
-                "share one task queue in one namespace",
-                type=ErrorType.PERMANENT,
-                non_retryable=True,
+            raise to_application_error(
+                Permanent(
+                    f"this workflow belongs to installation {inp.installation!r}, but the "
+                    f"worker that ran its create is installation {installation!r}: two "
+                    "installations share one task queue in one namespace"
+                )
             )
         namespace = activity.info().workflow_namespace or ""
         name = instance_name(

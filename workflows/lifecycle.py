@@ -237,17 +237,20 @@ class ProxyLifecycle:
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
     @workflow.signal(name=TERMINATE_SIGNAL)
-    def terminate(self, request: Any = None) -> None:
+    def terminate(self, request: Any = None, *_extra: Any) -> None:
         """Delete the instance, wait until it is gone, complete.
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.
+        Further arguments are ignored: a handler that cannot take them would
+        fail the workflow task on every retry, and the proxy could no longer
+        be terminated cleanly.
         """
         reason = request.get("reason") if isinstance(request, dict) else request
         self._terminate_reason = str(reason) if reason else "terminate signal"
         self._status.terminate_reason = self._terminate_reason
 
     @workflow.signal(name=ROTATE_SIGNAL)
-    def rotate(self, request: Any = None) -> None:
+    def rotate(self, request: Any = None, *_extra: Any) -> None:
         """Replace the instance make-before-break now, as max lifetime does.
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.

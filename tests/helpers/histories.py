@@ -21,8 +21,13 @@ async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
     if os.environ.get("PROXY_OPERATOR_RECORD_HISTORIES") != "1":
         return
     history = await handle.fetch_history()
+    namespace = (await handle.describe()).namespace
     HISTORIES.mkdir(exist_ok=True)
-    # The workflow id is part of what the workflow computed (instance names),
-    # and a history alone does not carry it.
-    recorded = {"workflow_id": handle.id, "history": json.loads(history.to_json())}
+    # The workflow id and the namespace are part of what the workflow
+    # computed (instance names), and a history alone carries neither.
+    recorded = {
+        "workflow_id": handle.id,
+        "namespace": namespace,
+        "history": json.loads(history.to_json()),
+    }
     (HISTORIES / f"{name}.json").write_text(json.dumps(recorded))

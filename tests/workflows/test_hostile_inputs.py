@@ -13,6 +13,7 @@ generated deterministically; the ones that run are terminated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -27,6 +28,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.gc import GcActivities
@@ -246,6 +248,7 @@ async def test_no_hostile_input_wedges_a_workflow(
             return await settle(client, worker_queue, case)
 
     outcomes = await asyncio.gather(*(one(c) for c in all_cases))
+    running: list[WorkflowHandle[Any, Any]] = []
     try:
         for outcome in outcomes:
             if outcome.failure is not None:
@@ -255,9 +258,19 @@ async def test_no_hostile_input_wedges_a_workflow(
                 assert outcome.case.must_name in outcome.failure.message, what
             else:
                 assert not outcome.case.must_name, f"{outcome.case.what} was accepted"
+        # The proxies that run get hostile signals, then one `terminate` with
+        # more arguments than it takes, which must still end them cleanly.
+        running += [o.handle for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE]
+        for handle in running:
+            await handle.signal("no-such-signal", args=[{"x": 1}])
+            await handle.signal("terminate", args=[UNDECODABLE[0]])  # dropped: undecodable
+            await handle.signal("terminate", args=["hostile-input test", {"two": 2}, 3])
+        ended = await asyncio.gather(*(asyncio.wait_for(h.result(), 60) for h in running))
+        assert {result["state"] for result in ended} == {"Terminated"}
     finally:
-        running = [o.handle for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE]
-        await asyncio.gather(*(h.terminate("hostile-input test") for h in running))
+        for handle in running:
+            with contextlib.suppress(RPCError):  # ended already, as it should have
+                await handle.terminate("hostile-input test")
 
     async def task_failures(outcome: Outcome) -> list[str]:
         async with slots:

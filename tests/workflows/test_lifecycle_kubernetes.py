@@ -60,14 +60,27 @@ def fake() -> Iterator[FakeKubernetes]:
         yield server
 
 
-@pytest.fixture
-def provider(fake: FakeKubernetes, tls_origin: TlsOrigin) -> KubernetesProvider:
+def provider_for(fake: FakeKubernetes, config: Config) -> KubernetesProvider:
     """The provider as `from_config` builds it, but on a client pointed at the fake."""
-    settings = cluster_config(tls_origin.port).provider(PROVIDER).settings
+    settings = config.provider(PROVIDER).settings
     assert isinstance(settings, KubernetesConfig)
     configuration = fake.configuration()
     configuration.retries = 0
     return KubernetesProvider(settings, kubernetes.client.ApiClient(configuration), INSTALLATION)
+
+
+@pytest.fixture
+def provider(fake: FakeKubernetes, tls_origin: TlsOrigin) -> KubernetesProvider:
+    return provider_for(fake, cluster_config(tls_origin.port))
+
+
+async def failure_of(handle: WorkflowHandle[Any, Any]) -> ApplicationError:
+    """The error a workflow failed with."""
+    with pytest.raises(WorkflowFailureError) as failure:
+        await handle.result()
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError)
+    return cause
 
 
 @pytest.fixture
@@ -245,11 +258,8 @@ async def test_a_placement_outside_the_allowed_namespaces_is_invalid_input(
 ) -> None:
     handle = await stack.start(PROVIDER, placement={"namespace": "kube-system"})
 
-    with pytest.raises(WorkflowFailureError) as failure:
-        await handle.result()
-
-    cause = failure.value.cause
-    assert isinstance(cause, ApplicationError) and cause.type == "InvalidInput"
+    cause = await failure_of(handle)
+    assert cause.type == "InvalidInput"
     assert "placement.namespace: 'kube-system' is not one of" in cause.message
     assert fake.verbs_used() == set(), "nothing was created"
 
@@ -288,21 +298,12 @@ async def test_a_create_into_a_namespace_that_does_not_exist_fails_at_once_sayin
 ) -> None:
     """Allowed by the config, missing in the cluster: Permanent, not a retried NotFound."""
     config = cluster_config(tls_origin.port, allowed_namespaces=[NAMESPACE, "not-created-yet"])
-    settings = config.provider(PROVIDER).settings
-    assert isinstance(settings, KubernetesConfig)
-    configuration = fake.configuration()
-    configuration.retries = 0
-    provider = KubernetesProvider(
-        settings, kubernetes.client.ApiClient(configuration), INSTALLATION
-    )
+    provider = provider_for(fake, config)
     stack = await provider_stack_on(temporal_env, {PROVIDER: provider}, config)
     handle = await stack.start(PROVIDER, placement={"namespace": "not-created-yet"})
 
-    with pytest.raises(WorkflowFailureError) as failure:
-        await handle.result()
-
-    cause = failure.value.cause
-    assert isinstance(cause, ApplicationError) and cause.type == "Permanent"
+    cause = await failure_of(handle)
+    assert cause.type == "Permanent"
     assert "namespace 'not-created-yet' does not exist" in cause.message
     status = await status_of(handle)
     assert status.state == "Failed" and status.waiting_for is None

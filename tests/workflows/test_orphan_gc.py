@@ -411,6 +411,8 @@ async def test_circuit_breaker_refuses_to_wipe_a_provider_and_says_why(
     assert '"confirm 1 candidate on one"' in summaries
     assert '"confirm 2 candidates on small"' in summaries
 
+    await record_history(handle, "orphan_gc_circuit_open")
+
     allowed = await sweep(client, task_queue, grace_period_seconds=0, max_delete_share=1)
 
     assert {s.provider: s.deleted for s in allowed.providers} == {"big": 12, "small": 0, "one": 0}

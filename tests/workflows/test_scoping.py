@@ -21,17 +21,21 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.gc import GcActivities
+from activities.models import CreateInstanceInput
 from activities.provider import ProviderActivities
 from contract import INSTANCES
 from providers.memory import MemoryProvider
 from providers.naming import INSTALLATION_KEY, NAMESPACE_KEY, OWNER_KEY, instance_name
 from startup.search_attributes import ensure_search_attributes
 from tests.helpers.config import build_config, lifecycle_instance_name
-from tests.helpers.waiting import wait_for
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import wait_for, wait_status
 from worker import build_worker
 from workflows.orphan_gc import GcResult
 
@@ -64,6 +68,36 @@ def test_lifecycles_recorded_before_the_change_keep_their_names(history: str) ->
     assert created
     for ref in created:
         assert ref["name"] == instance_name(recorded["workflow_id"], ref["generation"])
+
+
+async def test_a_new_lifecycle_names_its_instance_in_its_scope(stack: Stack) -> None:
+    handle = await stack.start()
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+
+    assert ready.instance == lifecycle_instance_name(handle.id, 0)
+    assert stack.instances() == [ready.instance]
+    await handle.signal("terminate")
+    await handle.result()
+    assert stack.instances() == []
+    await record_history(handle, "ready_then_terminate_scoped_names")
+
+
+async def test_a_worker_of_another_installation_refuses_the_create() -> None:
+    """Two installations on one task queue would otherwise tag one's instance as the other's."""
+    provider = MemoryProvider()
+    config = build_config({"name": "mem", "type": "memory"}, connect_ports=[443])
+    acts = ProviderActivities({"mem": provider}, config)
+    request = CreateInstanceInput(
+        provider="mem", owner_id="proxy-eu-1", generation=0, installation="prod"
+    )
+    try:
+        with pytest.raises(ApplicationError) as refused:
+            await ActivityEnvironment().run(acts.create_instance, request)
+    finally:
+        acts.close()
+    assert refused.value.type == "Permanent" and refused.value.non_retryable
+    assert "installation 'prod'" in refused.value.message
+    assert provider.ids() == set()
 
 
 class Namespaced:
