@@ -62,12 +62,10 @@ from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
 from providers.naming import (
-    GENERATION_KEY,
     HASHED_IN_LABELS,
     INSTALLATION_KEY,
-    NAMESPACE_KEY,
-    OWNER_KEY,
     RFC1035_LABEL,
+    adoption_mismatch,
     ownership_mismatch,
     short_hash,
 )
@@ -488,14 +486,7 @@ class GcpProvider:
 
     def _not_made_by(self, req: CreateRequest, gce: compute_v1.Instance) -> str | None:
         """Why `gce` is not the VM `req` makes (installation, namespace, owner, generation)."""
-        generation = req.tags.get(GENERATION_KEY, "")
-        return ownership_mismatch(
-            _tags(gce),
-            self._installation,
-            owner_id=req.tags.get(OWNER_KEY, ""),
-            generation=int(generation) if generation.isdigit() else -1,
-            namespace=req.tags.get(NAMESPACE_KEY),
-        )
+        return adoption_mismatch(_tags(gce), self._installation, req.tags)
 
     def _find_by_name(self, req: CreateRequest, zones: list[str]) -> Instance | None:
         """Ask each candidate zone for the VM (one `instances.get` each).

@@ -43,13 +43,11 @@ from providers.catalog import ProviderType
 from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
-    GENERATION_KEY,
     HASHED_IN_LABELS,
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
-    NAMESPACE_KEY,
-    OWNER_KEY,
+    adoption_mismatch,
     ownership_mismatch,
     short_hash,
 )
@@ -363,13 +361,8 @@ class KubernetesProvider:
         """
         with _edge(f"read existing pod {namespace}/{req.name}"):
             pod = self._read_pod(namespace, req.name)
-        generation = req.tags.get(GENERATION_KEY, "")
-        mismatch = ownership_mismatch(
-            _tags(pod.metadata or client.V1ObjectMeta()),
-            self._installation,
-            owner_id=req.tags.get(OWNER_KEY, ""),
-            generation=int(generation) if generation.isdigit() else -1,
-            namespace=req.tags.get(NAMESPACE_KEY),
+        mismatch = adoption_mismatch(
+            _tags(pod.metadata or client.V1ObjectMeta()), self._installation, req.tags
         )
         if mismatch:
             raise Permanent(

@@ -56,7 +56,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, StrictModel
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
-from providers.naming import GENERATION_KEY, NAMESPACE_KEY, OWNER_KEY, ownership_mismatch
+from providers.naming import adoption_mismatch, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
 
 
@@ -334,14 +334,7 @@ class LocalProvider:
         directory = self._dir(req.name)
         if not directory.exists() or _vacated(directory):
             return None
-        generation = req.tags.get(GENERATION_KEY, "")
-        mismatch = ownership_mismatch(
-            _read_tags(directory),
-            self._installation,
-            owner_id=req.tags.get(OWNER_KEY, ""),
-            generation=int(generation) if generation.isdigit() else -1,
-            namespace=req.tags.get(NAMESPACE_KEY),
-        )
+        mismatch = adoption_mismatch(_read_tags(directory), self._installation, req.tags)
         if mismatch:
             raise Permanent(
                 f"create {req.name}: a local instance of that name exists and is not "

@@ -117,6 +117,25 @@ def ownership_mismatch(
     return "not managed by this installation: " + ", ".join(wrong) if wrong else None
 
 
+def adoption_mismatch(
+    tags: Mapping[str, str], installation: str, requested: Mapping[str, str]
+) -> str | None:
+    """Why an existing instance is not the one a create with tags `requested` makes.
+
+    The create-side form of `ownership_mismatch`: the owner, generation and
+    namespace to match come from the request's own tags, which every provider
+    stores unchanged.
+    """
+    generation = requested.get(GENERATION_KEY, "")
+    return ownership_mismatch(
+        tags,
+        installation,
+        owner_id=requested.get(OWNER_KEY, ""),
+        generation=int(generation) if generation.isdigit() else -1,
+        namespace=requested.get(NAMESPACE_KEY),
+    )
+
+
 def short_hash(value: str, length: int = 16) -> str:
     """A label-safe stand-in for a value a provider cannot store as a label.
 

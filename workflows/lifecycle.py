@@ -250,7 +250,7 @@ class ProxyLifecycle:
         self._status.terminate_reason = self._terminate_reason
 
     @workflow.signal(name=ROTATE_SIGNAL)
-    def rotate(self, request: Any = None) -> None:
+    def rotate(self, request: Any = None, *_extra: Any) -> None:
         """Replace the instance make-before-break now, as max lifetime does.
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.

@@ -262,7 +262,7 @@ class ProxyPool:
         return PoolResult(PoolState.TERMINATED, self._terminate_reason, self._next_index)
 
     @workflow.signal(name=TERMINATE_SIGNAL)
-    def terminate(self, request: Any = None) -> None:
+    def terminate(self, request: Any = None, *_extra: Any) -> None:
         """Terminate every member (each deletes its instance), then complete.
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.
