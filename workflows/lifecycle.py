@@ -896,7 +896,10 @@ class ProxyLifecycle:
         self._show_waits()
 
     def _end_wait(self, key: str) -> None:
-        if self._waits.pop(key, None) is not None:
+        # Also called from `finally` blocks, which run when the worker evicts
+        # this run from its cache and closes its coroutines: outside the
+        # workflow's event loop no workflow call may run, and none is needed.
+        if self._waits.pop(key, None) is not None and workflow.in_workflow():
             self._show_waits()
 
     def _show_waits(self) -> None:
