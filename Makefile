@@ -3,6 +3,13 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+# The suite runs in parallel (pytest-xdist). It waits on servers, Squids and
+# timers far more than it computes, so it runs more processes than the 2 cores
+# CI has; a fixed count keeps CI predictable. What each process must own alone
+# (ports, installation id, Squid names) is in tests/helpers/xdist.py.
+# `make test PYTEST_WORKERS=0` runs everything in one process.
+PYTEST_WORKERS ?= 4
+PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: run test test-quick lint bench tools test-tools clean
 
@@ -25,11 +32,11 @@ run: $(STAMP) tools
 
 ## The whole suite, as CI runs it.
 test: $(STAMP) test-tools
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_XDIST)
 
 ## Everything but the slow end-to-end tests.
 test-quick: $(STAMP) test-tools
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest $(PYTEST_XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

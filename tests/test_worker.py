@@ -23,10 +23,16 @@ import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from providers.base import CreateRequest
-from providers.local import LocalConfig, LocalProvider, processes_under
+from providers.local import LocalProvider, processes_under
 from providers.naming import owner_tags
 from providers.squid import ProxySettings
-from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry, raw_config
+from tests.helpers.config import (
+    LOOPBACK_ORIGIN_DENIED,
+    PASSWORD,
+    local_entry,
+    local_settings,
+    raw_config,
+)
 from tests.helpers.network import free_port
 from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
@@ -97,6 +103,9 @@ def worker_process(
             # Orphan GC's schedule has tests of its own; here it would only
             # add sweeps of the shared dev server.
             "PROXY_OPERATOR_ORPHAN_GC_SCHEDULE": "off",
+            # Off unless a test asks for a port: the default (9464) is one port
+            # for the whole machine, and tests run in parallel.
+            "PROXY_OPERATOR_METRICS_ADDRESS": "",
             **extra_env,
         }
         log = open(tmp_path / f"worker-{len(started)}.log", "wb")  # noqa: SIM115
@@ -208,7 +217,8 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
     with serve_tls_origin() as origin:
         ca_file = tmp_path / "ca.pem"
         origin.ca.cert_pem.write_to_path(str(ca_file))
-        squid = LocalProvider(LocalConfig(state_dir=str(state_dir)), "worker-test").create(
+        upstream = LocalProvider(local_settings(state_dir), "worker-test")
+        squid = upstream.create(
             CreateRequest(
                 name="upstream",
                 proxy=ProxySettings(
@@ -235,7 +245,7 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
             {
                 "provider": "demo",
                 "port": squid.port,
-                "health": {"target": f"https://127.0.0.1:{origin.port}/"},
+                "health": {"target": f"https://127.0.0.1:{origin.port}/", "interval_seconds": 1},
             },
             id=f"proxy-{uuid.uuid4().hex[:8]}",
             task_queue=task_queue,
@@ -243,5 +253,10 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
         ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready on memory")
         assert ready.endpoint == f"127.0.0.1:{squid.port}"
         await handle.signal("terminate")
+        # A deleted instance stops serving; a memory one only claims the
+        # upstream's address, which would go on answering, so the monitor
+        # would hear of the terminate only with its next heartbeat (throttled
+        # to 48 s). The upstream stops as the instance's deletion would stop it.
+        await asyncio.to_thread(upstream.delete, squid.provider_id)
         result = await asyncio.wait_for(handle.result(), timeout=60)
         assert result["state"] == "Terminated"

@@ -30,7 +30,9 @@ from tests.helpers.squid_upstream import requires_squid
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.tunnel import Answer, request
 
-pytestmark = [requires_squid, pytest.mark.slow]
+# The members' names are fixed, and a Squid's name is machine-wide (/dev/shm):
+# every test of this module runs on one xdist worker.
+pytestmark = [requires_squid, pytest.mark.slow, pytest.mark.xdist_group("gateway_squids")]
 
 POOL = "pool-t"
 

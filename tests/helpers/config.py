@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from providers.config import Config, parse_config
+from providers.local import LocalConfig
 from providers.naming import instance_name
 from providers.squid import DEFAULT_DENIED_DESTINATIONS
+from tests.helpers.xdist import local_ports, scoped
 
-INSTALLATION = "test"
+# `test`, or `test-gw<N>` in xdist worker N: instance names (and so Squid's
+# /dev/shm segments) never meet another worker's (tests/helpers/xdist.py).
+INSTALLATION = scoped("test")
 USERNAME = "proxy"
 PASSWORD = "test-password-7f3a"
 PASSWORD_ENV = "PROXY_PASSWORD"
@@ -28,8 +32,16 @@ LOOPBACK_ORIGIN_DENIED: tuple[str, ...] = tuple(
 
 
 def local_entry(state_dir: str | Path, name: str = "local") -> dict[str, Any]:
-    """A `providers` entry for the local provider keeping its Squids under `state_dir`."""
-    return {"name": name, "type": "local", "local": {"state_dir": str(state_dir)}}
+    """A `providers` entry for the local provider keeping its Squids under `state_dir`.
+
+    Under xdist, on this worker's own port range (tests/helpers/xdist.py).
+    """
+    return {"name": name, "type": "local", "local": {"state_dir": str(state_dir), **local_ports()}}
+
+
+def local_settings(state_dir: str | Path) -> LocalConfig:
+    """The settings `local_entry(state_dir)` gives, for tests that build a provider directly."""
+    return LocalConfig(state_dir=str(state_dir), **local_ports())
 
 
 def raw_config(

@@ -47,16 +47,21 @@ from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import wait_for
+from tests.helpers.xdist import local_ports
 
 USERNAME = "probe"
 PASSWORD = "local-test-password"
 INSTALLATION = "test-local"
 OWNER = "proxy-test-local"
-# Away from the default range (20000..20999) that other suites' workers use.
-FIRST_PORT = 24100
-LAST_PORT = 24199
+# Away from the ranges other suites' and xdist workers' Squids use: 24100..24199,
+# or under xdist a block of this worker's own in 24200..24999.
+PORTS = local_ports(base=24200, block=50, blocks=16) or {"first_port": 24100, "last_port": 24199}
+FIRST_PORT, LAST_PORT = PORTS["first_port"], PORTS["last_port"]
 TAGS = owner_tags(INSTALLATION, OWNER, 0, {"suite": "test_local"})
 SQUID = shutil.which("squid") or "/usr/sbin/squid"
+# The Squids here have fixed names, and a name is machine-wide (/dev/shm):
+# every test of this module runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_local")
 
 
 def proxy_settings(origin: TlsOrigin, **changes: object) -> ProxySettings:
@@ -609,12 +614,25 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     conf = state_dir / "proxy-window" / CONF_FILE
 
     def squids() -> list[int]:
-        """Pids of live Squids running this instance's config (ps's state column varies)."""
+        """Pids of live Squids running this instance's config (ps's state column varies).
+
+        A child Squid forks to start a helper carries the same command line
+        until it execs; it is not a second Squid, so only those whose parent
+        is not one of them count (a loaded machine widens that window).
+        """
         out = subprocess.run(  # -ww: whole command lines, whatever COLUMNS says
-            ["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True
+            ["ps", "-ww", "-eo", "pid=,ppid=,stat=,args="],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
-        rows = [line.split(None, 2) for line in out.splitlines()]
-        return [int(pid) for pid, stat, args in rows if f"-f {conf} " in args and stat[0] != "Z"]
+        rows = [line.split(None, 3) for line in out.splitlines()]
+        live = {
+            int(pid): int(ppid)
+            for pid, ppid, stat, args in rows
+            if f"-f {conf} " in args and stat[0] != "Z"
+        }
+        return [pid for pid, ppid in live.items() if ppid not in live]
 
     provider = provider_for(state_dir)  # the retry, in the next worker
     found = wait_for_state(provider, "local/proxy-window", InstanceState.RUNNING)

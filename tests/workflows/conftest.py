@@ -19,9 +19,9 @@ from activities.gc import GcActivities
 from activities.provider import ProviderActivities
 from providers.base import Provider
 from providers.config import Config
-from providers.local import LocalConfig, LocalProvider
+from providers.local import LocalProvider
 from tests.fakes.providers import FaultyProvider
-from tests.helpers.config import stack_config
+from tests.helpers.config import local_settings, stack_config
 from tests.helpers.squid_upstream import SquidUpstreams
 from tests.helpers.stacks import ProviderStack, Stack, StackFactory
 from tests.helpers.tls_origin import TlsOrigin
@@ -38,9 +38,7 @@ async def stack_on(
 
     async def start(env: WorkflowEnvironment, task_queue: str | None = None) -> Stack:
         config = stack_config(tls_origin.port, str(state_dir))
-        provider = FaultyProvider(
-            LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
-        )
+        provider = FaultyProvider(LocalProvider(local_settings(state_dir), config.installation))
         acts = ProviderActivities(
             {"local": provider}, config, ssl_context=tls_origin.client_ssl_context
         )

@@ -30,11 +30,11 @@ from activities.provider import ProviderActivities
 from providers.base import CreateRequest, Instance, Provider
 from providers.config import Config
 from providers.errors import Permanent
-from providers.local import LocalConfig, LocalProvider
+from providers.local import LocalProvider
 from providers.memory import MemoryProvider
 from providers.naming import instance_name, owner_tags
 from tests.fakes.owners import start_owner
-from tests.helpers.config import stack_config
+from tests.helpers.config import local_settings, stack_config
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import status_of, wait_for, wait_status
@@ -88,7 +88,7 @@ def create_directly(stack: Stack, owner: str, generation: int, installation: str
     """
     provider: Provider = stack.provider
     if installation != stack.config.installation:
-        provider = LocalProvider(LocalConfig(state_dir=str(stack.state_dir)), installation)
+        provider = LocalProvider(local_settings(stack.state_dir), installation)
     return provider.create(
         CreateRequest(
             name=instance_name(owner, generation),

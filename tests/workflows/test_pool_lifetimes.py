@@ -21,10 +21,17 @@ from temporalio.testing import WorkflowEnvironment
 
 from providers.base import CreateRequest, InstanceState
 from providers.config import parse_config
-from providers.local import LocalConfig, LocalProvider
+from providers.local import LocalProvider
 from providers.memory import MemoryProvider
 from providers.naming import instance_name, owner_tags
-from tests.helpers.config import INSTALLATION, PASSWORD, PASSWORD_ENV, build_config, raw_config
+from tests.helpers.config import (
+    INSTALLATION,
+    PASSWORD,
+    PASSWORD_ENV,
+    build_config,
+    local_settings,
+    raw_config,
+)
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import wait_for
@@ -47,11 +54,11 @@ class OneSquid(MemoryProvider):
 @pytest.fixture
 async def one_squid(tls_origin: TlsOrigin, state_dir: Any) -> AsyncIterator[OneSquid]:
     config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
-    local = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
+    local = LocalProvider(local_settings(state_dir), config.installation)
     owner = "pool-test-squid"
     squid = local.create(
         CreateRequest(
-            name=instance_name(owner, 0),
+            name=instance_name(owner, 0, installation=INSTALLATION),
             proxy=config.proxy_settings(),
             tags=owner_tags(INSTALLATION, owner, 0),
         )
