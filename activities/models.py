@@ -72,9 +72,15 @@ class InstanceInput:
 
 
 @dataclass(frozen=True)
-class ProbeInput:
+class ProbeThrough:
+    """What the probing activities probe: a CONNECT through `instance` to the health `target`."""
+
     instance: InstanceRef
     target: str
+
+
+@dataclass(frozen=True)
+class ProbeInput(ProbeThrough):
     timeout_seconds: float = 5.0
     deadline_seconds: float = 120.0
     # Return a failed probe after this long, before the deadline, so the
@@ -83,9 +89,7 @@ class ProbeInput:
 
 
 @dataclass(frozen=True)
-class MonitorInput:
-    instance: InstanceRef
-    target: str
+class MonitorInput(ProbeThrough):
     interval_seconds: float
     failure_threshold: int
     # Return after this long even when nothing changed, so the workflow can
