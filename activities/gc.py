@@ -146,6 +146,8 @@ class ConfirmInput:
 
 @dataclass(frozen=True)
 class Verdict:
+    """One candidate, what `gc_confirm` decided about it, and why (shown in the sweep's report)."""
+
     candidate: Candidate
     verdict: Decision
     reason: str
@@ -153,6 +155,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Confirmation:
+    """`gc_confirm`'s result: a verdict for every candidate of the batch."""
+
     verdicts: list[Verdict]
     # Temporal calls made: one describe per distinct owner.
     lookups: int

@@ -81,6 +81,8 @@ class ProbeThrough:
 
 @dataclass(frozen=True)
 class ProbeInput(ProbeThrough):
+    """`wait_healthy`: probe a new instance until it passes once, or the deadline."""
+
     timeout_seconds: float = 5.0
     deadline_seconds: float = 120.0
     # Return a failed probe after this long, before the deadline, so the
@@ -90,6 +92,8 @@ class ProbeInput(ProbeThrough):
 
 @dataclass(frozen=True)
 class MonitorInput(ProbeThrough):
+    """`monitor`: probe a Ready instance every interval until it fails, vanishes or time is up."""
+
     interval_seconds: float
     failure_threshold: int
     # Return after this long even when nothing changed, so the workflow can

@@ -198,6 +198,8 @@ class PoolCarried:
 
 @dataclass(frozen=True)
 class PoolResult:
+    """What a finished ProxyPool returns."""
+
     state: PoolState
     reason: str
     members_started: int
