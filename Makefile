@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.installed
 # CI has; a fixed count keeps CI predictable. What each process must own alone
 # (ports, installation id, Squid names) is in tests/helpers/xdist.py.
 # `make test PYTEST_WORKERS=0` runs everything in one process.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 6
 PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: run test test-quick lint bench tools test-tools clean
