@@ -11,6 +11,11 @@ What would still be shared on one machine is split by worker here:
   Squid's service names and their /dev/shm segments, which are machine-wide.
   Without it, two workers running one workflow id would share segments.
 
+Not here, but the same rule: fixed ports. A worker process started by a test
+serves no metrics unless the test gives it a free port
+(tests/helpers/worker_process.py), as the default, 9464, is the machine's;
+any other listener takes `free_port()`.
+
 A module whose tests name Squids explicitly ("proxy-a", "member-0") would
 still share names across workers: it carries `pytest.mark.xdist_group(<its
 name>)`, so all its tests run on one worker (`--dist loadgroup`).

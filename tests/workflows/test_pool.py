@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
-from tests.helpers.stacks import Stack
+from tests.helpers.stacks import Stack, StackOn
+from tests.helpers.temporal import start_dev_server
 from tests.helpers.waiting import wait_for
 from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     LocalWorker,
@@ -256,9 +258,24 @@ async def test_updates_reject_bad_requests_before_acceptance(pool: PoolCli, stac
     assert stack.instances() == []
 
 
+@pytest.fixture
+async def own_server() -> AsyncIterator[WorkflowEnvironment]:
+    """A dev server of the test's own.
+
+    A sweep ends the running members of every closed pool in the namespace,
+    and on the session's server an earlier test may have left some: a test's
+    worker stops at its end, whatever its workflows were still doing.
+    """
+    env = await start_dev_server()
+    yield env
+    await env.shutdown()
+
+
 async def test_orphan_gc_ends_the_members_of_a_hard_terminated_pool(
-    pool: PoolCli, stack: Stack
+    own_server: WorkflowEnvironment, stack_on: StackOn
 ) -> None:
+    stack = await stack_on(own_server)
+    pool = PoolCli(own_server, stack)
     await pool.start(pool.pool_input(2))
     status = await pool.wait_ready(2)
     members = [pool.env.client.get_workflow_handle(m["member"]) for m in status["members"]]
