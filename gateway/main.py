@@ -204,10 +204,10 @@ async def _run(
         try:
             await asyncio.to_thread(squids.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
-            metrics.RELOADS.labels(outcome="failed").inc()
+            metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[1]).inc()
             log.error("reload failed, keeping the previous members: %s", err)
             return False
-        metrics.RELOADS.labels(outcome="ok").inc()
+        metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[0]).inc()
         metrics.MEMBERS.set(len(new))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
