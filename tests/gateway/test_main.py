@@ -62,6 +62,15 @@ def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         ("prox", None),
         ("other-session-a", None),
         ("", None),
+        ("proxy-session-" + "k" * 128, "proxy"),
+        ("proxy-session-a\n", None),  # fullmatch: no trailing newline slips through
+        ("proxy-session-a\nproxy", None),
+        ("proxy-proxy-web/3\n", None),
+        ("proxy-proxy-" + "m" * 201, None),
+        ("proxy-session-clé", None),
+        ("proxy-session-a%0A", None),
+        ("Proxy", None),
+        ("proxy-session-proxy-proxy-web.3", "proxy"),  # a session key that looks like a pin
     ],
 )
 def test_only_the_three_username_forms_authenticate_as_the_user(
