@@ -82,6 +82,19 @@ class Candidate:
     generation: int
     created_at: str
 
+    @classmethod
+    def of(cls, provider: str, instance: Instance) -> Candidate:
+        """The candidate `instance` of `provider` is, read from its tags."""
+        generation = instance.tags.get(GENERATION_KEY, "")
+        return cls(
+            provider=provider,
+            provider_id=instance.provider_id,
+            name=instance.name,
+            owner=instance.tags.get(OWNER_KEY, ""),
+            generation=int(generation) if generation.isdigit() else -1,
+            created_at=_aware(instance.created_at).isoformat(),
+        )
+
 
 @dataclass(frozen=True)
 class SurveyInput:
@@ -133,6 +146,8 @@ class ConfirmInput:
 
 @dataclass(frozen=True)
 class Verdict:
+    """One candidate, what `gc_confirm` decided about it, and why (shown in the sweep's report)."""
+
     candidate: Candidate
     verdict: Decision
     reason: str
@@ -140,6 +155,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Confirmation:
+    """`gc_confirm`'s result: a verdict for every candidate of the batch."""
+
     verdicts: list[Verdict]
     # Temporal calls made: one describe per distinct owner.
     lookups: int
@@ -217,7 +234,7 @@ class GcActivities:
                         f"created {int(age.total_seconds())} s ago, within the grace period"
                     )
             elif instance.provider_id > inp.after:
-                candidates.append(_candidate(inp.provider, instance))
+                candidates.append(Candidate.of(inp.provider, instance))
         candidates.sort(key=lambda c: c.provider_id)
         return Survey(
             seen=len(instances),
@@ -336,18 +353,6 @@ def _verdict(c: Candidate, owner: _Owner | None) -> Verdict:
     if not owner.published:
         return Verdict(c, Decision.SKIPPED, f"owner {c.owner} has not started yet and may adopt it")
     return Verdict(c, Decision.ORPHAN, f"owner {c.owner} no longer uses generation {c.generation}")
-
-
-def _candidate(provider: str, instance: Instance) -> Candidate:
-    generation = instance.tags.get(GENERATION_KEY, "")
-    return Candidate(
-        provider=provider,
-        provider_id=instance.provider_id,
-        name=instance.name,
-        owner=instance.tags.get(OWNER_KEY, ""),
-        generation=int(generation) if generation.isdigit() else -1,
-        created_at=_aware(instance.created_at).isoformat(),
-    )
 
 
 def _aware(moment: datetime) -> datetime:

@@ -72,9 +72,17 @@ class InstanceInput:
 
 
 @dataclass(frozen=True)
-class ProbeInput:
+class ProbeThrough:
+    """What the probing activities probe: a CONNECT through `instance` to the health `target`."""
+
     instance: InstanceRef
     target: str
+
+
+@dataclass(frozen=True)
+class ProbeInput(ProbeThrough):
+    """`wait_healthy`: probe a new instance until it passes once, or the deadline."""
+
     timeout_seconds: float = 5.0
     deadline_seconds: float = 120.0
     # Return a failed probe after this long, before the deadline, so the
@@ -83,9 +91,9 @@ class ProbeInput:
 
 
 @dataclass(frozen=True)
-class MonitorInput:
-    instance: InstanceRef
-    target: str
+class MonitorInput(ProbeThrough):
+    """`monitor`: probe a Ready instance every interval until it fails, vanishes or time is up."""
+
     interval_seconds: float
     failure_threshold: int
     # Return after this long even when nothing changed, so the workflow can

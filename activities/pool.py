@@ -32,6 +32,8 @@ VISIBILITY_PAGE_SIZE = 1000
 
 @dataclass(frozen=True)
 class MembersInput:
+    """`pool_closed_members`: which expected members have closed, and any strays running."""
+
     pool_id: str
     # Members the pool believes are running.
     expected: list[str]
@@ -39,6 +41,8 @@ class MembersInput:
 
 @dataclass(frozen=True)
 class ClosedMember:
+    """A member the pool believes running that Temporal says has closed."""
+
     member: str
     # How the workflow closed (TERMINATED, FAILED, ...), or NOT_FOUND.
     status: str

@@ -136,8 +136,7 @@ class ProviderActivities:
                     f"placement.{key}: not supported by provider {inp.provider!r} "
                     f"(type {entry.type})"
                 )
-            if kind.placement_problems is not None:
-                problems += kind.placement_problems(entry.settings, inp.placement)
+            problems += entry.settings.placement_problems(inp.placement)
         ports = self._config.proxy.allowed_connect_ports
         target_port = _port_of(inp.health_target)
         if target_port is not None and target_port not in ports:

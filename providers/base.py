@@ -8,6 +8,7 @@ idempotent, because Temporal retries activities after crashes and timeouts.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
@@ -22,6 +23,11 @@ class InstanceState(enum.StrEnum):
     RUNNING = "RUNNING"
     STOPPED = "STOPPED"
     TERMINATED = "TERMINATED"
+
+
+def state_table(meaning: Mapping[InstanceState, Iterable[str]]) -> dict[str, InstanceState]:
+    """A provider's `INSTANCE_STATES`, written as each common state and the states it covers."""
+    return {name: state for state, names in meaning.items() for name in names}
 
 
 @dataclass(frozen=True)

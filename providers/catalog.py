@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from pydantic import BaseModel
-
 if TYPE_CHECKING:
     from providers.base import Provider
-    from providers.config import Config, ProviderEntry
+    from providers.config import Config, ProviderEntry, ProviderSettings
 
 # Provider type -> the module that declares it. Order is the order users see.
 MODULES: dict[str, str] = {
@@ -33,7 +31,7 @@ MODULES: dict[str, str] = {
 }
 TYPE_NAMES: tuple[str, ...] = tuple(MODULES)
 
-S = TypeVar("S", bound=BaseModel)
+S = TypeVar("S", bound="ProviderSettings")
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,11 @@ class ProviderType(Generic[S]):
     `settings` is the model of the entry's block named after the type;
     `block_optional` lets an entry leave that block out when every setting has
     a sensible default on any machine. `build` makes the provider from a
-    validated entry (the module's `from_config`). `placement_problems`, where
-    set, judges placement values against the entry's settings (a Kubernetes
-    namespace outside `allowed_namespaces`), each problem naming its field.
-    `config_problems`, where set, judges the whole validated config for this
-    type (entries together, the proxy defaults they share), each problem
-    naming its path.
+    validated entry (the module's `from_config`). Placement values are judged
+    against the entry's settings by `settings.placement_problems` (a
+    Kubernetes namespace outside `allowed_namespaces`). `config_problems`,
+    where set, judges the whole validated config for this type (entries
+    together, the proxy defaults they share), each problem naming its path.
     """
 
     name: str
@@ -56,7 +53,6 @@ class ProviderType(Generic[S]):
     placement_keys: frozenset[str]
     build: Callable[[ProviderEntry, Config], Provider]
     block_optional: bool = False
-    placement_problems: Callable[[S, Mapping[str, str]], list[str]] | None = None
     config_problems: Callable[[Config], list[str]] | None = None
 
     def settings_of(self, entry: ProviderEntry) -> S:

@@ -46,6 +46,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
+class ProviderSettings(StrictModel):
+    """A provider type's block in an entry (`PROVIDER_TYPE.settings`)."""
+
+    def placement_problems(self, placement: Mapping[str, str]) -> list[str]:
+        """What is wrong with a workflow's placement values for this entry, each naming its field.
+
+        Only keys in the type's `placement_keys` reach here. The default finds
+        nothing; a type whose values depend on its settings (a Kubernetes
+        namespace outside `allowed_namespaces`) overrides it.
+        """
+        return []
+
+
 class AuthConfig(StrictModel):
     # Case-sensitive: the rendered squid.conf tells Squid not to lowercase it.
     username: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "proxy"
@@ -111,7 +124,7 @@ class ProviderEntry(StrictModel):
 
     name: Annotated[str, Field(pattern=LABEL_VALUE)]
     type: str
-    settings: StrictModel
+    settings: ProviderSettings
 
     @model_validator(mode="wrap")
     @classmethod
@@ -127,7 +140,7 @@ class ProviderEntry(StrictModel):
             problems.append(_problem(("settings",), "extra_forbidden", "unknown key"))
         rest = {k: v for k, v in raw.items() if k not in TYPE_NAMES and k != "settings"}
         try:
-            entry = handler({**rest, "settings": settings or StrictModel()})
+            entry = handler({**rest, "settings": settings or ProviderSettings()})
         except ValidationError as exc:
             problems = _relocated(exc, ()) + problems
         if problems:
@@ -135,7 +148,9 @@ class ProviderEntry(StrictModel):
         return entry
 
 
-def _settings_block(raw: dict[str, Any], problems: list[InitErrorDetails]) -> StrictModel | None:
+def _settings_block(
+    raw: dict[str, Any], problems: list[InitErrorDetails]
+) -> ProviderSettings | None:
     """The entry's validated block, or None with the reasons added to `problems`."""
     kind = raw.get("type")
     if not isinstance(kind, str) or kind not in TYPE_NAMES:
@@ -159,7 +174,9 @@ def _settings_block(raw: dict[str, Any], problems: list[InitErrorDetails]) -> St
         problems.append(_problem((kind,), "provider_block", f"field required for type {kind!r}"))
         return None
     try:
-        settings: StrictModel = declared.settings.model_validate({} if block is None else block)
+        settings: ProviderSettings = declared.settings.model_validate(
+            {} if block is None else block
+        )
     except ValidationError as exc:
         problems.extend(_relocated(exc, (kind,)))
         return None

@@ -57,9 +57,9 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 from pydantic import Field, model_validator
 
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
-from providers.config import Config, ProviderEntry, StrictModel
+from providers.config import Config, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
 from providers.naming import (
     HASHED_IN_LABELS,
@@ -87,7 +87,7 @@ _SUBNETWORK_REGION = re.compile(
 MAX_ZONES = 4
 
 
-class GcpConfig(StrictModel):
+class GcpConfig(ProviderSettings):
     """Compute Engine VMs with public IPs; credentials come from ADC only."""
 
     project: str
@@ -208,7 +208,6 @@ PROVIDER_TYPE = ProviderType(
     settings=GcpConfig,
     placement_keys=frozenset({"zone"}),
     build=lambda entry, config: GcpProvider.from_config(entry, config),
-    placement_problems=GcpConfig.placement_problems,
     config_problems=config_problems,
 )
 log = logging.getLogger(__name__)
@@ -258,20 +257,22 @@ MIN_WAIT_INTERVAL_SECONDS = 1.0
 # Squid ready; see `_to_instance` and `GcpProvider._with_readiness`.
 # REPAIRING (Compute Engine recovering the VM after a host error) is STOPPED:
 # the VM is not serving and may come back rebooted, so its workflow replaces it.
-INSTANCE_STATES: dict[str, InstanceState] = {
-    "PENDING": InstanceState.PROVISIONING,
-    "PROVISIONING": InstanceState.PROVISIONING,
-    "STAGING": InstanceState.PROVISIONING,
-    "RUNNING": InstanceState.RUNNING,
-    "PENDING_STOP": InstanceState.STOPPED,
-    "STOPPING": InstanceState.STOPPED,
-    "STOPPED": InstanceState.STOPPED,
-    "SUSPENDING": InstanceState.STOPPED,
-    "SUSPENDED": InstanceState.STOPPED,
-    "REPAIRING": InstanceState.STOPPED,
-    "TERMINATED": InstanceState.STOPPED,
-    "DEPROVISIONING": InstanceState.STOPPED,
-}
+INSTANCE_STATES = state_table(
+    {
+        InstanceState.PROVISIONING: ("PENDING", "PROVISIONING", "STAGING"),
+        InstanceState.RUNNING: ("RUNNING",),
+        InstanceState.STOPPED: (
+            "PENDING_STOP",
+            "STOPPING",
+            "STOPPED",
+            "SUSPENDING",
+            "SUSPENDED",
+            "REPAIRING",
+            "TERMINATED",
+            "DEPROVISIONING",
+        ),
+    }
+)
 # A status newer than this table is not usable yet, but not proof of death
 # either: PROVISIONING lets the workflow's provisioning deadline decide.
 _UNKNOWN_STATE = InstanceState.PROVISIONING

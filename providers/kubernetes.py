@@ -38,9 +38,9 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import Field, model_validator
 
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
-from providers.config import LABEL_VALUE, Config, ProviderEntry, StrictModel
+from providers.config import LABEL_VALUE, Config, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import (
     HASHED_IN_LABELS,
@@ -54,7 +54,7 @@ from providers.naming import (
 from providers.squid import RenderedSquid, SquidPaths, render
 
 
-class KubernetesConfig(StrictModel):
+class KubernetesConfig(ProviderSettings):
     """Squid Pods in the cluster the worker runs in (or the kubeconfig's)."""
 
     namespace: Annotated[str, Field(pattern=LABEL_VALUE)] = "proxies"
@@ -120,7 +120,6 @@ PROVIDER_TYPE = ProviderType(
     settings=KubernetesConfig,
     placement_keys=frozenset({"namespace"}),
     build=lambda entry, config: KubernetesProvider.from_config(entry, config),
-    placement_problems=KubernetesConfig.placement_problems,
 )
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -183,13 +182,13 @@ STUCK_DELETION_MARGIN_SECONDS = 60.0
 # Pod phase -> instance state. A Pod never restarts, so Succeeded and Failed
 # mean Squid is gone for good; Unknown means its node stopped reporting, and
 # the workflow should replace the proxy rather than wait for the node.
-INSTANCE_STATES: dict[str, InstanceState] = {
-    "Pending": InstanceState.PROVISIONING,
-    "Running": InstanceState.RUNNING,
-    "Succeeded": InstanceState.TERMINATED,
-    "Failed": InstanceState.TERMINATED,
-    "Unknown": InstanceState.TERMINATED,
-}
+INSTANCE_STATES = state_table(
+    {
+        InstanceState.PROVISIONING: ("Pending",),
+        InstanceState.RUNNING: ("Running",),
+        InstanceState.TERMINATED: ("Succeeded", "Failed", "Unknown"),
+    }
+)
 
 # HTTP status -> error class; anything else (409 outside create, 429, 5xx) is Transient.
 STATUS_ERRORS: dict[int, type[ProviderError]] = {

@@ -54,13 +54,13 @@ from pydantic import ValidationInfo, field_validator
 
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
-from providers.config import Config, Port, ProviderEntry, StrictModel
+from providers.config import Config, Port, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import adoption_mismatch, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
 
 
-class LocalConfig(StrictModel):
+class LocalConfig(ProviderSettings):
     """Squid processes on this machine, one directory each under `state_dir`."""
 
     state_dir: str = ".data/local-proxies"

@@ -17,12 +17,12 @@ from datetime import UTC, datetime, timedelta
 
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
-from providers.config import StrictModel
+from providers.config import ProviderSettings
 from providers.errors import NotFound, ProviderError
 from providers.naming import instance_name, owner_tags
 
 
-class MemoryConfig(StrictModel):
+class MemoryConfig(ProviderSettings):
     """No settings: the instances live in the worker's memory."""
 
 

@@ -14,34 +14,27 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from providers.base import CreateRequest
 from providers.local import LocalConfig, LocalProvider, processes_under
 from providers.naming import owner_tags
 from providers.squid import ProxySettings
-from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry, raw_config
+from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry
 from tests.helpers.network import free_port
 from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
+from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
+    ROOT,
+    StartWorker,
+    worker_process,
+    write_worker_config,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_config(
-    path: Path, state_dir: Path, connect_port: int, provider: dict[str, Any] | None = None
-) -> Path:
-    raw = raw_config(
-        provider or local_entry(state_dir), connect_ports=[connect_port], installation="worker-test"
-    )
-    path.write_text(yaml.safe_dump(raw))
-    return path
+INSTALLATION = "worker-test"
 
 
 def squid_pids(state_dir: Path) -> list[int]:
@@ -81,49 +74,6 @@ def test_broken_config_exits_2_listing_every_problem(tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr
 
 
-@pytest.fixture
-def worker_process(
-    temporal_env: WorkflowEnvironment, tmp_path: Path
-) -> Iterator[Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]]:
-    """Start `python worker.py` processes; every one still alive is killed afterwards."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(config: Path, task_queue: str, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
-            "TEMPORAL_NAMESPACE": temporal_env.client.namespace,
-            "PROXY_PASSWORD": PASSWORD,
-            # Orphan GC's schedule has tests of its own; here it would only
-            # add sweeps of the shared dev server.
-            "PROXY_OPERATOR_ORPHAN_GC_SCHEDULE": "off",
-            **extra_env,
-        }
-        log = open(tmp_path / f"worker-{len(started)}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "worker.py",
-                "--providers-config",
-                str(config),
-                "--task-queue",
-                task_queue,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
 async def healthy(metrics: str) -> bool:
     def get() -> bool:
         try:
@@ -138,14 +88,16 @@ async def healthy(metrics: str) -> bool:
 @pytest.mark.slow
 async def test_killed_workers_lose_nothing(
     temporal_env: WorkflowEnvironment,
-    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],
+    worker_process: StartWorker,  # noqa: F811
     state_dir: Path,
     tmp_path: Path,
 ) -> None:
     # The origin is not up yet, so the proxy stays Provisioning (first probe
     # failing) long enough to kill the worker mid-way.
     origin_port = free_port()
-    config = write_config(tmp_path / "providers.yaml", state_dir, origin_port)
+    config = write_worker_config(
+        tmp_path / "providers.yaml", local_entry(state_dir), origin_port, INSTALLATION
+    )
     task_queue = f"test-{uuid.uuid4().hex[:12]}"
     metrics = f"127.0.0.1:{free_port()}"
 
@@ -199,7 +151,7 @@ async def test_killed_workers_lose_nothing(
 
 async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
     temporal_env: WorkflowEnvironment,
-    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],
+    worker_process: StartWorker,  # noqa: F811
     state_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -219,14 +171,14 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
                     (origin.port,),
                     denied_destinations=LOOPBACK_ORIGIN_DENIED,
                 ),
-                tags=owner_tags("worker-test", "upstream", 0),
+                tags=owner_tags(INSTALLATION, "upstream", 0),
             )
         )
-        config = write_config(
+        config = write_worker_config(
             tmp_path / "providers.yaml",
-            state_dir,
-            origin.port,
             {"name": "demo", "type": "memory"},
+            origin.port,
+            INSTALLATION,
         )
         task_queue = f"test-{uuid.uuid4().hex[:12]}"
         worker_process(config, task_queue, {"SSL_CERT_FILE": str(ca_file)})

@@ -66,12 +66,11 @@ R = TypeVar("R")
 
 # Crash-loop budget: this many instances in a row that fail before staying
 # healthy for STABLE_AFTER end the workflow as Failed. Between them the
-# workflow waits, doubling from REPLACE_BACKOFF up to MAX_REPLACE_BACKOFF;
-# the first replacement after a healthy spell starts at once.
+# workflow waits REPLACE_BACKOFF (10 s doubling to 5 minutes); the first
+# replacement after a healthy spell starts at once.
 CRASH_BUDGET = 5
 STABLE_AFTER = timedelta(minutes=10)
-REPLACE_BACKOFF = timedelta(seconds=10)
-MAX_REPLACE_BACKOFF = timedelta(minutes=5)
+REPLACE_BACKOFF = policies.Backoff(first=timedelta(seconds=10), cap=timedelta(minutes=5))
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
 # The longest `rotate` reason kept.
 MAX_REASON = 500
@@ -84,10 +83,9 @@ INSTALLATION_IN_NAMES = "installation-in-instance-names"
 FIRST_PROBE_FIRST_REPORT = timedelta(seconds=10)
 FIRST_PROBE_REPORT_EVERY = timedelta(seconds=20)
 # A provider that keeps failing (5xx, 429, timeouts, refused connections) is
-# waited out on a visible timer: PROVIDER_WAIT doubling up to
-# MAX_PROVIDER_WAIT, or the provider's own Retry-After. Never given up on.
-PROVIDER_WAIT = timedelta(seconds=5)
-MAX_PROVIDER_WAIT = timedelta(minutes=10)
+# waited out on a visible timer: PROVIDER_WAIT (5 s doubling to 10 minutes),
+# or the provider's own Retry-After. Never given up on, however long.
+PROVIDER_WAIT = policies.Backoff(first=timedelta(seconds=5), cap=timedelta(minutes=10))
 
 # Histories recorded before this patch cancelled activities without waiting,
 # cleaned up only after the lifecycle had unwound, retried Transient errors
@@ -657,7 +655,7 @@ class ProxyLifecycle:
             )
         if in_a_row == 1:
             return
-        delay = min(REPLACE_BACKOFF * 2 ** (in_a_row - 2), MAX_REPLACE_BACKOFF)
+        delay = REPLACE_BACKOFF.delay(in_a_row - 2)
         await self._wait(
             f"backing off after {in_a_row} failed instances in a row",
             delay,
@@ -681,7 +679,7 @@ class ProxyLifecycle:
         Transient errors (5xx, 429, timeouts, a refused API connection) and
         activity timeouts are not retried inside Temporal, where nothing shows
         them, but waited out here: `status.waiting_for` says "waiting for
-        provider: <message>", PROVIDER_WAIT doubling to MAX_PROVIDER_WAIT. An
+        provider: <message>", for PROVIDER_WAIT, doubling each time. An
         outage never spends the crash budget. Terminate and cancel end an
         `interruptible` call between attempts at once; a completed activity's
         result is never thrown away, so a create that succeeded is cleaned up.
@@ -708,9 +706,7 @@ class ProxyLifecycle:
                     delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
                 elif patched and failures.provider_trouble(err):
                     waiting_for = "provider"
-                    delay = failures.next_retry_delay(err) or min(
-                        PROVIDER_WAIT * 2**provider_waits, MAX_PROVIDER_WAIT
-                    )
+                    delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(provider_waits)
                     provider_waits += 1
                 else:
                     raise

@@ -47,6 +47,24 @@ TRANSIENT_RETRY = RetryPolicy(
     non_retryable_error_types=NON_RETRYABLE,
 )
 
+
+@dataclass(frozen=True)
+class Backoff:
+    """A workflow's own wait between attempts: `first`, doubling each time up to `cap`."""
+
+    first: timedelta
+    cap: timedelta
+
+    def delay(self, attempt: int) -> timedelta:
+        """`first * 2**attempt`, at most `cap`; any `attempt`, however many, stays in range."""
+        delay = self.first
+        for _ in range(attempt):
+            if delay >= self.cap:
+                break
+            delay *= 2
+        return min(delay, self.cap)
+
+
 # A lifecycle's provider calls: Transient goes straight back to the workflow,
 # which waits it out on a timer `status` shows (workflows/lifecycle.py). A
 # lost worker (heartbeat or start-to-close timeout) is still retried here,

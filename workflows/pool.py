@@ -61,16 +61,15 @@ with workflow.unsafe.imports_passed_through():
         pool_id_problems,
     )
 
-# A replacement after a member ended Failed waits, doubling from
-# REPLACE_BACKOFF up to MAX_REPLACE_BACKOFF.
-REPLACE_BACKOFF = timedelta(seconds=10)
+# A replacement after a member ended Failed waits REPLACE_BACKOFF (10 s
+# doubling to 5 minutes); a member that could not start, its `first`.
+REPLACE_BACKOFF = policies.Backoff(first=timedelta(seconds=10), cap=timedelta(minutes=5))
 # How long a member leaving the pool (scaled down, or the old instance of a
 # rotation) keeps serving after it left `endpoints`, unless the template sets
 # `drain_seconds`: longer than a gateway takes to poll, debounce and reload
 # (docs/architecture.md, "The gateway").
 DEFAULT_MEMBER_DRAIN_SECONDS = 15
 MEMBER_DRAIN_PATCH = "member-drain"
-MAX_REPLACE_BACKOFF = timedelta(minutes=5)
 # The reconcile runs when the pool is awake anyway and this long has passed,
 RECONCILE_EVERY = timedelta(minutes=10)
 # and on a timer of its own after this long idle, or sooner while the pool
@@ -199,6 +198,8 @@ class PoolCarried:
 
 @dataclass(frozen=True)
 class PoolResult:
+    """What a finished ProxyPool returns."""
+
     state: PoolState
     reason: str
     members_started: int
@@ -605,7 +606,7 @@ class ProxyPool:
                 "A `scale` update resumes."
             )
             return
-        delay = min(REPLACE_BACKOFF * 2 ** (self._failures_in_a_row - 1), MAX_REPLACE_BACKOFF)
+        delay = REPLACE_BACKOFF.delay(self._failures_in_a_row - 1)
         self._start_after = workflow.now() + delay
 
     # ---- commands, each in a task of its own ----------------------------------------
@@ -639,7 +640,7 @@ class ProxyPool:
             # reconcile ends such strays): the next member gets the next id.
             self._members.pop(member.member, None)
             self._last_error = f"could not start {member.member}: {err}"
-            self._start_after = workflow.now() + REPLACE_BACKOFF
+            self._start_after = workflow.now() + REPLACE_BACKOFF.first
         finally:
             self._starting.discard(member.member)
 

@@ -30,10 +30,8 @@ from activities.gc import (
     GcActivities,
     SurveyInput,
 )
-from providers.base import Instance
 from providers.memory import MemoryProvider
 from providers.naming import (
-    GENERATION_KEY,
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
     MANAGED_BY_VALUE,
@@ -82,16 +80,6 @@ class Fleet:
             return (await self.client.count_workflows(query)).count == count
 
         await wait_for(caught_up, f"visibility to list {count} owners")
-
-    def candidate(self, instance: Instance) -> Candidate:
-        return Candidate(
-            provider=self.name,
-            provider_id=instance.provider_id,
-            name=instance.name,
-            owner=instance.tags.get(OWNER_KEY, ""),
-            generation=int(instance.tags.get(GENERATION_KEY, "-1")),
-            created_at=instance.created_at.isoformat(),
-        )
 
 
 @pytest.fixture
@@ -215,7 +203,7 @@ async def test_confirm_describes_each_owner_once_and_decides(fleet: Fleet) -> No
     found_before = counter("proxy_operator_orphans_found_total", fleet.name)
 
     confirmation = await run(
-        fleet.gc.confirm, ConfirmInput([fleet.candidate(i) for i in instances.values()])
+        fleet.gc.confirm, ConfirmInput([Candidate.of(fleet.name, i) for i in instances.values()])
     )
 
     verdicts = {

@@ -477,44 +477,29 @@ class FakeCompute:
     def _build_routes(self) -> list[_Route]:
         project = r"/projects/(?P<project>[^/]+)"
         zone = project + r"/zones/(?P<zone>[^/]+)"
+        instance = zone + r"/instances/(?P<name>[^/]+)"
+        zone_op = zone + r"/operations/(?P<op>[^/]+)"
+        global_op = project + r"/global/operations/(?P<op>[^/]+)"
+        firewalls = project + r"/global/firewalls"
+        firewall = firewalls + r"/(?P<name>[^/]+)"
         table: list[tuple[str, str, str, Callable[..., tuple[int, Any]]]] = [
             ("POST", zone + r"/instances", "insert", self._insert),
-            ("GET", zone + r"/instances/(?P<name>[^/]+)", "get", self._get),
+            ("GET", instance, "get", self._get),
             (
                 "GET",
-                zone + r"/instances/(?P<name>[^/]+)/getGuestAttributes",
+                instance + "/getGuestAttributes",
                 "get_guest_attributes",
                 self._guest_attributes,
             ),
-            ("DELETE", zone + r"/instances/(?P<name>[^/]+)", "delete", self._delete),
+            ("DELETE", instance, "delete", self._delete),
             ("GET", project + r"/aggregated/instances", "aggregated_list", self._aggregated),
-            ("GET", zone + r"/operations/(?P<op>[^/]+)", "zone_operation_get", self._op_get),
-            (
-                "POST",
-                zone + r"/operations/(?P<op>[^/]+)/wait",
-                "zone_operation_wait",
-                self._op_wait,
-            ),
-            (
-                "GET",
-                project + r"/global/operations/(?P<op>[^/]+)",
-                "global_operation_get",
-                self._op_get,
-            ),
-            (
-                "POST",
-                project + r"/global/operations/(?P<op>[^/]+)/wait",
-                "global_operation_wait",
-                self._op_wait,
-            ),
-            ("GET", project + r"/global/firewalls/(?P<name>[^/]+)", "firewall_get", self._fw_get),
-            ("POST", project + r"/global/firewalls", "firewall_insert", self._fw_insert),
-            (
-                "PUT",
-                project + r"/global/firewalls/(?P<name>[^/]+)",
-                "firewall_update",
-                self._fw_update,
-            ),
+            ("GET", zone_op, "zone_operation_get", self._op_get),
+            ("POST", zone_op + "/wait", "zone_operation_wait", self._op_wait),
+            ("GET", global_op, "global_operation_get", self._op_get),
+            ("POST", global_op + "/wait", "global_operation_wait", self._op_wait),
+            ("GET", firewall, "firewall_get", self._fw_get),
+            ("POST", firewalls, "firewall_insert", self._fw_insert),
+            ("PUT", firewall, "firewall_update", self._fw_update),
         ]
         return [
             _Route(verb, re.compile(f"^{API_PREFIX}{path}$"), method, handler)

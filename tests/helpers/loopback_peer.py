@@ -11,12 +11,13 @@ the peer. So even a broken access rule keeps the test's traffic on loopback.
 from __future__ import annotations
 
 import base64
-import socket
 import socketserver
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from tests.helpers.network import raw_status
 
 
 @dataclass
@@ -69,11 +70,4 @@ def connect_status(port: int, target: str, credentials: tuple[str, str] | None) 
     if credentials is not None:
         token = base64.b64encode(":".join(credentials).encode()).decode()
         head += f"Proxy-Authorization: Basic {token}\r\n"
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall((head + "\r\n").encode())
-        reply = b""
-        while b"\r\n" not in reply:
-            chunk = sock.recv(4096)
-            assert chunk, f"proxy closed the connection after {reply!r}"
-            reply += chunk
-    return int(reply.split()[1])
+    return raw_status("127.0.0.1", port, head + "\r\n", timeout=10)

@@ -19,3 +19,29 @@ def accepts_connections(port: int, host: str = "127.0.0.1") -> bool:
     except OSError:
         return False
     return True
+
+
+def raw_status(
+    host: str, port: int, head: str, source: str | None = None, timeout: float = 5
+) -> int:
+    """Send a request head to the proxy and return the status code of its reply."""
+    bind_to = (source, 0) if source else None
+    with socket.create_connection((host, port), timeout=timeout, source_address=bind_to) as sock:
+        sock.sendall(head.encode())
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = sock.recv(4096)
+            assert chunk, f"proxy closed the connection after {reply!r}"
+            reply += chunk
+    return int(reply.split()[1])
+
+
+def read_head(sock: socket.socket) -> bytes:
+    """An HTTP response head (through its blank line), or what came before the peer closed."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return head

@@ -99,3 +99,5 @@ class ProviderStack:
 StackFactory = Callable[
     [WorkflowEnvironment, Mapping[str, Provider], Config], Awaitable[ProviderStack]
 ]
+# The `stack_on` fixture: a Stack on the given Temporal environment.
+StackOn = Callable[[WorkflowEnvironment], Awaitable[Stack]]

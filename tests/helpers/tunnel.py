@@ -12,6 +12,8 @@ import socket
 import ssl
 from dataclasses import dataclass
 
+from tests.helpers.network import read_head
+
 TIMEOUT = 10.0
 
 
@@ -47,12 +49,7 @@ def request(
             f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
         )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            head += chunk
+        head = read_head(sock)
         status = int(head.split(b" ", 2)[1]) if head.count(b" ") >= 2 else 0
         if status != 200:
             return Answer(status)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,6 +35,17 @@ async def wait_for(
         if loop.time() > until:
             raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}")
         await asyncio.sleep(0.1)
+
+
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05
+) -> None:
+    """`wait_for` for synchronous tests: poll `check` until true, failing after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 async def wait_status(

@@ -23,11 +23,9 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -59,9 +57,10 @@ from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_t
 from providers.squid import ProxySettings, render, sha512_crypt
 from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
-from tests.helpers.network import free_port
+from tests.helpers.network import accepts_connections, free_port
 from tests.helpers.squid_upstream import SQUID, requires_squid
 from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.waiting import wait_until
 
 INSTALLATION = "test-installation"
 NAMESPACE = "proxies"
@@ -1017,22 +1016,6 @@ class SquidRun:
     @property
     def log(self) -> str:
         return b"".join(self.output).decode(errors="replace")
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def accepts_connections(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-    except OSError:
-        return False
-    return True
 
 
 @contextlib.contextmanager

@@ -28,7 +28,6 @@ import base64
 import os
 import socket
 import ssl
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -42,6 +41,8 @@ from providers.errors import NotFound
 from providers.kubernetes import KubernetesConfig, KubernetesProvider
 from providers.naming import OWNER_KEY, instance_name, owner_tags
 from providers.squid import ProxySettings
+from tests.helpers.network import read_head
+from tests.helpers.waiting import wait_until
 
 KUBECONFIG = os.environ.get("PROXY_OPERATOR_E2E_KUBECONFIG", "")
 TARGET = os.environ.get("PROXY_OPERATOR_E2E_TARGET", "example.com:443")
@@ -58,11 +59,8 @@ pytestmark = [
 
 
 def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(1)
+    """Poll the real cluster once a second."""
+    wait_until(check, timeout, what, interval=1)
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +125,7 @@ def connect_through(
 
 def status_line(sock: socket.socket) -> str:
     """The first line of an HTTP response head."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode(errors="replace").split("\r\n", 1)[0]
+    return read_head(sock).decode(errors="replace").split("\r\n", 1)[0]
 
 
 def proxy_request(owner: str) -> CreateRequest:

@@ -45,6 +45,7 @@ from providers.local import (
 from providers.naming import NAMESPACE_KEY, owner_tags
 from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
+from tests.helpers.network import raw_status
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import wait_for
 
@@ -417,19 +418,6 @@ def guarded(tls_origin: TlsOrigin) -> Iterator[Instance]:
         provider = provider_for(path)
         created = provider.create(request("proxy-guarded", tls_origin))
         yield wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
-
-
-def raw_status(host: str, port: int, head: str, source: str | None = None) -> int:
-    """Send a request head to the proxy and return the status code of its reply."""
-    bind_to = (source, 0) if source else None
-    with socket.create_connection((host, port), timeout=5, source_address=bind_to) as sock:
-        sock.sendall(head.encode())
-        reply = b""
-        while b"\r\n" not in reply:
-            chunk = sock.recv(4096)
-            assert chunk, f"proxy closed the connection after {reply!r}"
-            reply += chunk
-    return int(reply.split()[1])
 
 
 def connect_head(origin: TlsOrigin, password: str | None = PASSWORD) -> str:

@@ -8,19 +8,15 @@ dev server with a short lifetime instead.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.histories import record_history
-from tests.helpers.stacks import Stack
+from tests.helpers.stacks import StackOn
 from tests.helpers.waiting import status_of, wait_status
 
 pytestmark = pytest.mark.slow
-
-StackOn = Callable[[WorkflowEnvironment], Awaitable[Stack]]
 
 
 async def test_proxy_that_keeps_dying_fails_with_nothing_leaked(

@@ -11,7 +11,6 @@ import asyncio
 import signal
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +21,24 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tests.fakes.kubernetes import FakeKubernetes
-from tests.helpers.config import lifecycle_instance_name, local_entry, raw_config
+from tests.helpers.config import lifecycle_instance_name
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
-from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import wait_for, wait_status
-from tests.test_worker import worker_process  # noqa: F401 (a fixture)
+from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
+    WORKER_INSTALLATION,
+    LocalWorker,
+    StartWorker,
+    local_worker,
+    origin,
+    worker_process,
+    write_worker_config,
+)
 from tests.workflows.test_lifecycle_kubernetes import NAMESPACE, PROVIDER, Kubelet
 
 pytestmark = pytest.mark.slow
 
-INSTALLATION = "worker-log-test"
-StartWorker = Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]]
+INSTALLATION = WORKER_INSTALLATION
 
 # What a clean end never leaves in the worker's log: the SDK Core's warning
 # for an activity completing after its workflow closed, the SDK's warning for
@@ -48,22 +53,6 @@ NOISE = (
     "Completing activity as failed",
     "exception was never retrieved",
 )
-
-
-@pytest.fixture
-def origin(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
-    """A TLS origin for the probes, and the worker environment that trusts it."""
-    port = free_port()
-    with serve_tls_origin(port) as served:
-        ca_file = tmp_path / "ca.pem"
-        served.ca.cert_pem.write_to_path(str(ca_file))
-        yield port, {"SSL_CERT_FILE": str(ca_file), "PROXY_OPERATOR_METRICS_ADDRESS": ""}
-
-
-def write_config(path: Path, provider: dict[str, Any], origin_port: int) -> Path:
-    raw = raw_config(provider, connect_ports=[origin_port], installation=INSTALLATION)
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 async def start_proxy(
@@ -91,16 +80,12 @@ async def stop(process: subprocess.Popen[bytes]) -> None:
 
 async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_in_the_log(
     temporal_env: WorkflowEnvironment,
-    worker_process: StartWorker,  # noqa: F811
-    origin: tuple[int, dict[str, str]],
+    local_worker: LocalWorker,  # noqa: F811
     state_dir: Path,
     tmp_path: Path,
 ) -> None:
-    origin_port, env = origin
-    config = write_config(tmp_path / "providers.yaml", local_entry(state_dir), origin_port)
-    task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    origin_port, task_queue = local_worker.origin_port, local_worker.task_queue
     client = temporal_env.client
-    worker = worker_process(config, task_queue, env)
 
     # A max-lifetime rotation, then a terminate while the new instance is monitored.
     rotated = await start_proxy(client, task_queue, "local", origin_port, max_lifetime_seconds=10)
@@ -131,7 +116,8 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
     assert await pending_activities(refused) == []
 
     # The log is complete once the worker has drained and exited.
-    await stop(worker)
+    assert local_worker.process is not None
+    await stop(local_worker.process)
     log = (tmp_path / "worker-0.log").read_text()
     assert "worker on task queue" in log
     noisy = [line for line in log.splitlines() if any(word in line for word in NOISE)]
@@ -143,7 +129,7 @@ async def test_terminate_cancel_and_rotation_leave_nothing_pending_and_nothing_i
 async def test_a_worker_killed_mid_create_is_replaced_by_a_retry_that_adopts_the_pod(
     temporal_env: WorkflowEnvironment,
     worker_process: StartWorker,  # noqa: F811
-    origin: tuple[int, dict[str, str]],
+    origin: tuple[int, dict[str, str]],  # noqa: F811
     squid_upstreams: SquidUpstreams,
     tmp_path: Path,
 ) -> None:
@@ -169,7 +155,7 @@ async def test_a_worker_killed_mid_create_is_replaced_by_a_retry_that_adopts_the
             )
         )
         entry = {"name": PROVIDER, "type": "kubernetes", "kubernetes": {"namespace": NAMESPACE}}
-        config = write_config(tmp_path / "providers.yaml", entry, origin_port)
+        config = write_worker_config(tmp_path / "providers.yaml", entry, origin_port, INSTALLATION)
         env = {**env, "KUBECONFIG": str(kubeconfig)}
         task_queue = f"test-{uuid.uuid4().hex[:12]}"
         kubelet = Kubelet(fake, squid_upstreams, free_port())

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +18,17 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, USERNAME, local_entry
+from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
-from tests.test_worker import worker_process  # noqa: F401 (a fixture)
+from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
+    LocalWorker,
+    local_worker,
+    origin,
+    worker_process,
+)
 from tests.workflows.test_cli import curl, temporal
-from tests.workflows.test_lifecycle_worker_process import origin, write_config  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -289,16 +291,13 @@ async def _orphan_gc(pool: PoolCli, stack: Stack, body: dict[str, Any]) -> Any:
 
 async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak(
     temporal_env: WorkflowEnvironment,
-    worker_process: Callable[[Path, str, dict[str, str]], subprocess.Popen[bytes]],  # noqa: F811
-    origin: tuple[int, dict[str, str]],  # noqa: F811
+    local_worker: LocalWorker,  # noqa: F811
     state_dir: Path,
-    tmp_path: Path,
 ) -> None:
-    origin_port, env = origin
-    config = write_config(tmp_path / "providers.yaml", local_entry(state_dir), origin_port)
-    task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    origin_port, task_queue = local_worker.origin_port, local_worker.task_queue
+    worker = local_worker.process
+    assert worker is not None
     client = temporal_env.client
-    worker = worker_process(config, task_queue, env)
     template = {"provider": "local", "health": {"target": f"https://127.0.0.1:{origin_port}/"}}
     handle = await client.start_workflow(
         "ProxyPool",
@@ -320,7 +319,7 @@ async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak
     await wait_for(scaling, "the scale under way")
     worker.kill()  # kill -9, mid-scale
     await asyncio.to_thread(worker.wait, 30)
-    worker_process(config, task_queue, env)
+    local_worker.restart()
     await wait_for(lambda: ready(5), "5 Ready after the worker's loss", deadline=240)
     status = await handle.query("status")
     members = [m["member"] for m in status["members"]]

@@ -18,12 +18,10 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.stacks import Stack
+from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
-
-StackOn = Callable[[WorkflowEnvironment], Awaitable[Stack]]
 
 
 async def test_failure_budget_stops_replacing_and_says_why_until_scaled(
