@@ -57,20 +57,53 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 log = logging.getLogger("proxy_operator.worker")
 
 
+def env_argument(
+    parser: argparse.ArgumentParser, flag: str, env: str, text: str, default: str | None = None
+) -> None:
+    """A string flag that defaults to environment variable `env`, then `default`; says both."""
+    shown = f"env {env}" if default is None else f"env {env}, default %(default)s"
+    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{text} ({shown})")
+
+
+def settings_arguments(
+    parser: argparse.ArgumentParser, *, metrics_env: str, metrics_default: str
+) -> None:
+    """The flags every console script takes (the worker's, the gateway's).
+
+    The Temporal connection is not among them: `connect` reads it from the
+    environment (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API key, profiles).
+    """
+    env_argument(
+        parser,
+        "--providers-config",
+        "PROXY_OPERATOR_CONFIG",
+        "the providers YAML: credentials, access rules",
+    )
+    env_argument(
+        parser,
+        "--metrics-address",
+        metrics_env,
+        "host:port for /metrics and /healthz; empty turns it off",
+        metrics_default,
+    )
+
+
+def configure_logging() -> None:
+    """Log lines as every console script writes them, at PROXY_OPERATOR_LOG_LEVEL."""
+    logging.basicConfig(
+        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="proxy-operator-worker", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "--providers-config",
-        default=os.environ.get("PROXY_OPERATOR_CONFIG"),
-        help="providers YAML file (env PROXY_OPERATOR_CONFIG)",
-    )
-    parser.add_argument(
-        "--metrics-address",
-        default=os.environ.get("PROXY_OPERATOR_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
-        help="host:port for /metrics and /healthz; empty turns it off "
-        "(env PROXY_OPERATOR_METRICS_ADDRESS, default %(default)s)",
+    settings_arguments(
+        parser,
+        metrics_env="PROXY_OPERATOR_METRICS_ADDRESS",
+        metrics_default=DEFAULT_METRICS_ADDRESS,
     )
     parser.add_argument("--task-queue", default=TASK_QUEUE, help="default %(default)s")
     parser.add_argument(
@@ -97,10 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     args = parse_args(argv)
     if not args.providers_config:
         print("error: --providers-config (or PROXY_OPERATOR_CONFIG) is required", file=sys.stderr)

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "bench.fleet",
     "bench.gateway",
     "bench.pool",
+    "bench.reconfigure",
 )
 
 for module in BENCHMARKS:

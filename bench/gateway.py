@@ -7,7 +7,10 @@
    through the gateway's Squids over three local members, and straight to
    one member, alternating `--rounds` times in one run so both see the same
    machine; then the same at an offered `--rate` below saturation. Prints
-   requests/s and p50/p99 latency of each and their ratios.
+   requests/s and p50/p99 latency of each and their ratios, and the CPU
+   each request cost each process (the Squids, and this process: the
+   clients and the TLS origin), which is what a saturated ratio comes to
+   on a machine whose cores the load itself fills.
 2. Rotation: a ProxyPool of `--replicas` local members on a Temporal dev
    server, `proxy-operator-gateway` in front, the same clients running while
    `rotate {"all": true}` replaces every member. Prints requests made, lost
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
+import os
 import threading
 import time
 import uuid
@@ -35,7 +40,7 @@ from bench.stats import percentile
 from gateway.squids import GatewaySquids
 from providers.base import CreateRequest
 from providers.config import Config
-from providers.local import LocalProvider
+from providers.local import METADATA_FILE, LocalProvider
 from providers.naming import owner_tags
 from providers.squid import GatewayMember
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config, raw_config
@@ -102,6 +107,12 @@ class Load:
             thread.join()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time `pid` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
     """Closed loop (as fast as the clients go), then an open load at `--rate`."""
     for rate in (None, args.rate):
@@ -126,18 +137,33 @@ def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None)
             config.proxy_settings(), state_dir / ".gateway", ("127.0.0.1", free_port())
         )
         squids.start(members)
+        processes = {
+            **{s.role: s.process.pid for s in squids.squids if s.process is not None},
+            **{
+                f"member {n}": json.loads(
+                    (state_dir / f"bench-member-{n}" / METADATA_FILE).read_text()
+                )["pid"]
+                for n in range(3)
+            },
+            "clients + origin": os.getpid(),
+        }
+        cpu: dict[str, collections.Counter[str]] = {}
         try:
             paths: dict[str, Target] = {
                 "straight to one member": (members[0].host, members[0].port),
                 "through the gateway": ("127.0.0.1", squids.front.port),
             }
             results: dict[str, tuple[int, list[float], float]] = {p: (0, [], 0.0) for p in paths}
+            cpu = {p: collections.Counter() for p in paths}
             for _ in range(args.rounds):
                 for name, target in paths.items():
                     start = time.monotonic()
+                    used = {name: cpu_seconds(pid) for name, pid in processes.items()}
                     with Load(lambda t=target: t, origin, args.clients, rate) as load:
                         time.sleep(args.seconds)
                     elapsed = time.monotonic() - start
+                    for process, pid in processes.items():
+                        cpu[name][process] += cpu_seconds(pid) - used[process]
                     done, latencies, seconds = results[name]
                     results[name] = (
                         done + load.outcomes["ok"],
@@ -164,6 +190,13 @@ def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None)
     p99_ratio = figures["through the gateway"][2] / figures["straight to one member"][2]
     print(f"throughput ratio gateway/direct: {gateway / direct:.2f}")
     print(f"latency ratio gateway/direct: p50 {p50_ratio:.2f}, p99 {p99_ratio:.2f}")
+    print("CPU ms per request, by process:")
+    for name, (done, _, _) in results.items():
+        spent = {p: 1000 * s / max(done, 1) for p, s in cpu[name].items()}
+        spent = {p: ms for p, ms in spent.items() if ms >= 0.02}  # not a stray tick
+        total = sum(spent.values())
+        parts = ", ".join(f"{p} {ms:.2f}" for p, ms in spent.items())
+        print(f"  {name:<24} {total:.2f} ({parts})")
 
 
 async def rotation(args: argparse.Namespace, origin: TlsOrigin) -> None:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -51,45 +50,39 @@ class UsageError(Exception):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env = os.environ.get
     parser = argparse.ArgumentParser(
         prog="proxy-operator-gateway", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "--pool", default=env("PROXY_OPERATOR_GATEWAY_POOL"), help="the ProxyPool's workflow id"
+    worker.settings_arguments(
+        parser,
+        metrics_env="PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS",
+        metrics_default=DEFAULT_METRICS_ADDRESS,
     )
-    parser.add_argument(
-        "--listen",
-        default=env("PROXY_OPERATOR_GATEWAY_LISTEN", DEFAULT_LISTEN),
-        help="host:port clients connect to (default %(default)s)",
-    )
-    parser.add_argument(
-        "--providers-config",
-        default=env("PROXY_OPERATOR_CONFIG"),
-        help="the worker's providers YAML: credentials, access rules (env PROXY_OPERATOR_CONFIG)",
-    )
-    parser.add_argument(
-        "--metrics-address",
-        default=env("PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
-        help="host:port for /metrics and /healthz; empty turns it off (default %(default)s)",
-    )
-    parser.add_argument(
-        "--state-dir",
-        default=env("PROXY_OPERATOR_GATEWAY_STATE_DIR"),
-        help="where the Squids' configs and logs go (default: a private temporary directory)",
-    )
-    parser.add_argument(
-        "--poll-interval",
-        type=float,
-        default=DEFAULT_POLL_SECONDS,
-        help="seconds between endpoints queries (default %(default)s)",
-    )
-    parser.add_argument(
-        "--debounce",
-        type=float,
-        default=DEFAULT_DEBOUNCE_SECONDS,
-        help="seconds a membership change must hold still before a reload (default %(default)s)",
-    )
+    for flag, env, text, default in (
+        ("--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id", None),
+        (
+            "--listen",
+            "PROXY_OPERATOR_GATEWAY_LISTEN",
+            "host:port clients connect to",
+            DEFAULT_LISTEN,
+        ),
+        (
+            "--state-dir",
+            "PROXY_OPERATOR_GATEWAY_STATE_DIR",
+            "where the Squids' configs and logs go; unset, a private temporary directory",
+            None,
+        ),
+    ):
+        worker.env_argument(parser, flag, env, text, default)
+    for flag, seconds, text in (
+        ("--poll-interval", DEFAULT_POLL_SECONDS, "seconds between endpoints queries"),
+        (
+            "--debounce",
+            DEFAULT_DEBOUNCE_SECONDS,
+            "seconds a membership change must hold still before a reload",
+        ),
+    ):
+        parser.add_argument(flag, type=float, default=seconds, help=f"{text} (default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -121,10 +114,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    worker.configure_logging()
     args = parse_args(argv)
     try:
         pool, listen = checked(args)
@@ -204,10 +194,10 @@ async def _run(
         try:
             await asyncio.to_thread(squids.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
-            metrics.RELOADS.labels(outcome="failed").inc()
+            metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[1]).inc()
             log.error("reload failed, keeping the previous members: %s", err)
             return False
-        metrics.RELOADS.labels(outcome="ok").inc()
+        metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[0]).inc()
         metrics.MEMBERS.set(len(new))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True

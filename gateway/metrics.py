@@ -35,6 +35,7 @@ FAILURES = Counter(
     "Client requests the gateway could not carry: answered 5xx, or no answer at all",
     ["status"],
 )
+RELOAD_OUTCOMES = ("ok", "failed")
 RELOADS = Counter(
     "proxy_operator_gateway_reloads",
     "Membership changes applied to the back Squids, by outcome",

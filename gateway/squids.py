@@ -2,14 +2,26 @@
 
     client -> front (listen address) -> back-0 or back-1 (loopback) -> pool member
 
-Squid's `-k reconfigure` closes its listening socket while it re-reads its
-config (measured on Squid 5.7: thousands of refused connects over ten
-reloads under a tight connect loop, in SMP mode too), so a single Squid
-cannot take membership changes without refusing clients. The front's config
-names only the two backs and never changes; a membership change rewrites the
-backs' config and reloads one back, waits until it accepts again and the
-front uses it again, then reloads the other. A CONNECT the front sends to a
-reloading back is refused at once and retried on the other back.
+A non-SMP Squid's `-k reconfigure` closes its listening socket while it
+re-reads its config (Squid 5.7: 2,165 refused connects over 10 reloads under
+a tight connect loop), so such a Squid cannot take membership changes
+without refusing clients. One SMP Squid (`workers 2`, run with
+`--foreground`; `-N` runs no kids) keeps the socket open, because its
+coordinator holds it (Ipc::Coordinator::handleSharedListenRequest caches
+the listening sockets it opened in `listeners` and hands kids copies): 0
+refused over 20 reloads. But with the gateway's config every reload then
+pauses all workers at once, and CONNECTs routed while a worker swaps its
+peers get 500 "cannot forward": 7 x 500, 1 x 403 and 5 broken tunnels in
+569 CONNECTs over 30 reloads (reloading the kids one at a time: 8 to 13
+failures in about 1,800), against 0 x 500 and 1 broken tunnel in 2,250 for
+these three Squids under the same clients (docs/architecture.md, "Why not
+one SMP Squid"; `python -m bench.reconfigure` repeats the bare-Squid part).
+
+The front's config names only the two backs and never changes; a membership
+change rewrites the backs' config and reloads one back, waits until it
+accepts again and the front uses it again, then reloads the other. A
+CONNECT the front sends to a reloading back is refused at once and retried
+on the other back.
 
 Every file lives under the gateway's state directory, one directory per
 Squid (squid.conf, htpasswd, access.log, cache.log, squid.out). The backs'

@@ -1,4 +1,4 @@
-"""The series the worker exports, and the series a PromQL expression reads.
+"""The series the worker and the gateway export, and the series a PromQL expression reads.
 
 Shared by the checks on what charts and alerts query (the Grafana dashboard,
 the Prometheus rules): a query that names a series nobody exports shows an
@@ -16,6 +16,7 @@ import promql_parser
 from prometheus_client import REGISTRY
 
 import activities.metrics  # noqa: F401  (registers the activity series)
+import gateway.metrics  # noqa: F401  (registers the gateway's series)
 from providers.metrics import default_metrics
 
 # The names Prometheus stores for each metric type prometheus_client exports.
@@ -25,7 +26,7 @@ _CHILDREN = ("lhs", "rhs", "expr", "args", "vector_selector", "param")
 
 
 def exported_series() -> set[str]:
-    """Every series name the worker's own /metrics can serve."""
+    """Every series name the worker's or the gateway's /metrics can serve."""
     default_metrics()
     names = set()
     for family in REGISTRY.collect():

@@ -172,11 +172,21 @@ def mount_target(service: str, source: str) -> str:
     return target
 
 
-def test_prometheus_scrapes_the_worker_and_loads_the_rules() -> None:
+def test_prometheus_scrapes_the_worker_and_the_gateway_and_loads_the_rules() -> None:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
+    jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
     port = DEFAULT_METRICS_ADDRESS.rsplit(":", 1)[1]
-    assert job["static_configs"] == [{"targets": [f"worker:{port}"]}]
+    # The gateway's metrics port is the one its service is told, in the
+    # worker's network namespace (it has none of its own).
+    gateway = SERVICES["gateway"]
+    assert gateway["network_mode"] == "service:worker"
+    gateway_port = gateway["environment"]["PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"].rpartition(":")[
+        2
+    ]
+    assert jobs == {
+        "proxy-operator-worker": [{"targets": [f"worker:{port}"]}],
+        "proxy-operator-gateway": [{"targets": [f"worker:{gateway_port}"]}],
+    }
     assert f"{port}:{port}" in SERVICES["worker"]["ports"]
     rules = mount_target("prometheus", "./deploy/prometheus/proxy-operator-rules.yml")
     (pattern,) = config["rule_files"]

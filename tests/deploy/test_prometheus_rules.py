@@ -20,20 +20,25 @@ import pytest
 import yaml
 
 from activities.probe import FAILURES
+from gateway.metrics import RELOAD_OUTCOMES
 from providers.errors import TAXONOMY
 from tests.deploy.series import exported_series, matchers, selected_series
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "proxy-operator-rules.yml"
 RULE_TESTS = PROMETHEUS / "proxy-operator-rules.test.yml"
-# The compose Prometheus's only job: the worker. Rules outside compose keep this name.
-(_JOB,) = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
-SCRAPE_JOB = _JOB["job_name"]
+# The compose Prometheus's jobs: the worker and the gateway. Rules outside
+# compose keep these names.
+SCRAPE_JOBS = {
+    job["job_name"]
+    for job in yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
+}
 # Label values the worker sets, per series and label.
 LABEL_VALUES = {
     ("proxy_operator_provider_calls_total", "outcome"): {"ok", *(c.__name__ for c in TAXONOMY)},
     ("proxy_operator_probes_total", "outcome"): {"ok", *FAILURES},
-    ("up", "job"): {SCRAPE_JOB},
+    ("proxy_operator_gateway_reloads_total", "outcome"): set(RELOAD_OUTCOMES),
+    ("up", "job"): SCRAPE_JOBS,
 }
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -84,11 +89,19 @@ def test_the_label_check_catches_a_misspelt_outcome() -> None:
         "proxy_operator_provider_calls_total{outcome=~'PermanentError'}"
     ]
     assert unknown_label_values('up{job="worker"}') == ["up{job='worker'}"]
+    assert unknown_label_values('proxy_operator_gateway_reloads_total{outcome="error"}') == [
+        "proxy_operator_gateway_reloads_total{outcome='error'}"
+    ]
 
 
-def test_worker_down_alert_watches_the_scrape_job() -> None:
-    (down,) = [r for r in alert_rules() if selected_series(r["expr"]) == {"up"}]
-    assert re.fullmatch(r'up\{job="[^"]+"\} == 0', down["expr"].strip())
+def test_every_scrape_job_has_a_down_alert() -> None:
+    watched = set()
+    for rule in alert_rules():
+        if selected_series(rule["expr"]) == {"up"}:
+            match = re.fullmatch(r'up\{job="([^"]+)"\} == 0', rule["expr"].strip())
+            assert match, rule["alert"]
+            watched.add(match[1])
+    assert watched == SCRAPE_JOBS == {"proxy-operator-worker", "proxy-operator-gateway"}
 
 
 PROMTOOL = shutil.which("promtool")

@@ -62,6 +62,15 @@ def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         ("prox", None),
         ("other-session-a", None),
         ("", None),
+        ("proxy-session-" + "k" * 128, "proxy"),
+        ("proxy-session-a\n", None),  # fullmatch: no trailing newline slips through
+        ("proxy-session-a\nproxy", None),
+        ("proxy-proxy-web/3\n", None),
+        ("proxy-proxy-" + "m" * 201, None),
+        ("proxy-session-clé", None),
+        ("proxy-session-a%0A", None),
+        ("Proxy", None),
+        ("proxy-session-proxy-proxy-web.3", "proxy"),  # a session key that looks like a pin
     ],
 )
 def test_only_the_three_username_forms_authenticate_as_the_user(
@@ -91,18 +100,15 @@ def test_endpoints_entries_that_are_not_members_are_skipped() -> None:
 
 
 def run_gateway(
-    tmp_path: Path, env: WorkflowEnvironment, *args: str
+    tmp_path: Path, env: dict[str, str], *args: str
 ) -> subprocess.CompletedProcess[str]:
+    """`proxy-operator-gateway *args` over a local providers config, with `env` only."""
     config = tmp_path / "providers.yaml"
     config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
     return subprocess.run(
         [sys.executable, "-m", "gateway.main", "--providers-config", str(config), *args],
         cwd=ROOT,
-        env={
-            PASSWORD_ENV: PASSWORD,
-            "TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
-            "PATH": "/usr/bin:/bin",
-        },
+        env={"PATH": "/usr/bin:/bin", **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -114,7 +120,9 @@ def run_gateway(
 async def test_a_pool_that_does_not_exist_is_a_clear_error(
     temporal_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
-    result = run_gateway(tmp_path, temporal_env, "--pool", "no-such-pool")
+    temporal = temporal_env.client.service_client.config.target_host
+    env = {PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": temporal}
+    result = run_gateway(tmp_path, env, "--pool", "no-such-pool")
     assert result.returncode == 2, result.stderr
     assert "error: --pool: pool 'no-such-pool'" in result.stderr
     assert "Traceback" not in result.stderr
@@ -122,17 +130,7 @@ async def test_a_pool_that_does_not_exist_is_a_clear_error(
 
 @pytest.mark.slow
 def test_a_missing_password_is_reported_before_connecting(tmp_path: Path) -> None:
-    config = tmp_path / "providers.yaml"
-    config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway.main", "--pool", "web", "--providers-config", str(config)],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_gateway(tmp_path, {}, "--pool", "web")
     assert result.returncode == 2
     assert (
         "proxy.auth.password_env: environment variable PROXY_PASSWORD is not set" in result.stderr
@@ -141,17 +139,8 @@ def test_a_missing_password_is_reported_before_connecting(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_an_unreachable_temporal_is_a_clear_error(tmp_path: Path) -> None:
-    config = tmp_path / "providers.yaml"
-    config.write_text(yaml.safe_dump(raw_config(local_entry(tmp_path), connect_ports=[443])))
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway.main", "--pool", "web", "--providers-config", str(config)],
-        cwd=ROOT,
-        env={PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": "127.0.0.1:1", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    env = {PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    result = run_gateway(tmp_path, env, "--pool", "web")
     assert result.returncode == 1
     assert "error: cannot connect to Temporal" in result.stderr
     assert "Traceback" not in result.stderr

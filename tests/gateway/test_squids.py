@@ -192,6 +192,44 @@ def test_usernames_outside_the_three_forms_are_407_even_with_the_password(
     assert through(gateway, tls_origin, username).connect_status == 407
 
 
+# Usernames built to slip past the three forms; each Squid start costs
+# seconds, so one gateway takes them all.
+HOSTILE_USERNAMES = [
+    f"{USERNAME}-session-{'k' * 129}",  # one past SESSION_KEY's 128
+    f"{USERNAME}-session-{'k' * 5000}",
+    f"{USERNAME}-session-a\nproxy",  # a second helper line, if the helper trusted it
+    f"{USERNAME}-session-a%20b",
+    f"{USERNAME}-session-clé",
+    f"{USERNAME}-session-a'\"",
+    f"{USERNAME}-session-a:b",  # basic auth splits at the first colon: a wrong password
+    f"{USERNAME}-proxy-{POOL}/0\n",
+    f"{USERNAME}-proxy-{'m' * 201}",  # one past PINNABLE_MEMBER's 200
+    f"{USERNAME}-proxy-{POOL}/0 x",
+    USERNAME.upper(),  # usernames are case-sensitive
+    f"{USERNAME}-SESSION-a",
+    "",
+]
+
+
+def test_hostile_usernames_are_407_and_reach_no_member(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    answers = {u[:40]: through(gateway, tls_origin, u).connect_status for u in HOSTILE_USERNAMES}
+    assert set(answers.values()) == {407}, answers
+    assert sum(members.tunnels().values()) == 0
+    assert through(gateway, tls_origin, USERNAME).ok, "the gateway still serves"
+
+
+def test_every_kind_of_allowed_session_key_sticks(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    for key in ["k" * 128, "._~+=-", "0", "A-b.C_d~e+f=g"]:
+        before = members.tunnels()
+        for _ in range(5):
+            assert through(gateway, tls_origin, f"{USERNAME}-session-{key}").ok, key
+        assert list((members.tunnels() - before).values()) == [5], key
+
+
 def test_a_port_outside_allowed_connect_ports_is_403(
     gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
 ) -> None:
@@ -203,6 +241,24 @@ def test_a_port_outside_allowed_connect_ports_is_403(
         tls_origin.client_ssl_context,
     )
     assert answer.connect_status == 403
+    assert sum(members.tunnels().values()) == 0
+
+
+def test_denied_destinations_are_403_in_every_form(
+    gateway: GatewaySquids, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # The cloud metadata server and a private address, on an allowed port:
+    # the front refuses them before any member is asked.
+    for destination in ("169.254.169.254", "10.1.2.3"):
+        for username in (USERNAME, f"{USERNAME}-session-a", f"{USERNAME}-proxy-{POOL}/0"):
+            answer = request(
+                ("127.0.0.1", gateway.front.port),
+                username,
+                PASSWORD,
+                (destination, tls_origin.port),
+                tls_origin.client_ssl_context,
+            )
+            assert answer.connect_status == 403, (destination, username)
     assert sum(members.tunnels().values()) == 0
 
 
