@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,23 +23,34 @@ from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.procfs import is_running
 from tests.helpers.stacks import Stack
-from tests.helpers.temporal import TEMPORAL_CLI
+from tests.helpers.temporal import (
+    STARVED_QUERY,
+    STARVED_QUERY_PAUSE_SECONDS,
+    STARVED_QUERY_RETRY_SECONDS,
+    TEMPORAL_CLI,
+)
 from tests.helpers.waiting import DEADLINE, wait_for, wait_status
 
 pytestmark = pytest.mark.slow
 
 
 async def temporal(env: WorkflowEnvironment, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run the CLI off the event loop: the in-process worker must keep answering."""
+    """Run the CLI off the event loop: the in-process worker must keep answering.
+
+    A query the SDK's deadlock detector failed is asked again for a while, as
+    the tests' client does (tests/helpers/temporal.py, STARVED_QUERY).
+    """
     address = env.client.service_client.config.target_host
-    return await asyncio.to_thread(
-        subprocess.run,
-        [TEMPORAL_CLI, *args, "--address", address, "--namespace", env.client.namespace],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    command = [TEMPORAL_CLI, *args, "--address", address, "--namespace", env.client.namespace]
+    until = time.monotonic() + STARVED_QUERY_RETRY_SECONDS
+    while True:
+        done = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, text=True, timeout=60, check=False
+        )
+        starved = args[:2] == ("workflow", "query") and STARVED_QUERY in done.stderr
+        if not starved or time.monotonic() > until:
+            return done
+        await asyncio.sleep(STARVED_QUERY_PAUSE_SECONDS)
 
 
 async def cli_start(env: WorkflowEnvironment, stack: Stack, body: str) -> str:
