@@ -271,18 +271,42 @@ class GatewaySquids:
         """
         accepting = back.log_count(ACCEPTING)
         self._write_config(back, self._render(back))
-        subprocess.run(
-            [self._binary, "-k", "reconfigure", "-f", str(back.conf), "-n", back.service],
-            capture_output=True,
-            timeout=60,
-            check=True,
-        )
+        self._signal_reconfigure(back)
         self._await(
             lambda: back.log_count(ACCEPTING) > accepting and _accepts(back.address, back.port),
             back,
             RELOAD_DEADLINE,
         )
         log.info("reloaded %s with %d members", back.role, len(self.members))
+
+    def _signal_reconfigure(self, back: _Squid) -> None:
+        """`squid -k reconfigure`, asked again until RELOAD_DEADLINE while it exits non-zero.
+
+        It exits 1 without signalling when it cannot read or signal the PID in
+        the PID file; on a machine with both cores busy that has been seen
+        between reloads of a running back, and one more try found it. Only the
+        last attempt's output is reported, with the password scrubbed.
+        """
+        until = time.monotonic() + RELOAD_DEADLINE
+        while True:
+            done = subprocess.run(
+                [self._binary, "-k", "reconfigure", "-f", str(back.conf), "-n", back.service],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if done.returncode == 0:
+                return
+            if back.process is None or back.process.poll() is not None:
+                raise GatewayError(f"{back.role} Squid exited: {self._output(back)}")
+            if time.monotonic() > until:
+                said = self._scrub((done.stderr + done.stdout).strip()[-500:])
+                raise GatewayError(f"squid -k reconfigure of {back.role} failed: {said}")
+            log.warning(
+                "squid -k reconfigure of %s exited %d; trying again", back.role, done.returncode
+            )
+            time.sleep(POLL * 10)
 
     def _await(self, ready: Callable[[], bool], squid: _Squid, deadline: float) -> None:
         until = time.monotonic() + deadline

@@ -157,6 +157,28 @@ def live_processes_naming(path: Path) -> list[str]:
     return [line for line in out.splitlines() if f"{path}/" in line and not line.startswith("Z")]
 
 
+def squids_running(conf: Path) -> list[int]:
+    """Pids of live Squids running `conf` (ps's state column varies).
+
+    A child Squid forks to start a helper carries the same command line until
+    it execs; it is not a second Squid, so only those whose parent is not one
+    of them count (a loaded machine widens that window).
+    """
+    out = subprocess.run(  # -ww: whole command lines, whatever COLUMNS says
+        ["ps", "-ww", "-eo", "pid=,ppid=,stat=,args="],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    live = {
+        int(pid): int(ppid)
+        for pid, ppid, stat, args in rows
+        if f"-f {conf} " in args and stat[0] != "Z"
+    }
+    return [pid for pid, ppid in live.items() if ppid not in live]
+
+
 def shm_segments(name: str) -> list[Path]:
     return list(SHM_DIR.glob(f"{service_name(name)}-*"))
 
@@ -235,8 +257,7 @@ def test_create_twice_adopts_one_process(state_dir: Path, tls_origin: TlsOrigin)
         first.created_at,
     )
     conf = state_dir / "proxy-twice" / CONF_FILE
-    squids = [line for line in live_processes_naming(state_dir) if f"-f {conf}" in line]
-    assert len(squids) == 1, squids
+    assert len(squids_running(conf)) == 1
 
 
 def test_killed_squid_is_terminated_then_restarts_on_its_port(
@@ -601,37 +622,16 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
     assert record["pid"] is None, "the kill did not land between launch and record"
     conf = state_dir / "proxy-window" / CONF_FILE
 
-    def squids() -> list[int]:
-        """Pids of live Squids running this instance's config (ps's state column varies).
-
-        A child Squid forks to start a helper carries the same command line
-        until it execs; it is not a second Squid, so only those whose parent
-        is not one of them count (a loaded machine widens that window).
-        """
-        out = subprocess.run(  # -ww: whole command lines, whatever COLUMNS says
-            ["ps", "-ww", "-eo", "pid=,ppid=,stat=,args="],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        rows = [line.split(None, 3) for line in out.splitlines()]
-        live = {
-            int(pid): int(ppid)
-            for pid, ppid, stat, args in rows
-            if f"-f {conf} " in args and stat[0] != "Z"
-        }
-        return [pid for pid, ppid in live.items() if ppid not in live]
-
     provider = provider_for(state_dir)  # the retry, in the next worker
     found = wait_for_state(provider, "local/proxy-window", InstanceState.RUNNING)
     assert found.port == record["port"]
-    (squid,) = squids()
+    (squid,) = squids_running(conf)
     segments = shm_segments("proxy-window")
     assert segments
 
     retried = provider.create(request("proxy-window", tls_origin))
     assert retried.port == record["port"]
-    assert squids() == [squid]  # adopted, not started again
+    assert squids_running(conf) == [squid]  # adopted, not started again
     assert shm_segments("proxy-window") == segments  # its shared memory kept
     assert squid_pid(state_dir, "proxy-window") == squid  # recorded now
     assert raw_status(retried.ip or "127.0.0.1", retried.port, connect_head(tls_origin)) == 200
