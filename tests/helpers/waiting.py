@@ -18,6 +18,12 @@ async def status_of(handle: WorkflowHandle[Any, Any]) -> ProxyStatus:
     return await handle.query(ProxyLifecycle.status, result_type=ProxyStatus)
 
 
+async def pending_activities(handle: WorkflowHandle[Any, Any]) -> list[str]:
+    """The activity types a workflow is waiting on now, as the server describes them."""
+    description = await handle.describe()
+    return [a.activity_type.name for a in description.raw_description.pending_activities]
+
+
 async def wait_for(
     check: Callable[[], Awaitable[bool]] | Callable[[], bool],
     what: str,

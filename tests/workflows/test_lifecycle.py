@@ -15,7 +15,7 @@ from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.procfs import is_running
 from tests.helpers.stacks import Stack
-from tests.helpers.waiting import DEADLINE, status_of, wait_for, wait_status
+from tests.helpers.waiting import DEADLINE, pending_activities, status_of, wait_for, wait_status
 from workflows.lifecycle import ProxyStatus
 
 pytestmark = pytest.mark.slow
@@ -190,6 +190,14 @@ async def test_instance_lost_before_its_first_probe_is_replaced_without_waiting(
     unreachable = f"https://127.0.0.2:{stack.origin.port}/"
     handle = await stack.start(health={"target": unreachable, "interval_seconds": 1})
     first = await wait_status(handle, lambda s: bool(s.endpoint), "a running instance")
+
+    # The endpoint shows as soon as the instance is created; on a busy machine
+    # wait_running may still be polling it, and a kill then is a loss while
+    # provisioning, another path. Kill only once the first probe is under way.
+    async def probing() -> bool:
+        return "wait_healthy" in await pending_activities(handle)
+
+    await wait_for(probing, "the first probe under way")
     os.kill(stack.pid_of(first.instance), signal.SIGKILL)
     # Well inside the two minutes a first probe is given before the instance
     # is written off: the provider says it is gone, so it is replaced now.

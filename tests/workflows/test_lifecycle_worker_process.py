@@ -24,7 +24,7 @@ from tests.fakes.kubernetes import FakeKubernetes
 from tests.helpers.config import lifecycle_instance_name
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import SquidUpstreams, requires_squid
-from tests.helpers.waiting import wait_for, wait_status
+from tests.helpers.waiting import pending_activities, wait_for, wait_status
 from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     WORKER_INSTALLATION,
     LocalWorker,
@@ -66,11 +66,6 @@ async def start_proxy(
     return await client.start_workflow(
         "ProxyLifecycle", body, id=f"proxy-{uuid.uuid4().hex[:10]}", task_queue=task_queue
     )
-
-
-async def pending_activities(handle: WorkflowHandle[Any, Any]) -> list[str]:
-    description = await handle.describe()
-    return [a.activity_type.name for a in description.raw_description.pending_activities]
 
 
 async def stop(process: subprocess.Popen[bytes]) -> None:
