@@ -58,31 +58,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metrics_env="PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
-    for flag, env, text, default in (
-        ("--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id", None),
-        (
-            "--listen",
-            "PROXY_OPERATOR_GATEWAY_LISTEN",
-            "host:port clients connect to",
-            DEFAULT_LISTEN,
-        ),
-        (
-            "--state-dir",
-            "PROXY_OPERATOR_GATEWAY_STATE_DIR",
-            "where the Squids' configs and logs go; unset, a private temporary directory",
-            None,
-        ),
-    ):
-        worker.env_argument(parser, flag, env, text, default)
-    for flag, seconds, text in (
-        ("--poll-interval", DEFAULT_POLL_SECONDS, "seconds between endpoints queries"),
-        (
-            "--debounce",
-            DEFAULT_DEBOUNCE_SECONDS,
-            "seconds a membership change must hold still before a reload",
-        ),
-    ):
-        parser.add_argument(flag, type=float, default=seconds, help=f"{text} (default %(default)s)")
+    worker.env_argument(
+        parser, "--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id"
+    )
+    worker.env_argument(
+        parser,
+        "--listen",
+        "PROXY_OPERATOR_GATEWAY_LISTEN",
+        "host:port clients connect to",
+        DEFAULT_LISTEN,
+    )
+    worker.env_argument(
+        parser,
+        "--state-dir",
+        "PROXY_OPERATOR_GATEWAY_STATE_DIR",
+        "where the Squids' configs and logs go; unset, a private temporary directory",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_SECONDS,
+        help="seconds between endpoints queries (default %(default)s)",
+    )
+    parser.add_argument(
+        "--debounce",
+        type=float,
+        default=DEFAULT_DEBOUNCE_SECONDS,
+        help="seconds a membership change must hold still before a reload (default %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -194,10 +197,10 @@ async def _run(
         try:
             await asyncio.to_thread(squids.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
-            metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[1]).inc()
+            metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()
             log.error("reload failed, keeping the previous members: %s", err)
             return False
-        metrics.RELOADS.labels(outcome=metrics.RELOAD_OUTCOMES[0]).inc()
+        metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.MEMBERS.set(len(new))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True

@@ -35,7 +35,10 @@ FAILURES = Counter(
     "Client requests the gateway could not carry: answered 5xx, or no answer at all",
     ["status"],
 )
-RELOAD_OUTCOMES = ("ok", "failed")
+# The `outcome` label of RELOADS; the alert rules count "failed".
+RELOAD_OK = "ok"
+RELOAD_FAILED = "failed"
+RELOAD_OUTCOMES = (RELOAD_OK, RELOAD_FAILED)
 RELOADS = Counter(
     "proxy_operator_gateway_reloads",
     "Membership changes applied to the back Squids, by outcome",
