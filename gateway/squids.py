@@ -282,10 +282,12 @@ class GatewaySquids:
     def _signal_reconfigure(self, back: _Squid) -> None:
         """`squid -k reconfigure`, asked again until RELOAD_DEADLINE while it exits non-zero.
 
-        It exits 1 without signalling when it cannot read or signal the PID in
-        the PID file; on a machine with both cores busy that has been seen
-        between reloads of a running back, and one more try found it. Only the
-        last attempt's output is reported, with the password scrubbed.
+        It exits 1 without sending the signal when it finds no PID to signal
+        (no PID file, or a PID it cannot signal), so asking again cannot
+        reload a back twice. Exit 1 was seen once, on a machine with both cores
+        busy, for a back that was running; its output was not kept then, so
+        the cause is not known. A back that has exited fails at once; the last
+        attempt's output is reported, with the password scrubbed.
         """
         until = time.monotonic() + RELOAD_DEADLINE
         while True:
