@@ -35,14 +35,17 @@ RUN apt-get update \
     && install -d -o 10001 -g 10001 /app/.data
 USER 10001:10001
 
-# proxy-operator-gateway: one Squid front and two back Squids over a pool's
-# members, with the worker's code for its config and Temporal connection.
+# proxy-operator-gateway: one SMP Squid (a front worker, two back workers)
+# over a pool's members, with the worker's code for its config and Temporal
+# connection. Squid's workers put their IPC sockets in /run/squid, so the
+# gateway's user owns it (on Kubernetes an emptyDir is mounted there).
 #   docker build --target gateway -t proxy-operator-gateway:0.1.0 .
 FROM worker AS gateway
 USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends squid \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && install -d -o 10001 -g 10001 -m 0750 /run/squid
 USER 10001:10001
 EXPOSE 8888 9465
 CMD ["proxy-operator-gateway", "--providers-config", "/etc/proxy-operator/providers.yaml"]

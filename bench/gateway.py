@@ -1,17 +1,21 @@
-"""The gateway: CONNECT throughput and latency against one member, and requests lost in a rotation.
+"""The gateway: CONNECT throughput and latency against one member, and requests lost in reloads.
 
-    python -m bench.gateway [--clients 4] [--seconds 10] [--rounds 2] [--rate 100] [--replicas 10]
+    python -m bench.gateway [--clients 4] [--seconds 10] [--rounds 2] [--rate 100]
+                            [--reloads 30] [--replicas 10] [--skip-throughput] [--skip-rotation]
 
 1. Throughput: the same closed-loop load (`--clients` threads, each making
    one HTTPS request after another: CONNECT, TLS handshake, GET) sent
-   through the gateway's Squids over three local members, and straight to
+   through the gateway's Squid over three local members, and straight to
    one member, alternating `--rounds` times in one run so both see the same
    machine; then the same at an offered `--rate` below saturation. Prints
    requests/s and p50/p99 latency of each and their ratios, and the CPU
-   each request cost each process (the Squids, and this process: the
-   clients and the TLS origin), which is what a saturated ratio comes to
-   on a machine whose cores the load itself fills.
-2. Rotation: a ProxyPool of `--replicas` local members on a Temporal dev
+   each request cost each process (the gateway's workers, the members, and
+   this process: the clients and the TLS origin), which is what a saturated
+   ratio comes to on a machine whose cores the load itself fills.
+2. Reloads: the same closed loop through the gateway while its membership
+   flips between 3 and 4 local members `--reloads` times, a second apart
+   (each change reloads both back workers). Prints requests made and lost.
+3. Rotation: a ProxyPool of `--replicas` local members on a Temporal dev
    server, `proxy-operator-gateway` in front, the same clients running while
    `rotate {"all": true}` replaces every member. Prints requests made, lost
    (any answer but 200 from origin through the tunnel, or a socket error),
@@ -37,7 +41,7 @@ from temporalio.client import Client
 
 from activities.provider import ProviderActivities
 from bench.stats import percentile
-from gateway.squids import GatewaySquids
+from gateway.squid import GatewaySquid
 from providers.base import CreateRequest
 from providers.config import Config
 from providers.local import METADATA_FILE, LocalProvider
@@ -53,6 +57,7 @@ from tests.helpers.tunnel import request
 from worker import build_worker
 
 Target = tuple[str, int]
+RELOAD_GAP = 1.0
 
 
 class Load:
@@ -119,26 +124,74 @@ def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:
         _throughput(args, origin, rate)
 
 
+def local_members(config: Config, count: int) -> list[GatewayMember]:
+    """`count` local Squids standing in for a pool's members, `bench/<n>`."""
+    provider = LocalProvider.from_config(config.providers[0], config)
+    members = []
+    for n in range(count):
+        instance = provider.create(
+            CreateRequest(
+                name=f"bench-member-{n}",
+                proxy=config.proxy_settings(),
+                tags=owner_tags(config.installation, f"bench/{n}", 0),
+            )
+        )
+        members.append(GatewayMember(f"bench/{n}", instance.ip, instance.port))
+    return members
+
+
+def reloads(args: argparse.Namespace, origin: TlsOrigin) -> None:
+    """The closed-loop clients through the gateway while its membership flips 3 <-> 4."""
+    with local_state_dir("proxy-operator-bench-") as state_dir:
+        config = proxy_config(origin.port, local_entry(state_dir))
+        members = local_members(config, 4)
+        gateway = GatewaySquid(
+            config.proxy_settings(), state_dir / ".gateway", ("127.0.0.1", free_port())
+        )
+        gateway.start(members[:3])
+        try:
+            took = []
+            with Load(lambda: ("127.0.0.1", gateway.front.port), origin, args.clients) as load:
+                for flip in range(args.reloads):
+                    time.sleep(RELOAD_GAP)
+                    start = time.monotonic()
+                    gateway.apply(members if flip % 2 == 0 else members[:3])
+                    took.append(time.monotonic() - start)
+                time.sleep(RELOAD_GAP)
+        finally:
+            gateway.stop()
+        # What the members answered other than a tunnel: a 400 is a client's
+        # TLS handshake a reloading back sent a member as if it were the
+        # origin (docs/architecture.md, "What a reload can still lose").
+        answered = collections.Counter(
+            line.split()[3]
+            for n in range(len(members))
+            for line in (state_dir / f"bench-member-{n}" / "access.log").read_text().splitlines()
+            if "TCP_TUNNEL/200" not in line
+        )
+    made = sum(load.outcomes.values())
+    print(f"\n{args.reloads} membership changes (3 <-> 4 members, each back worker reloaded)")
+    print(f"requests made {made}, lost {made - load.outcomes['ok']} ({dict(load.outcomes)})")
+    print(f"members' answers other than a tunnel: {dict(answered) or 'none'}")
+    print(
+        f"a change took p50 {percentile(took, 50):.2f} s, max {max(took):.2f} s; "
+        f"latency p50 {percentile(load.latencies, 50) * 1000:.1f} ms, "
+        f"p99 {percentile(load.latencies, 99) * 1000:.1f} ms, "
+        f"max {max(load.latencies) * 1000:.0f} ms"
+    )
+
+
 def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None) -> None:
     with local_state_dir("proxy-operator-bench-") as state_dir:
         config = proxy_config(origin.port, local_entry(state_dir))
-        provider = LocalProvider.from_config(config.providers[0], config)
-        members = []
-        for n in range(3):
-            instance = provider.create(
-                CreateRequest(
-                    name=f"bench-member-{n}",
-                    proxy=config.proxy_settings(),
-                    tags=owner_tags(config.installation, f"bench/{n}", 0),
-                )
-            )
-            members.append(GatewayMember(f"bench/{n}", instance.ip, instance.port))
-        squids = GatewaySquids(
+        members = local_members(config, 3)
+        gateway = GatewaySquid(
             config.proxy_settings(), state_dir / ".gateway", ("127.0.0.1", free_port())
         )
-        squids.start(members)
+        gateway.start(members)
+        workers = {w.role: gateway.worker_pid(w) for w in gateway.workers}
         processes = {
-            **{s.role: s.process.pid for s in squids.squids if s.process is not None},
+            **{role: pid for role, pid in workers.items() if pid is not None},
             **{
                 f"member {n}": json.loads(
                     (state_dir / f"bench-member-{n}" / METADATA_FILE).read_text()
@@ -151,7 +204,7 @@ def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None)
         try:
             paths: dict[str, Target] = {
                 "straight to one member": (members[0].host, members[0].port),
-                "through the gateway": ("127.0.0.1", squids.front.port),
+                "through the gateway": ("127.0.0.1", gateway.front.port),
             }
             results: dict[str, tuple[int, list[float], float]] = {p: (0, [], 0.0) for p in paths}
             cpu = {p: collections.Counter() for p in paths}
@@ -174,7 +227,7 @@ def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None)
                     if failed:
                         print(f"  {name}: {failed} failed: {dict(load.outcomes)}")
         finally:
-            squids.stop()
+            gateway.stop()
     rounds = f"{args.rounds} x {args.seconds:.0f} s each"
     offered = f"offered {rate:.0f} requests/s" if rate else "closed loop"
     print(f"\nCONNECT + TLS + GET, {args.clients} clients, {offered}, {rounds}")
@@ -290,10 +343,15 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=10)
     parser.add_argument("--drain", type=int, default=6)
     parser.add_argument("--rate", type=float, default=100.0, help="the open load, requests/s")
+    parser.add_argument("--reloads", type=int, default=30, help="membership changes; 0 skips")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-rotation", action="store_true")
     args = parser.parse_args()
     with serve_tls_origin() as origin:
-        throughput(args, origin)
+        if not args.skip_throughput:
+            throughput(args, origin)
+        if args.reloads:
+            reloads(args, origin)
         if not args.skip_rotation:
             asyncio.run(rotation(args, origin))
 

@@ -10,8 +10,8 @@ whether a tunnel opened before the reloads still carries bytes after them.
 `workers 1` runs with `-N` (no kids, as the local provider's proxies run),
 `workers 2` and more with `--foreground` (SMP: a coordinator and kids).
 
-The gateway's design rests on this (gateway/squids.py, docs/architecture.md
-"Why not one SMP Squid"). Needs root or a Squid user that can write
+The gateway's design rests on this (gateway/squid.py, docs/architecture.md
+"The gateway"). Needs root or a Squid user that can write
 /run/squid (SMP's IPC sockets). Asserts nothing.
 """
 

@@ -31,7 +31,7 @@ from temporalio.service import RPCError
 
 import worker
 from gateway import membership, metrics
-from gateway.squids import GatewayError, GatewaySquids
+from gateway.squid import GatewayError, GatewaySquid
 from providers.config import ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 from worker import Health, connect, serve_metrics
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser,
         "--state-dir",
         "PROXY_OPERATOR_GATEWAY_STATE_DIR",
-        "where the Squids' configs and logs go; unset, a private temporary directory",
+        "where Squid's configs and logs go; unset, a private temporary directory",
     )
     parser.add_argument(
         "--poll-interval",
@@ -157,15 +157,15 @@ async def serve(
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
-    squids = GatewaySquids(settings, state_dir / "squids", listen)
+    squid = GatewaySquid(settings, state_dir / "squid", listen)
     names = metrics.MemberNames()
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
     try:
-        await asyncio.to_thread(squids.start, members)
-        follower.follow(squids.front.access_log, metrics.count_front_line)
-        for back in squids.backs:
+        await asyncio.to_thread(squid.start, members)
+        follower.follow(squid.front.access_log, metrics.count_front_line)
+        for back in squid.backs:
             follower.follow(back.access_log, lambda line: metrics.count_back_line(line, names))
         follower.start()
         metrics.MEMBERS.set(len(members))
@@ -176,9 +176,9 @@ async def serve(
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
         )
-        return await _run(args, squids, names, fetch, members)
+        return await _run(args, squid, names, fetch, members)
     finally:
-        await asyncio.to_thread(squids.stop)
+        await asyncio.to_thread(squid.stop)
         follower.stop()
         if private:
             shutil.rmtree(state_dir, ignore_errors=True)
@@ -186,7 +186,7 @@ async def serve(
 
 async def _run(
     args: argparse.Namespace,
-    squids: GatewaySquids,
+    squid: GatewaySquid,
     names: metrics.MemberNames,
     fetch: membership.Fetch,
     members: Sequence[GatewayMember],
@@ -195,7 +195,7 @@ async def _run(
         for member in new:
             names.add(member.member)
         try:
-            await asyncio.to_thread(squids.apply, new)
+            await asyncio.to_thread(squid.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()
             log.error("reload failed, keeping the previous members: %s", err)
@@ -207,7 +207,7 @@ async def _run(
 
     def on_error(err: BaseException) -> None:
         metrics.MEMBERSHIP_ERRORS.inc()
-        log.warning("endpoints query failed, keeping %d members: %s", len(squids.members), err)
+        log.warning("endpoints query failed, keeping %d members: %s", len(squid.members), err)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -225,8 +225,8 @@ async def _run(
     )
     try:
         while not stop.is_set():
-            if not squids.running():
-                log.error("a Squid of the gateway exited; stopping")
+            if not squid.running():
+                log.error("the gateway's Squid exited; stopping")
                 return 1
             if following.done():
                 following.result()  # raises what ended it

@@ -1,6 +1,6 @@
-"""The gateway's Prometheus series, read from its Squids' access logs.
+"""The gateway's Prometheus series, read from its Squid workers' access logs.
 
-The Squids log every request in `providers.squid.GATEWAY_LOG_FORMAT`:
+The workers log every request in `providers.squid.GATEWAY_LOG_FORMAT`:
 
     <time> <ms> <status> <squid status>/<hierarchy> <peer name> <peer ip> <peer port> <method> <url>
 
@@ -41,7 +41,7 @@ RELOAD_FAILED = "failed"
 RELOAD_OUTCOMES = (RELOAD_OK, RELOAD_FAILED)
 RELOADS = Counter(
     "proxy_operator_gateway_reloads",
-    "Membership changes applied to the back Squids, by outcome",
+    "Membership changes applied to the back workers, by outcome",
     ["outcome"],
 )
 MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation")

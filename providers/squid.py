@@ -98,14 +98,17 @@ def render(
     auth_wrapper: Sequence[str] = (),
     log_format: str | None = None,
     routing: Sequence[str] = (),
+    authenticate: bool = True,
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
-    The keyword arguments are for the gateway's Squids (`render_gateway_front`,
+    The keyword arguments are for the gateway's workers (`render_gateway_front`,
     `render_gateway_back`), which keep every rule above and add to them:
     `auth_wrapper` is a helper command `basic_ncsa_auth` runs under,
     `log_format` a logformat definition for the access log, `routing` the
-    lines that send requests to parents.
+    lines that send requests to parents. `authenticate=False` drops rule 5
+    for the gateway's front, which passes credentials on to back workers
+    that check them; it is refused unless `routing` forbids going direct.
 
     Raises ValueError for settings that could open the proxy (no CIDRs, no
     ports, an empty password, a CIDR that is not one): config validation
@@ -118,6 +121,8 @@ def render(
         raise ValueError("allowed_connect_ports must not be empty")
     if not settings.password or not settings.username or ":" in settings.username:
         raise ValueError("a username without ':' and a non-empty password are required")
+    if not authenticate and NEVER_DIRECT not in routing:
+        raise ValueError("only a Squid whose every request goes to a parent may skip auth")
     clients = " ".join(_squid_cidr(c) for c in settings.allowed_cidrs)
 
     lines = [
@@ -135,7 +140,7 @@ def render(
     ]
     if paths.effective_user:
         lines.append(f"cache_effective_user {paths.effective_user}")
-    lines += [
+    auth = [
         "",
         f"auth_param basic program {' '.join([*auth_wrapper, NCSA_AUTH_HELPER, paths.htpasswd])}",
         "auth_param basic children 5 startup=1 idle=1",
@@ -144,12 +149,16 @@ def render(
         # Squid lowercases usernames before its helper sees them unless told
         # not to: `Proxy` in the htpasswd would then never match.
         "auth_param basic casesensitive on",
+    ]
+    lines += [
+        *(auth if authenticate else []),
         "",
         f"acl allowed_clients src {clients}",
         f"acl allowed_ports port {' '.join(str(p) for p in settings.allowed_connect_ports)}",
         "acl CONNECT method CONNECT",
-        "acl authenticated proxy_auth REQUIRED",
     ]
+    if authenticate:
+        lines.append("acl authenticated proxy_auth REQUIRED")
     if settings.denied_destinations:
         # `dst` resolves a name and matches when any of its addresses is in
         # the list; the tunnel then connects to the addresses it checked.
@@ -165,7 +174,7 @@ def render(
         # Before auth: no credentials, not even the right ones, open these.
         lines.append("http_access deny denied_destinations")
     lines += [
-        "http_access allow CONNECT allowed_ports authenticated",
+        f"http_access allow CONNECT allowed_ports{' authenticated' if authenticate else ''}",
         "http_access deny all",
         "",
         "# A forward proxy for tunnels only: no cache, no identifying headers.",
@@ -191,7 +200,7 @@ def render(
 
 # ---- the gateway (docs/architecture.md, "The gateway") ---------------------------
 
-# What the gateway's Squids write per request: what its metrics are read from.
+# What the gateway's workers write per request: what its metrics are read from.
 GATEWAY_LOG_FORMAT = "gateway"
 _GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru"
 # A member id that can be written into squid.conf and typed as a username.
@@ -208,11 +217,16 @@ PIN_INFIX = "-proxy-"
 # so the limit is not 1.
 MEMBER_CONNECT_FAIL_LIMIT = 10
 MEMBER_CONNECT_TIMEOUT = 3
-# The front never marks a back dead: a back relays members' and origins'
-# errors, which Squid would count against it, and a back that is reloading
-# refuses at once, so the front simply tries the other one.
+# The front never marks the backs dead: they relay members' and origins'
+# errors, which Squid would count against them.
 BACK_CONNECT_FAIL_LIMIT = 1_000_000
-# Members (or back Squids) one request may be tried on before it fails.
+# Section 15 (neighbors) at level 2 logs each probe of a peer that answers
+# ("TCP connection to <peer> succeeded") or not ("... dead"): the gateway
+# waits on those lines.
+GATEWAY_DEBUG = "debug_options ALL,1 15,2"
+# Every request of a gateway worker goes to a parent, never to the origin.
+NEVER_DIRECT = "never_direct allow all"
+# Members (or back workers) one request may be tried on before it fails.
 FORWARD_MAX_TRIES = 10
 
 
@@ -277,11 +291,11 @@ def render_gateway_back(
     members: Sequence[GatewayMember],
     auth_wrapper: Sequence[str],
 ) -> RenderedSquid:
-    """The Squid that routes by username to the pool's members.
+    """The back workers' config: they route by username to the pool's members.
 
-    Only the front Squid reaches it (it listens on loopback and admits
-    loopback clients only); it applies the proxies' own rules again, then
-    sends every request to a member (`never_direct`), logging in
+    Only the front worker reaches them (they listen on loopback and admit
+    loopback clients only); they apply the proxies' own rules again, then
+    send every request to a member (`never_direct`), logging in
     GATEWAY_LOG_FORMAT. Each member is declared once per `Route`, and
     `cache_peer_access` on the username decides which declarations a request
     may use. When the chosen member fails to connect, Squid retries the other
@@ -294,7 +308,8 @@ def render_gateway_back(
         "# The pool's members, one cache_peer per member and route. A member that",
         "# cannot be connected to is retried on the next; its error answers (an",
         "# origin that is down) are the client's to see, not retried.",
-        "never_direct allow all",
+        GATEWAY_DEBUG,
+        NEVER_DIRECT,
         f"forward_max_tries {FORWARD_MAX_TRIES}",
         f"acl gateway_{Route.ROTATE} proxy_auth {user}",
         f"acl gateway_{Route.SESSION} proxy_auth_regex {session_pattern}",
@@ -319,28 +334,29 @@ def render_gateway_back(
                 f"cache_peer_access {name} deny all",
             ]
     loopback = replace(settings, allowed_cidrs=("127.0.0.1/32",))
-    return _render_gateway_squid(loopback, paths, auth_wrapper, lines)
+    return _render_gateway_squid(loopback, paths, lines, auth_wrapper)
 
 
 def render_gateway_front(
-    settings: ProxySettings,
-    paths: SquidPaths,
-    back_ports: Sequence[int],
-    auth_wrapper: Sequence[str],
+    settings: ProxySettings, paths: SquidPaths, back_ports: Sequence[int]
 ) -> RenderedSquid:
-    """The Squid clients talk to: the proxies' rules, then one of the back Squids.
+    """The worker clients talk to: the proxies' rules, then one of the back workers.
 
-    Its config never changes while it runs, so its listening socket never
-    closes: membership changes reload the back Squids one at a time (a
-    reload closes a Squid's listener for a moment), and a CONNECT that finds
-    one back reloading is retried on the other. Credentials are passed on
-    (`login=PASSTHRU`) because the back routes by username.
+    It does not check credentials: every request goes to a back worker
+    (`never_direct`), with the credentials passed on (`login=PASSTHRU`),
+    and the backs check them, since they route by username; a client
+    without the password gets their 407.
+
+    Its config never changes while it runs: membership changes reload the
+    back workers one at a time, and a CONNECT a back fails while its new
+    peers are being probed is tried again on the other back.
     """
     if len(back_ports) < 2:
-        raise ValueError("the front needs two back Squids, so one serves while the other reloads")
+        raise ValueError("the front needs two back workers, so one serves while the other reloads")
     lines = [
-        "# The back Squids: they route to the members, and reload in turn.",
-        "never_direct allow all",
+        "# The back workers: they route to the members, and reload in turn.",
+        GATEWAY_DEBUG,
+        NEVER_DIRECT,
         f"forward_max_tries {FORWARD_MAX_TRIES}",
     ]
     for i, port in enumerate(back_ports):
@@ -349,19 +365,24 @@ def render_gateway_front(
             "no-query no-digest no-netdb-exchange login=PASSTHRU "
             f"connect-fail-limit={BACK_CONNECT_FAIL_LIMIT} connect-timeout=2"
         )
-    return _render_gateway_squid(settings, paths, auth_wrapper, lines)
+    return _render_gateway_squid(settings, paths, lines, authenticate=False)
 
 
 def _render_gateway_squid(
-    settings: ProxySettings, paths: SquidPaths, auth_wrapper: Sequence[str], routing: list[str]
+    settings: ProxySettings,
+    paths: SquidPaths,
+    routing: list[str],
+    auth_wrapper: Sequence[str] = (),
+    authenticate: bool = True,
 ) -> RenderedSquid:
-    """A gateway Squid: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
+    """A gateway worker's config: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
     return render(
         settings,
         paths,
         auth_wrapper=auth_wrapper,
         log_format=f"logformat {GATEWAY_LOG_FORMAT} {_GATEWAY_LOG_FIELDS}",
         routing=[*routing, ""],
+        authenticate=authenticate,
     )
 
 

@@ -216,6 +216,12 @@ def _print_guide(ui_port: int, metrics: str, password_file: Path) -> None:
     gateway = os.path.relpath(TEMPORAL.with_name("proxy-operator-gateway"), Path.cwd())
     password = os.path.relpath(password_file, Path.cwd())
     secret = "$PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else f"$(cat {password})"
+    # The gateway's SMP Squid needs its IPC directory (docs/operations.md).
+    unprivileged = (
+        "\n  sudo chmod 1777 /var/run/squid    # once per boot, as you are not root"
+        if os.geteuid() != 0
+        else ""
+    )
     _say(
         f"""
 proxy-operator is running.
@@ -242,7 +248,7 @@ In another terminal:
   {temporal} workflow list --query "ProxyState = 'Ready'"
   {temporal} workflow signal --workflow-id proxy-demo --name terminate
 
-  # a pool of three, and one endpoint in front of it (the gateway)
+  # a pool of three, and one endpoint in front of it (the gateway){unprivileged}
   {temporal} workflow start --type ProxyPool --task-queue proxy-operator \\
       --workflow-id pool-demo --input '{{"replicas": 3, "template": {{"provider": "local"}}}}'
   PROXY_PASSWORD={secret} {gateway} --pool pool-demo --listen 127.0.0.1:8888 \\

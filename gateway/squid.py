@@ -1,0 +1,486 @@
+"""The gateway's Squid: one SMP Squid whose workers have roles.
+
+    client -> front worker (listen address) -> back worker 2 or 3 (loopback) -> pool member
+
+    squid.conf:  workers 3
+                 if ${process_number} = 2    kid 2, a back: include back-2.conf
+                 if ${process_number} = 3    kid 3, a back: include back-3.conf
+                 if ${process_number} = 1    kid 1, the front: include front.conf
+                 (and front.conf for the master, 0, and the coordinator, kid 4)
+
+A membership change rewrites the backs' configs and reloads one back at a
+time (SIGHUP to that worker); the front never reloads. What makes that lose
+nothing:
+
+- The front is paused (SIGSTOP) while a back reloads, from SETTLE before
+  the SIGHUP until that back accepts again. Squid 5.7 rebuilds every
+  cache_peer on a reconfigure, and a CONNECT whose connect to a member is
+  under way at that instant loses its peer: Squid then takes the connection
+  for a direct one, answers 200 and relays the client's TLS handshake to the
+  member, which answers 400 (measured: 4 such in 14,037 requests over 30
+  membership changes without the pause). Paused, the front sends nothing
+  new, and what it sent has got past its connect before the back reloads.
+  Clients' connections wait in the listening socket's queue meanwhile; open
+  tunnels stall, and nothing is refused or cut.
+- A reloaded back's new peers count as down until Squid's first probe of
+  each answers, and a CONNECT it gets before then fails with 500. The front
+  tries it again on the other back (each back has a port of its own), and
+  the next back is reloaded only once every probe of this one has answered.
+- The listening sockets stay open throughout: in SMP mode the coordinator
+  opens them and keeps them (Ipc::Coordinator::handleSharedListenRequest
+  caches them in `listeners`), and a reloading worker closes only its copy.
+  A plain (`-N`) Squid closes its socket while it reconfigures: 2,165
+  refused connects over 10 reloads under a tight connect loop
+  (docs/architecture.md, "The gateway"; `python -m bench.reconfigure`).
+
+Every file lives in the gateway's state directory: the four configs, the
+htpasswd, one access log per worker, the shared cache.log, squid.out. The
+back configs hold the members' credentials (cache_peer login=), so the
+directory is private to the gateway and Squid's user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from urllib.parse import quote
+
+from providers.errors import Permanent
+from providers.local import (
+    FALLBACK_BINARY,
+    _check_traversable,
+    _remove_shm,
+    _squid_account,
+    _write,
+    service_name,
+)
+from providers.squid import (
+    SQUID_USER,
+    GatewayMember,
+    ProxySettings,
+    SquidPaths,
+    render_gateway_back,
+    render_gateway_front,
+)
+
+log = logging.getLogger("proxy_operator.gateway")
+
+AUTH_HELPER = Path(__file__).resolve().with_name("auth_helper.py")
+FRONT = 1  # the front's ${process_number}
+BACKS = (2, 3)  # the backs'; the coordinator is kid 4
+START_DEADLINE = 30.0
+RELOAD_DEADLINE = 30.0
+# How long the paused front waits before a back reloads: longer than the
+# connects to members of the CONNECTs it sent that back take.
+SETTLE = 0.2
+STOP_GRACE = 10.0
+POLL = 0.02
+# Where Squid's SMP processes put their IPC sockets, `<service>-kid-<n>.ipc`:
+# built into Debian's Squid (DEFAULT_STATEDIR), not set in squid.conf. Squid
+# leaves them behind when it exits.
+IPC_DIR = Path("/var/run/squid")
+# What the workers log (cache.log, "kid<n>| ..."): taking connections again,
+# and, at the level their debug_options ask for, a probe of a peer that
+# answered or did not.
+ACCEPTING = "Accepting HTTP Socket connections"
+PEER_UP = "peerConnectSucceded: TCP connection to"
+PEER_DOWN = "peerConnectFailedSilent: TCP connection to"
+
+
+class GatewayError(Exception):
+    """The gateway's Squid would not start, parse its config or reload."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One of the Squid's workers: its role, process number, address, config and access log."""
+
+    role: str
+    number: int
+    address: str
+    port: int
+    conf: Path
+    access_log: Path
+
+
+class GatewaySquid:
+    """Starts, reloads and stops the gateway's Squid; blocking calls."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        state_dir: Path,
+        listen: tuple[str, int],
+        squid_binary: str = "squid",
+    ) -> None:
+        self._settings = settings
+        self.directory = state_dir.resolve()
+        self._binary = shutil.which(squid_binary) or shutil.which(FALLBACK_BINARY) or squid_binary
+        self._account = _squid_account()
+        self._python = _helper_python(self._account)
+        self._service = service_name(str(self.directory))
+        self.process: subprocess.Popen[bytes] | None = None
+        host, port = listen
+        self.front = self._worker("front", FRONT, host, port)
+        ports = _free_ports(len(BACKS))
+        self.backs = [
+            self._worker(f"back-{n}", n, "127.0.0.1", p) for n, p in zip(BACKS, ports, strict=True)
+        ]
+        self.members: tuple[GatewayMember, ...] = ()
+
+    def _worker(self, role: str, number: int, address: str, port: int) -> Worker:
+        conf, access_log = self.directory / f"{role}.conf", self.directory / f"{role}.log"
+        return Worker(role, number, address, port, conf, access_log)
+
+    @property
+    def conf(self) -> Path:
+        return self.directory / "squid.conf"
+
+    @property
+    def cache_log(self) -> Path:
+        return self.directory / "cache.log"
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [self.front, *self.backs]
+
+    # ---- the lifecycle ----------------------------------------------------------------
+
+    def start(self, members: Sequence[GatewayMember]) -> None:
+        """Render and check the configs, start Squid; return once every worker serves."""
+        self.members = tuple(members)
+        self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if self._account is not None:
+            os.chown(self.directory, -1, self._account[1])  # Squid's user reaches its files
+            try:
+                _check_traversable(self.directory, *self._account)
+            except Permanent as err:
+                raise GatewayError(str(err).replace("local.state_dir", "--state-dir")) from err
+        self.directory.chmod(0o770)
+        if self._account is None and not os.access(IPC_DIR, os.W_OK | os.X_OK):
+            raise GatewayError(
+                f"Squid's workers talk over sockets in {IPC_DIR}, which this user cannot "
+                f"write: run the gateway as root (Squid then runs as {SQUID_USER!r}), or "
+                f"make it writable (`sudo chmod 1777 {IPC_DIR}`, again after a reboot)"
+            )
+        self._write_checked(self.front.conf, self._front_conf())
+        self._write_backs()
+        self._write_checked(self.conf, self._top_conf())
+        _remove_shm(self._service)
+        offset = self._cache_log_size()
+        with open(self.directory / "squid.out", "ab") as out:
+            # --foreground, not -N: -N runs no workers, hence no SMP.
+            self.process = subprocess.Popen(
+                [self._binary, "--foreground", "-f", str(self.conf), "-n", self._service],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.directory,
+                start_new_session=True,
+            )
+        for worker in self.workers:
+            self._await(
+                partial(self._accepting, offset, worker),
+                f"{worker.role} worker not accepting on {worker.address}:{worker.port}",
+                START_DEADLINE,
+            )
+        for back in self.backs:
+            self._await_probes(offset, back, self._peers(back))
+        self._await_probes(offset, self.front, len(self.backs))
+        if self._logged(offset, self.front, PEER_UP) < len(self.backs):
+            # The workers start together: the front probed the backs before
+            # they listened, and Squid counts a peer whose probe failed down
+            # until a request makes it probe again (and that request fails).
+            # A reload probes again, now that they listen.
+            reloaded = self._cache_log_size()
+            self._signal(self.front, signal.SIGHUP)
+            self._await_probes(reloaded, self.front, len(self.backs), PEER_UP)
+        log.info("started Squid on %s:%s", self.front.address, self.front.port)
+
+    def apply(self, members: Sequence[GatewayMember]) -> bool:
+        """Reload the backs, one at a time, onto `members`; False when nothing changed."""
+        members = tuple(members)
+        if set(members) == set(self.members):
+            return False
+        previous, self.members = self.members, members
+        try:
+            self._write_backs()
+            for back in self.backs:
+                self._reload(back)
+        except (GatewayError, subprocess.SubprocessError):
+            self.members = previous  # so the same change is tried again
+            raise
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM Squid (SIGKILL if it lingers), then remove its shm segments and IPC sockets."""
+        process = self.process
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=STOP_GRACE)
+        _remove_shm(self._service)
+        for leftover in IPC_DIR.glob(f"{self._service}-*.ipc"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def worker_pid(self, worker: Worker) -> int | None:
+        """The pid of `worker` now (the master starts a new one if a worker dies)."""
+        if self.process is None:
+            return None
+        return _kid_pid(self.process.pid, worker.number)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def _paths(self, worker: Worker) -> SquidPaths:
+        return SquidPaths(
+            htpasswd=str(self.directory / "htpasswd"),
+            pid_file=str(self.directory / "squid.pid"),
+            access_log=f"stdio:{worker.access_log}",
+            cache_log=str(self.cache_log),
+            coredump_dir=str(self.directory),
+            effective_user=SQUID_USER if self._account is not None else None,
+            http_address=worker.address,
+        )
+
+    def _front_conf(self) -> str:
+        settings = replace(self._settings, port=self.front.port)
+        ports = [back.port for back in self.backs]
+        return render_gateway_front(settings, self._paths(self.front), ports).squid_conf
+
+    def _write_backs(self) -> None:
+        """Render both backs' configs onto `members` (the htpasswd too); reload nothing."""
+        wrapper = [self._python, str(AUTH_HELPER), self._settings.username]
+        for back in self.backs:
+            settings = replace(self._settings, port=back.port)
+            rendered = render_gateway_back(settings, self._paths(back), self.members, wrapper)
+            self._write(self.directory / "htpasswd", rendered.htpasswd)
+            self._write_checked(back.conf, rendered.squid_conf)
+
+    def _top_conf(self) -> str:
+        # Squid reads a nested if by its own condition alone (an inner else
+        # inside a false block is taken), hence one flat block per process.
+        lines = [
+            "# Rendered by proxy-operator-gateway; edits are overwritten.",
+            "# Kid 1 is the front; kids 2 and 3 the backs, which reload in turn.",
+            f"workers {1 + len(self.backs)}",
+        ]
+        coordinator = 2 + len(self.backs)
+        for number, conf in [
+            *((back.number, back.conf) for back in self.backs),
+            (self.front.number, self.front.conf),
+            (0, self.front.conf),  # the master: the pid file and cache.log are the same
+            (coordinator, self.front.conf),
+        ]:
+            lines += [f"if ${{process_number}} = {number}", f"include {conf}", "endif"]
+        return "\n".join([*lines, ""])
+
+    def _write(self, path: Path, text: str) -> None:
+        _write(path, text, 0o640, None if self._account is None else self._account[1])
+
+    def _write_checked(self, path: Path, text: str) -> None:
+        """Write `path` once Squid has parsed it, so a running worker never reads a bad one."""
+        candidate = path.with_name(path.name + ".new")
+        self._write(candidate, text)
+        result = subprocess.run(
+            [self._binary, "-k", "parse", "-f", str(candidate)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if result.returncode != 0:
+            bad = [
+                line
+                for line in (result.stderr + result.stdout).splitlines()
+                if "FATAL" in line or "ERROR" in line
+            ]
+            raise GatewayError(f"squid rejected {path}: {self._scrub(' | '.join(bad[-3:]))}")
+        candidate.replace(path)
+
+    def _scrub(self, text: str) -> str:
+        """Squid echoes config lines in its errors; the members' password must not follow."""
+        password = self._settings.password
+        for secret in {password, quote(password, safe="")}:
+            text = text.replace(secret, "***")
+        return text
+
+    def _reload(self, back: Worker) -> None:
+        """Reload one back with the front paused; return once every peer of it was probed."""
+        offset = self._cache_log_size()
+        with self._paused(self.front):
+            time.sleep(SETTLE)
+            self._signal(back, signal.SIGHUP)
+            self._await(
+                lambda: self._logged(offset, back, ACCEPTING) > 0,
+                f"{back.role} worker not accepting again",
+                RELOAD_DEADLINE,
+            )
+        self._await_probes(offset, back, self._peers(back))
+        log.info("reloaded the %s worker (%d members)", back.role, len(self.members))
+
+    @contextlib.contextmanager
+    def _paused(self, worker: Worker) -> Iterator[None]:
+        pid = self.worker_pid(worker)
+        if pid is None:  # it is being restarted: nothing to pause
+            yield
+            return
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _signal(self, worker: Worker, signum: int) -> None:
+        self._await(
+            lambda: self.worker_pid(worker) is not None, f"no {worker.role} worker", RELOAD_DEADLINE
+        )
+        pid = self.worker_pid(worker)
+        assert pid is not None
+        with contextlib.suppress(ProcessLookupError):  # it died: the master starts it anew
+            os.kill(pid, signum)
+
+    def _peers(self, back: Worker) -> int:
+        return sum(
+            1 for line in back.conf.read_text().splitlines() if line.startswith("cache_peer ")
+        )
+
+    def _await_probes(self, offset: int, worker: Worker, peers: int, *outcomes: str) -> None:
+        """Wait until `worker` has logged `peers` probe outcomes (answers or not) since `offset`."""
+        outcomes = outcomes or (PEER_UP, PEER_DOWN)
+        self._await(
+            lambda: sum(self._logged(offset, worker, o) for o in outcomes) >= peers,
+            f"{worker.role} worker has not probed its {peers} peers",
+            RELOAD_DEADLINE,
+        )
+
+    def _accepting(self, offset: int, worker: Worker) -> bool:
+        return self._logged(offset, worker, ACCEPTING) > 0 and _accepts(worker.address, worker.port)
+
+    def _cache_log_size(self) -> int:
+        try:
+            return self.cache_log.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _logged(self, offset: int, worker: Worker, text: str) -> int:
+        """How many lines `worker` wrote to the shared cache.log after byte `offset` with `text`."""
+        try:
+            with self.cache_log.open("rb") as cache_log:
+                cache_log.seek(offset)
+                tail = cache_log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return 0
+        prefix = f" kid{worker.number}| "
+        return sum(1 for line in tail.splitlines() if prefix in line and text in line)
+
+    def _await(self, ready: Callable[[], bool], failure: str, deadline: float) -> None:
+        until = time.monotonic() + deadline
+        while not ready():
+            if self.process is not None and self.process.poll() is not None:
+                raise GatewayError(f"Squid exited: {self._output()}")
+            if time.monotonic() > until:
+                raise GatewayError(f"{failure} after {deadline:.0f}s: {self._output()}")
+            time.sleep(POLL)
+
+    def _output(self) -> str:
+        texts = []
+        for path in (self.directory / "squid.out", self.cache_log):
+            with contextlib.suppress(FileNotFoundError):
+                texts.append(path.read_text(errors="replace"))
+        lines = [line for line in "\n".join(texts).splitlines() if line.strip()]
+        bad = [line for line in lines if "FATAL" in line or "ERROR" in line]
+        return self._scrub(" | ".join((bad or lines)[-3:]) or "no output")
+
+
+def _kid_pid(master: int, number: int) -> int | None:
+    """The pid of the master's worker `number`: its child run as `--kid squid-<number>`."""
+    wanted = f"squid-{number}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The parent pid is the 2nd field after the parenthesised command name.
+            ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == master and wanted in argv:
+            return int(entry.name)
+    return None
+
+
+def _helper_python(account: tuple[int, int] | None) -> str:
+    """An interpreter Squid's user can run the auth helper with.
+
+    Squid started as root runs its helpers as `proxy`, which may not reach
+    this process's interpreter (a virtualenv under root's home); the
+    system's python3 then runs the helper, which needs only the standard
+    library and providers/squid.py.
+    """
+    if account is None or _runnable(Path(sys.executable), *account):
+        return sys.executable
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if system is not None and _runnable(Path(system), *account):
+        return system
+    raise GatewayError(
+        f"user {SQUID_USER!r} cannot run {sys.executable} nor a system python3 for the "
+        "gateway's auth helper; install python3 or run the gateway unprivileged"
+    )
+
+
+def _runnable(path: Path, uid: int, gid: int) -> bool:
+    """Whether `uid`/`gid` may execute `path` and reach the auth helper's directory."""
+    resolved = path.resolve()
+    return all(
+        _permits(step, uid, gid, 0o1)
+        for step in (resolved, *resolved.parents, *AUTH_HELPER.parents)
+    ) and _permits(AUTH_HELPER, uid, gid, 0o4)
+
+
+def _permits(path: Path, uid: int, gid: int, bit: int) -> bool:
+    """Whether `path`'s mode grants `bit` (1 execute, 4 read) to `uid`/`gid`."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+    return bool((st.st_mode >> shift) & bit)
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now (held open together, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
+def _accepts(address: str, port: int) -> bool:
+    host = "127.0.0.1" if address in ("0.0.0.0", "") else "::1" if address == "::" else address
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
