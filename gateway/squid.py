@@ -91,9 +91,10 @@ POLL = 0.02
 # leaves them behind when it exits.
 IPC_DIR = Path("/var/run/squid")
 # What the workers log (cache.log, "kid<n>| ..."): taking connections again,
-# and, at the level their debug_options ask for, a probe of a peer that
-# answered or did not.
+# the start of a reload, and, at the level their debug_options ask for, a
+# probe of a peer that answered or did not.
 ACCEPTING = "Accepting HTTP Socket connections"
+RECONFIGURING = "Reconfiguring Squid Cache"
 PEER_UP = "peerConnectSucceded: TCP connection to"
 PEER_DOWN = "peerConnectFailedSilent: TCP connection to"
 
@@ -335,7 +336,8 @@ class GatewaySquid:
                 f"{back.role} worker not accepting again",
                 RELOAD_DEADLINE,
             )
-        self._await_probes(offset, back, self._peers(back))
+        # Probes logged before the reload began were of the peers it dropped.
+        self._await_probes(self._after(offset, back, RECONFIGURING), back, self._peers(back))
         log.info("reloaded the %s worker (%d members)", back.role, len(self.members))
 
     @contextlib.contextmanager
@@ -385,14 +387,26 @@ class GatewaySquid:
 
     def _logged(self, offset: int, worker: Worker, text: str) -> int:
         """How many lines `worker` wrote to the shared cache.log after byte `offset` with `text`."""
+        return sum(1 for _ in self._lines(offset, worker, text))
+
+    def _after(self, offset: int, worker: Worker, text: str) -> int:
+        """The byte just past `worker`'s first line with `text` after `offset` (or `offset`)."""
+        return next(iter(self._lines(offset, worker, text)), offset)
+
+    def _lines(self, offset: int, worker: Worker, text: str) -> Iterator[int]:
+        """Where each line of `worker` with `text` after byte `offset` ends, in order."""
         try:
             with self.cache_log.open("rb") as cache_log:
                 cache_log.seek(offset)
-                tail = cache_log.read().decode(errors="replace")
+                tail = cache_log.read()
         except FileNotFoundError:
-            return 0
-        prefix = f" kid{worker.number}| "
-        return sum(1 for line in tail.splitlines() if prefix in line and text in line)
+            return
+        prefix, wanted = f" kid{worker.number}| ".encode(), text.encode()
+        end = offset
+        for line in tail.splitlines(keepends=True):
+            end += len(line)
+            if prefix in line and wanted in line:
+                yield end
 
     def _await(self, ready: Callable[[], bool], failure: str, deadline: float) -> None:
         until = time.monotonic() + deadline

@@ -28,6 +28,7 @@ from providers.squid import (
     RenderedSquid,
     SquidPaths,
     render,
+    render_gateway_front,
     sha512_crypt,
 )
 from tests.helpers.loopback_peer import LoopbackPeer, connect_status, loopback_peer
@@ -120,6 +121,28 @@ def test_listen_address_is_bracketed_for_ipv6() -> None:
 def test_settings_that_could_open_the_proxy_are_refused(unsafe: ProxySettings) -> None:
     with pytest.raises(ValueError):
         render(unsafe)
+
+
+def test_only_a_squid_that_never_goes_direct_may_skip_auth() -> None:
+    with pytest.raises(ValueError, match="parent"):
+        render(BASE, authenticate=False)
+    with pytest.raises(ValueError, match="parent"):
+        render(BASE, authenticate=False, routing=["cache_peer 127.0.0.1 parent 3128 0"])
+
+    front = render_gateway_front(BASE, SquidPaths(), [4001, 4002]).squid_conf.splitlines()
+    # The rules a client meets at the front, in order; credentials are the backs' to check.
+    assert [line for line in front if line.startswith("http_access")] == [
+        "http_access deny !allowed_clients",
+        "http_access deny !CONNECT",
+        "http_access deny CONNECT !allowed_ports",
+        "http_access deny denied_destinations",
+        "http_access allow CONNECT allowed_ports",
+        "http_access deny all",
+    ]
+    assert "never_direct allow all" in front
+    assert not [line for line in front if line.startswith("auth_param")]
+    peers = [line for line in front if line.startswith("cache_peer ")]
+    assert len(peers) == 2 and all("login=PASSTHRU" in line for line in peers)
 
 
 def random_settings(rng: random.Random) -> ProxySettings:
