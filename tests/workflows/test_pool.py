@@ -186,6 +186,42 @@ async def test_a_pool_serves_scales_bans_rotates_and_terminates(
     await record_history(pool.env.client.get_workflow_handle(kept[0]), "pool_member")
 
 
+async def test_a_member_reported_again_while_banned_is_a_no_op(stack: Stack) -> None:
+    """A second ban of a member still out of rotation changes nothing and spends no budget.
+
+    The replacement's create is held, so the member stays banned for certain;
+    the ban limit of a 2-member pool is 1, so a second ban that counted would
+    be refused.
+    """
+    pool = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 2, "template": stack.proxy_input()},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await pool.query("status"))["ready"] == 2)
+
+    await wait_for(ready, "both members Ready")
+    stack.provider.create_gate.clear()
+    try:
+        member = f"{pool.id}/0"
+        first = await pool.execute_update("report_ban", {"member": member, "reason": "403"})
+        again = await pool.execute_update("report_ban", {"member": member, "reason": "403 again"})
+
+        assert first == {"member": member, "banned": True, "already": False}
+        assert again == {"member": member, "banned": False, "already": True}
+        assert member not in {e["member"] for e in await pool.query("endpoints")}
+        (status,) = [m for m in (await pool.query("status"))["members"] if m["member"] == member]
+        assert status["banned"] == "403", "the first reason stands"
+    finally:
+        stack.provider.create_gate.set()
+    await pool.signal("terminate")
+    assert (await pool.result())["state"] == "Terminated"
+    await wait_for(lambda: stack.instances() == [], "every member's instance gone")
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
