@@ -19,13 +19,15 @@ nothing:
   for a direct one, answers 200 and relays the client's TLS handshake to the
   member, which answers 400 (measured: 4 such in 14,037 requests over 30
   membership changes without the pause). Paused, the front sends nothing
-  new, and what it sent has got past its connect before the back reloads.
+  new, and what it sent gets past its connect (if that takes under SETTLE)
+  before the back reloads.
   Clients' connections wait in the listening socket's queue meanwhile; open
   tunnels stall, and nothing is refused or cut.
 - A reloaded back's new peers count as down until Squid's first probe of
   each answers, and a CONNECT it gets before then fails with 500. The front
   tries it again on the other back (each back has a port of its own), and
-  the next back is reloaded only once every probe of this one has answered.
+  the next back is reloaded only once every peer of this one has been
+  probed (answering or not: Squid logs both at debug_options 15,2).
 - The listening sockets stay open throughout: in SMP mode the coordinator
   opens them and keeps them (Ipc::Coordinator::handleSharedListenRequest
   caches them in `listeners`), and a reloading worker closes only its copy.
@@ -59,6 +61,7 @@ from urllib.parse import quote
 from providers.errors import Permanent
 from providers.local import (
     FALLBACK_BINARY,
+    _bindable,
     _check_traversable,
     _remove_shm,
     _squid_account,
@@ -175,6 +178,10 @@ class GatewaySquid:
                 f"write: run the gateway as root (Squid then runs as {SQUID_USER!r}), or "
                 f"make it writable (`sudo chmod 1777 {IPC_DIR}`, again after a reboot)"
             )
+        front = self.front
+        if not _bindable(front.address, front.port):
+            # Squid would start without it and log nothing: say so now.
+            raise GatewayError(f"--listen {front.address}:{front.port}: the address is in use")
         self._write_checked(self.front.conf, self._front_conf())
         self._write_backs()
         self._write_checked(self.conf, self._top_conf())
@@ -190,6 +197,15 @@ class GatewaySquid:
                 cwd=self.directory,
                 start_new_session=True,
             )
+        try:
+            self._await_serving(offset)
+        except BaseException:
+            self.stop()  # a gateway that did not start leaves no Squid behind
+            raise
+        log.info("started Squid on %s:%s", self.front.address, self.front.port)
+
+    def _await_serving(self, offset: int) -> None:
+        """Every worker accepts, every peer was probed, and the front's probes found the backs."""
         for worker in self.workers:
             self._await(
                 partial(self._accepting, offset, worker),
@@ -207,7 +223,6 @@ class GatewaySquid:
             reloaded = self._cache_log_size()
             self._signal(self.front, signal.SIGHUP)
             self._await_probes(reloaded, self.front, len(self.backs), PEER_UP)
-        log.info("started Squid on %s:%s", self.front.address, self.front.port)
 
     def apply(self, members: Sequence[GatewayMember]) -> bool:
         """Reload the backs, one at a time, onto `members`; False when nothing changed."""

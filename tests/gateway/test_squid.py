@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -395,6 +396,15 @@ def test_a_config_squid_rejects_fails_without_the_password_in_the_error(
     finally:
         squid.stop()
     assert PASSWORD not in str(caught.value)
+
+
+def test_a_listen_address_in_use_fails_at_once_naming_it(state_dir: Path, config: Config) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        squid = GatewaySquid(config.proxy_settings(), state_dir / ".busy", ("127.0.0.1", port))
+        with pytest.raises(GatewayError, match=f"--listen 127.0.0.1:{port}: the address is in use"):
+            squid.start([])
+    assert squid.process is None, "no Squid was started"
 
 
 def test_a_membership_squid_rejects_keeps_the_gateway_on_the_previous_one(
