@@ -172,6 +172,13 @@ class GatewaySquid:
             except Permanent as err:
                 raise GatewayError(str(err).replace("local.state_dir", "--state-dir")) from err
         self.directory.chmod(0o770)
+        if not IPC_DIR.is_dir():
+            # Squid would start, its workers would never listen, and it would log nothing.
+            raise GatewayError(
+                f"{IPC_DIR} does not exist; Squid's workers talk over sockets there "
+                f"(Debian's squid package creates it at boot): "
+                f"`install -d -o {SQUID_USER} -g {SQUID_USER} {IPC_DIR}`"
+            )
         if self._account is None and not os.access(IPC_DIR, os.W_OK | os.X_OK):
             raise GatewayError(
                 f"Squid's workers talk over sockets in {IPC_DIR}, which this user cannot "
@@ -358,10 +365,14 @@ class GatewaySquid:
     @contextlib.contextmanager
     def _paused(self, worker: Worker) -> Iterator[None]:
         pid = self.worker_pid(worker)
-        if pid is None:  # it is being restarted: nothing to pause
+        try:
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pid = None  # it died: the master is starting it anew, nothing to pause
+        if pid is None:
             yield
             return
-        os.kill(pid, signal.SIGSTOP)
         try:
             yield
         finally:
@@ -369,13 +380,16 @@ class GatewaySquid:
                 os.kill(pid, signal.SIGCONT)
 
     def _signal(self, worker: Worker, signum: int) -> None:
-        self._await(
-            lambda: self.worker_pid(worker) is not None, f"no {worker.role} worker", RELOAD_DEADLINE
-        )
-        pid = self.worker_pid(worker)
-        assert pid is not None
+        pids: list[int] = []
+
+        def found() -> bool:
+            pid = self.worker_pid(worker)
+            pids.extend([pid] if pid is not None else [])
+            return bool(pids)
+
+        self._await(found, f"no {worker.role} worker", RELOAD_DEADLINE)
         with contextlib.suppress(ProcessLookupError):  # it died: the master starts it anew
-            os.kill(pid, signum)
+            os.kill(pids[0], signum)
 
     def _peers(self, back: Worker) -> int:
         return sum(

@@ -12,7 +12,8 @@ so no provider can produce an open proxy. The rules, in order:
 4. CONNECT to an address in `denied_destinations` (loopback, link-local with
    the cloud metadata server, private ranges by default) is denied, also when
    the name asked for resolves there, with or without credentials;
-5. without valid basic-auth credentials the answer is 407;
+5. without valid basic-auth credentials the answer is 407 (the gateway's
+   front passes credentials on to back workers, which check them);
 6. everything else is denied.
 
 Nothing is cached. The password never appears in `squid.conf`; the htpasswd
