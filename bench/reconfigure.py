@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from providers.local import FALLBACK_BINARY, _remove_shm, service_name
+from providers.squid_process import find_binary, remove_shm, service_name
 from tests.helpers.network import free_port
 
 RELOAD_GAP = 1.5
@@ -171,7 +171,7 @@ def run(workers: int, reloads: int, clients: int, binary: str) -> str:
         squid.wait(30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(squid.pid, signal.SIGKILL)
-        _remove_shm(service)
+        remove_shm(service)
         for leftover in Path("/run/squid").glob(f"{service}-*.ipc"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
-    binary = shutil.which("squid") or FALLBACK_BINARY
+    binary = find_binary()
     print("| workers | mode | reloads | CONNECTs ok | failed | tunnel survived |")
     print("|---|---|---|---|---|---|")
     for workers in args.workers:

@@ -58,16 +58,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import quote
 
-from providers.errors import Permanent
-from providers.local import (
-    FALLBACK_BINARY,
-    _bindable,
-    _check_traversable,
-    _remove_shm,
-    _squid_account,
-    _write,
-    service_name,
-)
+from providers import squid as squid_module
 from providers.squid import (
     SQUID_USER,
     GatewayMember,
@@ -76,10 +67,32 @@ from providers.squid import (
     render_gateway_back,
     render_gateway_front,
 )
+from providers.squid_process import (
+    SquidError,
+    bindable,
+    excerpt,
+    find_binary,
+    log_excerpt,
+    parse_errors,
+    remove_shm,
+    service_name,
+    squid_account,
+    squid_dir,
+    write_file,
+)
 
 log = logging.getLogger("proxy_operator.gateway")
 
-AUTH_HELPER = Path(__file__).resolve().with_name("auth_helper.py")
+# The auth helper and the one module it imports, copied into the gateway's
+# directory at start: Squid runs the helper as its own user, which may not
+# reach the installed files (a checkout or virtualenv under /root).
+HELPER_SOURCES = {
+    Path("gateway/auth_helper.py"): Path(__file__).resolve().with_name("auth_helper.py"),
+    Path("providers/__init__.py"): None,  # the helper imports providers.squid alone
+    Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
+}
+HELPER_DIR = "helper"
+HELPER_CHECK_TIMEOUT = 30.0
 FRONT = 1  # the front's ${process_number}
 BACKS = (2, 3)  # the backs'; the coordinator is kid 4
 START_DEADLINE = 30.0
@@ -129,11 +142,16 @@ class GatewaySquid:
         squid_binary: str = "squid",
     ) -> None:
         self._settings = settings
-        self.directory = state_dir.resolve()
-        self._binary = shutil.which(squid_binary) or shutil.which(FALLBACK_BINARY) or squid_binary
-        self._account = _squid_account()
-        self._python = _helper_python(self._account)
+        try:
+            self._binary = find_binary(squid_binary)
+            self._account = squid_account()
+        except SquidError as err:
+            raise GatewayError(str(err)) from err
+        # Squid's user must reach every file: a --state-dir it cannot (under
+        # /root, run as root) is swapped for one of the system's.
+        self.directory = squid_dir(state_dir, self._account)
         self._service = service_name(str(self.directory))
+        self._python: str | None = None  # chosen at start, once the helper is in place
         self.process: subprocess.Popen[bytes] | None = None
         host, port = listen
         self.front = self._worker("front", FRONT, host, port)
@@ -164,14 +182,8 @@ class GatewaySquid:
     def start(self, members: Sequence[GatewayMember]) -> None:
         """Render and check the configs, start Squid; return once every worker serves."""
         self.members = tuple(members)
-        self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
-        if self._account is not None:
-            os.chown(self.directory, -1, self._account[1])  # Squid's user reaches its files
-            try:
-                _check_traversable(self.directory, *self._account)
-            except Permanent as err:
-                raise GatewayError(str(err).replace("local.state_dir", "--state-dir")) from err
-        self.directory.chmod(0o770)
+        self._make_dir(self.directory)
+        self._python = self._install_helper()
         if not IPC_DIR.is_dir():
             # Squid would start, its workers would never listen, and it would log nothing.
             raise GatewayError(
@@ -186,13 +198,13 @@ class GatewaySquid:
                 f"make it writable (`sudo chmod 1777 {IPC_DIR}`, again after a reboot)"
             )
         front = self.front
-        if not _bindable(front.address, front.port):
+        if not bindable(front.address, front.port):
             # Squid would start without it and log nothing: say so now.
             raise GatewayError(f"--listen {front.address}:{front.port}: the address is in use")
         self._write_checked(self.front.conf, self._front_conf())
         self._write_backs()
         self._write_checked(self.conf, self._top_conf())
-        _remove_shm(self._service)
+        remove_shm(self._service)
         offset = self._cache_log_size()
         with open(self.directory / "squid.out", "ab") as out:
             # --foreground, not -N: -N runs no workers, hence no SMP.
@@ -258,7 +270,7 @@ class GatewaySquid:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=STOP_GRACE)
-        _remove_shm(self._service)
+        remove_shm(self._service)
         for leftover in IPC_DIR.glob(f"{self._service}-*.ipc"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
@@ -292,7 +304,9 @@ class GatewaySquid:
 
     def _write_backs(self) -> None:
         """Render both backs' configs onto `members` (the htpasswd too); reload nothing."""
-        wrapper = [self._python, str(AUTH_HELPER), self._settings.username]
+        assert self._python is not None, "start() installs the helper first"
+        helper = self.directory / HELPER_DIR / "gateway" / "auth_helper.py"
+        wrapper = [self._python, str(helper), self._settings.username]
         for back in self.backs:
             settings = replace(self._settings, port=back.port)
             rendered = render_gateway_back(settings, self._paths(back), self.members, wrapper)
@@ -318,26 +332,69 @@ class GatewaySquid:
         return "\n".join([*lines, ""])
 
     def _write(self, path: Path, text: str) -> None:
-        _write(path, text, 0o640, None if self._account is None else self._account[1])
+        write_file(path, text, 0o640, None if self._account is None else self._account[1])
+
+    def _make_dir(self, path: Path) -> None:
+        """A directory of the gateway's that Squid's user may enter, and nobody else."""
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if self._account is not None:
+            os.chown(path, -1, self._account[1])
+        path.chmod(0o770)
+
+    def _install_helper(self) -> str:
+        """Copy the auth helper where Squid's user reads it; return an interpreter that runs it.
+
+        The interpreter is this one if Squid's user can run the helper with
+        it, else the system's python3 (the helper needs the standard library
+        alone). Tried for real, as that user, so a helper that could not run
+        fails the start instead of every client's first request.
+        """
+        root = self.directory / HELPER_DIR
+        self._make_dir(root)
+        for relative, source in HELPER_SOURCES.items():
+            target = root / relative
+            self._make_dir(target.parent)
+            self._write(target, "" if source is None else source.read_text())
+        helper = root / "gateway" / "auth_helper.py"
+        system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+        failures = []
+        for python in dict.fromkeys([sys.executable, *([system] if system else [])]):
+            failure = self._helper_fails(python, helper)
+            if failure is None:
+                return python
+            failures.append(f"{python}: {failure}")
+        raise GatewayError(
+            f"user {SQUID_USER!r} cannot run the gateway's auth helper with "
+            f"{' nor '.join(failures)}; install python3 (3.11 or newer) for it"
+        )
+
+    def _helper_fails(self, python: str, helper: Path) -> str | None:
+        """Why `python` cannot run the helper as Squid's user, or None if it can."""
+        uid, gid = self._account if self._account is not None else (None, None)
+        try:
+            # The helper checks nothing and exits at the end of its input.
+            result = subprocess.run(
+                [python, str(helper), self._settings.username, "true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=HELPER_CHECK_TIMEOUT,
+                check=False,
+                user=uid,
+                group=gid,
+                extra_groups=None if uid is None else [],  # not root's groups
+            )
+        except (OSError, subprocess.SubprocessError) as err:
+            return str(err)
+        return None if result.returncode == 0 else excerpt(result.stderr + result.stdout)
 
     def _write_checked(self, path: Path, text: str) -> None:
         """Write `path` once Squid has parsed it, so a running worker never reads a bad one."""
         candidate = path.with_name(path.name + ".new")
         self._write(candidate, text)
-        result = subprocess.run(
-            [self._binary, "-k", "parse", "-f", str(candidate)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if result.returncode != 0:
-            bad = [
-                line
-                for line in (result.stderr + result.stdout).splitlines()
-                if "FATAL" in line or "ERROR" in line
-            ]
-            raise GatewayError(f"squid rejected {path}: {self._scrub(' | '.join(bad[-3:]))}")
+        rejected = parse_errors(self._binary, candidate)
+        if rejected is not None:
+            raise GatewayError(f"squid rejected {path}: {self._scrub(rejected)}")
         candidate.replace(path)
 
     def _scrub(self, text: str) -> str:
@@ -447,13 +504,7 @@ class GatewaySquid:
             time.sleep(POLL)
 
     def _output(self) -> str:
-        texts = []
-        for path in (self.directory / "squid.out", self.cache_log):
-            with contextlib.suppress(FileNotFoundError):
-                texts.append(path.read_text(errors="replace"))
-        lines = [line for line in "\n".join(texts).splitlines() if line.strip()]
-        bad = [line for line in lines if "FATAL" in line or "ERROR" in line]
-        return self._scrub(" | ".join((bad or lines)[-3:]) or "no output")
+        return self._scrub(log_excerpt(self.directory / "squid.out", self.cache_log))
 
 
 def _kid_pid(master: int, number: int) -> int | None:
@@ -471,44 +522,6 @@ def _kid_pid(master: int, number: int) -> int | None:
         if ppid == master and wanted in argv:
             return int(entry.name)
     return None
-
-
-def _helper_python(account: tuple[int, int] | None) -> str:
-    """An interpreter Squid's user can run the auth helper with.
-
-    Squid started as root runs its helpers as `proxy`, which may not reach
-    this process's interpreter (a virtualenv under root's home); the
-    system's python3 then runs the helper, which needs only the standard
-    library and providers/squid.py.
-    """
-    if account is None or _runnable(Path(sys.executable), *account):
-        return sys.executable
-    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
-    if system is not None and _runnable(Path(system), *account):
-        return system
-    raise GatewayError(
-        f"user {SQUID_USER!r} cannot run {sys.executable} nor a system python3 for the "
-        "gateway's auth helper; install python3 or run the gateway unprivileged"
-    )
-
-
-def _runnable(path: Path, uid: int, gid: int) -> bool:
-    """Whether `uid`/`gid` may execute `path` and reach the auth helper's directory."""
-    resolved = path.resolve()
-    return all(
-        _permits(step, uid, gid, 0o1)
-        for step in (resolved, *resolved.parents, *AUTH_HELPER.parents)
-    ) and _permits(AUTH_HELPER, uid, gid, 0o4)
-
-
-def _permits(path: Path, uid: int, gid: int, bit: int) -> bool:
-    """Whether `path`'s mode grants `bit` (1 execute, 4 read) to `uid`/`gid`."""
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
-    return bool((st.st_mode >> shift) & bit)
 
 
 def _free_ports(count: int) -> list[int]:

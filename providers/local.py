@@ -31,16 +31,13 @@ import dataclasses
 import errno
 import fcntl
 import functools
-import hashlib
 import ipaddress
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -58,6 +55,18 @@ from providers.config import Config, Port, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import adoption_mismatch, ownership_mismatch
 from providers.squid import SQUID_USER, SquidPaths, render
+from providers.squid_process import (
+    SquidError,
+    bindable,
+    find_binary,
+    log_excerpt,
+    parse_errors,
+    remove_shm,
+    service_name,
+    squid_account,
+    squid_dir,
+    write_file,
+)
 
 
 class LocalConfig(ProviderSettings):
@@ -103,8 +112,6 @@ LOCK_FILE = ".lock"
 # An instance directory is assembled under this prefix and renamed into place,
 # so `<name>/` never exists without its tags.
 NEW_DIR_PREFIX = ".new-"
-FALLBACK_BINARY = "/usr/sbin/squid"
-SHM_DIR = Path("/dev/shm")
 
 # Instance names become directory names and Squid service names: DNS labels only.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -125,16 +132,6 @@ _CHILDREN_LOCK = threading.Lock()
 # OS errors that mean "out of a resource", not "broken": retry after a while.
 _EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
-
-
-def service_name(name: str) -> str:
-    """Squid's `-n` service name for an instance; it also prefixes its /dev/shm segments.
-
-    Squid accepts at most 32 alphanumeric characters, so the hyphens go and a
-    short hash keeps apart names that differ only in their hyphens.
-    """
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return re.sub(r"[^a-z0-9]", "", name)[:24] + digest
 
 
 @dataclass(frozen=True)
@@ -177,8 +174,11 @@ class LocalProvider:
         self._settings = settings
         self._installation = installation
         # Absolute and canonical: squid.conf names its files by this path, and
-        # Squid's helpers are found by it in their command lines.
-        self._state_dir = Path(settings.state_dir).resolve()
+        # Squid's helpers are found by it in their command lines. Squid's
+        # user must reach it, so one it cannot (a checkout under /root, run
+        # as root) is swapped for a directory of the system's, the same for
+        # every worker configured alike.
+        self._state_dir = squid_dir(Path(settings.state_dir), _account_or_none())
         self._bind = settings.bind_address
         # A wildcard bind is reachable on loopback; never publish 0.0.0.0.
         if address.is_unspecified:
@@ -349,7 +349,7 @@ class LocalProvider:
             return False
         if meta.pid is None:
             pid, started = squid
-            _write(self._dir(name) / METADATA_FILE, _recorded(meta, pid, started).to_json())
+            write_file(self._dir(name) / METADATA_FILE, _recorded(meta, pid, started).to_json())
         return True
 
     def _record(self, name: str, process: subprocess.Popen[bytes]) -> None:
@@ -359,7 +359,9 @@ class LocalProvider:
         if meta is None or started is None:
             raise Transient(f"squid for {name} was stopped while it started")
         if meta.pid is None:
-            _write(self._dir(name) / METADATA_FILE, _recorded(meta, process.pid, started).to_json())
+            write_file(
+                self._dir(name) / METADATA_FILE, _recorded(meta, process.pid, started).to_json()
+            )
 
     def _discard(self, name: str) -> None:
         """Undo a failed create: stop what runs, remove what was written."""
@@ -379,23 +381,15 @@ class LocalProvider:
                     entry.unlink()
             (directory / TAGS_FILE).unlink(missing_ok=True)
             directory.rmdir()
-        _remove_shm(service_name(name))
+        remove_shm(service_name(name))
 
     # -- starting --------------------------------------------------------------
 
     def _squid_binary(self) -> str:
-        configured = self._settings.squid_binary
-        found = shutil.which(configured)
-        # A bare name may just be off PATH (/usr/sbin is, for most users); an
-        # explicit path that does not exist is a mistake to report, not to mask.
-        if found is None and os.sep not in configured:
-            found = shutil.which(FALLBACK_BINARY)
-        if found is None:
-            raise Permanent(
-                f"squid binary {configured!r} not found (nor {FALLBACK_BINARY}); "
-                "install Squid (apt-get install squid) or set local.squid_binary"
-            )
-        return found
+        try:
+            return find_binary(self._settings.squid_binary)
+        except SquidError as err:
+            raise Permanent(f"{err} or set local.squid_binary") from err
 
     def _start(
         self, binary: str, req: CreateRequest, previous: _Metadata | None
@@ -408,11 +402,8 @@ class LocalProvider:
         """
         name = req.name
         directory = self._dir(name)
-        account = _squid_account()
-        group = None
-        if account is not None:
-            _check_traversable(self._state_dir, *account)
-            group = account[1]
+        account = _account()
+        group = None if account is None else account[1]
         fresh = previous is None and not directory.exists()
         if fresh:
             self._make_dir(name, req.tags, group)
@@ -434,10 +425,12 @@ class LocalProvider:
         except ValueError as exc:  # settings that could open the proxy: retrying cannot help
             raise Permanent(f"cannot render squid.conf for {name}: {exc}", cause=exc) from exc
         conf = directory / CONF_FILE
-        _write(conf, rendered.squid_conf, 0o640, group)
+        write_file(conf, rendered.squid_conf, 0o640, group)
         # Squid's auth helper reads the hash as `proxy`: group-readable, never world.
-        _write(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
-        _check_config(binary, conf)
+        write_file(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
+        rejected = parse_errors(binary, conf)
+        if rejected is not None:  # retrying cannot help
+            raise Permanent(f"squid rejected {conf}: {rejected}")
 
         # Helpers of a Squid that was killed may still be exiting; once none
         # runs, segments it left would only make the new one fail. Nothing
@@ -445,10 +438,10 @@ class LocalProvider:
         if not fresh:
             self._stop(name, None)
         service = service_name(name)
-        _remove_shm(service)
+        remove_shm(service)
         created_at = previous.created_at if previous else datetime.now(UTC)
         starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
-        _write(directory / METADATA_FILE, starting.to_json())
+        write_file(directory / METADATA_FILE, starting.to_json())
         with open(directory / SQUID_OUT, "ab") as out:
             process = subprocess.Popen(
                 [binary, "-N", "-f", str(conf), "-n", service],
@@ -476,7 +469,7 @@ class LocalProvider:
         staging.chmod(0o770)  # mkdir's mode is narrowed by the umask
         if group is not None:
             os.chown(staging, -1, group)
-        _write(staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n")
+        write_file(staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n")
         staging.rename(self._dir(name))
 
     def _allocate_port(self, name: str, preferred: int | None) -> int:
@@ -493,7 +486,7 @@ class LocalProvider:
         first, last = self._settings.first_port, self._settings.last_port
         candidates = ([preferred] if preferred else []) + list(range(first, last + 1))
         for port in candidates:
-            if port not in taken and _bindable(self._bind, port):
+            if port not in taken and bindable(self._bind, port):
                 return port
         raise QuotaExceeded(
             f"no free port for a local proxy in {first}..{last} on {self._bind} "
@@ -508,7 +501,7 @@ class LocalProvider:
                 directory = self._dir(name)
                 raise Transient(
                     f"squid for {name} exited while starting: "
-                    + _log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
+                    + log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
                 )
             if _accepting(self._client_ip, port) or time.monotonic() >= deadline:
                 return
@@ -664,51 +657,19 @@ def _edge(action: str) -> Iterator[None]:
         raise Transient(f"{action}: {type(exc).__name__}: {exc}", cause=exc) from exc
 
 
-def _squid_account() -> tuple[int, int] | None:
-    """The (uid, gid) Squid drops to and shares its files with; None when it runs as us."""
-    if os.geteuid() != 0:
-        return None
+def _account() -> tuple[int, int] | None:
+    """Squid's user's (uid, gid) when it drops to that user; Permanent if it is missing."""
     try:
-        account = pwd.getpwnam(SQUID_USER)
-    except KeyError:
-        raise Permanent(
-            f"user {SQUID_USER!r} does not exist; Squid started as root needs it"
-        ) from None
-    return account.pw_uid, account.pw_gid
+        return squid_account()
+    except SquidError as err:
+        raise Permanent(str(err)) from err
 
 
-def _check_traversable(directory: Path, uid: int, gid: int) -> None:
-    """Fail clearly when the `proxy` user could not reach the instance directories.
-
-    Otherwise Squid dies at start with a log it cannot write, e.g. for a
-    state_dir under root's home (mode 700).
-    """
-    for path in (directory, *directory.parents):
-        st = path.stat()
-        if st.st_uid == uid:
-            reachable = st.st_mode & stat.S_IXUSR
-        elif st.st_gid == gid:
-            reachable = st.st_mode & stat.S_IXGRP
-        else:
-            reachable = st.st_mode & stat.S_IXOTH
-        if not reachable:
-            raise Permanent(
-                f"user {SQUID_USER!r} cannot traverse {path} (mode {stat.filemode(st.st_mode)}), "
-                f"so Squid could not write its logs under {directory}; "
-                f"chmod o+x {path} or choose another local.state_dir"
-            )
-
-
-def _write(path: Path, text: str, mode: int = 0o644, group: int | None = None) -> None:
-    """Replace a file atomically, so no reader ever sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(tmp, mode)  # os.open's mode is narrowed by the umask
-    if group is not None:
-        os.chown(tmp, -1, group)
-    os.replace(tmp, path)
+def _account_or_none() -> tuple[int, int] | None:
+    """The same, or None where it is missing: then create says so, not the constructor."""
+    with contextlib.suppress(SquidError):
+        return squid_account()
+    return None
 
 
 def _read_tags(directory: Path) -> dict[str, str]:
@@ -736,53 +697,6 @@ def _vacated(directory: Path) -> bool:
         if exc.errno == errno.ENOENT:
             return True
         raise
-    return True
-
-
-def _check_config(binary: str, conf: Path) -> None:
-    """`squid -k parse` (tens of milliseconds): a rejected config is Permanent."""
-    result = subprocess.run(
-        [binary, "-k", "parse", "-f", str(conf)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise Permanent(f"squid rejected {conf}: {_excerpt(result.stderr + result.stdout)}")
-
-
-def _log_excerpt(*paths: Path) -> str:
-    texts = []
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            texts.append(path.read_text(errors="replace"))
-    return _excerpt("\n".join(texts))
-
-
-def _excerpt(text: str) -> str:
-    """The lines that say what went wrong, or the last lines when none does."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    bad = [line for line in lines if re.search(r"FATAL|ERROR|unrecognized|Bungled", line)]
-    return " | ".join((bad or lines)[-3:]) or "no output"
-
-
-def _remove_shm(service: str) -> None:
-    for segment in SHM_DIR.glob(f"{service}-*"):
-        with contextlib.suppress(FileNotFoundError):
-            segment.unlink()
-
-
-def _bindable(address: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # Squid sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free
-        # while one with a listener (on this or the wildcard address) does not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
     return True
 
 

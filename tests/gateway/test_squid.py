@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -25,6 +26,7 @@ from providers.config import Config
 from providers.local import LocalProvider
 from providers.naming import owner_tags
 from providers.squid import GatewayMember
+from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import requires_squid
@@ -377,8 +379,8 @@ def test_the_members_password_stays_in_the_private_config(
     backs = {back.conf for back in gateway.backs}
     for conf in (gateway.conf, *(worker.conf for worker in gateway.workers)):
         assert conf.stat().st_mode & 0o777 == 0o640
-    for path in gateway.directory.iterdir():
-        if path not in backs:
+    for path in gateway.directory.rglob("*"):
+        if path.is_file() and path not in backs:
             assert PASSWORD not in path.read_text(errors="replace"), path
     for conf in backs:
         assert f"login={USERNAME}:{PASSWORD}" in conf.read_text()
@@ -439,3 +441,26 @@ def test_two_gateways_send_a_session_key_to_the_same_member(
             assert chosen[0] == chosen[1], username
     finally:
         other.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Squid only drops to `proxy` when started as root")
+def test_a_state_dir_squids_user_cannot_reach_still_serves(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    """A --state-dir under a private directory (as /root is): the files go where `proxy` reaches.
+
+    The auth helper runs from a copy there too, so a virtualenv under /root
+    does not stop it.
+    """
+    private = state_dir / "private"
+    private.mkdir(mode=0o700)
+    squid = GatewaySquid(config.proxy_settings(), private / "gateway", ("127.0.0.1", free_port()))
+    try:
+        squid.start(list(members.by_member.values()))
+        assert squid.directory.is_relative_to(RUNTIME_ROOT)
+        assert through(squid, tls_origin, USERNAME).ok
+        assert through(squid, tls_origin, f"{USERNAME}-session-s1").ok
+        assert through(squid, tls_origin, USERNAME, "wrong-password").connect_status == 407
+    finally:
+        squid.stop()
+        shutil.rmtree(squid.directory, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -36,14 +37,13 @@ from providers.local import (
     HTPASSWD_FILE,
     LOCK_FILE,
     METADATA_FILE,
-    SHM_DIR,
     TAGS_FILE,
     LocalConfig,
     LocalProvider,
-    service_name,
 )
 from providers.naming import NAMESPACE_KEY, owner_tags
 from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from providers.squid_process import RUNTIME_ROOT, SHM_DIR, service_name
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.network import raw_status
 from tests.helpers.tls_origin import TlsOrigin
@@ -394,15 +394,44 @@ def test_unknown_ids_and_bad_input(state_dir: Path, tls_origin: TlsOrigin) -> No
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="Squid only drops to `proxy` when started as root")
-def test_state_dir_the_proxy_user_cannot_reach_is_permanent(
+async def test_state_dir_the_proxy_user_cannot_reach_moves_to_the_runtime_dir(
     state_dir: Path, tls_origin: TlsOrigin
 ) -> None:
+    """A state_dir under a private directory (a checkout under /root) still serves.
+
+    Squid's files go to a directory of the system's that its user reaches,
+    the same one for every provider over that state_dir, and delete leaves
+    nothing there.
+    """
     private = state_dir / "private"
     private.mkdir()
     private.chmod(0o700)
     provider = provider_for(private / "proxies")
-    with pytest.raises(Permanent, match=f"cannot traverse {private}"):
-        provider.create(request("proxy-unreachable", tls_origin))
+    moved = RUNTIME_ROOT / f"proxies-{hashlib.sha256(bytes(private / 'proxies')).hexdigest()[:16]}"
+    try:
+        created = provider.create(request("proxy-unreachable", tls_origin))
+        running = wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
+        result = await probe_connect(
+            running.ip,
+            running.port,
+            USERNAME,
+            PASSWORD,
+            tls_origin.url,
+            ssl_context=tls_origin.client_ssl_context,
+        )
+        assert result.ok, result
+        assert (moved / "proxy-unreachable" / "access.log").exists()
+        # Another provider object (a restarted worker) finds it again.
+        again = provider_for(private / "proxies")
+        assert [i.name for i in again.list_by_tag("managed-by", "proxy-operator")] == [
+            "proxy-unreachable"
+        ]
+        again.delete(created.provider_id)
+        assert_removed(moved / "proxy-unreachable")
+    finally:
+        with contextlib.suppress(Exception):
+            provider.delete("local/proxy-unreachable")
+        shutil.rmtree(moved, ignore_errors=True)
 
 
 def test_missing_binary_is_permanent(state_dir: Path, tls_origin: TlsOrigin) -> None:

@@ -1,0 +1,191 @@
+"""Running Squid on this machine: what the local provider and the gateway share.
+
+Both start the Debian `squid` binary from a directory of rendered files.
+Started as root, Squid drops to the `proxy` user (SQUID_USER), and that user
+must then reach the directory: it writes the logs there and its helpers read
+the htpasswd and, for the gateway, the auth helper. A checkout under a home
+directory (mode 700, as /root is) is out of its reach, so such a directory is
+swapped for one under RUNTIME_ROOT, which this module creates for it
+(`squid_dir`). Run as anyone else, Squid stays that user and reaches
+whatever the caller does.
+
+Errors here are plain exceptions (OSError, SquidError); each caller turns
+them into its own taxonomy (the provider's, the gateway's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pwd
+import re
+import shutil
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+from providers.squid import SQUID_USER
+
+log = logging.getLogger("proxy_operator.squid")
+
+# Debian's package installs Squid here, which is off most users' PATH.
+FALLBACK_BINARY = "/usr/sbin/squid"
+SHM_DIR = Path("/dev/shm")
+# Where Squid's files go when the configured directory is out of its user's
+# reach: the system's runtime directory, cleared at boot like the processes
+# whose files it holds.
+RUNTIME_ROOT = Path("/run/proxy-operator")
+PARSE_TIMEOUT_SECONDS = 60
+# Lines of Squid's output that say what went wrong.
+_TROUBLE = re.compile(r"FATAL|ERROR|unrecognized|Bungled")
+
+
+class SquidError(Exception):
+    """Squid is missing, rejected its config, or its user cannot be found."""
+
+
+Account = tuple[int, int]
+
+
+def find_binary(configured: str = "squid") -> str:
+    """The Squid binary: `configured` on PATH, or Debian's path for a bare name.
+
+    A bare name may just be off PATH (/usr/sbin is, for most users); an
+    explicit path that does not exist is a mistake to report, not to mask.
+    """
+    found = shutil.which(configured)
+    if found is None and os.sep not in configured:
+        found = shutil.which(FALLBACK_BINARY)
+    if found is None:
+        raise SquidError(
+            f"squid binary {configured!r} not found (nor {FALLBACK_BINARY}); "
+            "install Squid (apt-get install squid)"
+        )
+    return found
+
+
+def squid_account() -> Account | None:
+    """The (uid, gid) Squid drops to and shares its files with; None when it runs as us."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        account = pwd.getpwnam(SQUID_USER)
+    except KeyError:
+        raise SquidError(
+            f"user {SQUID_USER!r} does not exist; Squid started as root needs it"
+        ) from None
+    return account.pw_uid, account.pw_gid
+
+
+def squid_dir(preferred: Path, account: Account | None) -> Path:
+    """`preferred`, or, when Squid's user could not reach it, a directory of the system's.
+
+    The replacement is a function of `preferred` alone, so every process
+    configured with the same directory (a restarted worker, a second one)
+    finds the same files. Its parents are created world-traversable; the
+    directory itself is left for the caller to create with its own mode.
+    """
+    preferred = preferred.resolve()
+    if account is None or _traversable(preferred, account):
+        return preferred
+    digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:16]
+    moved = RUNTIME_ROOT / f"{preferred.name}-{digest}"
+    RUNTIME_ROOT.mkdir(mode=0o755, parents=True, exist_ok=True)
+    RUNTIME_ROOT.chmod(0o755)  # mkdir's mode is narrowed by the umask
+    log.info(
+        "user %r cannot reach %s; Squid's files for it go to %s instead",
+        SQUID_USER,
+        preferred,
+        moved,
+    )
+    return moved
+
+
+def _traversable(directory: Path, account: Account) -> bool:
+    """Whether `account` may pass through every existing directory on the way to `directory`."""
+    uid, gid = account
+    for path in (directory, *directory.parents):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue  # created later, by us, traversable
+        shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+        if not (st.st_mode >> shift) & stat.S_IXOTH:
+            return False
+    return True
+
+
+def write_file(path: Path, text: str, mode: int = 0o644, group: int | None = None) -> None:
+    """Replace a file atomically, so no reader (Squid included) ever sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(tmp, mode)  # os.open's mode is narrowed by the umask
+    if group is not None:
+        os.chown(tmp, -1, group)
+    os.replace(tmp, path)
+
+
+def parse_errors(binary: str, conf: Path) -> str | None:
+    """`squid -k parse` (tens of milliseconds): None if accepted, else what Squid said."""
+    result = subprocess.run(
+        [binary, "-k", "parse", "-f", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=PARSE_TIMEOUT_SECONDS,
+        check=False,
+    )
+    if result.returncode == 0:
+        return None
+    return excerpt(result.stderr + result.stdout)
+
+
+def log_excerpt(*paths: Path) -> str:
+    """What Squid's logs say went wrong (missing files are skipped)."""
+    texts = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            texts.append(path.read_text(errors="replace"))
+    return excerpt("\n".join(texts))
+
+
+def excerpt(text: str) -> str:
+    """The lines that say what went wrong, or the last lines when none does."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    bad = [line for line in lines if _TROUBLE.search(line)]
+    return " | ".join((bad or lines)[-3:]) or "no output"
+
+
+def service_name(name: str) -> str:
+    """Squid's `-n` service name for `name`; it also prefixes Squid's /dev/shm segments.
+
+    Squid accepts at most 32 alphanumeric characters, so the hyphens go and a
+    short hash keeps apart names that differ only in their hyphens.
+    """
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return re.sub(r"[^a-z0-9]", "", name)[:24] + digest
+
+
+def remove_shm(service: str) -> None:
+    """Remove the shared-memory segments a Squid of `service` left (it leaves them when killed)."""
+    for segment in SHM_DIR.glob(f"{service}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
+
+
+def bindable(address: str, port: int) -> bool:
+    """Whether Squid could listen on `address:port` now."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Squid sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free
+        # while one with a listener (on this or the wildcard address) does not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
