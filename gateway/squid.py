@@ -70,6 +70,7 @@ from providers.squid import (
 from providers.squid_process import (
     SquidError,
     bindable,
+    clear_stale_pid_file,
     excerpt,
     find_binary,
     log_excerpt,
@@ -153,6 +154,7 @@ class GatewaySquid:
         self._service = service_name(str(self.directory))
         self._python: str | None = None  # chosen at start, once the helper is in place
         self.process: subprocess.Popen[bytes] | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
         host, port = listen
         self.front = self._worker("front", FRONT, host, port)
         ports = _free_ports(len(BACKS))
@@ -168,6 +170,10 @@ class GatewaySquid:
     @property
     def conf(self) -> Path:
         return self.directory / "squid.conf"
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.directory / "squid.pid"
 
     @property
     def cache_log(self) -> Path:
@@ -204,7 +210,8 @@ class GatewaySquid:
         self._write_checked(self.front.conf, self._front_conf())
         self._write_backs()
         self._write_checked(self.conf, self._top_conf())
-        remove_shm(self._service)
+        remove_leftovers(self._service)
+        clear_stale_pid_file(self._pid_file)
         offset = self._cache_log_size()
         with open(self.directory / "squid.out", "ab") as out:
             # --foreground, not -N: -N runs no workers, hence no SMP.
@@ -216,6 +223,11 @@ class GatewaySquid:
                 cwd=self.directory,
                 start_new_session=True,
             )
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-m", "gateway.watchdog", str(self.process.pid), self._service],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             self._await_serving(offset)
         except BaseException:
@@ -259,7 +271,12 @@ class GatewaySquid:
         return True
 
     def stop(self) -> None:
-        """SIGTERM Squid (SIGKILL if it lingers), then remove its shm segments and IPC sockets."""
+        """SIGTERM Squid (SIGKILL if it lingers), then remove its shm segments and IPC sockets.
+
+        Workers whose master was killed outlive it, serving and holding the
+        listen address: whatever is left of Squid's process group is killed.
+        The watchdog is told last, when there is nothing left for it to do.
+        """
         process = self.process
         if process is not None:
             if process.poll() is None:
@@ -270,13 +287,22 @@ class GatewaySquid:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=STOP_GRACE)
-        remove_shm(self._service)
-        for leftover in IPC_DIR.glob(f"{self._service}-*.ipc"):
-            with contextlib.suppress(OSError):
-                leftover.unlink()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        remove_leftovers(self._service)
+        watchdog = self.watchdog
+        if watchdog is not None:
+            assert watchdog.stdin is not None
+            watchdog.stdin.close()
+            try:
+                watchdog.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait()
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        """Squid serves, and its watchdog would end it if this process died."""
+        return all(p is not None and p.poll() is None for p in (self.process, self.watchdog))
 
     def worker_pid(self, worker: Worker) -> int | None:
         """The pid of `worker` now (the master starts a new one if a worker dies)."""
@@ -289,7 +315,7 @@ class GatewaySquid:
     def _paths(self, worker: Worker) -> SquidPaths:
         return SquidPaths(
             htpasswd=str(self.directory / "htpasswd"),
-            pid_file=str(self.directory / "squid.pid"),
+            pid_file=str(self._pid_file),
             access_log=f"stdio:{worker.access_log}",
             cache_log=str(self.cache_log),
             coredump_dir=str(self.directory),
@@ -408,13 +434,16 @@ class GatewaySquid:
         """Reload one back with the front paused; return once every peer of it was probed."""
         offset = self._cache_log_size()
         with self._paused(self.front):
+            log.debug("front paused for the %s worker", back.role)
             time.sleep(SETTLE)
             self._signal(back, signal.SIGHUP)
+            log.debug("the %s worker reloading", back.role)
             self._await(
                 lambda: self._logged(offset, back, ACCEPTING) > 0,
                 f"{back.role} worker not accepting again",
                 RELOAD_DEADLINE,
             )
+        log.debug("the %s worker accepting again, front resumed", back.role)
         # Probes logged before the reload began were of the peers it dropped.
         self._await_probes(self._after(offset, back, RECONFIGURING), back, self._peers(back))
         log.info("reloaded the %s worker (%d members)", back.role, len(self.members))
@@ -505,6 +534,14 @@ class GatewaySquid:
 
     def _output(self) -> str:
         return self._scrub(log_excerpt(self.directory / "squid.out", self.cache_log))
+
+
+def remove_leftovers(service: str) -> None:
+    """Squid's shm segments and IPC sockets: it leaves both behind when it exits or is killed."""
+    remove_shm(service)
+    for leftover in IPC_DIR.glob(f"{service}-*.ipc"):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 def _kid_pid(master: int, number: int) -> int | None:

@@ -177,6 +177,25 @@ def remove_shm(service: str) -> None:
             segment.unlink()
 
 
+def clear_stale_pid_file(pid_file: Path) -> None:
+    """Remove a pid file whose process is gone or a zombie, which would stop Squid from starting.
+
+    Squid refuses to start while its pid file names a process that exists,
+    and a zombie exists: a Squid whose parent was killed stays one until
+    somebody reaps it, and in a container nobody may.
+    """
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        state = "X"
+    if state in ("Z", "X"):
+        pid_file.unlink(missing_ok=True)
+
+
 def bindable(address: str, port: int) -> bool:
     """Whether Squid could listen on `address:port` now."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET

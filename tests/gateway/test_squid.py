@@ -9,11 +9,15 @@ the gateway, so the gateway's reporting is not its own witness.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +32,7 @@ from providers.naming import owner_tags
 from providers.squid import GatewayMember
 from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
-from tests.helpers.network import free_port
+from tests.helpers.network import accepts_connections, free_port
 from tests.helpers.squid_upstream import requires_squid
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.tunnel import Answer, request
@@ -39,6 +43,9 @@ from tests.helpers.waiting import wait_until
 pytestmark = [requires_squid, pytest.mark.slow, pytest.mark.xdist_group("gateway_squid")]
 
 POOL = "pool-t"
+ROOT = Path(__file__).resolve().parents[2]
+# How long a reloading gateway may take to reach the step a test kills it at.
+STEP_DEADLINE = 60.0
 
 
 class Members:
@@ -464,3 +471,115 @@ def test_a_state_dir_squids_user_cannot_reach_still_serves(
     finally:
         squid.stop()
         shutil.rmtree(squid.directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        "front paused for the back-2 worker",
+        "the back-2 worker reloading",
+        "the back-2 worker accepting again, front resumed",
+        "reloaded the back-2 worker",
+        "the back-3 worker reloading",
+    ],
+)
+def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
+    step: str, state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    """SIGKILL the gateway's process mid-reload: its Squid goes too, and a new one serves.
+
+    Killed while the front is paused (SIGSTOP) it would otherwise leave a
+    Squid that takes connections and never answers them; killed at any
+    step, one whose membership nobody keeps current. Its watchdog kills the
+    whole Squid, so clients are refused at once and the supervisor's next
+    gateway gets the address back.
+    """
+    port = free_port()
+    given = {
+        "settings": dataclasses.asdict(config.proxy_settings()),
+        "members": [dataclasses.astuple(m) for m in members.by_member.values()],
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.reloading_gateway", str(state_dir / "gw"), str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps(given) + "\n")
+        child.stdin.flush()
+        squid_pid, reached = None, False
+        # Past the deadline the child is killed, which ends its output and the loop.
+        deadline = threading.Timer(STEP_DEADLINE, child.kill)
+        deadline.start()
+        for line in child.stdout:
+            if line.startswith("squid pid "):
+                squid_pid = int(line.split()[2])
+            elif squid_pid is not None and line.startswith(step):
+                child.send_signal(signal.SIGSTOP)  # held at this step
+                reached = True
+                break
+        deadline.cancel()
+        assert squid_pid is not None and reached, f"the gateway never reached {step!r}"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+        wait_until(lambda: not _process_group(squid_pid), 15, f"Squid's processes to end ({step})")
+        assert not accepts_connections(port)
+        again = GatewaySquid(config.proxy_settings(), state_dir / "gw", ("127.0.0.1", port))
+        try:
+            again.start(list(members.by_member.values()))
+            assert through(again, tls_origin, USERNAME).ok
+        finally:
+            again.stop()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _process_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("part", ["master", "watchdog"])
+def test_a_dead_master_or_watchdog_stops_the_whole_gateway(
+    part: str, gateway: GatewaySquid, tls_origin: TlsOrigin
+) -> None:
+    """Workers outliving a killed master would serve stale members; no watchdog, no fate sharing.
+
+    Either way the gateway sees it (`running()` is what its loop watches and
+    exits on), and its stop leaves no Squid process holding the address.
+    """
+    assert gateway.process is not None and gateway.watchdog is not None
+    master = gateway.process.pid
+    victim = master if part == "master" else gateway.watchdog.pid
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: not gateway.running(), 15, f"the gateway to see its {part} die")
+    gateway.stop()
+    assert not _process_group(master)
+    assert not accepts_connections(gateway.front.port)
+
+
+def test_a_killed_front_worker_is_restarted_and_serves_again(
+    gateway: GatewaySquid, tls_origin: TlsOrigin
+) -> None:
+    front = gateway.worker_pid(gateway.front)
+    assert front is not None
+    os.kill(front, signal.SIGKILL)
+    wait_until(
+        lambda: gateway.worker_pid(gateway.front) not in (None, front),
+        15,
+        "Squid's master to start a new front worker",
+    )
+    wait_until(lambda: through(gateway, tls_origin, USERNAME).ok, 30, "the new front to serve")
+    assert gateway.running()

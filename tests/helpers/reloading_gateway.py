@@ -1,0 +1,42 @@
+"""A gateway Squid that reloads without end, in a process a test can SIGKILL.
+
+    python -m tests.helpers.reloading_gateway STATE_DIR PORT < settings-and-members.json
+
+The input is one JSON object: `settings` (ProxySettings' fields, the password
+among them, so it never shows in a process list) and `members` (member,
+host, port). Squid starts on all of them, then the backs are reloaded onto
+every member but the last and back onto all, again and again. The reload's
+steps are logged to stdout (DEBUG), one line each, so a test can kill this
+process at a step of its choice; `squid pid <pid>` comes once it serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from gateway.squid import GatewaySquid
+from providers.squid import GatewayMember, ProxySettings
+
+
+def main(argv: list[str]) -> int:
+    state_dir, port = Path(argv[1]), int(argv[2])
+    given = json.loads(sys.stdin.readline())
+    settings = ProxySettings(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in given["settings"].items()}
+    )
+    members = [GatewayMember(*member) for member in given["members"]]
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(message)s")
+    squid = GatewaySquid(settings, state_dir, ("127.0.0.1", port))
+    squid.start(members)
+    assert squid.process is not None
+    print(f"squid pid {squid.process.pid}", flush=True)
+    while True:
+        squid.apply(members[:-1])
+        squid.apply(members)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
