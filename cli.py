@@ -36,14 +36,17 @@ def env_argument(
     parser.add_argument(flag, default=os.environ.get(env, default), help=f"{text} ({shown})")
 
 
-def settings_arguments(
-    parser: argparse.ArgumentParser, *, metrics_env: str, metrics_default: str
-) -> None:
-    """The flags every console script takes (the worker's, the gateway's).
+def argument_parser(
+    prog: str, doc: str, *, metrics_env: str, metrics_default: str
+) -> argparse.ArgumentParser:
+    """The parser every console script starts from, with the flags they all take.
 
-    The Temporal connection is not among them: `connect` reads it from the
-    environment (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API key, profiles).
+    `doc` is the script's module docstring, whose first line describes it.
+    The Temporal connection is not among the flags: `connect` reads it from
+    the environment (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API key,
+    profiles).
     """
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     env_argument(
         parser,
         "--providers-config",
@@ -57,6 +60,7 @@ def settings_arguments(
         "host:port for /metrics and /healthz; empty turns it off",
         metrics_default,
     )
+    return parser
 
 
 def configure_logging() -> None:

@@ -54,11 +54,9 @@ log = logging.getLogger("proxy_operator.worker")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="proxy-operator-worker", description=__doc__.split("\n")[0]
-    )
-    cli.settings_arguments(
-        parser,
+    parser = cli.argument_parser(
+        "proxy-operator-worker",
+        __doc__,
         metrics_env="PROXY_OPERATOR_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )

@@ -50,11 +50,9 @@ class UsageError(Exception):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="proxy-operator-gateway", description=__doc__.split("\n")[0]
-    )
-    cli.settings_arguments(
-        parser,
+    parser = cli.argument_parser(
+        "proxy-operator-gateway",
+        __doc__,
         metrics_env="PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
