@@ -18,23 +18,20 @@ import os
 import signal
 import socket
 import sys
-import threading
 import urllib.request
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from socketserver import ThreadingMixIn
 from typing import Any, NoReturn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, make_wsgi_app
+from prometheus_client import REGISTRY
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from temporalio.client import Client
-from temporalio.envconfig import ClientConfig
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
+import cli
 from activities.gc import GcActivities
 from activities.pool import PoolActivities
 from activities.provider import ProviderActivities
@@ -49,7 +46,6 @@ from workflows.payloads import with_input_payload_converter
 from workflows.pool import ProxyPool
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
-DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
 # Each monitored proxy holds one activity slot for as long as it is Ready.
 DEFAULT_MAX_ACTIVITIES = 2000
 GRACEFUL_SHUTDOWN = timedelta(seconds=20)
@@ -57,51 +53,10 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 log = logging.getLogger("proxy_operator.worker")
 
 
-def env_argument(
-    parser: argparse.ArgumentParser, flag: str, env: str, text: str, default: str | None = None
-) -> None:
-    """A string flag that defaults to environment variable `env`, then `default`; says both."""
-    shown = f"env {env}" if default is None else f"env {env}, default %(default)s"
-    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{text} ({shown})")
-
-
-def settings_arguments(
-    parser: argparse.ArgumentParser, *, metrics_env: str, metrics_default: str
-) -> None:
-    """The flags every console script takes (the worker's, the gateway's).
-
-    The Temporal connection is not among them: `connect` reads it from the
-    environment (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API key, profiles).
-    """
-    env_argument(
-        parser,
-        "--providers-config",
-        "PROXY_OPERATOR_CONFIG",
-        "the providers YAML: credentials, access rules",
-    )
-    env_argument(
-        parser,
-        "--metrics-address",
-        metrics_env,
-        "host:port for /metrics and /healthz; empty turns it off",
-        metrics_default,
-    )
-
-
-def configure_logging() -> None:
-    """Log lines as every console script writes them, at PROXY_OPERATOR_LOG_LEVEL."""
-    logging.basicConfig(
-        level=os.environ.get("PROXY_OPERATOR_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="proxy-operator-worker", description=__doc__.split("\n")[0]
-    )
-    settings_arguments(
-        parser,
+    parser = cli.argument_parser(
+        "proxy-operator-worker",
+        __doc__,
         metrics_env="PROXY_OPERATOR_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
@@ -130,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure_logging()
+    cli.configure_logging()
     args = parse_args(argv)
     if not args.providers_config:
         print("error: --providers-config (or PROXY_OPERATOR_CONFIG) is required", file=sys.stderr)
@@ -151,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(config: Config, args: argparse.Namespace) -> int:
     providers = build_providers(config)
-    health = Health()
+    health = cli.Health()
     runtime = _runtime_with_metrics(args.metrics_address, health)
-    client = await connect(runtime)
+    client = await cli.connect(runtime)
     await ensure_search_attributes(client)
     activities = ProviderActivities(providers, config)
     gc = GcActivities(providers, config.installation, client)
@@ -232,20 +187,7 @@ def _pool_activities(client: Client) -> list[Callable[..., Any]]:
     return [pool.closed_members, pool.end_orphaned_members]
 
 
-async def connect(runtime: Runtime | None = None) -> Client:
-    """Connect with the standard env config; a bare dev setup gets localhost:7233."""
-    connect_config = ClientConfig.load_client_connect_config()
-    connect_config.setdefault("target_host", DEFAULT_TEMPORAL_ADDRESS)
-    return await Client.connect(**connect_config, runtime=runtime)
-
-
 # ---- metrics and health ---------------------------------------------------------------
-
-
-class Health:
-    """Whether /healthz answers 200: set once the process serves."""
-
-    ready = False
 
 
 class _SdkMetrics(Collector):
@@ -267,16 +209,7 @@ class _SdkMetrics(Collector):
         return list(text_string_to_metric_families(text))
 
 
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _runtime_with_metrics(address: str, health: Health) -> Runtime | None:
+def _runtime_with_metrics(address: str, health: cli.Health) -> Runtime | None:
     if not address:
         return None
     sdk_address = f"127.0.0.1:{_free_port()}"
@@ -286,30 +219,8 @@ def _runtime_with_metrics(address: str, health: Health) -> Runtime | None:
         )
     )
     REGISTRY.register(_SdkMetrics(f"http://{sdk_address}/metrics"))
-    serve_metrics(address, health)
+    cli.serve_metrics(address, health)
     return runtime
-
-
-def serve_metrics(address: str, health: Health) -> None:
-    """Serve the default registry on /metrics and `health` on /healthz, in a thread.
-
-    The gateway serves its own series the same way.
-    """
-    metrics_app = make_wsgi_app(REGISTRY)
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == "/healthz":
-            status = "200 OK" if health.ready else "503 Service Unavailable"
-            start_response(status, [("Content-Type", "text/plain")])
-            return [b"ok\n" if health.ready else b"starting\n"]
-        return metrics_app(environ, start_response)  # type: ignore[no-any-return]
-
-    host, _, port = address.rpartition(":")
-    server = make_server(
-        host or "0.0.0.0", int(port), app, _ThreadingWSGIServer, handler_class=_QuietHandler
-    )
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    log.info("serving /metrics and /healthz on %s", address)
 
 
 def _free_port() -> int:
@@ -319,20 +230,9 @@ def _free_port() -> int:
         return port
 
 
-def run(entry: Callable[[], int] = main) -> NoReturn:
-    """The console entry point: `entry` (the worker's `main`), then exit without teardown.
-
-    Tearing down the interpreter while the Temporal SDK's native runtime
-    threads still exist can abort the process after a clean drain
-    (temporalio/sdk-python#300). By the time `entry` returns everything worth
-    doing is done, so flush and leave with its exit code. The gateway's
-    console script leaves the same way.
-    """
-    code = entry()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def run() -> NoReturn:
+    """The console entry point; leaves as the gateway's does (cli.run says why)."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ from typing import NoReturn
 from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError
 
-import worker
+import cli
+from cli import Health, connect, serve_metrics
 from gateway import membership, metrics
 from gateway.squid import GatewayError, GatewaySquid
 from providers.config import ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
-from worker import Health, connect, serve_metrics
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"
@@ -50,25 +50,21 @@ class UsageError(Exception):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="proxy-operator-gateway", description=__doc__.split("\n")[0]
-    )
-    worker.settings_arguments(
-        parser,
+    parser = cli.argument_parser(
+        "proxy-operator-gateway",
+        __doc__,
         metrics_env="PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
-    worker.env_argument(
-        parser, "--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id"
-    )
-    worker.env_argument(
+    cli.env_argument(parser, "--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id")
+    cli.env_argument(
         parser,
         "--listen",
         "PROXY_OPERATOR_GATEWAY_LISTEN",
         "host:port clients connect to",
         DEFAULT_LISTEN,
     )
-    worker.env_argument(
+    cli.env_argument(
         parser,
         "--state-dir",
         "PROXY_OPERATOR_GATEWAY_STATE_DIR",
@@ -117,7 +113,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    worker.configure_logging()
+    cli.configure_logging()
     args = parse_args(argv)
     try:
         pool, listen = checked(args)
@@ -245,8 +241,8 @@ def _private_dir() -> Path:
 
 
 def run() -> NoReturn:
-    """The console entry point; leaves as the worker's does (worker.run says why)."""
-    worker.run(main)
+    """The console entry point; leaves as the worker's does (cli.run says why)."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

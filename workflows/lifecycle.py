@@ -60,6 +60,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.deletion import delete_until_gone
     from workflows.inputs import ProxyInput, continued_state, parse_input
     from workflows.membership import MemberReport
+    from workflows.policies import REPLACE_BACKOFF
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -70,7 +71,6 @@ R = TypeVar("R")
 # replacement after a healthy spell starts at once.
 CRASH_BUDGET = 5
 STABLE_AFTER = timedelta(minutes=10)
-REPLACE_BACKOFF = policies.Backoff(first=timedelta(seconds=10), cap=timedelta(minutes=5))
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
 # The longest `rotate` reason kept.
 MAX_REASON = 500

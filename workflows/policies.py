@@ -65,6 +65,12 @@ class Backoff:
         return min(delay, self.cap)
 
 
+# Before replacing what failed: a lifecycle's instance that failed again before
+# it stayed healthy (its crash loop), or a pool's member that ended Failed. A
+# pool member that could not start at all waits its `first`.
+REPLACE_BACKOFF = Backoff(first=timedelta(seconds=10), cap=timedelta(minutes=5))
+
+
 # A lifecycle's provider calls: Transient goes straight back to the workflow,
 # which waits it out on a timer `status` shows (workflows/lifecycle.py). A
 # lost worker (heartbeat or start-to-close timeout) is still retried here,

@@ -53,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import policies
     from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state, parse_model
     from workflows.membership import MemberReport
+    from workflows.policies import REPLACE_BACKOFF
     from workflows.pool_input import (
         BanRequest,
         PoolInput,
@@ -61,9 +62,6 @@ with workflow.unsafe.imports_passed_through():
         pool_id_problems,
     )
 
-# A replacement after a member ended Failed waits REPLACE_BACKOFF (10 s
-# doubling to 5 minutes); a member that could not start, its `first`.
-REPLACE_BACKOFF = policies.Backoff(first=timedelta(seconds=10), cap=timedelta(minutes=5))
 # How long a member leaving the pool (scaled down, or the old instance of a
 # rotation) keeps serving after it left `endpoints`, unless the template sets
 # `drain_seconds`: longer than a gateway takes to poll, debounce and reload

@@ -220,7 +220,7 @@ def worker_main(spec_path: str) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # No interpreter teardown with the SDK's native threads alive (see worker.run).
+    # No interpreter teardown with the SDK's native threads alive (see cli.run).
     os._exit(code)
 
 

@@ -1,4 +1,4 @@
-"""The GCP startup script on a first boot, run by bash against stub commands.
+"""The GCP startup script: its template, and a first boot run by bash against stub commands.
 
 A real first boot is where images differ: unattended-upgrades holds the dpkg
 lock for minutes, a third-party apt repository on the image fails `apt-get
@@ -11,9 +11,11 @@ attribute is what the provider's `get` reads (tests/providers/test_gcp.py).
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +23,13 @@ from pathlib import Path
 import pytest
 
 from providers.gcp import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, startup_script
-from providers.squid import ProxySettings
+from providers.gcp.startup import TEMPLATE, TEMPLATE_FILE
+from providers.squid import ProxySettings, sha512_crypt
 from tests.helpers.network import free_port
 
 BASH = shutil.which("bash") or "/bin/bash"
+REPO = Path(__file__).resolve().parents[2]
+PASSWORD = "correct horse battery staple"
 
 # Each stub appends "<name> <args>" to $STUB_LOG; behaviour is steered by
 # environment variables, counters live in $STUB_STATE.
@@ -104,7 +109,7 @@ def boot(tmp_path: Path, port: int, *, squid_installed: bool = False, **env: str
     proxy = ProxySettings(
         port=port,
         username="proxy",
-        password="correct horse battery staple",
+        password=PASSWORD,
         allowed_cidrs=("192.0.2.0/24",),
         allowed_connect_ports=(443,),
     )
@@ -196,3 +201,51 @@ def test_a_later_boot_reconfigures_without_apt(tmp_path: Path, listener: int) ->
     assert run.returncode == 0, run.stderr
     assert run.reports == [STARTUP_READY]
     assert not [c for c in run.calls if c.startswith("apt-get")]
+
+
+# -- the template ----------------------------------------------------------------
+
+
+def proxy(port: int = 3128) -> ProxySettings:
+    return ProxySettings(
+        port=port,
+        username="proxy",
+        password=PASSWORD,
+        allowed_cidrs=("192.0.2.0/24", "10.0.0.0/8"),
+        allowed_connect_ports=(443, 8443),
+    )
+
+
+def test_every_placeholder_is_filled_and_bash_accepts_the_script(tmp_path: Path) -> None:
+    placeholders = TEMPLATE.get_identifiers()
+    assert {"PORT", "SQUID_CONF_TEXT", "HTPASSWD_TEXT"} <= set(placeholders)
+
+    script = startup_script(proxy(port=3999))
+
+    assert not re.findall(r"@[A-Z][A-Z_]*@", script)
+    assert "/dev/tcp/127.0.0.1/3999" in script
+    assert "squid is not listening on port 3999" in script
+    path = tmp_path / "startup.sh"
+    path.write_text(script)
+    parsed = subprocess.run([BASH, "-n", str(path)], capture_output=True, text=True, check=False)
+    assert parsed.returncode == 0, parsed.stderr
+
+
+def test_the_script_carries_the_password_hashed_and_nothing_else_secret() -> None:
+    script = startup_script(proxy())
+
+    assert PASSWORD not in script
+    # The one credential is the htpasswd line, whose hash checks the password.
+    (line,) = [line for line in script.splitlines() if "$6$" in line]
+    username, _, hashed = line.partition(":")
+    assert username == "proxy"
+    assert hashed == sha512_crypt(PASSWORD, hashed)
+
+
+def test_the_template_ships_with_the_package() -> None:
+    # pip install (-e or a wheel) copies only the package data pyproject names.
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert "providers.gcp" in setuptools["packages"]
+    assert TEMPLATE_FILE in setuptools["package-data"]["providers.gcp"]
+    assert (REPO / "providers" / "gcp" / TEMPLATE_FILE).is_file()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from workflows.lifecycle import PROVIDER_WAIT, REPLACE_BACKOFF
-from workflows.policies import Backoff
+from workflows.lifecycle import PROVIDER_WAIT
+from workflows.policies import REPLACE_BACKOFF, Backoff
 
 
 def test_doubles_from_first_up_to_cap() -> None:
