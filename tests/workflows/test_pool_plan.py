@@ -1,11 +1,11 @@
 """The pool's planning (workflows/pool_plan.py), without a server: scale, surge, bans, failures.
 
-Each test builds the members a pool knows and asks what it does next; a few
-run a pool over simulated hours, members answering the pool's commands the
-way ProxyLifecycle does, so the properties that take a server minutes to show
-(members never rotate together, spread by weight) are checked in
-milliseconds. The workflow that applies these plans is tested end to end in
-test_pool.py, test_pool_timers.py and test_pool_continue_as_new.py.
+Each test builds the members a pool knows and asks what it does next; one
+runs a pool over simulated hours, members answering the pool's commands the
+way ProxyLifecycle does, so a property that takes a server minutes to show
+(members never rotate together) is checked in milliseconds. The workflow that
+applies these plans is tested end to end in test_pool.py, test_pool_timers.py,
+test_pool_lifetimes.py, test_drain.py and test_gateway.py.
 """
 
 from __future__ import annotations
