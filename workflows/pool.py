@@ -307,7 +307,7 @@ class ProxyPool:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
         req = self._request(BanRequest, request, "report_ban")
         member = self._live_member(req.member)
-        if member.banned is not None or (req.endpoint and req.endpoint != member.endpoint):
+        if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
         self._bans.append(workflow.now().isoformat())
         member.ban(req.reason or "reported banned")
@@ -318,7 +318,7 @@ class ProxyPool:
     def _validate_report_ban(self, request: Any) -> None:
         req = self._request(BanRequest, request, "report_ban")
         member = self._live_member(req.member)
-        if member.banned is not None or (req.endpoint and req.endpoint != member.endpoint):
+        if member.ban_changes_nothing(req.endpoint):
             return  # idempotent: accepted, changes nothing
         if not pool_plan.is_serving(member):
             raise invalid_input(f"member: {req.member} is not serving (state {member.state})")

@@ -2,8 +2,8 @@
 
 The workflow (workflows/pool.py) owns the Temporal side: it takes reports,
 updates and timers, and turns a `Step` into commands (child starts, signals,
-the reconcile activity, its one timer). Everything it decides lives here, free
-of Temporal, so a plan is unit-tested in milliseconds
+the reconcile activity, its one timer). Everything it decides lives here, in
+functions that call no Temporal API, so a plan is unit-tested in milliseconds
 (tests/workflows/test_pool_plan.py):
 
 - `plan` is one step: queue members whose lifetime is up, start or remove
@@ -124,6 +124,10 @@ class Member:
             return False
         self.phase, self.reason = MemberPhase.QUEUED, reason
         return True
+
+    def ban_changes_nothing(self, seen_on: str | None) -> bool:
+        """A ban report of one banned already, or seen on an instance it no longer has."""
+        return self.banned is not None or bool(seen_on and seen_on != self.endpoint)
 
     def ban(self, reason: str) -> None:
         """Out of `endpoints` now; rotated first, unless a rotation is under way already."""

@@ -232,6 +232,15 @@ def test_a_rotation_ends_when_a_later_generation_is_ready_and_lifts_the_ban() ->
     assert (member.phase, member.banned, member.rotating_from) == (MemberPhase.ACTIVE, None, None)
 
 
+def test_a_ban_of_a_banned_member_or_of_an_instance_it_no_longer_has_changes_nothing() -> None:
+    member = ready(0)
+    assert not member.ban_changes_nothing(None)
+    assert not member.ban_changes_nothing(member.endpoint)
+    assert member.ban_changes_nothing("10.0.0.9:3128")  # its previous instance
+    member.ban("403")
+    assert member.ban_changes_nothing(None)
+
+
 def test_a_ban_during_a_rotation_keeps_the_rotation_and_a_second_queue_is_refused() -> None:
     member = ready(0)
     assert member.queue("rotate all")
