@@ -1,4 +1,4 @@
-"""Deterministic workflow code: ProxyLifecycle and OrphanGC.
+"""Deterministic workflow code: ProxyLifecycle, ProxyPool (planned by pool_plan.py) and OrphanGC.
 
 Nothing here does I/O, reads clocks or draws random numbers outside the
 workflow API, and nothing imports a provider SDK.

@@ -52,7 +52,7 @@ class PoolInput(StrictInput):
     # Rotations (each an extra instance while it lasts) under way at once.
     max_surge: Annotated[int, Field(ge=1, le=100)] = 1
     # Member n's lifetime is max_lifetime * (1 - lifetime_jitter * u(n)),
-    # u(n) in [0, 1) spread evenly (workflows/pool.py, `jittered_lifetime`).
+    # u(n) in [0, 1) spread evenly (workflows/pool_plan.py, `jittered_lifetime`).
     lifetime_jitter: Annotated[float, Field(ge=0, le=0.9)] = 0.2
     # Members in a row that end Failed before the pool stops replacing them.
     failure_budget: Annotated[int, Field(ge=1, le=100)] = 3

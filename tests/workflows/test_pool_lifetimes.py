@@ -1,9 +1,13 @@
-"""Pool members' lifetimes on the dev server: jitter, rolling rotation, continue-as-new.
+"""Pool members' lifetimes on the dev server: rolling rotation and continue-as-new, end to end.
+
+What the pool plans (jitter, surge, rotation order, spread) is unit-tested in
+test_pool_plan.py; these two check what only real members show: rotations
+that end when a member's new instance is Ready, read from the members' own
+histories, and members that live on across the pool's continue-as-new.
 
 The time-skipping server cannot skip time while an activity runs, and every
 Ready member runs its monitor, so lifetimes are tested here with short ones
-(as for ProxyLifecycle, tests/workflows/test_lifecycle.py), and what matters
-is read from the members' own histories.
+(as for ProxyLifecycle, tests/workflows/test_lifecycle.py).
 """
 
 from __future__ import annotations
@@ -21,17 +25,13 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from providers.base import CreateRequest, InstanceState
-from providers.config import parse_config
 from providers.local import LocalProvider
 from providers.memory import MemoryProvider
 from providers.naming import instance_name, owner_tags
 from tests.helpers.config import (
     INSTALLATION,
-    PASSWORD,
-    PASSWORD_ENV,
     build_config,
     local_settings,
-    raw_config,
 )
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.tls_origin import TlsOrigin
@@ -195,38 +195,3 @@ async def test_members_live_on_across_the_pools_continue_as_new(
         raise AssertionError(f"the pool did not end in {DEADLINE}s: {statuses}") from None
     assert result["state"] == "Terminated"
     assert stack.instances() == []
-
-
-async def test_spread_places_members_by_weight(
-    temporal_env: WorkflowEnvironment,
-    provider_stack_on: StackFactory,
-    one_squid: OneSquid,
-    tls_origin: TlsOrigin,
-) -> None:
-    raw = raw_config(_memory_entry(), connect_ports=[443, tls_origin.port])
-    raw["providers"] = [{"name": "zone-a", "type": "memory"}, {"name": "zone-b", "type": "memory"}]
-    config = parse_config(raw, environ={PASSWORD_ENV: PASSWORD})
-    stack = await provider_stack_on(
-        temporal_env, {"zone-a": one_squid, "zone-b": one_squid}, config
-    )
-    handle = await stack.client.start_workflow(
-        "ProxyPool",
-        {
-            "replicas": 6,
-            "template": stack.proxy_input("zone-a"),
-            "spread": [{"provider": "zone-a", "weight": 2}, {"provider": "zone-b", "weight": 1}],
-        },
-        id=f"pool-{uuid.uuid4().hex[:8]}",
-        task_queue=stack.task_queue,
-    )
-    stack.handles.append(handle)
-
-    async def ready() -> bool:
-        return bool((await handle.query("status"))["ready"] == 6)
-
-    await wait_for(ready, "6 Ready")
-    providers = [e["provider"] for e in await handle.query("endpoints")]
-    assert sorted(providers) == ["zone-a"] * 4 + ["zone-b"] * 2
-    await handle.signal("terminate")
-    assert (await handle.result())["state"] == "Terminated"
-    assert one_squid.ids() == set()

@@ -1,0 +1,491 @@
+"""The pool's planning (workflows/pool_plan.py), without a server: scale, surge, bans, failures.
+
+Each test builds the members a pool knows and asks what it does next; one
+runs a pool over simulated hours, members answering the pool's commands the
+way ProxyLifecycle does, so a property that takes a server minutes to show
+(members never rotate together) is checked in milliseconds. The workflow that
+applies these plans is tested end to end in test_pool.py, test_pool_timers.py,
+test_pool_lifetimes.py, test_drain.py and test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from temporalio.converter import default, value_to_type
+
+from contract import PoolState, ProxyState
+from workflows.membership import MemberReport
+from workflows.pool import PoolCarried
+from workflows.pool_input import PoolInput
+from workflows.pool_plan import (
+    RECONCILE_BUSY,
+    RECONCILE_EVERY,
+    RECONCILE_IDLE,
+    START_BATCH,
+    Member,
+    MemberPhase,
+    Situation,
+    Step,
+    after_failure,
+    ban_refusal,
+    jittered_lifetime,
+    legacy_carried,
+    next_wake,
+    plan,
+    pool_state,
+    waiting_for,
+)
+
+POOL = "pool-a"
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def pool_input(**fields: Any) -> PoolInput:
+    template = {"provider": "local", **fields.pop("template", {})}
+    return PoolInput.model_validate({"replicas": 3, "template": template, **fields})
+
+
+def ready(index: int, *, since: datetime = T0, generation: int = 0, **fields: Any) -> Member:
+    """Member `index`, Ready since `since`."""
+    return Member(
+        member=f"{POOL}/{index}",
+        index=index,
+        provider="local",
+        placement={},
+        started_at=since.isoformat(),
+        state=ProxyState.READY,
+        endpoint=f"127.0.0.1:{4000 + index}",
+        generation=generation,
+        ready_since=since.isoformat(),
+        served=True,
+        **fields,
+    )
+
+
+def starting(index: int) -> Member:
+    return Member(f"{POOL}/{index}", index, "local", {}, T0.isoformat())
+
+
+def situation(*members: Member, replicas: int | None = None, **books: Any) -> Situation:
+    count = len([m for m in members if m.phase is not MemberPhase.REMOVING])
+    return Situation(
+        replicas=count if replicas is None else replicas,
+        members=members,
+        next_index=max((m.index + 1 for m in members), default=0),
+        last_reconcile=books.pop("last_reconcile", T0),
+        **books,
+    )
+
+
+def report(member: Member, state: str, generation: int, at: datetime) -> MemberReport:
+    ready_since = at.isoformat() if state == ProxyState.READY else None
+    return MemberReport(
+        member.member, state, "127.0.0.1:5000", "local", generation, ready_since, at.isoformat(), 0
+    )
+
+
+def phases(step: Step) -> dict[str, MemberPhase]:
+    return {m.member: m.phase for m in step.members}
+
+
+# ---- scale ------------------------------------------------------------------------------
+
+
+def test_an_empty_pool_starts_its_replicas_with_the_template_placed_and_unrotated() -> None:
+    inp = pool_input(template={"max_lifetime_seconds": 3600, "port": 3129})
+
+    step = plan(situation(replicas=3), inp, POOL, T0)
+
+    assert [s.member.member for s in step.starts] == [f"{POOL}/{n}" for n in range(3)]
+    assert step.next_index == 3
+    body = step.starts[0].body
+    assert body["provider"] == "local" and body["port"] == 3129
+    # The pool rotates its members itself, and drains them before their end.
+    assert "max_lifetime_seconds" not in body
+    assert body["drain_seconds"] == 15
+    assert [s.member.lifetime_seconds for s in step.starts] == [3600, 3600 * 0.9, 3600 * 0.95]
+    assert {m.member for m in step.members} == {s.member.member for s in step.starts}
+
+
+def test_a_large_scale_up_starts_in_batches_counting_starts_in_flight() -> None:
+    assert len(plan(situation(replicas=500), pool_input(), POOL, T0).starts) == START_BATCH
+    busy = situation(replicas=500, starting=START_BATCH - 10)
+    assert len(plan(busy, pool_input(), POOL, T0).starts) == 10
+
+
+def test_plan_leaves_the_situation_it_read_unchanged() -> None:
+    members = (ready(0), ready(1), ready(2))
+    before = [dataclasses.replace(m) for m in members]
+
+    step = plan(situation(*members, replicas=1), pool_input(), POOL, T0)
+
+    assert len(step.removals) == 2
+    assert list(members) == before
+
+
+def test_scale_down_removes_members_not_serving_first_then_the_oldest() -> None:
+    hour = timedelta(hours=1)
+    members = (
+        ready(0, since=T0 + 2 * hour),
+        ready(1, since=T0),
+        starting(2),
+        ready(3, since=T0 + hour, banned="403"),
+        ready(4, since=T0 + 3 * hour),
+    )
+
+    step = plan(situation(*members, replicas=2), pool_input(), POOL, T0 + 4 * hour)
+
+    # Starting and banned members are not serving; then member 1 is the oldest.
+    assert [r.member for r in step.removals] == [f"{POOL}/2", f"{POOL}/3", f"{POOL}/1"]
+    assert all(r.reason == "scaled down" and r.drain == 15 for r in step.removals)
+    removed = [m for m in step.members if m.phase is MemberPhase.REMOVING]
+    assert [m.reason for m in removed] == ["scaled down, draining 15s"] * 3
+    assert not step.starts
+
+
+def test_a_removed_member_is_not_counted_so_its_place_is_filled() -> None:
+    gone = ready(0)
+    gone.remove("scaled down")
+
+    step = plan(situation(gone, ready(1), replicas=2), pool_input(), POOL, T0)
+
+    assert [s.member.member for s in step.starts] == [f"{POOL}/2"]  # ids are never reused
+
+
+def test_spread_fills_each_entry_by_weight() -> None:
+    inp = pool_input(
+        spread=[{"provider": "zone-a", "weight": 2}, {"provider": "zone-b", "weight": 1}]
+    )
+    step = plan(situation(replicas=6), inp, POOL, T0)
+
+    providers = [s.member.provider for s in step.starts]
+    assert (providers.count("zone-a"), providers.count("zone-b")) == (4, 2)
+    assert providers[:2] == ["zone-a", "zone-b"]  # each entry gets its first member early
+    assert all(s.body["provider"] == s.member.provider for s in step.starts)
+    # A replacement goes where a member is missing.
+    members = [m for m in step.members if m.index != 1]
+    refill = plan(situation(*members, replicas=6), inp, POOL, T0)
+    assert [s.member.provider for s in refill.starts] == ["zone-b"]
+
+
+# ---- rotation ---------------------------------------------------------------------------
+
+
+def test_members_whose_lifetime_is_up_rotate_one_surge_at_a_time_in_member_order() -> None:
+    members = tuple(ready(n, lifetime_seconds=600) for n in range(4))
+    inp = pool_input(max_surge=2)
+
+    step = plan(situation(*members), inp, POOL, T0 + timedelta(minutes=10))
+
+    assert [(r.member, r.reason) for r in step.rotations] == [
+        (f"{POOL}/0", "max lifetime"),
+        (f"{POOL}/1", "max lifetime"),
+    ]
+    assert list(phases(step).values()) == [MemberPhase.ROTATING] * 2 + [MemberPhase.QUEUED] * 2
+    # The next surge slot opens when a rotation ends, not before.
+    later = plan(situation(*step.members), inp, POOL, T0 + timedelta(minutes=11))
+    assert not later.rotations
+
+
+def test_bans_rotate_first_and_even_below_size_other_rotations_wait_for_it() -> None:
+    members = (
+        ready(0, lifetime_seconds=600),
+        ready(1),
+        ready(2),
+        starting(3),
+    )
+    members[2].ban("403 from shop")
+
+    step = plan(situation(*members), pool_input(max_surge=2), POOL, T0 + timedelta(minutes=10))
+
+    # Below size (member 3 is starting): the ban goes, the lifetime waits.
+    assert [(r.member, r.reason) for r in step.rotations] == [(f"{POOL}/2", "ban: 403 from shop")]
+    assert phases(step)[f"{POOL}/0"] is MemberPhase.QUEUED
+
+
+def test_a_queued_member_that_is_not_ready_waits_while_the_next_one_goes() -> None:
+    members = (ready(0), ready(1))
+    members[0].ban("403")
+    members[0].state = ProxyState.REPLACING  # getting a new instance anyway
+    members[1].ban("403")
+
+    step = plan(situation(*members), pool_input(max_surge=2), POOL, T0)
+
+    assert [r.member for r in step.rotations] == [f"{POOL}/1"]
+    assert phases(step)[f"{POOL}/0"] is MemberPhase.QUEUED
+
+
+def test_a_rotation_ends_when_a_later_generation_is_ready_and_lifts_the_ban() -> None:
+    member = ready(0, generation=3)
+    member.ban("403")
+    member.start_rotation()
+
+    assert not member.take(report(member, ProxyState.READY, 3, T0))  # the old instance
+    assert member.phase is MemberPhase.ROTATING and member.banned == "403"
+    member.take(report(member, ProxyState.READY, 4, T0))
+    assert (member.phase, member.banned, member.rotating_from) == (MemberPhase.ACTIVE, None, None)
+
+
+def test_a_ban_of_a_banned_member_or_of_an_instance_it_no_longer_has_changes_nothing() -> None:
+    member = ready(0)
+    assert not member.ban_changes_nothing(None)
+    assert not member.ban_changes_nothing(member.endpoint)
+    assert member.ban_changes_nothing("10.0.0.9:3128")  # its previous instance
+    member.ban("403")
+    assert member.ban_changes_nothing(None)
+
+
+def test_a_ban_during_a_rotation_keeps_the_rotation_and_a_second_queue_is_refused() -> None:
+    member = ready(0)
+    assert member.queue("rotate all")
+    assert not member.queue("max lifetime")
+    member.start_rotation()
+    member.ban("403")
+    assert (member.phase, member.banned) == (MemberPhase.ROTATING, "403")
+
+
+def test_only_a_members_first_ready_makes_the_failure_budget_whole() -> None:
+    member = starting(0)
+    assert not member.take(report(member, ProxyState.PROVISIONING, 0, T0))
+    assert member.take(report(member, ProxyState.READY, 0, T0))
+    assert not member.take(report(member, ProxyState.READY, 1, T0))
+
+
+def test_jittered_lifetimes_spread_any_run_of_members_and_never_exceed_the_template() -> None:
+    lifetimes = [jittered_lifetime(3600, 0.5, n) for n in range(16)]
+
+    assert max(lifetimes) == 3600 and min(lifetimes) >= 1800
+    # Any 8 consecutive members cover the window's eighths, one each.
+    for start in range(8):
+        run = lifetimes[start : start + 8]
+        assert sorted(int((3600 - t) / 225) for t in run) == list(range(8))
+
+
+def test_twenty_members_over_two_lifetimes_never_rotate_together() -> None:
+    inp = pool_input(replicas=20, lifetime_jitter=0.5, template={"max_lifetime_seconds": 3600})
+
+    spans = simulate(inp, until=T0 + timedelta(hours=5), rotation_takes=timedelta(seconds=40))
+
+    assert {member for member, _, _ in spans} == {f"{POOL}/{n}" for n in range(20)}
+    assert len(spans) >= 40  # every member rotated at least twice
+    ordered = sorted((start, end) for _, start, end in spans)
+    for (_, end), (start, _) in itertools.pairwise(ordered):
+        assert end <= start, "two members rotating at once"
+    # Jitter spreads the first rotations over the lifetime's window.
+    firsts = sorted(min(s for m, s, _ in spans if m == member) for member, _, _ in spans)
+    assert firsts[-1] - firsts[0] >= timedelta(minutes=25)
+
+
+def simulate(
+    inp: PoolInput, *, until: datetime, rotation_takes: timedelta
+) -> list[tuple[str, datetime, datetime]]:
+    """Run a pool on plans alone; members start at once and rotate in `rotation_takes`.
+
+    Returns each rotation as (member, rotate sent, new generation Ready).
+    """
+    now = T0
+    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0)
+    members: dict[str, Member] = {}
+    pending: list[tuple[datetime, str]] = []  # (when, member) a rotation completes
+    sent: dict[str, datetime] = {}
+    spans = []
+    while now < until:
+        step = plan(books, inp, POOL, now)
+        members = {m.member: m for m in step.members}
+        for start in step.starts:
+            start.member.take(report(start.member, ProxyState.READY, 0, now))
+        for rotation in step.rotations:
+            sent[rotation.member] = now
+            heapq.heappush(pending, (now + rotation_takes, rotation.member))
+        books = dataclasses.replace(
+            books,
+            members=tuple(members.values()),
+            next_index=step.next_index,
+            last_reconcile=now if step.reconcile else books.last_reconcile,
+        )
+        wake = next_wake(books)
+        candidates = [until] + ([wake.at] if wake else []) + ([pending[0][0]] if pending else [])
+        # As the workflow's timer: never less than a second ahead.
+        now = max(min(candidates), now + timedelta(seconds=1))
+        while pending and pending[0][0] <= now:
+            _, done = heapq.heappop(pending)
+            member = members[done]
+            member.take(report(member, ProxyState.READY, member.generation + 1, now))
+            spans.append((done, sent.pop(done), now))
+    return spans
+
+
+# ---- failures ---------------------------------------------------------------------------
+
+
+def test_replacements_back_off_doubling_and_stop_when_the_budget_is_spent() -> None:
+    backoffs = []
+    failures = 0
+    for _ in range(3):
+        failure = after_failure(failures, 4, f"{POOL}/0", "gave up", T0)
+        failures = failure.failures_in_a_row
+        assert failure.stopped is None and failure.start_after is not None
+        backoffs.append((failure.start_after - T0).total_seconds())
+    assert backoffs == [10, 20, 40]
+
+    spent = after_failure(failures, 4, f"{POOL}/3", None, T0)
+    assert spent.start_after is None
+    assert spent.stopped is not None
+    assert spent.stopped.startswith("stopped replacing after 4 members in a row ended Failed")
+    assert spent.last_error == f"{POOL}/3 ended Failed: no reason given"
+
+
+def test_no_member_starts_during_the_backoff_or_once_stopped() -> None:
+    backing_off = situation(replicas=1, start_after=T0 + timedelta(seconds=10))
+    held = plan(backing_off, pool_input(), POOL, T0)
+    assert not held.starts and held.start_after == backing_off.start_after
+
+    after = plan(backing_off, pool_input(), POOL, T0 + timedelta(seconds=10))
+    assert len(after.starts) == 1 and after.start_after is None
+
+    assert not plan(situation(replicas=1, stopped="spent"), pool_input(), POOL, T0).starts
+
+
+# ---- bans -------------------------------------------------------------------------------
+
+
+def test_bans_are_limited_per_window_and_the_refusal_says_from_when() -> None:
+    limit = pool_input(bans={"max": 2, "window_seconds": 600}).bans
+    old, recent = (T0 - timedelta(minutes=11)).isoformat(), T0.isoformat()
+
+    assert ban_refusal([old, recent], limit, 8, T0 + timedelta(minutes=1)) is None
+    refusal = ban_refusal([old, recent, recent], limit, 8, T0 + timedelta(minutes=1))
+    assert refusal is not None
+    assert "2 bans accepted in the last 600s (limit 2)" in refusal
+    assert "accepted from 2026-01-01T00:10:00+00:00" in refusal
+
+
+def test_the_default_ban_limit_is_a_quarter_of_the_replicas_at_least_one() -> None:
+    limit = pool_input().bans
+    bans = [T0.isoformat()] * 2
+    assert ban_refusal(bans[:1], limit, 3, T0) is not None
+    assert ban_refusal(bans, limit, 12, T0) is None
+    assert ban_refusal(bans * 2, limit, 12, T0) is not None
+
+
+# ---- timers and reconcile -----------------------------------------------------------------
+
+
+def test_the_pool_wakes_for_the_earliest_lifetime_and_says_so() -> None:
+    members = (ready(0, lifetime_seconds=900), ready(1, lifetime_seconds=600))
+
+    wake = next_wake(situation(*members))
+
+    assert wake is not None
+    assert (wake.at, wake.waits_for) == (T0 + timedelta(minutes=10), f"{POOL}/1's lifetime")
+
+
+def test_a_calm_pool_reconciles_hourly_and_a_busy_one_every_thirty_seconds() -> None:
+    calm = next_wake(situation(ready(0)))
+    busy = next_wake(situation(starting(0)))
+    backoff = next_wake(situation(replicas=1, start_after=T0 + timedelta(seconds=20)))
+
+    assert calm is not None and (calm.at, calm.waits_for) == (
+        T0 + RECONCILE_IDLE,
+        "the next reconcile",
+    )
+    assert busy is not None and busy.at == T0 + RECONCILE_BUSY
+    assert backoff is not None and backoff.waits_for == "the replacement backoff"
+    assert next_wake(situation(ready(0), reconciling=True)) is None
+
+
+@pytest.mark.parametrize(
+    ("members", "elapsed", "due"),
+    [
+        ((ready(0),), RECONCILE_EVERY - timedelta(seconds=1), False),
+        ((ready(0),), RECONCILE_EVERY, True),
+        ((starting(0),), RECONCILE_BUSY, True),
+    ],
+)
+def test_a_reconcile_is_due_sooner_while_the_pool_waits_on_members(
+    members: tuple[Member, ...], elapsed: timedelta, due: bool
+) -> None:
+    assert plan(situation(*members), pool_input(), POOL, T0 + elapsed).reconcile is due
+    assert not plan(
+        situation(*members, reconciling=True), pool_input(), POOL, T0 + elapsed
+    ).reconcile
+
+
+# ---- what status shows ----------------------------------------------------------------------
+
+
+def test_pool_states_and_what_the_pool_waits_for() -> None:
+    rotating = ready(1, generation=2)
+    rotating.start_rotation()
+    leaving = ready(2)
+    leaving.remove("scaled down")
+    queued = ready(3)
+    queued.queue("rotate all")
+
+    busy = situation(starting(0), rotating, leaving, queued, replicas=3)
+    assert pool_state(busy) is PoolState.SCALING
+    assert waiting_for(busy) == (
+        f"1 members to be Ready; 1 members to end; rotation of {POOL}/1; "
+        "1 members queued for rotation"
+    )
+    assert pool_state(situation(ready(0), ready(1))) is PoolState.READY
+    assert waiting_for(situation(ready(0), ready(1))) is None
+    degraded = situation(ready(0), replicas=2, failures_in_a_row=1)
+    assert pool_state(degraded) is PoolState.DEGRADED
+    ending = situation(ready(0), ending=True)
+    assert (pool_state(ending), waiting_for(ending)) == (PoolState.TERMINATING, "1 members to end")
+
+
+# ---- carried state ------------------------------------------------------------------------
+
+
+def legacy_member(index: int, **fields: Any) -> dict[str, Any]:
+    """A member as runs from before MemberPhase carried it."""
+    return {
+        "member": f"{POOL}/{index}", "index": index, "provider": "local", "placement": {},
+        "started_at": T0.isoformat(), "spread": None, "lifetime_seconds": 600.0,
+        "state": "Ready", "endpoint": "127.0.0.1:4000", "generation": 2,
+        "ready_since": T0.isoformat(), "last_error": None, "report": None, "served": True,
+        "rotate_reason": None, "rotating_from": None, "rotating_since": None,
+        "banned": None, "removing": None, **fields,
+    }  # fmt: skip
+
+
+def test_carried_state_of_a_run_from_before_member_phases_still_decodes() -> None:
+    carried = {
+        "replicas": 4,
+        "next_index": 4,
+        "members": [
+            legacy_member(0),
+            legacy_member(1, rotate_reason="ban: 403", banned="403"),
+            legacy_member(2, rotating_from=2, rotating_since=T0.isoformat()),
+            legacy_member(3, removing="scaled down, draining 15s"),
+        ],
+    }
+
+    state = value_to_type(PoolCarried, legacy_carried(carried))
+
+    assert [(m.phase, m.reason, m.rotating_from, m.banned) for m in state.members] == [
+        (MemberPhase.ACTIVE, None, None, None),
+        (MemberPhase.QUEUED, "ban: 403", None, "403"),
+        (MemberPhase.ROTATING, None, 2, None),
+        (MemberPhase.REMOVING, "scaled down, draining 15s", None, None),
+    ]
+
+
+def test_carried_state_of_today_round_trips_and_anything_else_is_left_to_the_check() -> None:
+    queued = ready(0)
+    queued.queue("rotate all")
+    converter = default().payload_converter
+    payload = converter.to_payload(PoolCarried(replicas=1, members=[queued], next_index=1))
+    carried = converter.from_payload(payload)  # untyped, as the run method takes it
+
+    assert value_to_type(PoolCarried, legacy_carried(carried)).members == [queued]
+    for hostile in (None, [], "x", {"members": "x"}, {"members": [1, None, {"removing": 3}]}):
+        legacy_carried(hostile)  # total: it runs before the carried state is checked

@@ -1,0 +1,512 @@
+"""What a ProxyPool does next, as pure functions of its members, its input and the time.
+
+The workflow (workflows/pool.py) owns the Temporal side: it takes reports,
+updates and timers, and turns a `Step` into commands (child starts, signals,
+the reconcile activity, its one timer). Everything it decides lives here, in
+functions that call no Temporal API, so a plan is unit-tested in milliseconds
+(tests/workflows/test_pool_plan.py):
+
+- `plan` is one step: queue members whose lifetime is up, start or remove
+  members to reach `replicas`, start queued rotations (at most `max_surge`,
+  bans first), and say whether a reconcile is due;
+- `next_wake` is the earliest thing the pool must do on its own, and what;
+- `after_failure` is the replacement backoff and failure budget;
+- `ban_refusal` is the ban rate limit;
+- `pool_state`, `waiting_for` and `is_serving` are what `status` and
+  `endpoints` show.
+
+A member's place in the pool is one `MemberPhase`, plus the facts that
+outlive a phase: the ban that keeps it out of `endpoints` until its next
+generation is Ready, and whether it has ever served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from contract import PoolState, ProxyState
+from workflows import policies
+from workflows.membership import MemberReport
+from workflows.pool_input import BanLimit, PoolInput
+
+# How long a member leaving the pool (scaled down, or the old instance of a
+# rotation) keeps serving after it left `endpoints`, unless the template sets
+# `drain_seconds`: longer than a gateway takes to poll, debounce and reload
+# (docs/architecture.md, "The gateway").
+DEFAULT_MEMBER_DRAIN_SECONDS = 15
+# The reconcile runs when the pool is awake anyway and this long has passed,
+RECONCILE_EVERY = timedelta(minutes=10)
+# and on a timer of its own after this long idle, or sooner while the pool
+# waits on its members (starting, rotating, ending).
+RECONCILE_IDLE = timedelta(hours=1)
+RECONCILE_BUSY = timedelta(seconds=30)
+# Member starts in flight at once: a pool of hundreds starts in batches, so
+# no one workflow task carries hundreds of commands.
+START_BATCH = 50
+ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
+SCALED_DOWN = "scaled down"
+MAX_LIFETIME = "max lifetime"
+
+
+class MemberPhase(StrEnum):
+    """What the pool is doing with a member; each phase leaves only by the transitions named."""
+
+    # Kept as it is: starting, serving, or being healed by its own lifecycle.
+    # -> QUEUED (lifetime up, `rotate`, a ban), -> REMOVING.
+    ACTIVE = "active"
+    # Waits for a surge slot to rotate; `reason` says why.
+    # -> ROTATING (a slot, and the member Ready), -> REMOVING.
+    QUEUED = "queued"
+    # Sent `rotate`; until it reports Ready on a generation after `rotating_from`.
+    # -> ACTIVE, -> REMOVING.
+    ROTATING = "rotating"
+    # Sent `terminate` (after its drain), `reason` says why; forgotten when it ends.
+    REMOVING = "removing"
+
+
+@dataclass
+class Member:
+    """What the pool knows about one member; carried across continue-as-new as is."""
+
+    member: str
+    index: int
+    provider: str
+    placement: dict[str, str]
+    started_at: str
+    # Index into `spread`, None without one.
+    spread: int | None = None
+    lifetime_seconds: float | None = None
+    state: str = ProxyState.PROVISIONING
+    endpoint: str = ""
+    generation: int = 0
+    ready_since: str | None = None
+    last_error: str | None = None
+    report: MemberReport | None = None
+    phase: MemberPhase = MemberPhase.ACTIVE
+    # Why it is QUEUED, ROTATING or REMOVING.
+    reason: str | None = None
+    # ROTATING: the generation the rotation replaces.
+    rotating_from: int | None = None
+    # Out of `endpoints` until its next generation is Ready, and why. A ban
+    # outlasts the phase it came in (a banned member may be removed).
+    banned: str | None = None
+    # Became Ready at least once: the first time makes the failure budget whole.
+    served: bool = False
+
+    def take(self, report: MemberReport) -> bool:
+        """Apply the member's own report; True when it is its first Ready."""
+        self.report = report
+        self.state = report.state
+        self.endpoint = report.endpoint
+        self.generation = report.generation
+        self.ready_since = report.ready_since
+        self.last_error = report.last_error
+        if report.state != ProxyState.READY:
+            return False
+        first = not self.served
+        self.served = True
+        if self.rotating_from is not None and report.generation > self.rotating_from:
+            self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None
+            self.banned = None
+        return first
+
+    def queue(self, reason: str) -> bool:
+        """Queue a rotation unless one is queued or under way already."""
+        if self.phase is not MemberPhase.ACTIVE:
+            return False
+        self.phase, self.reason = MemberPhase.QUEUED, reason
+        return True
+
+    def ban_changes_nothing(self, seen_on: str | None) -> bool:
+        """A ban report of one banned already, or seen on an instance it no longer has."""
+        return self.banned is not None or bool(seen_on and seen_on != self.endpoint)
+
+    def ban(self, reason: str) -> None:
+        """Out of `endpoints` now; rotated first, unless a rotation is under way already."""
+        self.banned = reason
+        if self.phase is not MemberPhase.ROTATING:
+            self.phase, self.reason = MemberPhase.QUEUED, f"ban: {reason}"
+
+    def remove(self, reason: str, drain: int = 0) -> None:
+        self.phase = MemberPhase.REMOVING
+        self.reason = f"{reason}, draining {drain}s" if drain else reason
+        self.rotating_from = None
+
+    def start_rotation(self) -> None:
+        """Sent `rotate`: the rotation lasts until a generation after this one is Ready."""
+        self.phase, self.rotating_from = MemberPhase.ROTATING, self.generation
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What a plan reads: the pool's members (in member order) and its own books."""
+
+    replicas: int
+    members: tuple[Member, ...]
+    next_index: int = 0
+    failures_in_a_row: int = 0
+    # Why the pool stopped replacing failed members, until a `scale`.
+    stopped: str | None = None
+    # No member starts before this (the replacement backoff).
+    start_after: datetime | None = None
+    last_reconcile: datetime | None = None
+    reconciling: bool = False
+    # Member starts not answered yet.
+    starting: int = 0
+    ending: bool = False
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start child workflow `member.member` with `body`, its ProxyLifecycle input."""
+
+    member: Member
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Removal:
+    """Signal `terminate` to `member` once gateways have had `drain` seconds to drop it."""
+
+    member: str
+    reason: str
+    drain: int
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Signal `rotate` to `member` (make before break)."""
+
+    member: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's outcome: the pool's members and books after it, and its commands in order."""
+
+    members: tuple[Member, ...]
+    next_index: int
+    start_after: datetime | None
+    removals: tuple[Removal, ...] = ()
+    starts: tuple[Start, ...] = ()
+    rotations: tuple[Rotation, ...] = ()
+    reconcile: bool = False
+
+
+@dataclass(frozen=True)
+class Wake:
+    """When the pool must wake on its own, and for what."""
+
+    at: datetime
+    waits_for: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The pool's books after a member ended Failed."""
+
+    failures_in_a_row: int
+    last_error: str
+    # Set: the budget is spent and nothing is started until a `scale`.
+    stopped: str | None
+    # Otherwise: the next member starts no earlier than this.
+    start_after: datetime | None
+
+
+def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> Step:
+    """What the pool does now. Pure: `situation`'s members are copied, never changed."""
+    members = [dataclasses.replace(m) for m in situation.members]
+    for member in members:
+        due = rotate_at(member)
+        if due is not None and due <= now:
+            member.queue(MAX_LIFETIME)
+    removals = _scale_down(members, situation.replicas, drain_seconds(inp))
+    starts: list[Start] = []
+    start_after = situation.start_after
+    if not removals:
+        starts, start_after = _scale_up(members, situation, inp, pool_id, now)
+    rotations = _rotate(members, situation.replicas, inp.max_surge)
+    after = dataclasses.replace(situation, members=tuple(members))
+    every = RECONCILE_EVERY if calm(after) else RECONCILE_BUSY
+    reconcile = not situation.reconciling and (
+        situation.last_reconcile is None or now - situation.last_reconcile >= every
+    )
+    return Step(
+        members=tuple(members),
+        next_index=situation.next_index + len(starts),
+        start_after=start_after,
+        removals=tuple(removals),
+        starts=tuple(starts),
+        rotations=tuple(rotations),
+        reconcile=reconcile,
+    )
+
+
+def _scale_down(members: list[Member], replicas: int, drain: int) -> list[Removal]:
+    """Members not serving go first, then the oldest instances."""
+    live = _live(members)
+    excess = len(live) - replicas
+    if excess <= 0:
+        return []
+    victims = sorted(live, key=lambda m: (is_serving(m), m.ready_since or "", m.index))
+    for member in victims[:excess]:
+        member.remove(SCALED_DOWN, drain)
+    return [Removal(m.member, SCALED_DOWN, drain) for m in victims[:excess]]
+
+
+def _scale_up(
+    members: list[Member], situation: Situation, inp: PoolInput, pool_id: str, now: datetime
+) -> tuple[list[Start], datetime | None]:
+    """New members to reach `replicas`, unless stopped or backing off; and the backoff after."""
+    missing = situation.replicas - len(_live(members))
+    if missing <= 0 or situation.stopped is not None:
+        return [], situation.start_after
+    if situation.start_after is not None and now < situation.start_after:
+        return [], situation.start_after
+    starts = []
+    # A bounded batch per workflow task: the next starts when these answer.
+    for n in range(min(missing, max(0, START_BATCH - situation.starting))):
+        member = _new_member(members, inp, pool_id, situation.next_index + n, now)
+        members.append(member)
+        starts.append(Start(member, member_body(inp, member)))
+    return starts, None
+
+
+def _new_member(
+    members: list[Member], inp: PoolInput, pool_id: str, index: int, now: datetime
+) -> Member:
+    spread, provider, placement = _placement(members, inp)
+    lifetime = None
+    if inp.template.max_lifetime_seconds is not None:
+        lifetime = jittered_lifetime(inp.template.max_lifetime_seconds, inp.lifetime_jitter, index)
+    return Member(
+        member=f"{pool_id}/{index}",
+        index=index,
+        provider=provider,
+        placement=placement,
+        started_at=now.isoformat(),
+        spread=spread,
+        lifetime_seconds=lifetime,
+    )
+
+
+def member_body(inp: PoolInput, member: Member) -> dict[str, Any]:
+    """The ProxyLifecycle input of `member`: the template, placed, rotated by the pool."""
+    body = inp.template.model_dump(mode="json", exclude_none=True)
+    body["provider"] = member.provider
+    body["placement"] = member.placement
+    # The pool rotates its members itself (`rotate` signal), one surge at a time.
+    body.pop("max_lifetime_seconds", None)
+    body["drain_seconds"] = drain_seconds(inp)
+    return body
+
+
+def _placement(members: list[Member], inp: PoolInput) -> tuple[int | None, str, dict[str, str]]:
+    """The spread entry furthest below its share of the live members."""
+    spread = inp.spread
+    if not spread:
+        return None, inp.template.provider, inp.template.placement.as_dict()
+    counts = [0] * len(spread)
+    for member in _live(members):
+        if member.spread is not None and member.spread < len(counts):
+            counts[member.spread] += 1
+    total = sum(e.weight for e in spread)
+    after = sum(counts) + 1
+    best = max(range(len(spread)), key=lambda i: (spread[i].weight * after / total - counts[i], -i))
+    entry = spread[best]
+    return best, entry.provider, entry.placement.as_dict()
+
+
+def _rotate(members: list[Member], replicas: int, max_surge: int) -> list[Rotation]:
+    """Queued rotations to start now: bans first, up to `max_surge` under way at once."""
+    live = _live(members)
+    rotating = [m for m in live if m.phase is MemberPhase.ROTATING]
+    queued = [m for m in live if m.phase is MemberPhase.QUEUED]
+    queued.sort(key=lambda m: (m.banned is None, m.index))
+    # Other rotations only while the pool is at size, so a rolling rotation
+    # never eats into the members a scale-up is waiting for.
+    at_size = len([m for m in live if is_serving(m)]) >= replicas
+    rotations = []
+    for member in queued[: max(0, max_surge - len(rotating))]:
+        if member.banned is None and not at_size:
+            break
+        if member.state != ProxyState.READY:
+            continue  # it is getting a new instance anyway
+        member.start_rotation()
+        rotations.append(Rotation(member.member, member.reason or "rotate"))
+    return rotations
+
+
+def next_wake(situation: Situation) -> Wake | None:
+    """The earliest thing the pool must do on its own: a lifetime, a backoff's end, a reconcile."""
+    wakes = [
+        Wake(due, f"{m.member}'s lifetime")
+        for m in situation.members
+        if m.phase is MemberPhase.ACTIVE and (due := rotate_at(m)) is not None
+    ]
+    if situation.start_after is not None and situation.stopped is None:
+        wakes.append(Wake(situation.start_after, "the replacement backoff"))
+    if situation.last_reconcile is not None and not situation.reconciling:
+        # (A reconcile under way wakes the pool when it ends.)
+        every = RECONCILE_IDLE if calm(situation) else RECONCILE_BUSY
+        wakes.append(Wake(situation.last_reconcile + every, "the next reconcile"))
+    return min(wakes, key=lambda w: w.at, default=None)
+
+
+def after_failure(
+    failures_in_a_row: int, budget: int, member: str, error: str | None, now: datetime
+) -> Failure:
+    """A member the pool kept ended Failed: back off before its replacement, or stop."""
+    failures = failures_in_a_row + 1
+    last_error = f"{member} ended Failed: {error or 'no reason given'}"
+    if failures >= budget:
+        stopped = (
+            f"stopped replacing after {failures} members in a row ended Failed "
+            f"(failure_budget {budget}); last: {last_error}. A `scale` update resumes."
+        )
+        return Failure(failures, last_error, stopped, None)
+    return Failure(failures, last_error, None, now + policies.REPLACE_BACKOFF.delay(failures - 1))
+
+
+def ban_refusal(bans: Sequence[str], limit: BanLimit, replicas: int, now: datetime) -> str | None:
+    """Why one more ban is refused now (`bans`: when each was accepted), or None."""
+    most = limit.limit(replicas)
+    window = timedelta(seconds=limit.window_seconds)
+    recent = [at for at in bans if datetime.fromisoformat(at) > now - window]
+    if len(recent) < most:
+        return None
+    free_at = datetime.fromisoformat(recent[0]) + window
+    return (
+        f"ban rate limit: {len(recent)} bans accepted in the last "
+        f"{limit.window_seconds}s (limit {most}); the next is accepted "
+        f"from {free_at.isoformat(timespec='seconds')}"
+    )
+
+
+def jittered_lifetime(max_lifetime: float, jitter: float, index: int) -> float:
+    """Member `index`'s lifetime: `max_lifetime * (1 - jitter * u)`, u spread evenly.
+
+    u is the base-2 van der Corput sequence (0, 1/2, 1/4, 3/4, 1/8, ...): any
+    run of consecutive members is spread evenly over the jitter window, and
+    a member's lifetime never exceeds the template's.
+    """
+    u, denominator, n = 0.0, 1.0, index
+    while n:
+        denominator *= 2
+        n, bit = divmod(n, 2)
+        u += bit / denominator
+    return max_lifetime * (1 - jitter * u)
+
+
+def drain_seconds(inp: PoolInput) -> int:
+    drain = inp.template.drain_seconds
+    return DEFAULT_MEMBER_DRAIN_SECONDS if drain is None else drain
+
+
+def rotate_at(member: Member) -> datetime | None:
+    """When the member's lifetime is up; None without one, or while it rotates."""
+    if member.lifetime_seconds is None or member.ready_since is None:
+        return None
+    if member.phase is MemberPhase.ROTATING:
+        return None
+    return datetime.fromisoformat(member.ready_since) + timedelta(seconds=member.lifetime_seconds)
+
+
+def is_serving(member: Member) -> bool:
+    """In `endpoints`: Ready with an endpoint, not banned, not being removed."""
+    return (
+        member.phase is not MemberPhase.REMOVING
+        and member.state == ProxyState.READY
+        and bool(member.endpoint)
+        and not member.banned
+    )
+
+
+def live(situation: Situation) -> list[Member]:
+    """Members the pool keeps: not being removed."""
+    return _live(situation.members)
+
+
+def _live(members: Sequence[Member]) -> list[Member]:
+    return [m for m in members if m.phase is not MemberPhase.REMOVING]
+
+
+def calm(situation: Situation) -> bool:
+    """Nothing the pool waits on from its members but their lifetimes."""
+    return not situation.ending and all(
+        m.phase is not MemberPhase.REMOVING and m.state == ProxyState.READY
+        for m in situation.members
+    )
+
+
+def pool_state(situation: Situation) -> PoolState:
+    if situation.ending:
+        return PoolState.TERMINATING if situation.members else PoolState.TERMINATED
+    ready = len([m for m in situation.members if is_serving(m)])
+    if ready < situation.replicas and (situation.failures_in_a_row or situation.stopped):
+        return PoolState.DEGRADED
+    if ready != situation.replicas or len(situation.members) != situation.replicas:
+        return PoolState.SCALING
+    return PoolState.READY
+
+
+def waiting_for(situation: Situation) -> str | None:
+    """What the pool waits for, in words, or None when it waits for nothing."""
+    if situation.ending:
+        return f"{len(situation.members)} members to end" if situation.members else None
+    if situation.stopped:
+        return situation.stopped
+    if situation.start_after is not None:
+        return (
+            f"backing off until {situation.start_after.isoformat(timespec='seconds')} after "
+            f"{situation.failures_in_a_row} failed members in a row"
+        )
+    kept = live(situation)
+    parts = []
+    starting = [m for m in kept if m.state != ProxyState.READY]
+    if starting:
+        parts.append(f"{len(starting)} members to be Ready")
+    removing = len(situation.members) - len(kept)
+    if removing:
+        parts.append(f"{removing} members to end")
+    rotating = [m.member for m in kept if m.phase is MemberPhase.ROTATING]
+    if rotating:
+        parts.append("rotation of " + ", ".join(rotating))
+    queued = [m for m in kept if m.phase is MemberPhase.QUEUED]
+    if queued:
+        parts.append(f"{len(queued)} members queued for rotation")
+    return "; ".join(parts) or None
+
+
+def legacy_carried(carried: Any) -> Any:
+    """Carried state of a run from before `MemberPhase`, in today's shape; anything else as is.
+
+    Those runs spread the phase over `rotate_reason`, `rotating_from`,
+    `rotating_since` and `removing`, which were never set together. Total on
+    any input: it runs before the carried state is checked.
+    """
+    if not isinstance(carried, dict) or not isinstance(carried.get("members"), list):
+        return carried
+    return {**carried, "members": [_legacy_member(m) for m in carried["members"]]}
+
+
+def _legacy_member(member: Any) -> Any:
+    if not isinstance(member, dict) or "phase" in member:
+        return member
+    upgraded = {
+        k: v for k, v in member.items() if k not in ("rotate_reason", "rotating_since", "removing")
+    }
+    removing, rotate_reason = member.get("removing"), member.get("rotate_reason")
+    if removing is not None:
+        upgraded.update(phase=MemberPhase.REMOVING, reason=removing, rotating_from=None)
+    elif member.get("rotating_from") is not None:
+        upgraded.update(phase=MemberPhase.ROTATING, reason=None)
+    elif rotate_reason is not None:
+        upgraded.update(phase=MemberPhase.QUEUED, reason=rotate_reason)
+    return upgraded
