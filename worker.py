@@ -171,6 +171,7 @@ def build_worker(
             activities.monitor,
             activities.delete_instance,
             activities.wait_gone,
+            activities.verify_endpoint,
             *_pool_activities(client),
             *gc_activities,
         ],

@@ -133,3 +133,24 @@ class MonitorOutcome:
     consecutive_failures: int = 0
     probes: int = 0
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyEndpointInput:
+    """A member's claim to serve at `endpoint`, to be checked against its provider.
+
+    `provider` and `owner_id` come from the pool's own record of the member;
+    `endpoint` is what the member's report (an untrusted signal) said.
+    """
+
+    provider: str
+    owner_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class EndpointCheck:
+    """Whether the provider confirmed the endpoint; if not, why (for the pool's status)."""
+
+    verified: bool
+    problem: str = ""

@@ -26,6 +26,7 @@ from activities.errors import instance_lost, invalid_input, is_not_found, to_app
 from activities.metrics import PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
+    EndpointCheck,
     InstanceInput,
     InstanceRef,
     MonitorInput,
@@ -35,6 +36,7 @@ from activities.models import (
     ProbeSummary,
     TargetCheck,
     ValidateTargetInput,
+    VerifyEndpointInput,
 )
 from activities.probe import ProbeResult, probe_connect
 from contract import ErrorType
@@ -42,7 +44,7 @@ from providers.base import CreateRequest, Instance, InstanceState, Provider
 from providers.catalog import provider_type
 from providers.config import Config
 from providers.errors import Permanent, classify
-from providers.naming import instance_name, owner_tags
+from providers.naming import OWNER_KEY, instance_name, owner_tags, ownership_mismatch
 
 T = TypeVar("T")
 
@@ -299,6 +301,43 @@ class ProviderActivities:
                 return MonitorOutcome(
                     MonitorReason.HANDOVER, summary, failures, probes, "worker shutting down"
                 )
+
+    @activity.defn(name="verify_endpoint")
+    async def verify_endpoint(self, inp: VerifyEndpointInput) -> EndpointCheck:
+        """Whether the member's own instance serves at the endpoint its report names.
+
+        The pool's members report their endpoints by signal, which anyone
+        with access to the namespace can forge, and a gateway sends the
+        fleet's credentials to every endpoint the pool lists. So the pool
+        lists one only once this says yes: the provider has a RUNNING
+        instance at that address whose tags name this installation, this
+        Temporal namespace and this member as its owner, tags only this
+        installation writes. Provider faults raise (and are retried); a
+        claim that does not hold is an answer, not an error.
+        """
+        provider = self._provider(inp.provider)
+        found = await self._call(provider.list_by_tag, OWNER_KEY, inp.owner_id)
+        namespace = activity.info().workflow_namespace
+        for instance in found:
+            mismatch = ownership_mismatch(
+                instance.tags,
+                self._config.installation,
+                owner_id=inp.owner_id,
+                namespace=namespace,
+            )
+            if (
+                mismatch is None
+                and instance.state is InstanceState.RUNNING
+                and (instance.endpoint == inp.endpoint)
+            ):
+                return EndpointCheck(verified=True)
+        return EndpointCheck(
+            verified=False,
+            problem=(
+                f"provider {inp.provider!r} has no running instance of {inp.owner_id} "
+                f"at {inp.endpoint[:100]!r}"
+            ),
+        )
 
     @activity.defn(name="delete_instance")
     async def delete_instance(self, inp: InstanceInput) -> None:

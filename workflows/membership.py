@@ -4,12 +4,30 @@ A member started by a ProxyPool signals it (`MEMBER_CHANGED`) whenever its
 state, endpoint or generation changes, so the pool never polls its members.
 A lifecycle without a parent sends nothing, so a standalone proxy's history
 is the same as before pools existed.
+
+Anyone who may signal workflows in the namespace can send this signal too,
+so a report is untrusted input: `parse_report` checks every field and caps
+every string before the pool keeps anything of it, and the endpoint it names
+reaches the pool's `endpoints` only once the provider has confirmed that the
+member's own instance serves there (workflows/pool.py, "verified").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
+
+from contract import ProxyState
+
+# Caps on what a report may carry into the pool's state (and so into every
+# continue-as-new payload and `status` answer): longer strings are cut.
+MAX_ID_LENGTH = 300
+MAX_ENDPOINT_LENGTH = 300
+MAX_PROVIDER_LENGTH = 63
+MAX_ERROR_LENGTH = 500
+MAX_TIMESTAMP_LENGTH = 64
+MAX_COUNTER = 2**62
 
 
 @dataclass(frozen=True)
@@ -32,3 +50,63 @@ class MemberReport:
             return True
         mine, theirs = datetime.fromisoformat(self.at), datetime.fromisoformat(other.at)
         return (mine, self.seq) > (theirs, other.seq)
+
+
+def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:
+    """A report from a signal's raw input, or None and why it is not one.
+
+    Never raises, whatever `raw` is: a handler that raised would fail every
+    workflow task of the pool from then on.
+    """
+    if not isinstance(raw, dict):
+        return None, f"not an object but {type(raw).__name__}"
+    problems: list[str] = []
+
+    def text(key: str, cap: int, *, optional: bool = False) -> str | None:
+        value = raw.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            problems.append(f"{key}: not a string")
+            return None
+        return value[:cap]
+
+    def count(key: str) -> int:
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNTER:
+            problems.append(f"{key}: not a whole number from 0")
+            return 0
+        return value
+
+    def timestamp(key: str, *, optional: bool = False) -> str | None:
+        value = text(key, MAX_TIMESTAMP_LENGTH, optional=optional)
+        if value is None:
+            return None
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            problems.append(f"{key}: not an ISO 8601 timestamp")
+            return None
+        if parsed.tzinfo is None:
+            problems.append(f"{key}: has no time zone")
+            return None
+        return value
+
+    member = text("member", MAX_ID_LENGTH)
+    state = text("state", MAX_ID_LENGTH)
+    if state is not None and state not in set(ProxyState):
+        problems.append(f"state: {state!r} is not a proxy state")
+    report = MemberReport(
+        member=member or "",
+        state=state or "",
+        endpoint=text("endpoint", MAX_ENDPOINT_LENGTH) or "",
+        provider=text("provider", MAX_PROVIDER_LENGTH) or "",
+        generation=count("generation"),
+        ready_since=timestamp("ready_since", optional=True),
+        at=timestamp("at") or "",
+        seq=count("seq"),
+        last_error=text("last_error", MAX_ERROR_LENGTH, optional=True),
+    )
+    if problems:
+        return None, "; ".join(problems)
+    return report, None

@@ -127,6 +127,13 @@ VALIDATE = ActivityProfile(
     start_to_close=timedelta(seconds=10), schedule_to_close=timedelta(seconds=30)
 )
 
+# A pool's check of a member's reported endpoint with its provider: one
+# provider list call, retried through a provider's hiccups for a while; past
+# that the member stays out of `endpoints` until its next report.
+VERIFY = ActivityProfile(
+    start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=10)
+)
+
 # How long the monitor runs before it reports back even when all is well.
 MONITOR_PERIOD = timedelta(hours=1)
 

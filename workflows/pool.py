@@ -45,7 +45,12 @@ from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
-    from activities.models import TargetCheck, ValidateTargetInput
+    from activities.models import (
+        EndpointCheck,
+        TargetCheck,
+        ValidateTargetInput,
+        VerifyEndpointInput,
+    )
     from activities.pool import MembersInput, MembersOutput, PoolActivities
     from activities.provider import ProviderActivities
     from contract import (
@@ -61,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows import policies, pool_plan
     from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state, parse_model
-    from workflows.membership import MemberReport
+    from workflows.membership import MAX_ERROR_LENGTH, parse_report
     from workflows.pool_input import (
         BanRequest,
         PoolInput,
@@ -80,6 +85,12 @@ with workflow.unsafe.imports_passed_through():
     )
 
 MEMBER_DRAIN_PATCH = "member-drain"
+# Pools recorded before endpoints were verified took a report's endpoint as it came.
+VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
+# A report stamped further ahead of the pool's clock than this is forged (a
+# member stamps its reports with its own workflow time): taken, it would
+# shadow the member's real reports until then.
+MAX_REPORT_SKEW = timedelta(minutes=5)
 # A member id missing from visibility this soon after its start is not
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
@@ -122,6 +133,10 @@ class PoolStatus:
     last_error: str | None
     stopped_replacing: str | None
     terminate_reason: str | None
+    # `member_changed` reports refused: malformed, stamped in the future, or
+    # naming an endpoint the member's provider does not confirm.
+    rejected_reports: int = 0
+    last_rejected: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,8 @@ class PoolCarried:
     bans: list[str] = field(default_factory=list)
     last_reconcile: str | None = None
     terminate_reason: str | None = None
+    rejected_reports: int = 0
+    last_rejected: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +199,12 @@ class ProxyPool:
         # Members whose start command has not been answered yet.
         self._starting: set[str] = set()
         self._published: tuple[str, ...] = ()
+        # Members whose reported endpoint awaits its provider's word, and
+        # those whose check is under way.
+        self._unverified: set[str] = set()
+        self._verifying: set[str] = set()
+        self._rejected_reports = 0
+        self._last_rejected: str | None = None
 
     # ---- the contract: run, signals, queries, updates -------------------------------
 
@@ -207,6 +230,7 @@ class ProxyPool:
                         self._situation(), inp, workflow.info().workflow_id, workflow.now()
                     )
                 )
+                self._verify_endpoints()
                 self._publish()
                 if workflow.info().is_continue_as_new_suggested() and not self._tasks:
                     await workflow.wait_condition(workflow.all_handlers_finished)
@@ -233,15 +257,33 @@ class ProxyPool:
         self._terminate_reason = str(reason)[:500] if reason else "terminate signal"
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
-    def member_changed(self, report: MemberReport) -> None:
-        """A member's report of its new state (sent by ProxyLifecycle, never by hand)."""
+    def member_changed(self, raw: Any = None, *_extra: Any) -> None:
+        """A member's report of its new state (sent by ProxyLifecycle, never by hand).
+
+        Anyone who may signal in the namespace can send one, so it is checked
+        and capped (workflows/membership.py), never raises, and its endpoint
+        is used only once the member's provider confirms it
+        (`_verify_endpoints`). Refused reports are counted in `status`.
+        """
+        report, problem = parse_report(raw)
+        if report is None:
+            self._reject(f"malformed report: {problem}")
+            return
+        if datetime.fromisoformat(report.at) > workflow.now() + MAX_REPORT_SKEW:
+            self._reject(f"report for {report.member[:100]!r} stamped in the future ({report.at})")
+            return
         member = self._members.get(report.member)
         if member is None or not report.newer_than(member.report):
-            return
+            return  # a member already forgotten, or a report overtaken by a later one
         if member.take(report):
             self._failures_in_a_row = 0  # a new member works: the budget is whole again
         if report.state in ENDED:
             self._ended(member, report.state, report.last_error)
+        elif report.state == ProxyState.READY and report.endpoint != member.verified:
+            if workflow.patched(VERIFIED_ENDPOINTS_PATCH):
+                self._unverified.add(member.member)
+            else:
+                member.verified = report.endpoint
         self._dirty = True
 
     @workflow.query(name="status")
@@ -258,13 +300,15 @@ class ProxyPool:
             last_error=self._last_error,
             stopped_replacing=self._stopped,
             terminate_reason=self._terminate_reason,
+            rejected_reports=self._rejected_reports,
+            last_rejected=self._last_rejected,
         )
 
     @workflow.query(name="endpoints")
     def endpoints(self) -> list[PoolEndpoint]:
         """Ready members a client may use now: not banned, not being removed."""
         return [
-            PoolEndpoint(m.member, m.endpoint, m.provider, m.placement) for m in self._serving()
+            PoolEndpoint(m.member, m.verified, m.provider, m.placement) for m in self._serving()
         ]
 
     @workflow.update(name="scale")
@@ -438,6 +482,47 @@ class ProxyPool:
             self._last_reconcile = workflow.now()
             self._spawn(self._reconcile())
 
+    def _verify_endpoints(self) -> None:
+        """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
+        for member_id in sorted(self._unverified - self._verifying):
+            member = self._members.get(member_id)
+            if member is None or member.state != ProxyState.READY or not member.endpoint:
+                self._unverified.discard(member_id)
+                continue
+            self._verifying.add(member_id)
+            self._spawn(self._verify(member, member.endpoint))
+
+    async def _verify(self, member: Member, claimed: str) -> None:
+        try:
+            check: EndpointCheck = await workflow.execute_activity_method(
+                ProviderActivities.verify_endpoint,
+                VerifyEndpointInput(member.provider, member.member, claimed),
+                summary=f"verify {member.member} at {claimed}",
+                start_to_close_timeout=policies.VERIFY.start_to_close,
+                schedule_to_close_timeout=policies.VERIFY.schedule_to_close,
+                retry_policy=policies.TRANSIENT_RETRY,
+            )
+        except FailureError as err:
+            # Still unverified: asked again on the next step.
+            self._last_error = f"could not verify {member.member}'s endpoint: {err}"
+            return
+        finally:
+            self._verifying.discard(member.member)
+        current = self._members.get(member.member)
+        if current is None or current.state != ProxyState.READY or current.endpoint != claimed:
+            return  # overtaken by a later report, which has a check of its own
+        self._unverified.discard(member.member)
+        if check.verified:
+            current.verified = claimed
+        else:
+            self._reject(check.problem)
+
+    def _reject(self, problem: str) -> None:
+        """Count a refused member report, keep the latest reason, and log it."""
+        self._rejected_reports += 1
+        self._last_rejected = problem[:MAX_ERROR_LENGTH]
+        workflow.logger.warning("member report refused: %s", self._last_rejected)
+
     async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
         # Pools recorded before drains existed signal at once.
         if drain and workflow.patched(MEMBER_DRAIN_PATCH):
@@ -600,6 +685,8 @@ class ProxyPool:
             bans=self._bans,
             last_reconcile=self._last_reconcile.isoformat() if self._last_reconcile else None,
             terminate_reason=self._terminate_reason,
+            rejected_reports=self._rejected_reports,
+            last_rejected=self._last_rejected,
         )
 
     def _restore(self, carried: PoolCarried) -> None:
@@ -617,6 +704,15 @@ class ProxyPool:
             datetime.fromisoformat(carried.last_reconcile) if carried.last_reconcile else None
         )
         self._terminate_reason = carried.terminate_reason
+        self._rejected_reports = carried.rejected_reports
+        self._last_rejected = carried.last_rejected
+        # Carried from a run before endpoints were verified, or a check cut
+        # short by continue-as-new: asked again.
+        self._unverified = {
+            m.member
+            for m in carried.members
+            if m.state == ProxyState.READY and m.endpoint and m.endpoint != m.verified
+        }
 
     # ---- views ----------------------------------------------------------------------
 

@@ -82,7 +82,11 @@ class Member:
     spread: int | None = None
     lifetime_seconds: float | None = None
     state: str = ProxyState.PROVISIONING
+    # As the member's last report said: untrusted (a signal anyone may send).
     endpoint: str = ""
+    # The endpoint its provider confirmed the member's own instance serves
+    # on: the only one `endpoints`, and so any gateway, ever sees.
+    verified: str = ""
     generation: int = 0
     ready_since: str | None = None
     last_error: str | None = None
@@ -107,6 +111,7 @@ class Member:
         self.ready_since = report.ready_since
         self.last_error = report.last_error
         if report.state != ProxyState.READY:
+            self.verified = ""  # its instance may be gone: nothing to route to
             return False
         first = not self.served
         self.served = True
@@ -124,7 +129,9 @@ class Member:
 
     def ban_changes_nothing(self, seen_on: str | None) -> bool:
         """A ban report of one banned already, or seen on an instance it no longer has."""
-        return self.banned is not None or bool(seen_on and seen_on != self.endpoint)
+        return self.banned is not None or bool(
+            seen_on and seen_on not in (self.endpoint, self.verified)
+        )
 
     def ban(self, reason: str) -> None:
         """Out of `endpoints` now; rotated first, unless a rotation is under way already."""
@@ -419,11 +426,11 @@ def rotate_at(member: Member) -> datetime | None:
 
 
 def is_serving(member: Member) -> bool:
-    """In `endpoints`: Ready with an endpoint, not banned, not being removed."""
+    """In `endpoints`: Ready with a verified endpoint, not banned, not being removed."""
     return (
         member.phase is not MemberPhase.REMOVING
         and member.state == ProxyState.READY
-        and bool(member.endpoint)
+        and bool(member.verified)
         and not member.banned
     )
 

@@ -16,6 +16,7 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, raw_config
 from tests.helpers.gateway import GatewayProcess
+from tests.helpers.loopback_peer import loopback_peer
 from tests.helpers.stacks import Stack
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer, request
@@ -296,3 +298,54 @@ def _tail(gateway: GatewayProcess) -> str:
         cache = (directory / "cache.log").read_text().splitlines()
         out += [line for line in cache if "DEAD" in line or "REVIVED" in line or "failed" in line]
     return "\n".join(out)
+
+
+async def test_a_forged_member_report_never_reaches_the_gateway(
+    stack: Stack, pool: Pool, gateway: GatewayProcess
+) -> None:
+    """`member_changed` is a signal anyone in the namespace may send; the fleet's password stays.
+
+    A report naming a listener's address as a member's endpoint would, taken
+    as it came, make every gateway send that listener each client's CONNECT
+    with the fleet's Proxy-Authorization. The pool lists an endpoint only once
+    the member's provider confirms its instance serves there, refuses reports
+    stamped in the future or malformed (without failing a workflow task), and
+    counts each.
+    """
+    member = sorted(await pool.endpoints())[0]
+    with loopback_peer() as listener:
+        now = datetime.now(UTC)
+        forged = {
+            "member": member,
+            "state": "Ready",
+            "endpoint": f"127.0.0.1:{listener.port}",
+            "provider": "local",
+            "generation": 99,
+            "ready_since": now.isoformat(),
+            "at": (now + timedelta(seconds=1)).isoformat(),
+            "seq": 0,
+        }
+        for report in (
+            forged,
+            forged | {"at": "2099-01-01T00:00:00+00:00"},
+            forged | {"at": "not-a-date"},
+            "not even an object",
+        ):
+            await pool.handle.signal("member_changed", report)
+
+        async def all_refused() -> bool:
+            status = await pool.handle.query("status")
+            return bool(status["rejected_reports"] >= 4)
+
+        await wait_for(all_refused, "the four forged reports refused", deadline=60)
+        assert f"127.0.0.1:{listener.port}" not in (await pool.endpoints()).values()
+        answers = await asyncio.to_thread(
+            lambda: [through(gateway, stack, USERNAME) for _ in range(3 * REPLICAS)]
+        )
+        assert all(a.ok for a in answers), collections.Counter(answers)
+        assert listener.requests == []
+    # The pool still works: the bad reports failed no workflow task.
+    assert await pool.handle.execute_update("scale", {"replicas": REPLICAS}) == {
+        "replicas": REPLICAS,
+        "previous": REPLICAS,
+    }

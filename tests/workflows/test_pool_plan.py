@@ -34,6 +34,7 @@ from workflows.pool_plan import (
     Step,
     after_failure,
     ban_refusal,
+    is_serving,
     jittered_lifetime,
     legacy_carried,
     next_wake,
@@ -52,7 +53,9 @@ def pool_input(**fields: Any) -> PoolInput:
 
 
 def ready(index: int, *, since: datetime = T0, generation: int = 0, **fields: Any) -> Member:
-    """Member `index`, Ready since `since`."""
+    """Member `index`, Ready since `since`, its endpoint confirmed by its provider."""
+    endpoint = f"127.0.0.1:{4000 + index}"
+    fields.setdefault("verified", endpoint)
     return Member(
         member=f"{POOL}/{index}",
         index=index,
@@ -60,7 +63,7 @@ def ready(index: int, *, since: datetime = T0, generation: int = 0, **fields: An
         placement={},
         started_at=since.isoformat(),
         state=ProxyState.READY,
-        endpoint=f"127.0.0.1:{4000 + index}",
+        endpoint=endpoint,
         generation=generation,
         ready_since=since.isoformat(),
         served=True,
@@ -88,6 +91,12 @@ def report(member: Member, state: str, generation: int, at: datetime) -> MemberR
     return MemberReport(
         member.member, state, "127.0.0.1:5000", "local", generation, ready_since, at.isoformat(), 0
     )
+
+
+def serves(member: Member, ready: MemberReport) -> None:
+    """The member's Ready report taken, and its endpoint confirmed, as the workflow would."""
+    member.take(ready)
+    member.verified = ready.endpoint
 
 
 def phases(step: Step) -> dict[str, MemberPhase]:
@@ -299,7 +308,7 @@ def simulate(
         step = plan(books, inp, POOL, now)
         members = {m.member: m for m in step.members}
         for start in step.starts:
-            start.member.take(report(start.member, ProxyState.READY, 0, now))
+            serves(start.member, report(start.member, ProxyState.READY, 0, now))
         for rotation in step.rotations:
             sent[rotation.member] = now
             heapq.heappush(pending, (now + rotation_takes, rotation.member))
@@ -316,7 +325,7 @@ def simulate(
         while pending and pending[0][0] <= now:
             _, done = heapq.heappop(pending)
             member = members[done]
-            member.take(report(member, ProxyState.READY, member.generation + 1, now))
+            serves(member, report(member, ProxyState.READY, member.generation + 1, now))
             spans.append((done, sent.pop(done), now))
     return spans
 
@@ -489,3 +498,28 @@ def test_carried_state_of_today_round_trips_and_anything_else_is_left_to_the_che
     assert value_to_type(PoolCarried, legacy_carried(carried)).members == [queued]
     for hostile in (None, [], "x", {"members": "x"}, {"members": [1, None, {"removing": 3}]}):
         legacy_carried(hostile)  # total: it runs before the carried state is checked
+
+
+# ---- verified endpoints -----------------------------------------------------------------
+
+
+def test_only_an_endpoint_its_provider_confirmed_is_served() -> None:
+    reported = ready(0, verified="")
+    assert not is_serving(reported), "a report alone (a signal anyone may send) is not enough"
+    assert is_serving(ready(0))
+
+
+def test_a_member_that_is_no_longer_ready_loses_its_confirmed_endpoint() -> None:
+    member = ready(0)
+    member.take(report(member, ProxyState.REPLACING, 1, T0 + timedelta(minutes=1)))
+    assert member.verified == ""
+    member.take(report(member, ProxyState.READY, 1, T0 + timedelta(minutes=2)))
+    assert not is_serving(member), "its new endpoint is not confirmed yet"
+
+
+def test_a_rotated_member_keeps_serving_its_confirmed_endpoint_until_the_new_one_is() -> None:
+    member = ready(0)
+    old = member.verified
+    member.take(report(member, ProxyState.READY, 1, T0 + timedelta(minutes=1)))
+    assert member.endpoint != old
+    assert is_serving(member) and member.verified == old

@@ -1,0 +1,83 @@
+"""`member_changed` reports as untrusted input: parsed and capped, never raising."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workflows.membership import (
+    MAX_ENDPOINT_LENGTH,
+    MAX_ERROR_LENGTH,
+    MAX_ID_LENGTH,
+    MemberReport,
+    parse_report,
+)
+
+GOOD: dict[str, Any] = {
+    "member": "pool-a/0",
+    "state": "Ready",
+    "endpoint": "127.0.0.1:20000",
+    "provider": "local",
+    "generation": 2,
+    "ready_since": "2026-12-01T10:00:00+00:00",
+    "at": "2026-12-01T10:00:01+00:00",
+    "seq": 7,
+    "last_error": None,
+}
+
+
+def test_a_lifecycles_report_parses_to_the_same_report() -> None:
+    report, problem = parse_report(GOOD)
+    assert problem is None
+    assert report == MemberReport(**GOOD)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"at": "not-a-date"}, "at"),
+        ({"at": "2099-01-01T00:00:00"}, "at: has no time zone"),
+        ({"at": None}, "at"),
+        ({"ready_since": 12}, "ready_since"),
+        ({"state": "Owned"}, "state"),
+        ({"state": ["Ready"]}, "state"),
+        ({"member": None}, "member"),
+        ({"endpoint": {"host": "evil"}}, "endpoint"),
+        ({"generation": -1}, "generation"),
+        ({"generation": True}, "generation"),
+        ({"generation": 2**70}, "generation"),
+        ({"seq": "1"}, "seq"),
+        ({"last_error": 5}, "last_error"),
+    ],
+)
+def test_a_bad_field_is_named_and_nothing_is_taken(change: dict[str, Any], named: str) -> None:
+    report, problem = parse_report(GOOD | change)
+    assert report is None
+    assert problem is not None and named in problem
+
+
+@pytest.mark.parametrize("raw", [None, "Ready", 42, [GOOD], b"\x00", {"member": {}}, {}])
+def test_what_is_not_a_report_object_is_refused_without_raising(raw: Any) -> None:
+    report, problem = parse_report(raw)
+    assert report is None and problem
+
+
+def test_huge_strings_are_capped_at_the_edge() -> None:
+    report, _ = parse_report(
+        GOOD
+        | {
+            "member": "m" * 100_000,
+            "endpoint": "e" * 100_000,
+            "last_error": "x" * 100_000,
+        }
+    )
+    assert report is not None
+    assert len(report.member) == MAX_ID_LENGTH
+    assert len(report.endpoint) == MAX_ENDPOINT_LENGTH
+    assert report.last_error is not None and len(report.last_error) == MAX_ERROR_LENGTH
+
+
+def test_unknown_keys_are_ignored() -> None:
+    report, problem = parse_report(GOOD | {"owner": "someone else", "password": "x"})
+    assert problem is None and report == MemberReport(**GOOD)
