@@ -153,7 +153,10 @@ async def test_a_retry_never_honours_the_carried_state_of_its_first_attempt(
         args=[{"provider": "local"}, forged],
         id=f"proxy-{uuid.uuid4().hex[:10]}",
         task_queue=task_queue,
-        run_timeout=timedelta(seconds=1),
+        # Each run's limit: the first, with no worker, times out and is
+        # retried; the retry must fail on its input within it, which took
+        # over 1 s (this used to be 1) with both cores busy.
+        run_timeout=timedelta(seconds=15),
         retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=2),
     )
 

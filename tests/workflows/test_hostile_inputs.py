@@ -231,7 +231,10 @@ async def settle(client: Client, task_queue: str, case: Case) -> Outcome:
         outcome.ran = True  # completed: an OrphanGC dry run over an empty provider
         return True
 
-    await wait_for(settled, f"{case.workflow} with {case.what} to run or fail")
+    # Hundreds of cases share one worker: on a busy machine (both cores
+    # loaded) its workflow tasks took over 5 s each, and a case waited longer
+    # than the usual minute for its turn.
+    await wait_for(settled, f"{case.workflow} with {case.what} to run or fail", deadline=300)
     return outcome
 
 

@@ -295,7 +295,10 @@ async def test_adversarial_fleet_loses_no_owned_instance_and_keeps_no_old_orphan
     handle = await client.start_workflow(
         "OrphanGC",
         # Most of this fleet is orphaned on purpose: let the breaker allow it.
-        {"grace_period_seconds": 60, "max_delete_share": 1},
+        # Orphans are a day old, the young ones made at the start of the
+        # setup; an hour's grace keeps them young however long the setup
+        # takes on a busy machine (a minute's did not: two were swept).
+        {"grace_period_seconds": 3600, "max_delete_share": 1},
         id=f"orphan-gc-{uuid.uuid4().hex[:8]}",
         task_queue=task_queue,
         result_type=GcResult,
