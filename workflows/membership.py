@@ -44,12 +44,19 @@ class MemberReport:
     seq: int
     last_error: str | None = None
 
-    def newer_than(self, other: MemberReport | None) -> bool:
-        """Signals can arrive out of order; the pool keeps only the latest report."""
-        if other is None:
+    def newer_than(self, at: str | None, seq: int) -> bool:
+        """Whether this comes after the report made at `at` (`seq`); signals arrive out of order.
+
+        The pool keeps only the latest. `at` is what it kept of the last one:
+        a stamp it cannot read (carried from before reports were checked)
+        counts as older.
+        """
+        if at is None:
             return True
-        mine, theirs = datetime.fromisoformat(self.at), datetime.fromisoformat(other.at)
-        return (mine, self.seq) > (theirs, other.seq)
+        try:
+            return (datetime.fromisoformat(self.at), self.seq) > (datetime.fromisoformat(at), seq)
+        except (ValueError, TypeError):  # unreadable, or without a time zone
+            return True
 
 
 def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:

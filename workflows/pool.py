@@ -273,7 +273,7 @@ class ProxyPool:
             self._reject(f"report for {report.member[:100]!r} stamped in the future ({report.at})")
             return
         member = self._members.get(report.member)
-        if member is None or not report.newer_than(member.report):
+        if member is None or not report.newer_than(member.report_at, member.report_seq):
             return  # a member already forgotten, or a report overtaken by a later one
         if member.take(report):
             self._failures_in_a_row = 0  # a new member works: the budget is whole again
@@ -352,7 +352,9 @@ class ProxyPool:
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
-        self._bans.append(workflow.now().isoformat())
+        assert self._inp is not None  # _request refuses updates before the input is known
+        now = workflow.now()
+        self._bans = [*pool_plan.recent_bans(self._bans, self._inp.bans, now), now.isoformat()]
         member.ban(req.reason or "reported banned")
         self._dirty = True
         return {"member": member.member, "banned": True, "already": False}
@@ -682,7 +684,9 @@ class ProxyPool:
             last_error=self._last_error,
             stopped_replacing=self._stopped,
             start_after=self._start_after.isoformat() if self._start_after else None,
-            bans=self._bans,
+            bans=pool_plan.recent_bans(self._bans, self._inp.bans, workflow.now())
+            if self._inp is not None
+            else self._bans,
             last_reconcile=self._last_reconcile.isoformat() if self._last_reconcile else None,
             terminate_reason=self._terminate_reason,
             rejected_reports=self._rejected_reports,

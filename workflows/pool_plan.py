@@ -90,7 +90,10 @@ class Member:
     generation: int = 0
     ready_since: str | None = None
     last_error: str | None = None
-    report: MemberReport | None = None
+    # When the last report taken was made, and its sequence number: a report
+    # is taken only if it comes after (the rest of it is in the fields above).
+    report_at: str | None = None
+    report_seq: int = 0
     phase: MemberPhase = MemberPhase.ACTIVE
     # Why it is QUEUED, ROTATING or REMOVING.
     reason: str | None = None
@@ -104,7 +107,7 @@ class Member:
 
     def take(self, report: MemberReport) -> bool:
         """Apply the member's own report; True when it is its first Ready."""
-        self.report = report
+        self.report_at, self.report_seq = report.at, report.seq
         self.state = report.state
         self.endpoint = report.endpoint
         self.generation = report.generation
@@ -381,14 +384,23 @@ def after_failure(
     return Failure(failures, last_error, None, now + policies.REPLACE_BACKOFF.delay(failures - 1))
 
 
+def recent_bans(bans: Sequence[str], limit: BanLimit, now: datetime) -> list[str]:
+    """The bans (when each was accepted) still inside the rate limit's window.
+
+    All the pool keeps of its ban history: older ones count for nothing, and
+    kept they would grow the carried state for as long as the pool runs.
+    """
+    window = timedelta(seconds=limit.window_seconds)
+    return [at for at in bans if datetime.fromisoformat(at) > now - window]
+
+
 def ban_refusal(bans: Sequence[str], limit: BanLimit, replicas: int, now: datetime) -> str | None:
     """Why one more ban is refused now (`bans`: when each was accepted), or None."""
     most = limit.limit(replicas)
-    window = timedelta(seconds=limit.window_seconds)
-    recent = [at for at in bans if datetime.fromisoformat(at) > now - window]
+    recent = recent_bans(bans, limit, now)
     if len(recent) < most:
         return None
-    free_at = datetime.fromisoformat(recent[0]) + window
+    free_at = datetime.fromisoformat(recent[0]) + timedelta(seconds=limit.window_seconds)
     return (
         f"ban rate limit: {len(recent)} bans accepted in the last "
         f"{limit.window_seconds}s (limit {most}); the next is accepted "
@@ -504,10 +516,22 @@ def legacy_carried(carried: Any) -> Any:
 
 
 def _legacy_member(member: Any) -> Any:
-    if not isinstance(member, dict) or "phase" in member:
+    if not isinstance(member, dict):
         return member
+    # Runs before reports were checked kept the whole last report; only its
+    # stamp is kept now (its other fields are the member's own).
+    upgraded = {k: v for k, v in member.items() if k != "report"}
+    report = member.get("report")
+    if isinstance(report, dict) and "report_at" not in member:
+        at, seq = report.get("at"), report.get("seq")
+        upgraded["report_at"] = at if isinstance(at, str) else None
+        upgraded["report_seq"] = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+    if "phase" in member:
+        return upgraded
     upgraded = {
-        k: v for k, v in member.items() if k not in ("rotate_reason", "rotating_since", "removing")
+        k: v
+        for k, v in upgraded.items()
+        if k not in ("rotate_reason", "rotating_since", "removing")
     }
     removing, rotate_reason = member.get("removing"), member.get("rotate_reason")
     if removing is not None:

@@ -40,6 +40,7 @@ from workflows.pool_plan import (
     next_wake,
     plan,
     pool_state,
+    recent_bans,
     waiting_for,
 )
 
@@ -523,3 +524,26 @@ def test_a_rotated_member_keeps_serving_its_confirmed_endpoint_until_the_new_one
     member.take(report(member, ProxyState.READY, 1, T0 + timedelta(minutes=1)))
     assert member.endpoint != old
     assert is_serving(member) and member.verified == old
+
+
+def test_ban_history_keeps_only_the_window_the_limit_counts() -> None:
+    limit = pool_input().bans
+    assert limit.window_seconds == 600
+    bans = [(T0 + timedelta(minutes=n)).isoformat() for n in range(100)]  # one a minute
+    kept = recent_bans(bans, limit, T0 + timedelta(minutes=99))
+    assert kept == bans[90:], "the last ten minutes' ten bans"
+
+
+def test_a_carried_last_report_keeps_only_its_stamp() -> None:
+    old_report = {
+        "at": T0.isoformat(),
+        "seq": 4,
+        "endpoint": "127.0.0.1:1",
+        "last_error": "x" * 500,
+    }
+    [member] = legacy_carried({"members": [legacy_member(0, report=old_report)]})["members"]
+    assert "report" not in member
+    assert (member["report_at"], member["report_seq"]) == (T0.isoformat(), 4)
+    garbled = {"at": 5, "seq": "four"}
+    [member] = legacy_carried({"members": [legacy_member(0, report=garbled)]})["members"]
+    assert (member["report_at"], member["report_seq"]) == (None, 0)
