@@ -1,4 +1,4 @@
-"""Replay every release's recorded histories against today's workflow code.
+"""Replay every release's recorded histories against today's workflow code, as either worker has it.
 
 A change that alters the commands an existing history expects (a new
 activity call, a reordered timer) fails here instead of in production, where
@@ -25,8 +25,15 @@ from tests.helpers.histories import (
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.pool import ProxyPool
+from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
 RECORDINGS = [(release, name) for release in releases() for name in recorded_names(release)]
+# What an unversioned worker registers, and what one of a Worker Deployment
+# does (worker.build_worker): both replay whatever a release recorded.
+REGISTRATIONS: dict[str, list[type]] = {
+    "unversioned": [ProxyLifecycle, OrphanGC, ProxyPool],
+    "versioned": [VersionedProxyLifecycle, VersionedOrphanGC, VersionedProxyPool],
+}
 
 
 def test_the_current_release_has_recordings() -> None:
@@ -40,12 +47,13 @@ def test_every_recording_belongs_to_a_release() -> None:
     assert loose == [], f"move them into tests/histories/<the release they came from>/: {loose}"
 
 
+@pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
 @pytest.mark.parametrize(("release", "name"), RECORDINGS, ids=[f"{r}/{n}" for r, n in RECORDINGS])
-async def test_replays_without_nondeterminism(release: str, name: str) -> None:
+async def test_replays_without_nondeterminism(release: str, name: str, registration: str) -> None:
     recorded = load_history(release, name)
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
     # Histories recorded before the namespace was stored come from the test
     # servers' default namespace.
     namespace = recorded.get("namespace", "default")
-    replayer = Replayer(workflows=[ProxyLifecycle, OrphanGC, ProxyPool], namespace=namespace)
+    replayer = Replayer(workflows=REGISTRATIONS[registration], namespace=namespace)
     await replayer.replay_workflow(history)
