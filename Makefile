@@ -11,7 +11,7 @@ STAMP   = $(VENV)/.installed
 PYTEST_WORKERS ?= 6
 PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: run test test-quick lint bench tools test-tools clean
+.PHONY: run test test-quick histories lint bench tools test-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ test: $(STAMP) test-tools
 ## Everything but the slow end-to-end tests.
 test-quick: $(STAMP) test-tools
 	$(BIN)/pytest $(PYTEST_XDIST) -m "not slow"
+
+## Record the current release's histories (pyproject.toml's version) into
+## tests/histories/<version>/ for the replay test: every test that records one
+## runs. Recordings a release already has are kept (docs/upgrades.md).
+HISTORY_TESTS = $(shell grep -rl --include='test_*.py' record_history tests)
+histories: $(STAMP) tools
+	PROXY_OPERATOR_RECORD_HISTORIES=1 $(BIN)/pytest $(PYTEST_XDIST) $(HISTORY_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -29,11 +29,23 @@ log = logging.getLogger("proxy_operator.cli")
 
 
 def env_argument(
-    parser: argparse.ArgumentParser, flag: str, env: str, text: str, default: str | None = None
+    parser: argparse.ArgumentParser,
+    flag: str,
+    env: str,
+    text: str,
+    default: str | None = None,
+    type: Callable[[str], Any] = str,
 ) -> None:
-    """A string flag that defaults to environment variable `env`, then `default`; says both."""
+    """A flag that defaults to environment variable `env`, then `default`; says both.
+
+    `type` checks and converts the value, the one from `env` included
+    (argparse converts a string default too), and its ArgumentTypeError is
+    printed after the flag's name.
+    """
     shown = f"env {env}" if default is None else f"env {env}, default %(default)s"
-    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{text} ({shown})")
+    parser.add_argument(
+        flag, default=os.environ.get(env, default), type=type, help=f"{text} ({shown})"
+    )
 
 
 def argument_parser(

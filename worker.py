@@ -6,7 +6,9 @@ Validates the providers config before connecting anywhere (every problem
 printed, exit code 2), builds the providers through the registry, connects
 with Temporal's standard environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS, API key, profiles), serves /metrics and /healthz, and
-drains gracefully on SIGTERM.
+drains gracefully on SIGTERM. With `--deployment-name` and `--build-id` it
+joins a Worker Deployment as that version (Worker Versioning, off by
+default; docs/upgrades.md).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from temporalio.client import Client
+from temporalio.common import WorkerDeploymentVersion
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 import cli
 from activities.gc import GcActivities
@@ -44,11 +47,19 @@ from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.payloads import with_input_payload_converter
 from workflows.pool import ProxyPool
+from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
 # Each monitored proxy holds one activity slot for as long as it is Ready.
 DEFAULT_MAX_ACTIVITIES = 2000
 GRACEFUL_SHUTDOWN = timedelta(seconds=20)
+# What the server (1.32) refuses in a deployment version, or ignores without
+# a word: its workers would poll and never be given a task. Names starting
+# with "__" are Temporal's; "." separates a version's deployment name from
+# its build id ("<deployment>.<build id>").
+RESERVED_PREFIX = "__"
+VERSION_SEPARATOR = "."
+MAX_BUILD_ID_LENGTH = 255
 
 log = logging.getLogger("proxy_operator.worker")
 
@@ -81,7 +92,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_INTERVAL,
         help="how often the schedule runs OrphanGC, e.g. 10m or 1h; default 10m",
     )
-    return parser.parse_args(argv)
+    cli.env_argument(
+        parser,
+        "--deployment-name",
+        "PROXY_OPERATOR_DEPLOYMENT_NAME",
+        "Worker Versioning: the Worker Deployment this worker is a version of, "
+        "with --build-id; unset, the worker is unversioned",
+        type=deployment_name,
+    )
+    cli.env_argument(
+        parser,
+        "--build-id",
+        "PROXY_OPERATOR_BUILD_ID",
+        "Worker Versioning: this worker's version within --deployment-name",
+        type=build_id,
+    )
+    args = parser.parse_args(argv)
+    if bool(args.deployment_name) != bool(args.build_id):
+        parser.error("--deployment-name and --build-id (Worker Versioning) go together")
+    return args
+
+
+def deployment_name(value: str) -> str:
+    """A Worker Deployment's name the server accepts; empty leaves the worker unversioned."""
+    if VERSION_SEPARATOR in value:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} contains {VERSION_SEPARATOR!r}, which separates it from the build id"
+        )
+    return _not_reserved(value)
+
+
+def build_id(value: str) -> str:
+    """A build id the server accepts."""
+    if len(value) > MAX_BUILD_ID_LENGTH:
+        raise argparse.ArgumentTypeError(
+            f"{len(value)} characters, more than the {MAX_BUILD_ID_LENGTH} a build id may have"
+        )
+    return _not_reserved(value)
+
+
+def _not_reserved(value: str) -> str:
+    if value.startswith(RESERVED_PREFIX):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} starts with {RESERVED_PREFIX!r}, which Temporal keeps for itself"
+        )
+    return value
+
+
+def deployment_version(args: argparse.Namespace) -> WorkerDeploymentVersion | None:
+    """The Worker Deployment version the flags ask for; None for an unversioned worker."""
+    if not args.deployment_name:
+        return None
+    return WorkerDeploymentVersion(args.deployment_name, args.build_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,21 +178,24 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
         await ensure_orphan_gc_schedule(
             client, task_queue=args.task_queue, interval=args.orphan_gc_interval
         )
+    version = deployment_version(args)
     worker = build_worker(
         client,
         activities,
         gc=gc,
         task_queue=args.task_queue,
         max_concurrent_activities=args.max_concurrent_activities,
+        deployment=version,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "worker on task queue %s (namespace %s), providers: %s",
+        "worker on task queue %s (namespace %s, %s), providers: %s",
         args.task_queue,
         client.namespace,
+        "unversioned" if version is None else f"version {version.to_canonical_string()}",
         ", ".join(f"{e.name} ({e.type})" for e in config.providers),
     )
     async with worker:
@@ -149,20 +214,28 @@ def build_worker(
     gc: GcActivities | None = None,
     task_queue: str = TASK_QUEUE,
     max_concurrent_activities: int = DEFAULT_MAX_ACTIVITIES,
+    deployment: WorkerDeploymentVersion | None = None,
 ) -> Worker:
     """The one place that says which workflows and activities a worker serves.
 
     OrphanGC is served when its activities are given, as every real worker does.
     ProxyPool always is: its one activity needs only the Temporal client.
+    A worker given a `deployment` version serves the same workflows with
+    their versioning behaviours (workflows/versioned.py says which and why).
     """
     gc_activities: list[Callable[..., Any]] = (
         [] if gc is None else [gc.providers, gc.survey, gc.confirm, gc.record_deleted]
+    )
+    lifecycle, pool, orphan_gc = (
+        (ProxyLifecycle, ProxyPool, OrphanGC)
+        if deployment is None
+        else (VersionedProxyLifecycle, VersionedProxyPool, VersionedOrphanGC)
     )
     return Worker(
         # Undecodable start arguments fail the workflow instead of wedging it.
         with_input_payload_converter(client),
         task_queue=task_queue,
-        workflows=[ProxyLifecycle, ProxyPool] + ([] if gc is None else [OrphanGC]),
+        workflows=[lifecycle, pool] + ([] if gc is None else [orphan_gc]),
         activities=[
             activities.validate_target,
             activities.create_instance,
@@ -180,6 +253,11 @@ def build_worker(
         # report-back never has to replay an evicted history.
         max_cached_workflows=max_concurrent_activities,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        deployment_config=(
+            None
+            if deployment is None
+            else WorkerDeploymentConfig(version=deployment, use_worker_versioning=True)
+        ),
     )
 
 

@@ -1,4 +1,4 @@
-"""worker.py as a process: config errors, crash recovery, metrics, draining.
+"""worker.py as a process: config errors, crash recovery, metrics, draining, Worker Versioning.
 
 These start `python worker.py` exactly as an operator would, against the
 session's dev server, and kill it with SIGKILL to prove that all state is in
@@ -17,8 +17,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from temporalio.api.workflowservice.v1 import SetWorkerDeploymentCurrentVersionRequest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
+import worker
 from providers.base import CreateRequest
 from providers.local import LocalProvider, processes_under
 from providers.naming import owner_tags
@@ -29,12 +34,17 @@ from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
 from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
     ROOT,
+    LocalWorker,
     StartWorker,
+    local_worker,
+    origin,
     worker_process,
     write_worker_config,
 )
 
 INSTALLATION = "worker-test"
+DEPLOYMENT_NAME_ENV = "PROXY_OPERATOR_DEPLOYMENT_NAME"
+BUILD_ID_ENV = "PROXY_OPERATOR_BUILD_ID"
 
 
 def squid_pids(state_dir: Path) -> list[int]:
@@ -101,9 +111,9 @@ async def test_killed_workers_lose_nothing(
     task_queue = f"test-{uuid.uuid4().hex[:12]}"
     metrics = f"127.0.0.1:{free_port()}"
 
-    with serve_tls_origin(origin_port) as origin:
+    with serve_tls_origin(origin_port) as served:
         ca_file = tmp_path / "ca.pem"
-        origin.ca.cert_pem.write_to_path(str(ca_file))
+        served.ca.cert_pem.write_to_path(str(ca_file))
     env = {"SSL_CERT_FILE": str(ca_file), "PROXY_OPERATOR_METRICS_ADDRESS": metrics}
 
     first = worker_process(config, task_queue, env)
@@ -120,8 +130,8 @@ async def test_killed_workers_lose_nothing(
     first.wait()
 
     # Same CA, same port: the origin comes up while no worker runs.
-    with serve_tls_origin(origin_port) as origin:
-        origin.ca.cert_pem.write_to_path(str(ca_file))
+    with serve_tls_origin(origin_port) as served:
+        served.ca.cert_pem.write_to_path(str(ca_file))
         second = worker_process(config, task_queue, env)
         ready = await wait_status(
             handle, lambda s: s.state == "Ready", "Ready on the second worker", deadline=120
@@ -157,9 +167,9 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
 ) -> None:
     # A memory instance claims 127.0.0.1 at the requested port: a real Squid
     # listens there, so the worker's probes through it are real.
-    with serve_tls_origin() as origin:
+    with serve_tls_origin() as served:
         ca_file = tmp_path / "ca.pem"
-        origin.ca.cert_pem.write_to_path(str(ca_file))
+        served.ca.cert_pem.write_to_path(str(ca_file))
         upstream = LocalProvider(local_settings(state_dir), "worker-test")
         squid = upstream.create(
             CreateRequest(
@@ -169,7 +179,7 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
                     "proxy",
                     PASSWORD,
                     ("127.0.0.0/8",),
-                    (origin.port,),
+                    (served.port,),
                     denied_destinations=LOOPBACK_ORIGIN_DENIED,
                 ),
                 tags=owner_tags(INSTALLATION, "upstream", 0),
@@ -178,7 +188,7 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
         config = write_worker_config(
             tmp_path / "providers.yaml",
             {"name": "demo", "type": "memory"},
-            origin.port,
+            served.port,
             INSTALLATION,
         )
         task_queue = f"test-{uuid.uuid4().hex[:12]}"
@@ -188,7 +198,7 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
             {
                 "provider": "demo",
                 "port": squid.port,
-                "health": {"target": f"https://127.0.0.1:{origin.port}/", "interval_seconds": 1},
+                "health": {"target": f"https://127.0.0.1:{served.port}/", "interval_seconds": 1},
             },
             id=f"proxy-{uuid.uuid4().hex[:8]}",
             task_queue=task_queue,
@@ -203,3 +213,146 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
         await asyncio.to_thread(upstream.delete, squid.provider_id)
         result = await asyncio.wait_for(handle.result(), timeout=60)
         assert result["state"] == "Terminated"
+
+
+# ---- Worker Versioning ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "error"),
+    [
+        (
+            ["--deployment-name", "proxy.operator", "--build-id", "b1"],
+            {},
+            "argument --deployment-name: 'proxy.operator' contains '.'",
+        ),
+        (
+            ["--build-id", "b1"],
+            {DEPLOYMENT_NAME_ENV: "proxy.operator"},
+            "argument --deployment-name: 'proxy.operator' contains '.'",
+        ),
+        (
+            ["--deployment-name", "__proxy", "--build-id", "b1"],
+            {},
+            "argument --deployment-name: '__proxy' starts with '__'",
+        ),
+        (
+            ["--deployment-name", "proxy-operator", "--build-id", "__b1"],
+            {},
+            "argument --build-id: '__b1' starts with '__'",
+        ),
+        (
+            ["--deployment-name", "proxy-operator", "--build-id", "b" * 256],
+            {},
+            "argument --build-id: 256 characters, more than the 255",
+        ),
+        (
+            ["--build-id", "b1"],
+            {},
+            "--deployment-name and --build-id (Worker Versioning) go together",
+        ),
+        ([], {DEPLOYMENT_NAME_ENV: "proxy-operator"}, "go together"),
+    ],
+)
+def test_bad_deployment_versions_exit_2_naming_the_flag(
+    argv: list[str],
+    env: dict[str, str],
+    error: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A version the server would refuse, or ignore and never give a task, stops the worker."""
+    for name in (DEPLOYMENT_NAME_ENV, BUILD_ID_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        worker.parse_args(argv)
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_the_deployment_version_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEPLOYMENT_NAME_ENV, "proxy-operator")
+    monkeypatch.setenv(BUILD_ID_ENV, "2026-12-02.1")
+    assert worker.deployment_version(worker.parse_args([])) == WorkerDeploymentVersion(
+        "proxy-operator", "2026-12-02.1"
+    )
+    monkeypatch.setenv(DEPLOYMENT_NAME_ENV, "")
+    monkeypatch.setenv(BUILD_ID_ENV, "")
+    assert worker.deployment_version(worker.parse_args([])) is None
+
+
+async def make_current(client: Client, version: WorkerDeploymentVersion) -> bool:
+    """`temporal worker deployment set-current-version`; False until the version's workers poll."""
+    try:
+        await client.workflow_service.set_worker_deployment_current_version(
+            SetWorkerDeploymentCurrentVersionRequest(
+                namespace=client.namespace,
+                deployment_name=version.deployment_name,
+                build_id=version.build_id,
+            )
+        )
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return False
+    return True
+
+
+async def version_of(
+    handle: WorkflowHandle[object, object],
+) -> tuple[WorkerDeploymentVersion, VersioningBehavior]:
+    """The deployment version a workflow runs on, and its versioning behaviour, as described."""
+    description = await handle.describe()
+    info = description.raw_description.workflow_execution_info.versioning_info
+    version = info.deployment_version
+    return (
+        WorkerDeploymentVersion(version.deployment_name, version.build_id),
+        VersioningBehavior(info.behavior),
+    )
+
+
+async def test_a_fleet_moves_from_unversioned_workers_to_a_deployment_version(
+    temporal_env: WorkflowEnvironment,
+    local_worker: LocalWorker,  # noqa: F811
+    state_dir: Path,
+) -> None:
+    """Without the flags a worker is unversioned; a version made current takes the new work."""
+    client = temporal_env.client
+    task_queue = local_worker.task_queue
+    before = await client.start_workflow(
+        "OrphanGC", {"dry_run": True}, id=f"gc-{uuid.uuid4().hex[:8]}", task_queue=task_queue
+    )
+    await asyncio.wait_for(before.result(), timeout=60)
+    unversioned = (WorkerDeploymentVersion("", ""), VersioningBehavior.UNSPECIFIED)
+    assert await version_of(before) == unversioned
+
+    # A deployment of its own: the dev server is the whole session's.
+    version = WorkerDeploymentVersion(f"proxy-operator-{uuid.uuid4().hex[:8]}", "build-1")
+    deployment = {DEPLOYMENT_NAME_ENV: version.deployment_name, BUILD_ID_ENV: version.build_id}
+    local_worker.start(local_worker.config, task_queue, {**local_worker.env, **deployment})
+    # A version takes no task until it is made current, as in a rollout.
+    await wait_for(lambda: make_current(client, version), "the new version's workers to poll")
+
+    proxy = await client.start_workflow(
+        "ProxyLifecycle",
+        {
+            "provider": "local",
+            "health": {"target": f"https://127.0.0.1:{local_worker.origin_port}/"},
+        },
+        id=f"proxy-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue,
+    )
+    await wait_status(proxy, lambda s: s.state == "Ready", "Ready on the versioned worker")
+    assert await version_of(proxy) == (version, VersioningBehavior.AUTO_UPGRADE)
+    sweep = await client.start_workflow(
+        "OrphanGC", {"dry_run": True}, id=f"gc-{uuid.uuid4().hex[:8]}", task_queue=task_queue
+    )
+    await asyncio.wait_for(sweep.result(), timeout=60)
+    assert await version_of(sweep) == (version, VersioningBehavior.PINNED)
+
+    await proxy.signal("terminate")
+    result = await asyncio.wait_for(proxy.result(), timeout=60)
+    assert result["state"] == "Terminated"
+    assert squid_pids(state_dir) == []

@@ -1,4 +1,4 @@
-"""Every `temporal` command in README.md and docs/operations.md, run as a reader runs it.
+"""Every `temporal` command in README.md, docs/operations.md and docs/upgrades.md, run as written.
 
 The commands come out of the Markdown (tests/docs/markdown.py says how), so a
 doc change that breaks one fails here. They run in document order, in bash,
@@ -41,7 +41,7 @@ from tests.helpers.waiting import wait_for, wait_status
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/operations.md")
+DOCS = ("README.md", "docs/operations.md", "docs/upgrades.md")
 DOCS_TARGET = "https://example.com"
 COMMAND_TIMEOUT = 120
 TASK_QUEUE = "proxy-operator"

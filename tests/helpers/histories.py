@@ -1,28 +1,69 @@
-"""Recording workflow histories for the replay test (tests/workflows/test_replay.py)."""
+"""The replay corpus: the histories recorded from each release (tests/workflows/test_replay.py).
+
+`tests/histories/<release>/<name>.json`, one directory per version of the
+project (pyproject.toml's `version`). A release's recordings are the runs
+that may still be open in someone's fleet when the next release reaches it,
+so every later change must replay them: they are kept as they were recorded
+and never rewritten. `make histories` records the current release's
+(docs/upgrades.md says when).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import tomllib
+import warnings
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import WorkflowHandle
 
-HISTORIES = Path(__file__).resolve().parent.parent / "histories"
+ROOT = Path(__file__).resolve().parent.parent.parent
+HISTORIES = ROOT / "tests" / "histories"
+RECORD_ENV = "PROXY_OPERATOR_RECORD_HISTORIES"
+
+
+def current_release() -> str:
+    """The project's version in pyproject.toml: the release a recording belongs to."""
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        version: str = tomllib.load(file)["project"]["version"]
+    return version
+
+
+def releases() -> list[str]:
+    """Every release with recordings, in the order of their directory names."""
+    return sorted(path.name for path in HISTORIES.iterdir() if path.is_dir())
+
+
+def recorded_names(release: str) -> list[str]:
+    """The names of a release's recorded histories."""
+    return sorted(path.stem for path in (HISTORIES / release).glob("*.json"))
+
+
+def load_history(release: str, name: str) -> dict[str, Any]:
+    """One recording: `workflow_id`, `namespace` (absent from the oldest) and `history`."""
+    recorded: dict[str, Any] = json.loads((HISTORIES / release / f"{name}.json").read_text())
+    return recorded
 
 
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
-    """Save the history for the replay test when PROXY_OPERATOR_RECORD_HISTORIES=1.
+    """Add this run's history to the current release's recordings, when recording.
 
-    Run `PROXY_OPERATOR_RECORD_HISTORIES=1 make test` after a deliberate change
-    to the workflow's commands, and commit the refreshed tests/histories/.
+    Only with PROXY_OPERATOR_RECORD_HISTORIES=1 (`make histories` sets it).
+    A recording the release already has is kept, not overwritten: it may be
+    the only trace of what a run of that release did.
     """
-    if os.environ.get("PROXY_OPERATOR_RECORD_HISTORIES") != "1":
+    if os.environ.get(RECORD_ENV) != "1":
+        return
+    path = HISTORIES / current_release() / f"{name}.json"
+    if path.exists():
+        kept = path.relative_to(ROOT)
+        warnings.warn(f"kept {kept}: a release's recordings are not rewritten", stacklevel=2)
         return
     history = await handle.fetch_history()
     namespace = (await handle.describe()).namespace
-    HISTORIES.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     # The workflow id and the namespace are part of what the workflow
     # computed (instance names), and a history alone carries neither.
     recorded = {
@@ -30,4 +71,4 @@ async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
         "namespace": namespace,
         "history": json.loads(history.to_json()),
     }
-    (HISTORIES / f"{name}.json").write_text(json.dumps(recorded))
+    path.write_text(json.dumps(recorded))

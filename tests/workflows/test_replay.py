@@ -1,40 +1,59 @@
-"""Replay every recorded history against today's workflow code.
+"""Replay every release's recorded histories against today's workflow code, as either worker has it.
 
 A change that alters the commands an existing history expects (a new
 activity call, a reordered timer) fails here instead of in production, where
-it would wedge every running proxy. Histories are recorded by the workflow
-tests with PROXY_OPERATOR_RECORD_HISTORIES=1.
+it would wedge every running proxy. The corpus keeps each release's
+recordings (tests/helpers/histories.py), because a fleet upgraded to this
+code may still run workflows started by any of them; `make histories`
+records the current release's, and docs/upgrades.md says when a release's
+recordings, and the patches only they need, may go.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
+from tests.helpers.histories import (
+    HISTORIES,
+    current_release,
+    load_history,
+    recorded_names,
+    releases,
+)
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.pool import ProxyPool
+from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
-HISTORIES = {
-    path.stem: json.loads(path.read_text())
-    for path in sorted((Path(__file__).resolve().parent.parent / "histories").glob("*.json"))
+RECORDINGS = [(release, name) for release in releases() for name in recorded_names(release)]
+# What an unversioned worker registers, and what one of a Worker Deployment
+# does (worker.build_worker): both replay whatever a release recorded.
+REGISTRATIONS: dict[str, list[type]] = {
+    "unversioned": [ProxyLifecycle, OrphanGC, ProxyPool],
+    "versioned": [VersionedProxyLifecycle, VersionedOrphanGC, VersionedProxyPool],
 }
 
 
-def test_histories_are_committed() -> None:
-    assert len(HISTORIES) >= 5, "record them: PROXY_OPERATOR_RECORD_HISTORIES=1 make test"
+def test_the_current_release_has_recordings() -> None:
+    assert recorded_names(current_release()), (
+        f"no histories for release {current_release()} (pyproject.toml): `make histories`"
+    )
 
 
-@pytest.mark.parametrize("name", sorted(HISTORIES))
-async def test_replays_without_nondeterminism(name: str) -> None:
-    recorded = HISTORIES[name]
+def test_every_recording_belongs_to_a_release() -> None:
+    loose = sorted(path.name for path in HISTORIES.glob("*.json"))
+    assert loose == [], f"move them into tests/histories/<the release they came from>/: {loose}"
+
+
+@pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
+@pytest.mark.parametrize(("release", "name"), RECORDINGS, ids=[f"{r}/{n}" for r, n in RECORDINGS])
+async def test_replays_without_nondeterminism(release: str, name: str, registration: str) -> None:
+    recorded = load_history(release, name)
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
     # Histories recorded before the namespace was stored come from the test
     # servers' default namespace.
     namespace = recorded.get("namespace", "default")
-    replayer = Replayer(workflows=[ProxyLifecycle, OrphanGC, ProxyPool], namespace=namespace)
+    replayer = Replayer(workflows=REGISTRATIONS[registration], namespace=namespace)
     await replayer.replay_workflow(history)

@@ -14,7 +14,6 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from providers.memory import MemoryProvider
 from providers.naming import INSTALLATION_KEY, NAMESPACE_KEY, OWNER_KEY, instance_name
 from startup.search_attributes import ensure_search_attributes
 from tests.helpers.config import build_config, lifecycle_instance_name
-from tests.helpers.histories import record_history
+from tests.helpers.histories import load_history, record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
 from worker import build_worker
@@ -41,7 +40,8 @@ from workflows.orphan_gc import GcResult
 
 pytestmark = pytest.mark.slow
 
-HISTORIES = Path(__file__).resolve().parent.parent / "histories"
+# The release whose recordings predate installation and namespace in names.
+RECORDED_BEFORE_SCOPED_NAMES = "0.1.0"
 
 
 def test_names_differ_per_installation_and_namespace() -> None:
@@ -58,7 +58,7 @@ def test_names_differ_per_installation_and_namespace() -> None:
 @pytest.mark.parametrize("history", ["ready_then_terminate", "rotated", "replaced_after_death"])
 def test_lifecycles_recorded_before_the_change_keep_their_names(history: str) -> None:
     """The old formula still gives every instance those histories created."""
-    recorded = json.loads((HISTORIES / f"{history}.json").read_text())
+    recorded = load_history(RECORDED_BEFORE_SCOPED_NAMES, history)
     results = [
         base64.b64decode(attributes["result"]["payloads"][0].get("data", ""))
         for event in recorded["history"]["events"]
