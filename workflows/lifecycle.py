@@ -1,7 +1,22 @@
 """ProxyLifecycle: one durable workflow per proxy, from create to gone.
 
-    Provisioning -> Ready -> (Replacing -> Ready)* -> Terminating -> Terminated
-                                                  \\-> Failed
+Its states and every transition between them, rendered from the table the
+workflow enforces (workflows/lifecycle_states.py; a test keeps this copy true):
+
+    Provisioning -> Ready         the first instance passed its first probe
+    Provisioning -> Replacing     the first instance failed, crash budget left
+    Provisioning -> Terminating   terminate signal or workflow cancel
+    Provisioning -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Ready        -> Unhealthy     the monitor found the instance failing or gone
+    Ready        -> Terminating   terminate signal or workflow cancel
+    Ready        -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Unhealthy    -> Replacing     the failed instance retired (backoff if failures repeat)
+    Unhealthy    -> Terminating   terminate signal or workflow cancel
+    Unhealthy    -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Replacing    -> Ready         a new generation passed its first probe
+    Replacing    -> Terminating   terminate signal or workflow cancel
+    Replacing    -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Terminating  -> Terminated    every instance the workflow owned is gone
 
 The workflow id is the proxy's identity. Steady state costs a handful of
 history events an hour: a single long-running `monitor` activity probes and
@@ -59,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
     from workflows.inputs import ProxyInput, continued_state, parse_input
+    from workflows.lifecycle_states import check_transition
     from workflows.membership import MemberReport
 
 A = TypeVar("A")
@@ -329,7 +345,7 @@ class ProxyLifecycle:
                 await self._rotate(inp)
             elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
                 self._forgive_if_stable()
-                self._set_state(ProxyState.UNHEALTHY)
+                self._enter(ProxyState.UNHEALTHY)
                 self._retire(self._current)
                 await self._count_failure(f"{outcome.reason}: {outcome.detail}")
             else:
@@ -341,7 +357,7 @@ class ProxyLifecycle:
         """Bring up a new generation, replacing failed ones within the crash budget."""
         while True:
             first = self._next_generation == 0
-            self._set_state(ProxyState.PROVISIONING if first else ProxyState.REPLACING)
+            self._enter(ProxyState.PROVISIONING if first else ProxyState.REPLACING)
             try:
                 ref = await self._bring_up(inp)
             except _InstanceFailed as failed:
@@ -352,7 +368,7 @@ class ProxyLifecycle:
             self._ready_at = workflow.now().isoformat()
             self._status.ready_since = self._ready_at
             self._rotate_reason = None  # a new instance is what a rotate asks for
-            self._set_state(ProxyState.READY)
+            self._enter(ProxyState.READY)
             return
 
     async def _bring_up(self, inp: ProxyInput) -> InstanceRef:
@@ -570,7 +586,7 @@ class ProxyLifecycle:
         self._ready_at = workflow.now().isoformat()
         self._status.ready_since = self._ready_at
         self._rotate_reason = None
-        self._set_state(ProxyState.READY)
+        self._enter(ProxyState.READY)
         if inp.drain_seconds:
             # The new endpoint is published (and told to the pool); gateways
             # drop the old one before it goes. No timer without a drain, so
@@ -910,7 +926,20 @@ class ProxyLifecycle:
         self._status.endpoint = ref.endpoint if ref else ""
         self._publish()
 
+    def _enter(self, state: ProxyState) -> None:
+        """Move the lifecycle (not run()'s ending) to `state`.
+
+        A lifecycle being stopped may still learn something late: a first
+        probe that passed as terminate cancelled it. Terminating leads only
+        to Terminated, so that news ends the lifecycle instead.
+        """
+        if self._status.state == ProxyState.TERMINATING:
+            raise asyncio.CancelledError(f"terminating, not entering {state}")
+        self._set_state(state)
+
     def _set_state(self, state: ProxyState) -> None:
+        """Change state as the transition table allows; publish it."""
+        check_transition(self._status.state, state)
         self._status.state = state
         if state == ProxyState.READY and self._current is not None:
             self._show_instance(self._current)
