@@ -137,17 +137,19 @@ class ProxyStatus:
 
 @dataclass
 class CarriedState:
-    """Everything continue-as-new hands to the next run."""
+    """Everything continue-as-new hands to the next run.
+
+    Runs before this one also carried `terminate_reason` (always None: a run
+    with a terminate pending never continues) and `waiting_for_quota` (read
+    by none). Decoding ignores keys a dataclass does not have, so their
+    payloads still decode (tests/workflows/test_lifecycle_carried.py).
+    """
 
     status: ProxyStatus
     current: InstanceRef | None = None
     owned: list[InstanceRef] = field(default_factory=list)
     ready_at: str | None = None
     next_generation: int = 0
-    terminate_reason: str | None = None
-    # Written by runs before CLEAN_STOP_PATCH; read by none. A continued run
-    # starts with no wait of its own, so it has nothing to carry.
-    waiting_for_quota: bool = False
     # The installation instance names are hashed with; None for a lifecycle
     # started before that, which keeps the old names (providers/naming.py).
     installation: str | None = None
@@ -840,7 +842,6 @@ class ProxyLifecycle:
             owned=list(self._owned.values()),
             ready_at=self._ready_at,
             next_generation=self._next_generation,
-            terminate_reason=self._terminate_reason,
             installation=self._installation,
             rotate_reason=self._rotate_reason,
         )
@@ -857,7 +858,6 @@ class ProxyLifecycle:
         self._owned = {ref.provider_id: ref for ref in carried.owned}
         self._ready_at = carried.ready_at
         self._next_generation = carried.next_generation
-        self._terminate_reason = carried.terminate_reason
         self._installation = carried.installation
         self._rotate_reason = carried.rotate_reason
         for ref in carried.owned:
