@@ -50,8 +50,6 @@ with workflow.unsafe.imports_passed_through():
         MonitorReason,
         ProbeInput,
         ProbeSummary,
-        TargetCheck,
-        ValidateTargetInput,
     )
     from activities.provider import ProviderActivities
     from contract import (
@@ -66,13 +64,14 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
-    from workflows.inputs import ProxyInput, continued_state, parse_input
+    from workflows.inputs import ProxyInput, continued_state
     from workflows.lifecycle_carried import (
         CarriedState,
         ProxyStatus,
         from_older_release,
         status_of,
     )
+    from workflows.lifecycle_input import checked_input
     from workflows.lifecycle_publish import StatusPublisher
     from workflows.lifecycle_states import check_transition
 
@@ -89,9 +88,6 @@ REPLACE_BACKOFF = policies.Backoff(first=timedelta(seconds=10), cap=timedelta(mi
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
 # The longest `rotate` reason kept.
 MAX_REASON = 500
-# workflow.patched() id: a lifecycle started since learns its installation
-# from validate_target and hashes it into its instance names.
-INSTALLATION_IN_NAMES = "installation-in-instance-names"
 
 # A failing first probe is reported to the workflow (and so to `status`)
 # after this long, then every FIRST_PROBE_REPORT_EVERY until the deadline.
@@ -224,56 +220,18 @@ class ProxyLifecycle:
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, against_worker: bool
     ) -> ProxyInput:
-        inp, problems = parse_input(raw)
-        problems = argument_problems + problems
-        if (
-            against_worker
-            and not argument_problems
-            and isinstance(raw, dict)
-            and isinstance(raw.get("provider"), str)
-        ):
-            # Only the worker knows its providers and their allowed ports.
-            placement = raw.get("placement")
-            target = ValidateTargetInput(
-                provider=raw["provider"],
-                port=inp.port if inp else None,
-                placement=(
-                    {k: str(v) for k, v in placement.items() if v is not None}
-                    if isinstance(placement, dict)
-                    else {}
-                ),
-                health_target=inp.health.target if inp else "",
-            )
-            problems += await self._check_target(target)
+        """The input; else the workflow fails at once, naming every problem."""
+        inp, problems, installation = await checked_input(
+            raw, argument_problems, against_worker=against_worker
+        )
+        if installation is not None:
+            self._carried.installation = installation
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._note_error(message)
             self._set_state(ProxyState.FAILED)
             raise invalid_input(message)
         return inp
-
-    async def _check_target(self, target: ValidateTargetInput) -> list[str]:
-        """The worker's verdict on the target; learns the installation on the way."""
-        if not workflow.patched(INSTALLATION_IN_NAMES):
-            # Recorded before validate_target returned the installation.
-            problems: list[str] = await workflow.execute_local_activity(
-                "validate_target",
-                target,
-                result_type=list[str],
-                start_to_close_timeout=policies.VALIDATE.start_to_close,
-                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
-            )
-            return problems
-        check: TargetCheck = await workflow.execute_local_activity_method(
-            ProviderActivities.validate_target,
-            target,
-            start_to_close_timeout=policies.VALIDATE.start_to_close,
-            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-            retry_policy=policies.TRANSIENT_RETRY,
-        )
-        self._carried.installation = check.installation
-        return check.problems
 
     # ---- the states: one method each -----------------------------------------------
 
