@@ -18,12 +18,18 @@ workflow enforces (workflows/lifecycle_states.py; a test keeps this copy true):
     Replacing    -> Failed        invalid input, a Permanent error, or the crash budget spent
     Terminating  -> Terminated    every instance the workflow owned is gone
 
+Each state is one method of ProxyLifecycle (`_provisioning`, `_replacing`,
+`_ready`, `_unhealthy`, `_terminating`, `_failed`). What outlives a run is
+one CarriedState (workflows/lifecycle_carried.py), from which `status` is
+computed; StatusPublisher (workflows/lifecycle_publish.py) is the one step
+that tells search attributes, the Web UI and a parent pool of a change.
+
 The workflow id is the proxy's identity. Steady state costs a handful of
 history events an hour: a single long-running `monitor` activity probes and
 heartbeats, and returns only when health changes, the instance vanishes, or
 an hour has passed. Every instance the workflow creates is remembered in
-`owned` until it is confirmed gone, so terminate, cancel and failure all end
-with nothing left running.
+`CarriedState.owned` until it is confirmed gone, so terminate, cancel and
+failure all end with nothing left running.
 """
 
 from __future__ import annotations
