@@ -85,6 +85,9 @@ class ErrorType(StrEnum):
     CRASH_LOOP = "CrashLoop"
     # A lifecycle's end on an error that carried no type of its own.
     UNCLASSIFIED = "Failed"
+    # A lifecycle's end on a state transition its table does not allow: a bug
+    # (workflows/lifecycle_states.py).
+    ILLEGAL_TRANSITION = "IllegalTransition"
     # OrphanGC's end when a sweep would have deleted too much of what it saw;
     # it deleted nothing on that provider (docs/security.md).
     GC_CIRCUIT_OPEN = "GcCircuitOpen"

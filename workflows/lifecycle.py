@@ -1,14 +1,35 @@
 """ProxyLifecycle: one durable workflow per proxy, from create to gone.
 
-    Provisioning -> Ready -> (Replacing -> Ready)* -> Terminating -> Terminated
-                                                  \\-> Failed
+Its states and every transition between them, rendered from the table the
+workflow enforces (workflows/lifecycle_states.py; a test keeps this copy true):
+
+    Provisioning -> Ready         the first instance passed its first probe
+    Provisioning -> Replacing     the first instance failed, crash budget left
+    Provisioning -> Terminating   terminate signal or workflow cancel
+    Provisioning -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Ready        -> Unhealthy     the monitor found the instance failing or gone
+    Ready        -> Terminating   terminate signal or workflow cancel
+    Ready        -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Unhealthy    -> Replacing     the failed instance retired (backoff if failures repeat)
+    Unhealthy    -> Terminating   terminate signal or workflow cancel
+    Unhealthy    -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Replacing    -> Ready         a new generation passed its first probe
+    Replacing    -> Terminating   terminate signal or workflow cancel
+    Replacing    -> Failed        invalid input, a Permanent error, or the crash budget spent
+    Terminating  -> Terminated    every instance the workflow owned is gone
+
+Each state is one method of ProxyLifecycle (`_provisioning`, `_replacing`,
+`_ready`, `_unhealthy`, `_terminating`, `_failed`). What outlives a run is
+one CarriedState (workflows/lifecycle_carried.py), from which `status` is
+computed; StatusPublisher (workflows/lifecycle_publish.py) is the one step
+that tells search attributes, the Web UI and a parent pool of a change.
 
 The workflow id is the proxy's identity. Steady state costs a handful of
 history events an hour: a single long-running `monitor` activity probes and
 heartbeats, and returns only when health changes, the instance vanishes, or
 an hour has passed. Every instance the workflow creates is remembered in
-`owned` until it is confirmed gone, so terminate, cancel and failure all end
-with nothing left running.
+`CarriedState.owned` until it is confirmed gone, so terminate, cancel and
+failure all end with nothing left running.
 """
 
 from __future__ import annotations
@@ -16,13 +37,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeUpdate
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
@@ -36,21 +56,13 @@ with workflow.unsafe.imports_passed_through():
         MonitorReason,
         ProbeInput,
         ProbeSummary,
-        TargetCheck,
-        ValidateTargetInput,
     )
     from activities.provider import ProviderActivities
     from contract import (
-        ENDPOINT,
-        INSTANCES,
-        KEYWORDS,
-        MEMBER_CHANGED_SIGNAL,
         PERMANENT_DELETE_RETRY_DELAY,
-        PROVIDER,
         PROXY_LIFECYCLE,
         QUOTA_RETRY_DELAY,
         ROTATE_SIGNAL,
-        STATE,
         TERMINATE_SIGNAL,
         ErrorType,
         ProxyState,
@@ -58,8 +70,16 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
-    from workflows.inputs import ProxyInput, continued_state, parse_input
-    from workflows.membership import MemberReport
+    from workflows.inputs import ProxyInput, continued_state
+    from workflows.lifecycle_carried import (
+        CarriedState,
+        ProxyStatus,
+        from_older_release,
+        status_of,
+    )
+    from workflows.lifecycle_input import checked_input
+    from workflows.lifecycle_publish import StatusPublisher
+    from workflows.lifecycle_states import check_transition
     from workflows.policies import REPLACE_BACKOFF
 
 A = TypeVar("A")
@@ -74,9 +94,6 @@ STABLE_AFTER = timedelta(minutes=10)
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
 # The longest `rotate` reason kept.
 MAX_REASON = 500
-# workflow.patched() id: a lifecycle started since learns its installation
-# from validate_target and hashes it into its instance names.
-INSTALLATION_IN_NAMES = "installation-in-instance-names"
 
 # A failing first probe is reported to the workflow (and so to `status`)
 # after this long, then every FIRST_PROBE_REPORT_EVERY until the deadline.
@@ -96,47 +113,6 @@ CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
 # The summaries of the monitor's two timers; the one that fired says which.
 LIFETIME_SUMMARY = "max lifetime reached"
 STABLE_SUMMARY = "stable: crash budget restored"
-
-
-@dataclass
-class ProxyStatus:
-    """What the `status` query returns."""
-
-    state: ProxyState = ProxyState.PROVISIONING
-    provider: str = ""
-    endpoint: str = ""
-    provider_id: str = ""
-    instance: str = ""
-    generation: int = 0
-    ready_since: str | None = None
-    last_probe: ProbeSummary | None = None
-    replacements: int = 0
-    failures_in_a_row: int = 0
-    waiting_for: str | None = None
-    last_error: str | None = None
-    terminate_reason: str | None = None
-    # When last_error happened: an error older than ready_since is history.
-    last_error_at: str | None = None
-
-
-@dataclass
-class CarriedState:
-    """Everything continue-as-new hands to the next run."""
-
-    status: ProxyStatus
-    current: InstanceRef | None = None
-    owned: list[InstanceRef] = field(default_factory=list)
-    ready_at: str | None = None
-    next_generation: int = 0
-    terminate_reason: str | None = None
-    # Written by runs before CLEAN_STOP_PATCH; read by none. A continued run
-    # starts with no wait of its own, so it has nothing to carry.
-    waiting_for_quota: bool = False
-    # The installation instance names are hashed with; None for a lifecycle
-    # started before that, which keeps the old names (providers/naming.py).
-    installation: str | None = None
-    # A `rotate` signal not yet carried out.
-    rotate_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,39 +136,31 @@ class _InstanceFailed(Exception):
 @workflow.defn(name=PROXY_LIFECYCLE)
 class ProxyLifecycle:
     def __init__(self) -> None:
-        self._status = ProxyStatus()
-        self._current: InstanceRef | None = None
-        self._owned: dict[str, InstanceRef] = {}
-        self._ready_at: str | None = None
+        # What outlives this run; `status` is computed from it. The rest is this run's.
+        self._carried = CarriedState()
         self._terminate_reason: str | None = None
         self._input: ProxyInput | None = None
-        self._next_generation = 0
         self._creating: asyncio.Task[InstanceRef] | None = None
         self._deletions: dict[str, asyncio.Task[None]] = {}
         self._pending_name: str | None = None
-        self._installation: str | None = None
         # Every wait in progress (provider, quota, backoff), by its timer's
         # summary: status.waiting_for shows the newest.
         self._waits: dict[str, str] = {}
         # The monitor of an instance that is being rotated out: cancelled,
         # then awaited once its instance is deleted, so its end is observed.
         self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
-        self._published: tuple[dict[str, str], list[str]] = ({}, [])
         # Whether this run takes CLEAN_STOP_PATCH's paths: decided in run().
         self._new_paths = False
-        self._rotate_reason: str | None = None
-        # What the pool (if this is a pool member) was last told, and the
-        # signals telling it that are still in flight.
-        self._reported: tuple[str, str, int, str | None] | None = None
-        self._reports: list[asyncio.Task[None]] = []
-        self._report_seq = 0
+        # Why Ready's monitor found the instance failing, for Unhealthy to record.
+        self._unhealthy_cause = ""
+        self._publisher = StatusPublisher()
 
     # ---- the contract: run, signal, query ------------------------------------------
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:
         # Untyped, so no argument can fail to decode outside our validation.
-        state, problems = continued_state(CarriedState, carried, extra)
+        state, problems = continued_state(CarriedState, from_older_release(carried), extra)
         if not problems:
             # Decided once, before the first command: a marker recorded later,
             # after the validation's local-activity marker, did not replay
@@ -204,7 +172,7 @@ class ProxyLifecycle:
         # worker's config again could fail it while it still owns instances.
         inp = await self._validated(raw, problems, against_worker=state is None)
         self._input = inp
-        self._status.provider = inp.provider
+        self._carried.provider = inp.provider
         self._publish()
 
         lifecycle = asyncio.create_task(self._lifecycle(inp))
@@ -215,23 +183,15 @@ class ProxyLifecycle:
         except asyncio.CancelledError:
             # `temporal workflow cancel`: clean up, then end as cancelled.
             self._terminate_reason = self._terminate_reason or "workflow cancelled"
-            await self._stop(lifecycle)
+            await self._terminating(lifecycle)
             raise
         if not lifecycle.done():
-            await self._stop(lifecycle)
+            await self._terminating(lifecycle)
             return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")
         try:
             lifecycle.result()
         except (ApplicationError, ActivityError) as err:
-            reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
-            self._note_error(reason)
-            await self._cleanup()
-            self._show_instance(None)
-            self._set_state(ProxyState.FAILED)
-            await self._pool_told()
-            raise ApplicationError(
-                reason, type=failures.ending_type(err), non_retryable=True
-            ) from err
+            raise await self._failed(err) from err
         raise AssertionError("the lifecycle only ends by failure or continue-as-new")
 
     @workflow.signal(name=TERMINATE_SIGNAL)
@@ -245,7 +205,6 @@ class ProxyLifecycle:
         """
         reason = request.get("reason") if isinstance(request, dict) else request
         self._terminate_reason = str(reason) if reason else "terminate signal"
-        self._status.terminate_reason = self._terminate_reason
 
     @workflow.signal(name=ROTATE_SIGNAL)
     def rotate(self, request: Any = None, *_extra: Any) -> None:
@@ -256,38 +215,23 @@ class ProxyLifecycle:
         """
         reason = request.get("reason") if isinstance(request, dict) else request
         # Bounded: it is carried across continue-as-new.
-        self._rotate_reason = str(reason)[:MAX_REASON] if reason else "rotate signal"
+        self._carried.rotate_reason = str(reason)[:MAX_REASON] if reason else "rotate signal"
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:
-        return self._status
+        return self._status_now()
 
-    # ---- validation -----------------------------------------------------------------
+    # ---- validation ----------------------------------------------------------------
 
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, against_worker: bool
     ) -> ProxyInput:
-        inp, problems = parse_input(raw)
-        problems = argument_problems + problems
-        if (
-            against_worker
-            and not argument_problems
-            and isinstance(raw, dict)
-            and isinstance(raw.get("provider"), str)
-        ):
-            # Only the worker knows its providers and their allowed ports.
-            placement = raw.get("placement")
-            target = ValidateTargetInput(
-                provider=raw["provider"],
-                port=inp.port if inp else None,
-                placement=(
-                    {k: str(v) for k, v in placement.items() if v is not None}
-                    if isinstance(placement, dict)
-                    else {}
-                ),
-                health_target=inp.health.target if inp else "",
-            )
-            problems += await self._check_target(target)
+        """The input; else the workflow fails at once, naming every problem."""
+        inp, problems, installation = await checked_input(
+            raw, argument_problems, against_worker=against_worker
+        )
+        if installation is not None:
+            self._carried.installation = installation
         if problems or inp is None:
             message = "invalid input: " + "; ".join(problems)
             self._note_error(message)
@@ -295,65 +239,152 @@ class ProxyLifecycle:
             raise invalid_input(message)
         return inp
 
-    async def _check_target(self, target: ValidateTargetInput) -> list[str]:
-        """The worker's verdict on the target; learns the installation on the way."""
-        if not workflow.patched(INSTALLATION_IN_NAMES):
-            # Recorded before validate_target returned the installation.
-            problems: list[str] = await workflow.execute_local_activity(
-                "validate_target",
-                target,
-                result_type=list[str],
-                start_to_close_timeout=policies.VALIDATE.start_to_close,
-                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
-            )
-            return problems
-        check: TargetCheck = await workflow.execute_local_activity_method(
-            ProviderActivities.validate_target,
-            target,
-            start_to_close_timeout=policies.VALIDATE.start_to_close,
-            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-            retry_policy=policies.TRANSIENT_RETRY,
-        )
-        self._installation = check.installation
-        return check.problems
-
-    # ---- the lifecycle --------------------------------------------------------------
+    # ---- the states: one method each -----------------------------------------------
 
     async def _lifecycle(self, inp: ProxyInput) -> None:
-        while True:
-            if self._current is None:
-                await self._provision(inp)
-            outcome = await self._monitor(inp)
-            if outcome is None:
-                await self._rotate(inp)
-            elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
-                self._forgive_if_stable()
-                self._set_state(ProxyState.UNHEALTHY)
-                self._retire(self._current)
-                await self._count_failure(f"{outcome.reason}: {outcome.detail}")
-            else:
-                self._forgive_if_stable()
-            if workflow.info().is_continue_as_new_suggested():
-                await self._continue_as_new()
+        """Run the state machine until the lifecycle fails or continues as new.
 
-    async def _provision(self, inp: ProxyInput) -> None:
-        """Bring up a new generation, replacing failed ones within the crash budget."""
+        Each state's method does that state's work and returns the state to go
+        to next. The ending states are run()'s: `_terminating` (terminate or
+        cancel, which stop this task from outside) and `_failed`.
+        """
+        steps: dict[ProxyState, Callable[[ProxyInput], Awaitable[ProxyState]]] = {
+            ProxyState.PROVISIONING: self._provisioning,
+            ProxyState.REPLACING: self._replacing,
+            ProxyState.READY: self._ready,
+            ProxyState.UNHEALTHY: self._unhealthy,
+        }
+        state = self._resumed_state()
         while True:
-            first = self._next_generation == 0
-            self._set_state(ProxyState.PROVISIONING if first else ProxyState.REPLACING)
-            try:
-                ref = await self._bring_up(inp)
-            except _InstanceFailed as failed:
-                self._retire(failed.ref)
-                await self._count_failure(str(failed))
-                continue
-            self._current = ref
-            self._ready_at = workflow.now().isoformat()
-            self._status.ready_since = self._ready_at
-            self._rotate_reason = None  # a new instance is what a rotate asks for
-            self._set_state(ProxyState.READY)
-            return
+            state = await steps[state](inp)
+            # A step can end normally after terminate began: a rotation whose
+            # old instance's deletion completed as the cancel arrived. Its
+            # instance is being deleted (run() deletes them all): nothing to go on with.
+            self._raise_if_terminating(state)
+
+    def _resumed_state(self) -> ProxyState:
+        """Where this run's lifecycle starts: with no instance, or a continued run's."""
+        if self._carried.current is not None:
+            return ProxyState.READY
+        if self._carried.next_generation == 0:
+            return ProxyState.PROVISIONING
+        return ProxyState.REPLACING  # continued after its instance went Unhealthy
+
+    async def _provisioning(self, inp: ProxyInput) -> ProxyState:
+        """Provisioning: bring up the first generation."""
+        self._enter(ProxyState.PROVISIONING)
+        return await self._new_generation(inp)
+
+    async def _replacing(self, inp: ProxyInput) -> ProxyState:
+        """Replacing: bring up the next generation after one failed."""
+        self._enter(ProxyState.REPLACING)
+        return await self._new_generation(inp)
+
+    async def _ready(self, inp: ProxyInput) -> ProxyState:
+        """Ready: monitor the instance for a cycle; rotate it when due or asked.
+
+        A rotation stays Ready: the old instance serves until the new one has
+        passed its first probe (make before break).
+        """
+        outcome = await self._monitor(inp)
+        if outcome is None:
+            await self._rotate(inp)
+        elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
+            self._forgive_if_stable()
+            self._unhealthy_cause = f"{outcome.reason}: {outcome.detail}"
+            return ProxyState.UNHEALTHY
+        else:
+            self._forgive_if_stable()  # a monitor period passed with nothing to report
+        await self._continue_as_new_if_suggested()
+        return ProxyState.READY
+
+    async def _unhealthy(self, inp: ProxyInput) -> ProxyState:
+        """Unhealthy: retire the failed instance and spend the crash budget on it."""
+        self._enter(ProxyState.UNHEALTHY)
+        self._retire(self._carried.current)
+        await self._count_failure(self._unhealthy_cause)
+        await self._continue_as_new_if_suggested()
+        return ProxyState.REPLACING
+
+    async def _terminating(self, lifecycle: asyncio.Task[None]) -> None:
+        """Terminating, then Terminated: stop the lifecycle, delete everything, record why."""
+        self._set_state(ProxyState.TERMINATING)
+        lifecycle.cancel()
+        if self._patched():
+            # Deleting the instances at once is what ends the activities still
+            # running on them (a monitor's or first probe's next probe finds
+            # its instance gone), so the workflow closes with none pending.
+            deleting = asyncio.create_task(self._cleanup())
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await lifecycle
+            await deleting
+        else:
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await lifecycle
+        # Again: the lifecycle may have made or retired an instance while it unwound.
+        await self._cleanup()
+        await self._settle_retired_monitor()
+        self._carried.current = None
+        self._show_instance(None)
+        self._set_state(ProxyState.TERMINATED)
+        await self._publisher.delivered()
+
+    async def _failed(self, err: ApplicationError | ActivityError) -> ApplicationError:
+        """Failed: delete everything; the error run() ends the workflow with."""
+        reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
+        self._note_error(reason)
+        await self._cleanup()
+        self._show_instance(None)
+        self._set_state(ProxyState.FAILED)
+        await self._publisher.delivered()
+        return ApplicationError(reason, type=failures.ending_type(err), non_retryable=True)
+
+    # ---- entering states -----------------------------------------------------------
+
+    async def _new_generation(self, inp: ProxyInput) -> ProxyState:
+        """Bring up a generation: Ready with it, or Replacing it within the crash budget."""
+        try:
+            ref = await self._bring_up(inp)
+        except _InstanceFailed as failed:
+            self._retire(failed.ref)
+            await self._count_failure(str(failed))
+            return ProxyState.REPLACING
+        self._become_ready(ref)
+        return ProxyState.READY
+
+    def _become_ready(self, ref: InstanceRef) -> None:
+        """Enter Ready (or stay Ready, after a rotation) with `ref` serving."""
+        self._raise_if_terminating(ProxyState.READY)
+        carried = self._carried
+        carried.current = ref
+        carried.ready_since = workflow.now().isoformat()
+        carried.rotate_reason = None  # a new instance is what a rotate asks for
+        carried.shown = ref
+        carried.generation = ref.generation
+        self._set_state(ProxyState.READY)
+
+    def _enter(self, state: ProxyState) -> None:
+        """Move the lifecycle (not run()'s ending) to `state`."""
+        self._raise_if_terminating(state)
+        self._set_state(state)
+
+    def _raise_if_terminating(self, state: ProxyState) -> None:
+        """End the lifecycle instead of moving it once terminate has begun.
+
+        A lifecycle being stopped may still learn something late: a first
+        probe that passed as terminate cancelled it. Terminating leads only
+        to Terminated, so that news ends the lifecycle instead.
+        """
+        if self._carried.state == ProxyState.TERMINATING:
+            raise asyncio.CancelledError(f"terminating, not entering {state}")
+
+    def _set_state(self, state: ProxyState) -> None:
+        """Change state as the transition table allows; publish it."""
+        check_transition(self._carried.state, state)
+        self._carried.state = state
+        self._publish()
+
+    # ---- bringing up a generation --------------------------------------------------
 
     async def _bring_up(self, inp: ProxyInput) -> InstanceRef:
         """Create a new generation, wait until it runs and passes one probe.
@@ -361,10 +392,10 @@ class ProxyLifecycle:
         Raises _InstanceFailed (carrying the instance, if one was made) for
         anything a replacement could fix; a Permanent error fails the workflow.
         """
-        generation = self._next_generation
-        self._next_generation += 1
+        generation = self._carried.next_generation
+        self._carried.next_generation += 1
         # While rotating, status keeps showing the instance that still serves.
-        visible = self._current is None
+        visible = self._carried.current is None
         ref = await self._create(inp, generation)
         if visible:
             self._show_instance(ref)
@@ -375,7 +406,7 @@ class ProxyLifecycle:
                 policies.WAIT_RUNNING,
                 f"wait for {ref.name} to run",
             )
-            self._owned[ref.provider_id] = ref
+            self._carried.own(ref)
             if visible:
                 self._show_instance(ref)
             probe = await self._first_probe(inp, ref)
@@ -383,7 +414,7 @@ class ProxyLifecycle:
             if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
             raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
-        self._status.last_probe = probe
+        self._carried.last_probe = probe
         if not probe.ok:
             raise _InstanceFailed(
                 f"{ref.name} never passed a probe: {probe.failure} ({probe.error})", ref
@@ -425,7 +456,7 @@ class ProxyLifecycle:
                 # The activity returns a failure early only while time is left.
                 if probe.ok or left <= report_after:
                     return probe
-                self._status.last_probe = probe
+                self._carried.last_probe = probe
                 written_off = (deadline - workflow.now()).total_seconds()
                 self._begin_wait(
                     what,
@@ -449,7 +480,10 @@ class ProxyLifecycle:
         # instance for an orphan in the moment between create and record.
         # create_instance derives the same name from the same scope.
         self._pending_name = instance_name(
-            workflow_id, generation, installation=self._installation, namespace=info.namespace
+            workflow_id,
+            generation,
+            installation=self._carried.installation,
+            namespace=info.namespace,
         )
         self._publish()
         self._creating = asyncio.create_task(
@@ -462,7 +496,7 @@ class ProxyLifecycle:
                     port=inp.port,
                     labels=dict(inp.labels),
                     placement=inp.placement.as_dict(),
-                    installation=self._installation or "",
+                    installation=self._carried.installation or "",
                 ),
                 policies.CREATE,
                 f"create generation {generation} on {inp.provider}",
@@ -484,16 +518,18 @@ class ProxyLifecycle:
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
         self._pending_name = None
-        self._owned[ref.provider_id] = ref
+        self._carried.own(ref)
         if generation > 0:
-            self._status.replacements += 1
+            self._carried.replacements += 1
         self._publish()
         return ref
+
+    # ---- Ready's work: monitor, rotate ---------------------------------------------
 
     async def _monitor(self, inp: ProxyInput) -> MonitorOutcome | None:
         """Run the monitor; None means rotate now: max lifetime reached, or a `rotate` signal."""
         await self._settle_retired_monitor()
-        ref = self._current
+        ref = self._carried.current
         assert ref is not None
         handle = workflow.start_activity_method(
             ProviderActivities.monitor,
@@ -513,7 +549,7 @@ class ProxyLifecycle:
         )
 
         def wake() -> bool:
-            return handle.done() or self._rotate_reason is not None
+            return handle.done() or self._carried.rotate_reason is not None
 
         while True:
             deadlines = [
@@ -532,7 +568,7 @@ class ProxyLifecycle:
                     await workflow.wait_condition(wake, timeout=timeout, timeout_summary=summary)
                 except asyncio.CancelledError:
                     # Terminate or cancel: this wait is cancelled, the monitor is
-                    # not (it is a task of its own). Cancel it too, and have _stop
+                    # not (it is a task of its own). Cancel it too, and have _terminating
                     # await it, so the workflow never closes with the monitor pending.
                     if self._patched():
                         handle.cancel()
@@ -552,12 +588,12 @@ class ProxyLifecycle:
             return None
         outcome: MonitorOutcome = await handle
         self._raise_if_stopping()
-        self._status.last_probe = outcome.last_probe
+        self._carried.last_probe = outcome.last_probe
         return outcome
 
     async def _rotate(self, inp: ProxyInput) -> None:
         """Make before break: the old instance serves until the new one is Ready."""
-        old = self._current
+        old = self._carried.current
         assert old is not None
         try:
             new = await self._bring_up(inp)
@@ -566,11 +602,7 @@ class ProxyLifecycle:
             self._retire(failed.ref)
             await self._count_failure(f"rotation failed: {failed}")
             return
-        self._current = new
-        self._ready_at = workflow.now().isoformat()
-        self._status.ready_since = self._ready_at
-        self._rotate_reason = None
-        self._set_state(ProxyState.READY)
+        self._become_ready(new)
         if inp.drain_seconds:
             # The new endpoint is published (and told to the pool); gateways
             # drop the old one before it goes. No timer without a drain, so
@@ -616,26 +648,29 @@ class ProxyLifecycle:
             with contextlib.suppress(ActivityError):
                 await handle
 
+    # ---- retiring instances, the crash budget --------------------------------------
+
     def _retire(self, ref: InstanceRef | None) -> None:
         """Stop using an instance and delete it in the background."""
         if ref is None:
             return
-        if ref == self._current:
-            self._current = None
+        if ref == self._carried.current:
+            self._carried.current = None
             self._show_instance(None)
         if ref.provider_id not in self._deletions:
             self._deletions[ref.provider_id] = asyncio.create_task(self._delete_and_wait(ref))
 
     def _stable_left(self) -> timedelta | None:
         """Time until the current instance has been Ready for STABLE_AFTER, if that matters."""
-        if not self._patched() or self._status.failures_in_a_row == 0 or self._ready_at is None:
+        carried = self._carried
+        if not self._patched() or carried.failures_in_a_row == 0 or carried.ready_since is None:
             return None
         return max(timedelta(0), STABLE_AFTER - self._ready_for())
 
     def _forgive_if_stable(self) -> None:
         """An instance that stayed healthy long enough resets the crash budget."""
         if self._ready_for() >= STABLE_AFTER:
-            self._status.failures_in_a_row = 0
+            self._carried.failures_in_a_row = 0
 
     async def _count_failure(self, reason: str) -> None:
         """Spend the crash budget; fail the workflow when it is gone, else back off.
@@ -644,9 +679,9 @@ class ProxyLifecycle:
         ones wait longer each time.
         """
         self._raise_if_stopping()
-        self._status.failures_in_a_row += 1
+        self._carried.failures_in_a_row += 1
         self._note_error(reason)
-        in_a_row = self._status.failures_in_a_row
+        in_a_row = self._carried.failures_in_a_row
         if in_a_row >= CRASH_BUDGET:
             raise ApplicationError(
                 f"gave up after {in_a_row} failed instances in a row; last: {reason}",
@@ -663,7 +698,7 @@ class ProxyLifecycle:
             interruptible=False,  # the lifecycle is cancelled on terminate, and this timer with it
         )
 
-    # ---- provider calls -------------------------------------------------------------
+    # ---- provider calls ------------------------------------------------------------
 
     async def _provider_call(
         self,
@@ -764,52 +799,32 @@ class ProxyLifecycle:
                     PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
                 continue
-            self._owned.pop(ref.provider_id, None)
+            self._carried.disown(ref)
             self._deletions.pop(ref.provider_id, None)
             self._publish()
             return
 
-    # ---- ending ---------------------------------------------------------------------
-
-    async def _stop(self, lifecycle: asyncio.Task[None]) -> None:
-        """Terminate or cancel: stop the lifecycle, delete everything, record why."""
-        self._set_state(ProxyState.TERMINATING)
-        lifecycle.cancel()
-        if self._patched():
-            # Deleting the instances at once is what ends the activities still
-            # running on them (a monitor's or first probe's next probe finds
-            # its instance gone), so the workflow closes with none pending.
-            deleting = asyncio.create_task(self._cleanup())
-            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
-                await lifecycle
-            await deleting
-        else:
-            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
-                await lifecycle
-        # Again: the lifecycle may have made or retired an instance while it unwound.
-        await self._cleanup()
-        await self._settle_retired_monitor()
-        self._current = None
-        self._show_instance(None)
-        self._set_state(ProxyState.TERMINATED)
-        await self._pool_told()
+    # ---- ending --------------------------------------------------------------------
 
     async def _cleanup(self) -> None:
         """Delete every instance this workflow still owns, including one mid-create."""
-        self._current = None  # ending, not replacing: nothing to count
+        self._carried.current = None  # ending, not replacing: nothing to count
         creating = self._creating
         if creating is not None:
             try:
                 ref = await creating
-                self._owned[ref.provider_id] = ref
+                self._carried.own(ref)
             except (ActivityError, asyncio.CancelledError):
                 pass  # nothing was made that we know of; orphan GC covers the rest
             self._creating = None
-        for ref in list(self._owned.values()):
+        for ref in list(self._carried.owned):
             self._retire(ref)
         await asyncio.gather(*self._deletions.values())
 
-    async def _continue_as_new(self) -> None:
+    async def _continue_as_new_if_suggested(self) -> None:
+        """Between monitor cycles, the one point where a run may hand over to the next."""
+        if not workflow.info().is_continue_as_new_suggested():
+            return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
@@ -818,40 +833,22 @@ class ProxyLifecycle:
             # worker's log): continue after the next monitor cycle instead,
             # rather than leave the instance unmonitored while they finish.
             return
-        carried = CarriedState(
-            status=self._status,
-            current=self._current,
-            owned=list(self._owned.values()),
-            ready_at=self._ready_at,
-            next_generation=self._next_generation,
-            terminate_reason=self._terminate_reason,
-            installation=self._installation,
-            rotate_reason=self._rotate_reason,
-        )
         assert self._input is not None
         workflow.continue_as_new(
-            args=[self._input.model_dump(mode="json", exclude_none=True), carried]
+            args=[self._input.model_dump(mode="json", exclude_none=True), self._carried]
         )
 
     def _restore(self, carried: CarriedState) -> None:
-        self._status = carried.status
-        # Waits belong to the run that waited; this one has none yet.
-        self._status.waiting_for = None
-        self._current = carried.current
-        self._owned = {ref.provider_id: ref for ref in carried.owned}
-        self._ready_at = carried.ready_at
-        self._next_generation = carried.next_generation
-        self._terminate_reason = carried.terminate_reason
-        self._installation = carried.installation
-        self._rotate_reason = carried.rotate_reason
+        """Take over a previous run's state; delete what it was still deleting."""
+        self._carried = carried
         for ref in carried.owned:
             if ref != carried.current:
                 self._retire(ref)
 
     def _result(self, state: ProxyState, reason: str) -> ProxyResult:
-        return ProxyResult(state, reason, self._status.generation, self._status.replacements)
+        return ProxyResult(state, reason, self._carried.generation, self._carried.replacements)
 
-    # ---- visibility -----------------------------------------------------------------
+    # ---- visibility ----------------------------------------------------------------
 
     def _lifetime_left(self, inp: ProxyInput) -> timedelta | None:
         if inp.max_lifetime_seconds is None:
@@ -859,9 +856,10 @@ class ProxyLifecycle:
         return max(timedelta(0), timedelta(seconds=inp.max_lifetime_seconds) - self._ready_for())
 
     def _ready_for(self) -> timedelta:
-        if self._ready_at is None:
+        ready_since = self._carried.ready_since
+        if ready_since is None:
             return timedelta(0)
-        return workflow.now() - datetime.fromisoformat(self._ready_at)
+        return workflow.now() - datetime.fromisoformat(ready_since)
 
     def _patched(self) -> bool:
         """Whether this run takes the paths of CLEAN_STOP_PATCH (every run started since)."""
@@ -883,8 +881,8 @@ class ProxyLifecycle:
             raise asyncio.CancelledError(self._terminate_reason)
 
     def _note_error(self, message: str) -> None:
-        self._status.last_error = message
-        self._status.last_error_at = workflow.now().isoformat(timespec="seconds")
+        self._carried.last_error = message
+        self._carried.last_error_at = workflow.now().isoformat(timespec="seconds")
 
     def _begin_wait(self, key: str, waiting_for: str) -> None:
         self._waits.pop(key, None)  # re-inserted: the newest wait is the one shown
@@ -899,94 +897,26 @@ class ProxyLifecycle:
             self._show_waits()
 
     def _show_waits(self) -> None:
-        self._status.waiting_for = next(reversed(self._waits.values()), None)
-        self._publish()
+        self._publish()  # status.waiting_for is the newest of self._waits
 
     def _show_instance(self, ref: InstanceRef | None) -> None:
+        """Have status show `ref` (None: no instance); its generation stays shown after."""
         if ref is not None:
-            self._status.generation = ref.generation
-        self._status.provider_id = ref.provider_id if ref else ""
-        self._status.instance = ref.name if ref else ""
-        self._status.endpoint = ref.endpoint if ref else ""
-        self._publish()
-
-    def _set_state(self, state: ProxyState) -> None:
-        self._status.state = state
-        if state == ProxyState.READY and self._current is not None:
-            self._show_instance(self._current)
+            self._carried.generation = ref.generation
+        self._carried.shown = ref
         self._publish()
 
     def _publish(self) -> None:
-        """Keep search attributes and the Web UI's current details in step with status."""
-        status = self._status
-        keywords = {
-            STATE.name: status.state,
-            PROVIDER.name: status.provider,
-            ENDPOINT.name: status.endpoint if status.state == ProxyState.READY else "",
-        }
-        names = {ref.name for ref in self._owned.values()}
+        """The one step that tells the world: search attributes, current details, the pool."""
+        names = {ref.name for ref in self._carried.owned}
         if self._pending_name:
             names.add(self._pending_name)
-        wanted = (keywords, sorted(names))
-        if wanted != self._published:
-            updates: list[SearchAttributeUpdate[Any]] = [
-                key.value_set(keywords[key.name]) if keywords[key.name] else key.value_unset()
-                for key in KEYWORDS
-            ]
-            updates.append(INSTANCES.value_set(wanted[1]) if wanted[1] else INSTANCES.value_unset())
-            workflow.upsert_search_attributes(updates)
-            self._published = wanted
-        lines = [f"**{status.state}** on `{status.provider or '?'}`"]
-        if status.endpoint:
-            lines.append(
-                f"endpoint `{status.endpoint}` ({status.instance}, generation {status.generation})"
-            )
-        if status.waiting_for:
-            lines.append(status.waiting_for)
-        if status.last_error:
-            lines.append(f"last error ({status.last_error_at or '?'}): {status.last_error}")
-        workflow.set_current_details("\n\n".join(lines))
-        self._tell_pool()
+        self._publisher.publish(self._status_now(), names)
 
-    # ---- the pool, when this proxy is a pool member ---------------------------------
-
-    def _tell_pool(self) -> None:
-        """Signal the parent pool when state, endpoint or generation changed.
-
-        Only a child workflow has a parent; a standalone proxy issues no command
-        here. The signal goes by workflow id alone, so it reaches the pool's
-        current run after the pool continued as new.
-        """
-        parent = workflow.info().parent
-        status = self._status
-        now = (status.state, status.endpoint, status.generation, status.ready_since)
-        if parent is None or now == self._reported:
-            return
-        self._reported = now
-        report = MemberReport(
-            member=workflow.info().workflow_id,
-            state=status.state,
-            endpoint=status.endpoint if status.state == ProxyState.READY else "",
-            provider=status.provider,
-            generation=status.generation,
-            ready_since=status.ready_since,
-            at=workflow.now().isoformat(),
-            seq=self._report_seq,
-            last_error=status.last_error,
+    def _status_now(self) -> ProxyStatus:
+        """What `status` answers: the carried state and what this run is doing."""
+        return status_of(
+            self._carried,
+            waiting_for=next(reversed(self._waits.values()), None),
+            terminate_reason=self._terminate_reason,
         )
-        self._report_seq += 1
-        pool = workflow.get_external_workflow_handle(parent.workflow_id)
-        self._reports = [task for task in self._reports if not task.done()]
-        self._reports.append(asyncio.create_task(self._send_report(pool, report)))
-
-    @staticmethod
-    async def _send_report(
-        pool: workflow.ExternalWorkflowHandle[Any], report: MemberReport
-    ) -> None:
-        # A pool that is gone (hard-terminated) cannot be told; OrphanGC ends its members.
-        with contextlib.suppress(FailureError):
-            await pool.signal(MEMBER_CHANGED_SIGNAL, report)
-
-    async def _pool_told(self) -> None:
-        """Before the workflow closes: a closed workflow's pending signals are never sent."""
-        await asyncio.gather(*self._reports)

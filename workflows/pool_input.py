@@ -82,10 +82,6 @@ class BanRequest(StrictInput):
     endpoint: Annotated[str, Field(max_length=300)] | None = None
 
 
-class TerminateRequest(StrictInput):
-    reason: Text = ""
-
-
 def pool_id_problems(pool_id: str) -> list[str]:
     if POOL_ID.match(pool_id):
         return []

@@ -1,0 +1,71 @@
+"""Carried state from older runs still decodes: continue-as-new input outlives releases.
+
+A run that continued as new under an older release starts its next run under
+whatever release is deployed then, with the carried state the old code wrote.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+from temporalio.converter import DataConverter, value_to_type
+
+from contract import ProxyState
+from workflows.lifecycle import CarriedState
+from workflows.lifecycle_carried import from_older_release, status_of
+
+HISTORIES = Path(__file__).resolve().parents[1] / "histories"
+HISTORY = HISTORIES / "0.1.0" / "continued_as_new_then_terminated.json"
+
+
+def recorded_carried_state() -> dict[str, Any]:
+    """The second argument of a run started by continue-as-new, as an older release wrote it."""
+    started = json.loads(HISTORY.read_text())["history"]["events"][0]
+    payloads = started["workflowExecutionStartedEventAttributes"]["input"]["payloads"]
+    carried: dict[str, Any] = json.loads(base64.b64decode(payloads[1]["data"]))
+    return carried
+
+
+def decoded(carried: Any) -> CarriedState:
+    """As ProxyLifecycle.run decodes its second argument (workflows/inputs.py)."""
+    return value_to_type(CarriedState, from_older_release(carried))
+
+
+def test_an_older_release_s_carried_state_gives_the_status_it_had() -> None:
+    carried = recorded_carried_state()
+    state = decoded(carried)
+    status = status_of(state, waiting_for=None, terminate_reason=None)
+    old = carried["status"]
+    assert status.state == ProxyState.READY
+    for key in ("endpoint", "provider_id", "instance", "generation", "ready_since", "replacements"):
+        assert getattr(status, key) == old[key], key
+    assert status.last_probe is not None and status.last_probe.ok
+    assert state.current is not None and state.current.name == old["instance"]
+    assert [ref.name for ref in state.owned] == [old["instance"]]
+    assert state.next_generation == 2
+
+
+def test_carried_state_with_fields_since_removed_decodes() -> None:
+    carried = recorded_carried_state()
+    # Written by releases that had them; no release reads them now.
+    carried.update(terminate_reason=None, waiting_for_quota=True)
+    state = decoded(carried)
+    assert state.current is not None and state.next_generation == 2
+    assert not hasattr(state, "waiting_for_quota")
+
+
+def test_today_s_carried_state_decodes_as_it_was_written() -> None:
+    state = decoded(recorded_carried_state())
+    state.rotate_reason = "rotate signal"
+    # What continue-as-new writes: the default converter's JSON.
+    (payload,) = DataConverter.default.payload_converter.to_payloads([state])
+    again = decoded(json.loads(payload.data))
+    assert again == state
+
+
+def test_anything_else_passes_through_for_the_check_to_refuse() -> None:
+    for hostile in (None, [], "status", {"status": "Ready"}, {"current": None}):
+        assert from_older_release(hostile) == hostile

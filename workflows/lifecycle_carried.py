@@ -1,0 +1,140 @@
+"""What a ProxyLifecycle knows about its proxy, and the `status` computed from it.
+
+`CarriedState` is the workflow's one store of what outlives a run: every
+step writes it, continue-as-new hands it to the next run as it is, and the
+`status` query is computed from it (`status_of`), never kept beside it. What
+belongs to one run only (its waits, a terminate received) is the workflow's
+own and comes in as arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from activities.models import InstanceRef, ProbeSummary
+from contract import ProxyState
+from workflows.lifecycle_states import INITIAL
+
+
+@dataclass
+class ProxyStatus:
+    """What the `status` query returns."""
+
+    state: ProxyState = INITIAL
+    provider: str = ""
+    endpoint: str = ""
+    provider_id: str = ""
+    instance: str = ""
+    generation: int = 0
+    ready_since: str | None = None
+    last_probe: ProbeSummary | None = None
+    replacements: int = 0
+    failures_in_a_row: int = 0
+    waiting_for: str | None = None
+    last_error: str | None = None
+    terminate_reason: str | None = None
+    # When last_error happened: an error older than ready_since is history.
+    last_error_at: str | None = None
+
+
+@dataclass
+class CarriedState:
+    """Everything a lifecycle knows that outlives a run; continue-as-new carries it whole.
+
+    Older releases also carried `terminate_reason` (always None: a run with a
+    terminate pending never continues) and `waiting_for_quota` (read by
+    none); decoding ignores keys a dataclass does not have, so their payloads
+    still decode, as do those `from_older_release` lifts.
+    """
+
+    state: ProxyState = INITIAL
+    provider: str = ""
+    # The instance serving (Ready), or None while there is none.
+    current: InstanceRef | None = None
+    # The instance `status` shows: the current one, or, while there is none,
+    # the one being brought up; None once it is retired.
+    shown: InstanceRef | None = None
+    # The generation of the instance last shown (kept when it is retired).
+    generation: int = 0
+    # Every instance made and not yet confirmed gone, oldest first.
+    owned: list[InstanceRef] = field(default_factory=list)
+    next_generation: int = 0
+    ready_since: str | None = None
+    last_probe: ProbeSummary | None = None
+    replacements: int = 0
+    failures_in_a_row: int = 0
+    last_error: str | None = None
+    last_error_at: str | None = None
+    # The installation instance names are hashed with; None for a lifecycle
+    # started before that, which keeps the old names (providers/naming.py).
+    installation: str | None = None
+    # A `rotate` signal not yet carried out.
+    rotate_reason: str | None = None
+
+    def own(self, ref: InstanceRef) -> None:
+        """Remember an instance until it is gone; a newer view of one replaces it in place."""
+        for index, known in enumerate(self.owned):
+            if known.provider_id == ref.provider_id:
+                self.owned[index] = ref
+                return
+        self.owned.append(ref)
+
+    def disown(self, ref: InstanceRef) -> None:
+        """Forget an instance confirmed gone."""
+        self.owned = [known for known in self.owned if known.provider_id != ref.provider_id]
+
+
+def status_of(
+    carried: CarriedState, *, waiting_for: str | None, terminate_reason: str | None
+) -> ProxyStatus:
+    """The `status` query's answer: the carried state, plus what this run is doing."""
+    shown = carried.shown
+    return ProxyStatus(
+        state=carried.state,
+        provider=carried.provider,
+        endpoint=shown.endpoint if shown else "",
+        provider_id=shown.provider_id if shown else "",
+        instance=shown.name if shown else "",
+        generation=carried.generation,
+        ready_since=carried.ready_since,
+        last_probe=carried.last_probe,
+        replacements=carried.replacements,
+        failures_in_a_row=carried.failures_in_a_row,
+        waiting_for=waiting_for,
+        last_error=carried.last_error,
+        terminate_reason=terminate_reason,
+        last_error_at=carried.last_error_at,
+    )
+
+
+# What releases before CarriedState was the store kept in a nested `status`
+# (a ProxyStatus) and now carry at the top: the same names, the same values.
+_LIFTED = (
+    "state",
+    "provider",
+    "generation",
+    "ready_since",
+    "last_probe",
+    "replacements",
+    "failures_in_a_row",
+    "last_error",
+    "last_error_at",
+)
+
+
+def from_older_release(carried: Any) -> Any:
+    """Carried state as an older release wrote it, in today's layout; anything else as is.
+
+    Those releases carried the status query's answer under `status`, the
+    current instance's ready time twice (`ready_at` and `status.ready_since`)
+    and no `shown`: at continue-as-new the instance shown is always the
+    current one (or none, after it was retired). Total over any JSON, since
+    it runs before the carried state is checked (workflows/inputs.py).
+    """
+    if not isinstance(carried, dict) or not isinstance(carried.get("status"), dict):
+        return carried
+    status = carried["status"]
+    lifted = {key: status[key] for key in _LIFTED if key in status}
+    rest = {key: value for key, value in carried.items() if key != "status"}
+    return {**lifted, "shown": carried.get("current"), **rest}

@@ -1,0 +1,73 @@
+"""A lifecycle's input checked twice: against the schema, then by the worker.
+
+The schema (workflows/inputs.py) says what a well-formed input is; only the
+worker knows its providers, what placement fits each and which ports its
+proxies may CONNECT to, so it is asked too, in a local activity that also
+says which installation this is (the scope instance names are hashed in).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio import workflow
+
+from activities.models import TargetCheck, ValidateTargetInput
+from activities.provider import ProviderActivities
+from workflows import policies
+from workflows.inputs import ProxyInput, parse_input
+
+# workflow.patched() id: a lifecycle started since learns its installation
+# from validate_target and hashes it into its instance names.
+INSTALLATION_IN_NAMES = "installation-in-instance-names"
+
+
+async def checked_input(
+    raw: Any, argument_problems: list[str], *, against_worker: bool
+) -> tuple[ProxyInput | None, list[str], str | None]:
+    """The input, every problem with it, and the worker's installation if it was asked."""
+    inp, problems = parse_input(raw)
+    problems = argument_problems + problems
+    if not (
+        against_worker
+        and not argument_problems
+        and isinstance(raw, dict)
+        and isinstance(raw.get("provider"), str)
+    ):
+        return inp, problems, None
+    placement = raw.get("placement")
+    target = ValidateTargetInput(
+        provider=raw["provider"],
+        port=inp.port if inp else None,
+        placement=(
+            {k: str(v) for k, v in placement.items() if v is not None}
+            if isinstance(placement, dict)
+            else {}
+        ),
+        health_target=inp.health.target if inp else "",
+    )
+    worker_problems, installation = await _check_target(target)
+    return inp, problems + worker_problems, installation
+
+
+async def _check_target(target: ValidateTargetInput) -> tuple[list[str], str | None]:
+    """The worker's verdict on the target, and its installation (None: not told)."""
+    if not workflow.patched(INSTALLATION_IN_NAMES):
+        # Recorded before validate_target returned the installation.
+        problems: list[str] = await workflow.execute_local_activity(
+            "validate_target",
+            target,
+            result_type=list[str],
+            start_to_close_timeout=policies.VALIDATE.start_to_close,
+            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+        return problems, None
+    check: TargetCheck = await workflow.execute_local_activity_method(
+        ProviderActivities.validate_target,
+        target,
+        start_to_close_timeout=policies.VALIDATE.start_to_close,
+        schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
+        retry_policy=policies.TRANSIENT_RETRY,
+    )
+    return check.problems, check.installation
