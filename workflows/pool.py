@@ -15,6 +15,9 @@ the `Step` it gets back into commands, in the order given: terminate
 signals after a drain, child starts, rotate signals, the reconcile. Each
 member's place in the pool is a `MemberPhase` (active, queued, rotating,
 removing); reports, updates and the plan move it from one to the next.
+What a person reads of it in the Web UI (each member start's summary and
+details, the timer's summary, the member table in the current details) is
+written by workflows/pool_view.py.
 
 The pool never polls a member and sets one timer at a time, for the earliest
 thing it must do on its own (`pool_plan.next_wake`): a member's rotation
