@@ -15,6 +15,9 @@ the `Step` it gets back into commands, in the order given: terminate
 signals after a drain, child starts, rotate signals, the reconcile. Each
 member's place in the pool is a `MemberPhase` (active, queued, rotating,
 removing); reports, updates and the plan move it from one to the next.
+What a person reads of it in the Web UI (each member start's summary and
+details, the timer's summary, the member table in the current details) is
+written by workflows/pool_view.py.
 
 The pool never polls a member and sets one timer at a time, for the earliest
 thing it must do on its own (`pool_plan.next_wake`): a member's rotation
@@ -64,7 +67,7 @@ with workflow.unsafe.imports_passed_through():
         PoolState,
         ProxyState,
     )
-    from workflows import policies, pool_plan
+    from workflows import policies, pool_plan, pool_view
     from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state, parse_model
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
     from workflows.pool_input import (
@@ -106,25 +109,35 @@ class MemberStatus:
 
     member: str
     state: str
+    # The endpoint its provider confirmed ("" until then): what clients get.
     endpoint: str
     provider: str
     placement: dict[str, str]
     generation: int
     started_at: str
     ready_since: str | None
-    age_seconds: float | None
     rotate_at: str | None
     rotating: bool
     banned: str | None
     removing: str | None
+    last_rotation: str | None
     last_error: str | None
+    # A reported endpoint its provider has not confirmed (yet): checking, or refused.
+    unconfirmed_endpoint: str | None = None
 
 
 @dataclass
 class PoolStatus:
-    """What the `status` query returns."""
+    """What the `status` query returns, as of the pool's last workflow task (`as_of`).
+
+    A query cannot read the time it is asked at: `workflow.now()` in a query
+    handler is the time of the last workflow task, which in a calm pool is
+    up to an hour old. So `status` gives timestamps (`ready_since`), and the
+    reader computes ages from its own clock (docs/operations.md).
+    """
 
     state: PoolState
+    as_of: str
     replicas: int
     ready: int
     members: list[MemberStatus]
@@ -166,6 +179,7 @@ class PoolCarried:
     terminate_reason: str | None = None
     rejected_reports: int = 0
     last_rejected: str | None = None
+    vacancies: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -191,6 +205,8 @@ class ProxyPool:
         self._bans: list[str] = []
         self._last_reconcile: datetime | None = None
         self._terminate_reason: str | None = None
+        # Why members the pool did not remove are gone: the causes of their replacements.
+        self._vacancies: list[str] = []
         self._dirty = True
         self._tasks: set[asyncio.Task[None]] = set()
         self._alarm: asyncio.Task[None] | None = None
@@ -198,13 +214,13 @@ class ProxyPool:
         self._reconciling = False
         # Members whose start command has not been answered yet.
         self._starting: set[str] = set()
-        self._published: tuple[str, ...] = ()
         # Members whose reported endpoint awaits its provider's word, and
         # those whose check is under way.
         self._unverified: set[str] = set()
         self._verifying: set[str] = set()
         self._rejected_reports = 0
         self._last_rejected: str | None = None
+        self._published: tuple[str, str] | None = None
 
     # ---- the contract: run, signals, queries, updates -------------------------------
 
@@ -288,13 +304,13 @@ class ProxyPool:
 
     @workflow.query(name="status")
     def status(self) -> PoolStatus:
-        now = workflow.now()
         situation = self._situation()
         return PoolStatus(
             state=pool_plan.pool_state(situation),
+            as_of=workflow.now().isoformat(timespec="seconds"),
             replicas=self._replicas,
             ready=len(self._serving()),
-            members=[self._member_status(m, now) for m in situation.members],
+            members=[self._member_status(m) for m in situation.members],
             waiting_for=pool_plan.waiting_for(situation),
             failures_in_a_row=self._failures_in_a_row,
             last_error=self._last_error,
@@ -464,6 +480,7 @@ class ProxyPool:
             reconciling=self._reconciling,
             starting=len(self._starting),
             ending=self._terminate_reason is not None,
+            vacancies=tuple(self._vacancies),
         )
 
     def _apply(self, step: Step) -> None:
@@ -471,11 +488,12 @@ class ProxyPool:
         self._members = {m.member: m for m in step.members}
         self._next_index = step.next_index
         self._start_after = step.start_after
+        self._vacancies = list(step.vacancies)
         for removal in step.removals:
             self._spawn(self._drain_then_terminate(removal.member, removal.reason, removal.drain))
         for start in step.starts:
             self._starting.add(start.member.member)
-            self._spawn(self._start_child(start.member.member, start.body))
+            self._spawn(self._start_child(start))
         for rotation in step.rotations:
             reason = {"reason": f"pool: {rotation.reason}"}
             self._spawn(self._signal(rotation.member, ROTATE_SIGNAL, reason))
@@ -528,7 +546,7 @@ class ProxyPool:
     async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
         # Pools recorded before drains existed signal at once.
         if drain and workflow.patched(MEMBER_DRAIN_PATCH):
-            await workflow.sleep(drain, summary=f"drain {member} {drain}s")
+            await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
         await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
     def _ended(self, member: Member, state: str, error: str | None) -> None:
@@ -537,7 +555,10 @@ class ProxyPool:
         if member.phase is MemberPhase.REMOVING or self._terminate_reason is not None:
             return
         if state != ProxyState.FAILED:
-            return  # ended from outside the pool (a user's terminate): replaced at once
+            # Ended from outside the pool (a user's terminate): replaced at once.
+            self._vacancies.append(f"replaces {member.member}, {state} from outside the pool")
+            return
+        self._vacancies.append(f"replaces {member.member}, ended Failed: {error or 'no reason'}")
         assert self._inp is not None
         failure = pool_plan.after_failure(
             self._failures_in_a_row, self._inp.failure_budget, member.member, error, workflow.now()
@@ -560,11 +581,12 @@ class ProxyPool:
 
         task.add_done_callback(done)
 
-    async def _start_child(self, member: str, body: dict[str, Any]) -> None:
+    async def _start_child(self, start: pool_plan.Start) -> None:
+        member = start.member.member
         try:
             await workflow.start_child_workflow(
                 PROXY_LIFECYCLE,
-                body,
+                start.body,
                 id=member,
                 task_queue=workflow.info().task_queue,
                 # Members outlive the pool's run: continue-as-new must not end them.
@@ -572,13 +594,17 @@ class ProxyPool:
                 search_attributes=TypedSearchAttributes(
                     [SearchAttributePair(POOL, workflow.info().workflow_id)]
                 ),
-                static_summary=f"member of pool {workflow.info().workflow_id}",
+                static_summary=pool_view.start_summary(start.member, start.cause),
+                static_details=pool_view.start_details(
+                    workflow.info().workflow_id, start.member, start.cause
+                ),
             )
         except (WorkflowAlreadyStartedError, FailureError) as err:
             # Say, an id still used by an earlier pool of this name (the
             # reconcile ends such strays): the next member gets the next id.
             self._members.pop(member, None)
             self._last_error = f"could not start {member}: {err}"
+            self._vacancies.append(f"{start.cause}; retried after {member} could not start")
             self._start_after = workflow.now() + policies.REPLACE_BACKOFF.first
         finally:
             self._starting.discard(member)
@@ -640,11 +666,12 @@ class ProxyPool:
         # still past is retried in a second, never in a busy loop.
         delay = max(wake.at - workflow.now(), MIN_ALARM)
         self._alarm_at = wake.at
-        self._alarm = asyncio.create_task(self._ring(delay, wake.waits_for))
+        summary = pool_view.alarm_summary(workflow.now() + delay, wake.action)
+        self._alarm = asyncio.create_task(self._ring(delay, summary))
 
-    async def _ring(self, delay: timedelta, waits_for: str) -> None:
+    async def _ring(self, delay: timedelta, summary: str) -> None:
         with contextlib.suppress(asyncio.CancelledError):
-            await workflow.sleep(delay, summary=f"next pool action: {waits_for}")
+            await workflow.sleep(delay, summary=summary)
             self._dirty = True
 
     # ---- ending ---------------------------------------------------------------------
@@ -660,7 +687,7 @@ class ProxyPool:
                 self._spawn(self._drain_then_terminate(member.member, reason, 0))
         self._publish()
         while self._members:
-            self._arm(Wake(workflow.now() + RECONCILE_BUSY, "members to end"))
+            self._arm(Wake(workflow.now() + RECONCILE_BUSY, "check on the members still ending"))
             self._dirty = False
             await workflow.wait_condition(lambda: self._dirty or not self._members)
             if self._members and (
@@ -691,6 +718,7 @@ class ProxyPool:
             terminate_reason=self._terminate_reason,
             rejected_reports=self._rejected_reports,
             last_rejected=self._last_rejected,
+            vacancies=self._vacancies,
         )
 
     def _restore(self, carried: PoolCarried) -> None:
@@ -717,6 +745,7 @@ class ProxyPool:
             for m in carried.members
             if m.state == ProxyState.READY and m.endpoint and m.endpoint != m.verified
         }
+        self._vacancies = carried.vacancies
 
     # ---- views ----------------------------------------------------------------------
 
@@ -730,42 +759,40 @@ class ProxyPool:
     def _serving(self) -> list[Member]:
         return [m for m in self._live() if pool_plan.is_serving(m)]
 
-    def _member_status(self, m: Member, now: datetime) -> MemberStatus:
+    def _member_status(self, m: Member) -> MemberStatus:
         rotate_at = pool_plan.rotate_at(m)
-        age = (
-            (now - datetime.fromisoformat(m.ready_since)).total_seconds() if m.ready_since else None
-        )
         return MemberStatus(
             member=m.member,
             state=m.state,
-            endpoint=m.endpoint,
+            endpoint=m.verified,
             provider=m.provider,
             placement=m.placement,
             generation=m.generation,
             started_at=m.started_at,
             ready_since=m.ready_since,
-            age_seconds=age,
             rotate_at=rotate_at.isoformat(timespec="seconds") if rotate_at else None,
             rotating=m.phase is MemberPhase.ROTATING,
             banned=m.banned,
             removing=m.reason if m.phase is MemberPhase.REMOVING else None,
+            last_rotation=m.last_rotation,
             last_error=m.last_error,
+            unconfirmed_endpoint=m.endpoint if m.endpoint != m.verified else None,
         )
 
     def _publish(self, state: PoolState | None = None) -> None:
-        """ProxyState on the pool, and the counts in the Web UI's current details."""
+        """ProxyState on the pool, and the member table in the Web UI's current details."""
         situation = self._situation()
         state = state or pool_plan.pool_state(situation)
-        ready = len(self._serving())
-        waiting = pool_plan.waiting_for(situation)
-        lines = [f"**{state}**: {ready} of {self._replicas} Ready, {len(self._members)} members"]
-        if waiting:
-            lines.append(f"waiting for {waiting}")
-        if self._last_error:
-            lines.append(f"last error: {self._last_error}")
-        if state != (self._published[0] if self._published else None):
+        details = pool_view.current_details(
+            state,
+            self._replicas,
+            len(self._serving()),
+            situation.members,
+            pool_plan.waiting_for(situation),
+            self._last_error,
+        )
+        if self._published is None or state != self._published[0]:
             workflow.upsert_search_attributes([STATE.value_set(state)])
-        details = tuple(lines)
-        if (state, *details) != self._published:
-            workflow.set_current_details("\n\n".join(lines))
-            self._published = (state, *details)
+        if self._published is None or details != self._published[1]:
+            workflow.set_current_details(details)
+        self._published = (state, details)

@@ -104,6 +104,8 @@ class Member:
     banned: str | None = None
     # Became Ready at least once: the first time makes the failure budget whole.
     served: bool = False
+    # The last rotation that ended: why, the generations, and when.
+    last_rotation: str | None = None
 
     def take(self, report: MemberReport) -> bool:
         """Apply the member's own report; True when it is its first Ready."""
@@ -119,6 +121,10 @@ class Member:
         first = not self.served
         self.served = True
         if self.rotating_from is not None and report.generation > self.rotating_from:
+            self.last_rotation = (
+                f"{self.reason or 'rotate'} (generation {self.rotating_from} to "
+                f"{report.generation}, {report.at[:19]}Z)"
+            )
             self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None
             self.banned = None
         return first
@@ -169,14 +175,18 @@ class Situation:
     # Member starts not answered yet.
     starting: int = 0
     ending: bool = False
+    # Why members the pool did not remove are gone, oldest first: the causes
+    # of the starts that replace them (`Start.cause`).
+    vacancies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Start:
-    """Start child workflow `member.member` with `body`, its ProxyLifecycle input."""
+    """Start child workflow `member.member` with `body`, its ProxyLifecycle input, for `cause`."""
 
     member: Member
     body: dict[str, Any]
+    cause: str
 
 
 @dataclass(frozen=True)
@@ -203,6 +213,8 @@ class Step:
     members: tuple[Member, ...]
     next_index: int
     start_after: datetime | None
+    # The vacancies no start has filled yet.
+    vacancies: tuple[str, ...] = ()
     removals: tuple[Removal, ...] = ()
     starts: tuple[Start, ...] = ()
     rotations: tuple[Rotation, ...] = ()
@@ -211,10 +223,10 @@ class Step:
 
 @dataclass(frozen=True)
 class Wake:
-    """When the pool must wake on its own, and for what."""
+    """When the pool must wake on its own, and what it does then."""
 
     at: datetime
-    waits_for: str
+    action: str
 
 
 @dataclass(frozen=True)
@@ -239,8 +251,9 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
     removals = _scale_down(members, situation.replicas, drain_seconds(inp))
     starts: list[Start] = []
     start_after = situation.start_after
+    vacancies: tuple[str, ...] = ()  # a scale-down leaves none to fill
     if not removals:
-        starts, start_after = _scale_up(members, situation, inp, pool_id, now)
+        starts, start_after, vacancies = _scale_up(members, situation, inp, pool_id, now)
     rotations = _rotate(members, situation.replicas, inp.max_surge)
     after = dataclasses.replace(situation, members=tuple(members))
     every = RECONCILE_EVERY if calm(after) else RECONCILE_BUSY
@@ -251,6 +264,7 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         members=tuple(members),
         next_index=situation.next_index + len(starts),
         start_after=start_after,
+        vacancies=vacancies,
         removals=tuple(removals),
         starts=tuple(starts),
         rotations=tuple(rotations),
@@ -272,20 +286,32 @@ def _scale_down(members: list[Member], replicas: int, drain: int) -> list[Remova
 
 def _scale_up(
     members: list[Member], situation: Situation, inp: PoolInput, pool_id: str, now: datetime
-) -> tuple[list[Start], datetime | None]:
-    """New members to reach `replicas`, unless stopped or backing off; and the backoff after."""
+) -> tuple[list[Start], datetime | None, tuple[str, ...]]:
+    """New members to reach `replicas`, unless stopped or backing off; the backoff and
+    the vacancies after."""
     missing = situation.replicas - len(_live(members))
-    if missing <= 0 or situation.stopped is not None:
-        return [], situation.start_after
-    if situation.start_after is not None and now < situation.start_after:
-        return [], situation.start_after
+    if missing <= 0:
+        return [], situation.start_after, ()  # scaled down since: nothing to replace
+    if situation.stopped is not None or (
+        situation.start_after is not None and now < situation.start_after
+    ):
+        return [], situation.start_after, situation.vacancies
     starts = []
     # A bounded batch per workflow task: the next starts when these answer.
     for n in range(min(missing, max(0, START_BATCH - situation.starting))):
         member = _new_member(members, inp, pool_id, situation.next_index + n, now)
         members.append(member)
-        starts.append(Start(member, member_body(inp, member)))
-    return starts, None
+        starts.append(Start(member, member_body(inp, member), _cause(situation, n)))
+    return starts, None, situation.vacancies[len(starts) :]
+
+
+def _cause(situation: Situation, n: int) -> str:
+    """Why the step's `n`th start: the oldest vacancy, else the pool's first start or a scale-up."""
+    if n < len(situation.vacancies):
+        return situation.vacancies[n]
+    if situation.next_index == 0:
+        return f"first start, {situation.replicas} replicas"
+    return f"scale up to {situation.replicas} replicas"
 
 
 def _new_member(
@@ -356,16 +382,16 @@ def _rotate(members: list[Member], replicas: int, max_surge: int) -> list[Rotati
 def next_wake(situation: Situation) -> Wake | None:
     """The earliest thing the pool must do on its own: a lifetime, a backoff's end, a reconcile."""
     wakes = [
-        Wake(due, f"{m.member}'s lifetime")
+        Wake(due, f"rotate {m.member}, its lifetime is up")
         for m in situation.members
         if m.phase is MemberPhase.ACTIVE and (due := rotate_at(m)) is not None
     ]
     if situation.start_after is not None and situation.stopped is None:
-        wakes.append(Wake(situation.start_after, "the replacement backoff"))
+        wakes.append(Wake(situation.start_after, "start a replacement, the backoff is over"))
     if situation.last_reconcile is not None and not situation.reconciling:
         # (A reconcile under way wakes the pool when it ends.)
         every = RECONCILE_IDLE if calm(situation) else RECONCILE_BUSY
-        wakes.append(Wake(situation.last_reconcile + every, "the next reconcile"))
+        wakes.append(Wake(situation.last_reconcile + every, "reconcile members with visibility"))
     return min(wakes, key=lambda w: w.at, default=None)
 
 

@@ -123,6 +123,23 @@ def test_an_empty_pool_starts_its_replicas_with_the_template_placed_and_unrotate
     assert {m.member for m in step.members} == {s.member.member for s in step.starts}
 
 
+def test_each_start_says_why_replacements_first_and_a_scale_down_drops_the_vacancies() -> None:
+    first = plan(situation(replicas=2), pool_input(), POOL, T0)
+    assert [s.cause for s in first.starts] == ["first start, 2 replicas"] * 2
+
+    lost = f"replaces {POOL}/0, ended Failed: crash loop"
+    short = situation(ready(1), replicas=3, vacancies=(lost,))
+    step = plan(short, pool_input(), POOL, T0)
+    assert [s.cause for s in step.starts] == [lost, "scale up to 3 replicas"]
+    assert step.vacancies == ()
+
+    # Backing off, the vacancy waits with the start; scaled down meanwhile, nothing is owed.
+    backing_off = dataclasses.replace(short, start_after=T0 + timedelta(seconds=10))
+    assert plan(backing_off, pool_input(), POOL, T0).vacancies == (lost,)
+    scaled_down = dataclasses.replace(short, replicas=1)
+    assert plan(scaled_down, pool_input(), POOL, T0).vacancies == ()
+
+
 def test_a_large_scale_up_starts_in_batches_counting_starts_in_flight() -> None:
     assert len(plan(situation(replicas=500), pool_input(), POOL, T0).starts) == START_BATCH
     busy = situation(replicas=500, starting=START_BATCH - 10)
@@ -240,6 +257,7 @@ def test_a_rotation_ends_when_a_later_generation_is_ready_and_lifts_the_ban() ->
     assert member.phase is MemberPhase.ROTATING and member.banned == "403"
     member.take(report(member, ProxyState.READY, 4, T0))
     assert (member.phase, member.banned, member.rotating_from) == (MemberPhase.ACTIVE, None, None)
+    assert member.last_rotation == "ban: 403 (generation 3 to 4, 2026-01-01T00:00:00Z)"
 
 
 def test_a_ban_of_a_banned_member_or_of_an_instance_it_no_longer_has_changes_nothing() -> None:
@@ -393,7 +411,10 @@ def test_the_pool_wakes_for_the_earliest_lifetime_and_says_so() -> None:
     wake = next_wake(situation(*members))
 
     assert wake is not None
-    assert (wake.at, wake.waits_for) == (T0 + timedelta(minutes=10), f"{POOL}/1's lifetime")
+    assert (wake.at, wake.action) == (
+        T0 + timedelta(minutes=10),
+        f"rotate {POOL}/1, its lifetime is up",
+    )
 
 
 def test_a_calm_pool_reconciles_hourly_and_a_busy_one_every_thirty_seconds() -> None:
@@ -401,12 +422,12 @@ def test_a_calm_pool_reconciles_hourly_and_a_busy_one_every_thirty_seconds() -> 
     busy = next_wake(situation(starting(0)))
     backoff = next_wake(situation(replicas=1, start_after=T0 + timedelta(seconds=20)))
 
-    assert calm is not None and (calm.at, calm.waits_for) == (
+    assert calm is not None and (calm.at, calm.action) == (
         T0 + RECONCILE_IDLE,
-        "the next reconcile",
+        "reconcile members with visibility",
     )
     assert busy is not None and busy.at == T0 + RECONCILE_BUSY
-    assert backoff is not None and backoff.waits_for == "the replacement backoff"
+    assert backoff is not None and backoff.action == "start a replacement, the backoff is over"
     assert next_wake(situation(ready(0), reconciling=True)) is None
 
 

@@ -1,0 +1,109 @@
+"""What the Web UI shows of a pool (workflows/pool_view.py), without a server.
+
+The same text on a real pool's page is checked end to end in
+test_pool_web_ui.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from contract import PoolState, ProxyState
+from workflows.pool_plan import Member, MemberPhase
+from workflows.pool_view import (
+    DETAIL_ROWS,
+    MAX_SUMMARY,
+    current_details,
+    start_details,
+    start_summary,
+)
+
+POOL = "pool-a"
+
+
+def member(index: int, **fields: Any) -> Member:
+    ready = Member(
+        member=f"{POOL}/{index}",
+        index=index,
+        provider="local",
+        placement={},
+        started_at="2026-01-01T00:00:00+00:00",
+        state=ProxyState.READY,
+        endpoint=f"127.0.0.1:{4000 + index}",
+        verified=f"127.0.0.1:{4000 + index}",
+        generation=1,
+    )
+    return dataclasses.replace(ready, **fields)
+
+
+def table_rows(details: str) -> list[list[str]]:
+    rows = [line for line in details.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_each_member_is_a_row_with_its_state_endpoint_generation_and_last_change() -> None:
+    banned = member(1, banned="403 | from the shop", phase=MemberPhase.QUEUED, reason="ban: 403")
+    rotated = member(2, last_rotation="rotate all (generation 0 to 1, 2026-01-01T00:10:00Z)")
+    leaving = member(3, phase=MemberPhase.REMOVING, reason="scaled down, draining 15s")
+
+    details = current_details(
+        PoolState.SCALING, 3, 2, [member(0), banned, rotated, leaving], "1 members to end", None
+    )
+
+    assert details.startswith("**Scaling**: 2 of 3 Ready, 4 members\n\nwaiting for 1 members")
+    assert table_rows(details)[2:] == [
+        [f"{POOL}/0", "Ready", "127.0.0.1:4000", "1", ""],
+        [f"{POOL}/1", "Ready, queued", "127.0.0.1:4001", "1", "banned: 403 / from the shop"],
+        [
+            f"{POOL}/2",
+            "Ready",
+            "127.0.0.1:4002",
+            "1",
+            "rotated: rotate all (generation 0 to 1, 2026-01-01T00:10:00Z)",
+        ],
+        [
+            f"{POOL}/3",
+            "Ready, removing",
+            "127.0.0.1:4003",
+            "1",
+            "removing: scaled down, draining 15s",
+        ],
+    ]
+
+
+def test_a_large_pool_shows_its_first_rows_and_counts_the_rest() -> None:
+    members = [member(n) for n in range(DETAIL_ROWS + 30)]
+
+    details = current_details(PoolState.READY, len(members), len(members), members, None, None)
+
+    assert len(table_rows(details)) == 2 + DETAIL_ROWS
+    assert details.endswith("and 30 more members: the `status` query")
+    assert len(details) < 3000  # read by every metadata query, and shown whole in the UI
+
+
+def test_a_start_names_the_member_and_its_cause_in_one_bounded_line() -> None:
+    new = member(7, lifetime_seconds=3600.0, placement={"zone": "europe-west1-b"})
+    cause = "replaces pool-a/2, ended Failed: " + "crash loop " * 40
+
+    summary = start_summary(new, cause)
+    details = start_details(POOL, new, cause)
+
+    assert summary.startswith(f"start {POOL}/7: replaces pool-a/2, ended Failed: crash loop")
+    assert len(summary) == MAX_SUMMARY and "\n" not in summary
+    assert f"member of pool `{POOL}`" in details
+    assert cause in details  # the details keep it whole
+    assert "local, zone=europe-west1-b" in details
+    assert "after 3600s Ready" in details
+
+
+def test_the_table_shows_only_an_endpoint_the_provider_confirmed() -> None:
+    """A reported endpoint is a signal's word: a forged one never shows as the member's."""
+    forged = member(0, endpoint="[evil](http://attacker.example)")
+    checking = member(1, verified="")
+    details = current_details(PoolState.READY, 2, 1, [forged, checking], None, None)
+    assert "attacker" not in details
+    assert [row[2] for row in table_rows(details)[2:]] == [
+        "127.0.0.1:4000 (checking a new one)",
+        "(checking)",
+    ]
