@@ -16,8 +16,8 @@ until it exits, then with what its logs say) and stop it the same way
 the local provider's records and adoption of a Squid across worker
 restarts, the gateway's SMP workers, reloads and watchdog.
 
-Errors here are plain exceptions (OSError, SquidError); each caller turns
-them into its own taxonomy (the provider's, the gateway's).
+Errors here are plain exceptions (OSError, SquidError, SquidExited); each
+caller turns them into its own taxonomy (the provider's, the gateway's).
 """
 
 from __future__ import annotations
