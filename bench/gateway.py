@@ -50,6 +50,7 @@ from providers.squid import GatewayMember
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config, raw_config
 from tests.helpers.gateway import GatewayProcess
 from tests.helpers.network import free_port
+from tests.helpers.procfs import cpu_seconds
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
@@ -110,12 +111,6 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time `pid` has used (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def throughput(args: argparse.Namespace, origin: TlsOrigin) -> None:

@@ -58,6 +58,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import quote
 
+from providers import procfs
 from providers import squid as squid_module
 from providers.squid import (
     SQUID_USER,
@@ -69,16 +70,21 @@ from providers.squid import (
 )
 from providers.squid_process import (
     SquidError,
+    SquidExited,
+    accepts,
+    await_ready,
     bindable,
     clear_stale_pid_file,
     excerpt,
     find_binary,
+    launch,
     log_excerpt,
     parse_errors,
     remove_shm,
     service_name,
     squid_account,
     squid_dir,
+    stop,
     write_file,
 )
 
@@ -102,7 +108,6 @@ RELOAD_DEADLINE = 30.0
 # connects to members of the CONNECTs it sent that back take.
 SETTLE = 0.2
 STOP_GRACE = 10.0
-POLL = 0.02
 # Where Squid's SMP processes put their IPC sockets, `<service>-kid-<n>.ipc`:
 # built into Debian's Squid (DEFAULT_STATEDIR), not set in squid.conf. Squid
 # leaves them behind when it exits.
@@ -180,6 +185,11 @@ class GatewaySquid:
         return self.directory / "cache.log"
 
     @property
+    def _squid_out(self) -> Path:
+        """Squid's stdout and stderr: its errors from before it opens cache.log."""
+        return self.directory / "squid.out"
+
+    @property
     def workers(self) -> list[Worker]:
         return [self.front, *self.backs]
 
@@ -213,16 +223,12 @@ class GatewaySquid:
         remove_leftovers(self._service)
         clear_stale_pid_file(self._pid_file)
         offset = self._cache_log_size()
-        with open(self.directory / "squid.out", "ab") as out:
-            # --foreground, not -N: -N runs no workers, hence no SMP.
-            self.process = subprocess.Popen(
-                [self._binary, "--foreground", "-f", str(self.conf), "-n", self._service],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.directory,
-                start_new_session=True,
-            )
+        # --foreground, not -N: -N runs no workers, hence no SMP.
+        self.process = launch(
+            [self._binary, "--foreground", "-f", str(self.conf), "-n", self._service],
+            self.directory,
+            self._squid_out,
+        )
         self.watchdog = subprocess.Popen(
             [sys.executable, "-m", "gateway.watchdog", str(self.process.pid), self._service],
             stdin=subprocess.PIPE,
@@ -279,16 +285,10 @@ class GatewaySquid:
         """
         process = self.process
         if process is not None:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=STOP_GRACE)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+                stop(process.pid, lambda: process.poll() is not None, STOP_GRACE, group=True)
+            except SquidError as err:
+                raise GatewayError(str(err)) from err
         remove_leftovers(self._service)
         watchdog = self.watchdog
         if watchdog is not None:
@@ -492,7 +492,7 @@ class GatewaySquid:
         )
 
     def _accepting(self, offset: int, worker: Worker) -> bool:
-        return self._logged(offset, worker, ACCEPTING) > 0 and _accepts(worker.address, worker.port)
+        return self._logged(offset, worker, ACCEPTING) > 0 and accepts(worker.address, worker.port)
 
     def _cache_log_size(self) -> int:
         try:
@@ -524,16 +524,17 @@ class GatewaySquid:
                 yield end
 
     def _await(self, ready: Callable[[], bool], failure: str, deadline: float) -> None:
-        until = time.monotonic() + deadline
-        while not ready():
-            if self.process is not None and self.process.poll() is not None:
-                raise GatewayError(f"Squid exited: {self._output()}")
-            if time.monotonic() > until:
-                raise GatewayError(f"{failure} after {deadline:.0f}s: {self._output()}")
-            time.sleep(POLL)
-
-    def _output(self) -> str:
-        return self._scrub(log_excerpt(self.directory / "squid.out", self.cache_log))
+        """Wait until `ready` holds; GatewayError with Squid's logs if it exits or time is up."""
+        if self.process is None:
+            raise GatewayError(f"{failure}: Squid was never started")
+        logs = (self._squid_out, self.cache_log)
+        try:
+            if await_ready(self.process, ready, deadline, logs):
+                return
+        except SquidExited as exited:
+            raise GatewayError(f"Squid exited: {self._scrub(exited.excerpt)}") from None
+        output = self._scrub(log_excerpt(*logs))
+        raise GatewayError(f"{failure} after {deadline:.0f}s: {output}")
 
 
 def remove_leftovers(service: str) -> None:
@@ -547,18 +548,9 @@ def remove_leftovers(service: str) -> None:
 def _kid_pid(master: int, number: int) -> int | None:
     """The pid of the master's worker `number`: its child run as `--kid squid-<number>`."""
     wanted = f"squid-{number}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # The parent pid is the 2nd field after the parenthesised command name.
-            ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == master and wanted in argv:
-            return int(entry.name)
-    return None
+    return next(
+        (pid for pid in procfs.children(master) if wanted in procfs.command_line(pid)), None
+    )
 
 
 def _free_ports(count: int) -> list[int]:
@@ -568,12 +560,3 @@ def _free_ports(count: int) -> list[int]:
         for sock in socks:
             sock.bind(("127.0.0.1", 0))
         return [int(sock.getsockname()[1]) for sock in socks]
-
-
-def _accepts(address: str, port: int) -> bool:
-    host = "127.0.0.1" if address in ("0.0.0.0", "") else "::1" if address == "::" else address
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False

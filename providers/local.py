@@ -30,20 +30,18 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import functools
 import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +52,23 @@ from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import adoption_mismatch, ownership_mismatch
+from providers.procfs import command_lines, processes_under, start_time
 from providers.squid import SQUID_USER, SquidPaths, render
 from providers.squid_process import (
     SquidError,
+    SquidExited,
+    accepts,
+    await_ready,
     bindable,
     find_binary,
-    log_excerpt,
+    launch,
     parse_errors,
     remove_shm,
     service_name,
     squid_account,
     squid_dir,
+    stop,
+    wait_until,
     write_file,
 )
 
@@ -118,10 +122,9 @@ NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # create waits this long for Squid to accept connections or fail, so a broken
 # start surfaces as an error with Squid's own message instead of a silent death.
 START_GRACE_SECONDS = 5.0
-# delete sends SIGTERM, and SIGKILL when Squid is still up after this long.
+# delete sends SIGTERM, and SIGKILL when Squid is still up after this long;
+# helpers get as long to exit after Squid.
 STOP_GRACE_SECONDS = 5.0
-POLL_SECONDS = 0.01
-ACCEPT_CHECK_SECONDS = 0.5
 
 # Squids this worker process started, whichever provider object did it: any
 # of them may see one exit and must reap it. Kept for the process's lifetime,
@@ -142,7 +145,7 @@ class _Metadata:
     # None from just before Squid is launched until it serves: a worker
     # killed in between leaves the record, and the next one finds the process.
     pid: int | None
-    # _process_start(pid) when Squid was launched: tells it from a reused pid.
+    # procfs.start_time(pid) when Squid was launched: tells it from a reused pid.
     started: str | None
     created_at: datetime
 
@@ -298,7 +301,7 @@ class LocalProvider:
         tags = _read_tags(self._dir(name))
         if self._squid(name, meta) is None:
             state, ip = InstanceState.TERMINATED, ""
-        elif _accepting(self._client_ip, meta.port):
+        elif accepts(self._client_ip, meta.port):
             state, ip = InstanceState.RUNNING, self._client_ip
         else:
             state, ip = InstanceState.PROVISIONING, ""
@@ -355,7 +358,7 @@ class LocalProvider:
     def _record(self, name: str, process: subprocess.Popen[bytes]) -> None:
         """Write the pid of a started Squid into its record; the caller holds the lock."""
         meta = self._metadata(name)
-        started = _process_start(process.pid)
+        started = start_time(process.pid)
         if meta is None or started is None:
             raise Transient(f"squid for {name} was stopped while it started")
         if meta.pid is None:
@@ -442,17 +445,10 @@ class LocalProvider:
         created_at = previous.created_at if previous else datetime.now(UTC)
         starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
         write_file(directory / METADATA_FILE, starting.to_json())
-        with open(directory / SQUID_OUT, "ab") as out:
-            process = subprocess.Popen(
-                [binary, "-N", "-f", str(conf), "-n", service],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=directory,
-                # Its own session: no signal aimed at the worker's process
-                # group reaches it, so it outlives a crashed or killed worker.
-                start_new_session=True,
-            )
+        # In a session of its own, Squid outlives a crashed or killed worker.
+        process = launch(
+            [binary, "-N", "-f", str(conf), "-n", service], directory, directory / SQUID_OUT
+        )
         with _CHILDREN_LOCK:
             _CHILDREN[process.pid] = process
         return process, port
@@ -494,18 +490,21 @@ class LocalProvider:
         )
 
     def _await_start(self, name: str, process: subprocess.Popen[bytes], port: int) -> None:
-        """Wait briefly for Squid to accept; raise with its log if it exits instead."""
-        deadline = time.monotonic() + START_GRACE_SECONDS
-        while True:
-            if process.poll() is not None:
-                directory = self._dir(name)
-                raise Transient(
-                    f"squid for {name} exited while starting: "
-                    + log_excerpt(directory / SQUID_OUT, directory / CACHE_LOG)
-                )
-            if _accepting(self._client_ip, port) or time.monotonic() >= deadline:
-                return
-            time.sleep(POLL_SECONDS)
+        """Wait briefly for Squid to accept; raise with its log if it exits instead.
+
+        One that takes longer is left starting: the instance reads as
+        PROVISIONING until it accepts.
+        """
+        directory = self._dir(name)
+        try:
+            await_ready(
+                process,
+                partial(accepts, self._client_ip, port),
+                START_GRACE_SECONDS,
+                (directory / SQUID_OUT, directory / CACHE_LOG),
+            )
+        except SquidExited as exited:
+            raise Transient(f"squid for {name} exited while starting: {exited.excerpt}") from None
 
     # -- processes ---------------------------------------------------------
 
@@ -521,7 +520,7 @@ class LocalProvider:
         _reap()
         if meta.pid is None:
             return _unrecorded_squid(self._dir(name) / CONF_FILE, service_name(name))
-        return (meta.pid, meta.started or "") if _process_start(meta.pid) == meta.started else None
+        return (meta.pid, meta.started or "") if start_time(meta.pid) == meta.started else None
 
     def _stop(self, name: str, meta: _Metadata | None) -> None:
         """SIGTERM, SIGKILL after a bound, then make sure no helper outlives Squid.
@@ -532,19 +531,20 @@ class LocalProvider:
         squid = self._squid(name, meta) if meta is not None else None
         if squid is not None:
             pid, started = squid
-            os.kill(pid, signal.SIGTERM)
-            if not _wait_until(lambda: not _runs(pid, started)):
-                os.kill(pid, signal.SIGKILL)
+            try:
+                stop(pid, lambda: not _runs(pid, started), STOP_GRACE_SECONDS)
+            except SquidError as err:
+                raise Transient(f"squid of local instance {name}: {err}") from err
         # Squid puts each helper in a session of its own, so no process-group
         # signal reaches them; they are found by the instance files they name.
         # They exit once Squid closes their pipes: only a stuck one is killed.
         directory = self._dir(name)
-        if _wait_until(lambda: not processes_under(directory)):
+        if wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
             return
         for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if not _wait_until(lambda: not processes_under(directory)):
+        if not wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
             raise Transient(f"processes of local instance {name} survive SIGKILL")
 
 
@@ -559,53 +559,14 @@ def _reap() -> None:
                 del _CHILDREN[pid]
 
 
-@functools.cache
-def _boot_id() -> str:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-
-
-def _process_start(pid: int) -> str | None:
-    """`<boot id>/<start time in ticks>` of a process; None once it is a zombie or gone.
-
-    A pid is reused sooner or later; a pid with this value never is, even
-    across reboots.
-    """
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Fields after the command name, which may itself contain ")": the first
-    # is the state (field 3 of proc(5)), the start time is field 22.
-    fields = text.rpartition(")")[2].split()
-    if fields[0] in ("Z", "X"):
-        return None  # exited, only waiting for its parent to reap it
-    return f"{_boot_id()}/{fields[19]}"
-
-
 def _runs(pid: int, started: str) -> bool:
+    """Whether the Squid started at `started` still runs as `pid` (reaping it if it exited)."""
     _reap()
-    return _process_start(pid) == started
+    return start_time(pid) == started
 
 
 def _recorded(meta: _Metadata, pid: int, started: str) -> _Metadata:
     return dataclasses.replace(meta, pid=pid, started=started)
-
-
-def _command_lines() -> Iterator[tuple[int, list[bytes]]]:
-    """(pid, arguments) of every process; zombies' read empty."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")[:-1]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-
-
-def processes_under(directory: Path) -> list[int]:
-    """Processes with an argument inside `directory`: Squid and its helpers."""
-    prefix = os.fsencode(directory) + b"/"
-    return [pid for pid, args in _command_lines() if any(a.startswith(prefix) for a in args)]
 
 
 def _unrecorded_squid(conf: Path, service: str) -> tuple[int, str] | None:
@@ -615,22 +576,12 @@ def _unrecorded_squid(conf: Path, service: str) -> tuple[int, str] | None:
     matched so a `squid -k parse -f <conf>` check never counts.
     """
     tail = [b"-N", b"-f", os.fsencode(conf), b"-n", service.encode()]
-    for pid, args in _command_lines():
+    for pid, args in command_lines():
         if args[-len(tail) :] == tail:
-            started = _process_start(pid)
+            started = start_time(pid)
             if started is not None:
                 return pid, started
     return None
-
-
-def _wait_until(condition: Callable[[], bool], seconds: float = STOP_GRACE_SECONDS) -> bool:
-    """Poll `condition` until it holds (True) or `seconds` pass (False)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_SECONDS)
-    return True
 
 
 def _checked_name(name: str) -> str:
@@ -698,11 +649,3 @@ def _vacated(directory: Path) -> bool:
             return True
         raise
     return True
-
-
-def _accepting(address: str, port: int) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=ACCEPT_CHECK_SECONDS):
-            return True
-    except OSError:
-        return False

@@ -9,8 +9,15 @@ swapped for one under RUNTIME_ROOT, which this module creates for it
 (`squid_dir`). Run as anyone else, Squid stays that user and reaches
 whatever the caller does.
 
-Errors here are plain exceptions (OSError, SquidError); each caller turns
-them into its own taxonomy (the provider's, the gateway's).
+Both launch Squid the same way (`launch`: a session of its own, its output
+to a file), wait for it the same way (`await_ready`: until it serves, or
+until it exits, then with what its logs say) and stop it the same way
+(`stop`: SIGTERM, SIGKILL after a bound). What is theirs stays with them:
+the local provider's records and adoption of a Squid across worker
+restarts, the gateway's SMP workers, reloads and watchdog.
+
+Errors here are plain exceptions (OSError, SquidError, SquidExited); each
+caller turns them into its own taxonomy (the provider's, the gateway's).
 """
 
 from __future__ import annotations
@@ -22,11 +29,15 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from providers import procfs
 from providers.squid import SQUID_USER
 
 log = logging.getLogger("proxy_operator.squid")
@@ -39,12 +50,24 @@ SHM_DIR = Path("/dev/shm")
 # whose files it holds.
 RUNTIME_ROOT = Path("/run/proxy-operator")
 PARSE_TIMEOUT_SECONDS = 60
+# How often a wait looks again (whether Squid accepts, logged, or exited).
+POLL_SECONDS = 0.01
+# One connect attempt of `accepts`; a listening Squid answers in microseconds.
+ACCEPT_CHECK_SECONDS = 0.5
 # Lines of Squid's output that say what went wrong.
 _TROUBLE = re.compile(r"FATAL|ERROR|unrecognized|Bungled")
 
 
 class SquidError(Exception):
-    """Squid is missing, rejected its config, or its user cannot be found."""
+    """Squid is missing, rejected its config, would not stop, or its user cannot be found."""
+
+
+class SquidExited(SquidError):
+    """Squid exited while it was awaited; `excerpt` is what its logs say about why."""
+
+    def __init__(self, excerpt: str) -> None:
+        super().__init__(f"squid exited: {excerpt}")
+        self.excerpt = excerpt
 
 
 Account = tuple[int, int]
@@ -188,11 +211,7 @@ def clear_stale_pid_file(pid_file: Path) -> None:
         pid = int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        state = "X"
-    if state in ("Z", "X"):
+    if not procfs.running(pid):
         pid_file.unlink(missing_ok=True)
 
 
@@ -208,3 +227,90 @@ def bindable(address: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def accepts(address: str, port: int) -> bool:
+    """Whether something accepts TCP connections on `address:port` now (a wildcard: on loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(address, address)
+    try:
+        with socket.create_connection((host, port), timeout=ACCEPT_CHECK_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def launch(command: Sequence[str], directory: Path, output: Path) -> subprocess.Popen[bytes]:
+    """Start `command` (Squid) in `directory`, its stdout and stderr appended to `output`.
+
+    It runs in a session of its own: no signal aimed at the caller's process
+    group (a Ctrl-C, a supervisor's SIGTERM, a killed worker's group) reaches
+    it, so the caller stops it in its own order or leaves it serving; and
+    its pid names its process group, which `stop` can kill whole.
+    Squid's earliest errors (a bad flag, a missing file) are on `output`
+    only, before it opens its cache.log.
+    """
+    with open(output, "ab") as out:
+        return subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=directory,
+            start_new_session=True,
+        )
+
+
+def wait_until(ready: Callable[[], bool], seconds: float) -> bool:
+    """Poll `ready` until it holds (True) or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def await_ready(
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    seconds: float,
+    logs: Sequence[Path],
+) -> bool:
+    """Wait until `ready` holds (True) or `seconds` pass (False), while `process` runs.
+
+    Raises SquidExited, with what `logs` say went wrong, as soon as the
+    process exits instead: a broken start fails with Squid's own message
+    at once, not as a timeout.
+    """
+    ended = wait_until(lambda: process.poll() is not None or ready(), seconds)
+    if process.poll() is not None:
+        raise SquidExited(log_excerpt(*logs))
+    return ended
+
+
+def stop(pid: int, exited: Callable[[], bool], grace: float, *, group: bool = False) -> None:
+    """SIGTERM `pid`, and SIGKILL once `exited()` has not come true within `grace` seconds.
+
+    With `group`, whatever is left of its process group (`pid` is its
+    leader, as `launch` makes it) is killed afterwards: children that
+    outlived it. `exited` is the caller's witness, as only the caller knows
+    whether `pid` is still the process it started (a Popen's poll, a
+    recorded start time). SquidError if it survives SIGKILL for `grace`.
+    """
+    if not exited():
+        _signal(pid, signal.SIGTERM)
+        if not wait_until(exited, grace):
+            _signal(pid, signal.SIGKILL, group=group)
+            if not wait_until(exited, grace):
+                raise SquidError(f"process {pid} survives SIGKILL")
+    if group:
+        _signal(pid, signal.SIGKILL, group=True)
+
+
+def _signal(pid: int, signum: int, *, group: bool = False) -> None:
+    """Send `signum` to `pid` (or its process group); one that is gone already needs none."""
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)

@@ -25,8 +25,9 @@ from temporalio.testing import WorkflowEnvironment
 
 import worker
 from providers.base import CreateRequest
-from providers.local import LocalProvider, processes_under
+from providers.local import LocalProvider
 from providers.naming import owner_tags
+from providers.procfs import processes_under
 from providers.squid import ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry, local_settings
 from tests.helpers.network import free_port

@@ -26,9 +26,9 @@ import pytest
 import yaml
 from temporalio.client import Client
 
+from providers.procfs import running
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.network import accepts_connections, free_port
-from tests.helpers.procfs import is_running
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import wait_for, wait_status
@@ -146,12 +146,12 @@ async def test_ctrl_c_with_stdout_closed_stops_every_squid(
         for handle in handles:
             status = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
             pids.append(_pid_of(state_dir, status.instance))
-        assert all(is_running(pid) for pid in pids)
+        assert all(running(pid) for pid in pids)
 
         output.close()
         os.killpg(process.pid, signal.SIGINT)
         returncode = await wait_for_exit(process)
-        assert [pid for pid in pids if is_running(pid)] == [], "Squids left running"
+        assert [pid for pid in pids if running(pid)] == [], "Squids left running"
         assert [p.name for p in state_dir.iterdir() if p.is_dir()] == []
         assert not accepts_connections(port), "the dev server is still running"
         assert returncode == 0

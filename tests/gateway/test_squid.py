@@ -9,7 +9,6 @@ the gateway, so the gateway's reporting is not its own witness.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +28,7 @@ from providers.base import CreateRequest
 from providers.config import Config
 from providers.local import LocalProvider
 from providers.naming import owner_tags
+from providers.procfs import group_members
 from providers.squid import GatewayMember
 from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
@@ -526,7 +526,7 @@ def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
         child.send_signal(signal.SIGKILL)
         child.wait()
 
-        wait_until(lambda: not _process_group(squid_pid), 15, f"Squid's processes to end ({step})")
+        wait_until(lambda: not group_members(squid_pid), 15, f"Squid's processes to end ({step})")
         assert not accepts_connections(port)
         again = GatewaySquid(config.proxy_settings(), state_dir / "gw", ("127.0.0.1", port))
         try:
@@ -537,18 +537,6 @@ def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
     finally:
         child.kill()
         child.wait()
-
-
-def _process_group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                    found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize("part", ["master", "watchdog"])
@@ -566,7 +554,7 @@ def test_a_dead_master_or_watchdog_stops_the_whole_gateway(
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: not gateway.running(), 15, f"the gateway to see its {part} die")
     gateway.stop()
-    assert not _process_group(master)
+    assert not group_members(master)
     assert not accepts_connections(gateway.front.port)
 
 

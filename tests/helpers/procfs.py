@@ -1,46 +1,26 @@
 """Reading processes and the machine from /proc (proc(5)), for tests and benchmarks.
 
-`/proc/<pid>/stat` starts with `pid (comm) state ppid ...`, and the command
-name may itself contain ")" or spaces, so every field is read after the last
-")". Field numbers below are proc(5)'s, counted from 1.
+Reading one process is providers.procfs's (the local provider and the
+gateway use it too); here is what only tests and benchmarks measure: CPU,
+memory, process trees, the machine's load.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
+from providers import procfs
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-# Index in `stat_fields` of proc(5) field N is N - 3 (fields 1 and 2 come before).
-_STATE, _PPID, _UTIME, _STIME = 0, 1, 11, 12
-
-
-def stat_fields(pid: int) -> list[str]:
-    """Fields 3.. of /proc/<pid>/stat (after the command name); OSError once it is gone."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text.rpartition(")")[2].split()
-
-
-def is_zombie(pid: int) -> bool:
-    """The process exited and only waits for its parent to reap it."""
-    return stat_fields(pid)[_STATE] == "Z"
-
-
-def is_running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie has, whatever `kill -0` says)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not is_zombie(pid)
+# Indices in `procfs.stat_fields` (proc(5) field N is at N - 3): fields 14 and 15.
+_UTIME, _STIME = 11, 12
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process, every thread; 0 once it is gone."""
-    try:
-        fields = stat_fields(pid)
-    except (OSError, ValueError):
+    fields = procfs.stat_fields(pid)
+    if fields is None:
         return 0.0
     return (int(fields[_UTIME]) + int(fields[_STIME])) / CLK_TCK
 
@@ -48,12 +28,10 @@ def cpu_seconds(pid: int) -> float:
 def children_by_parent() -> dict[int, list[int]]:
     """Every process on the machine, as parent pid -> child pids."""
     tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                tree.setdefault(int(stat_fields(int(entry.name))[_PPID]), []).append(
-                    int(entry.name)
-                )
+    for pid in procfs.pids():
+        fields = procfs.stat_fields(pid)
+        if fields is not None:
+            tree.setdefault(int(fields[procfs.PARENT]), []).append(pid)
     return tree
 
 

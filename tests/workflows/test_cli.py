@@ -19,9 +19,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
+from providers.procfs import running
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
-from tests.helpers.procfs import is_running
 from tests.helpers.stacks import Stack
 from tests.helpers.temporal import (
     STARVED_QUERY,
@@ -173,7 +173,7 @@ async def test_start_query_curl_terminate_end_to_end(
     assert result["state"] == "Terminated"
     described = await temporal(temporal_env, "workflow", "describe", "--workflow-id", workflow_id)
     assert "COMPLETED" in described.stdout.upper()
-    assert not is_running(pid)
+    assert not running(pid)
     assert stack.instances() == []
 
 

@@ -11,9 +11,9 @@ from temporalio.client import WorkflowFailureError
 
 from activities.probe import probe_connect
 from providers.errors import Permanent, QuotaExceeded, Transient
+from providers.procfs import running
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
-from tests.helpers.procfs import is_running
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import DEADLINE, pending_activities, status_of, wait_for, wait_status
 from workflows.lifecycle import ProxyStatus
@@ -90,7 +90,7 @@ async def test_instance_that_dies_while_ready_is_replaced(stack: Stack) -> None:
     )
     assert second.instance != first.instance and second.replacements == 1
     await wait_for(lambda: stack.instances() == [second.instance], "the dead instance deleted")
-    assert not is_running(pid)
+    assert not running(pid)
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
