@@ -10,9 +10,10 @@ so the worker's event loop (and the probes on it) never block.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -64,6 +65,18 @@ GONE_CHECK_SECONDS = 5.0
 # A create heartbeats this often while its provider call runs; the SDK sends
 # at most one every 80% of the heartbeat timeout (workflows/policies.py).
 CREATE_HEARTBEAT_SECONDS = 5.0
+# The monitor heartbeats on a clock of its own, not after each probe: an
+# `interval_seconds` longer than its heartbeat timeout (up to an hour is
+# allowed) would otherwise time it out between probes. Once per half timeout
+# leaves the other half for a busy event loop, and costs no billable actions
+# beyond what heartbeating after every probe did: sdk-core sends at most one
+# heartbeat per 80% of the timeout (capped at the worker's
+# max_heartbeat_throttle_interval, 60 s by default) and holds the newest until
+# then, so for the monitor's 60 s timeout the server still hears one every 48 s.
+MONITOR_HEARTBEAT_SHARE = 0.5
+# A monitor scheduled without a heartbeat timeout beats as if it had this one:
+# its heartbeats still carry the last probe and bring a cancel.
+UNTIMED_HEARTBEAT = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -269,7 +282,21 @@ class ProviderActivities:
         """
         info = activity.info()
         previous = info.heartbeat_details[0] if info.heartbeat_details else None
-        failures = int(previous["consecutive_failures"]) if isinstance(previous, dict) else 0
+        carried = previous if isinstance(previous, dict) else {}
+        failures = int(carried.get("consecutive_failures", 0))
+        # A retried attempt shows the lost attempt's last probe until its own.
+        details: dict[str, object] = {
+            "last_probe": carried.get("last_probe"),
+            "consecutive_failures": failures,
+        }
+        period = (info.heartbeat_timeout or UNTIMED_HEARTBEAT) * MONITOR_HEARTBEAT_SHARE
+        async with _heartbeating(period, details):
+            return await self._monitor_loop(inp, failures, details)
+
+    async def _monitor_loop(
+        self, inp: MonitorInput, failures: int, details: dict[str, object]
+    ) -> MonitorOutcome:
+        """The monitor's probes; `details` is what its heartbeats carry, updated in place."""
         started = time.monotonic()
         probes = 0
         while True:
@@ -279,7 +306,10 @@ class ProviderActivities:
             )
             probes += 1
             failures = 0 if summary.ok else failures + 1
-            activity.heartbeat({"last_probe": summary, "consecutive_failures": failures})
+            details.update(last_probe=summary, consecutive_failures=failures)
+            if probes == 1:
+                # Show the first probe now, not one heartbeat period later.
+                activity.heartbeat(dict(details))
             if not summary.ok:
                 gone = await self._gone_reason(inp.instance)
                 if gone:
@@ -430,6 +460,26 @@ async def _pause(seconds: float) -> None:
             type=ErrorType.WORKER_SHUTDOWN,
             category=ApplicationErrorCategory.BENIGN,
         )
+
+
+@contextlib.asynccontextmanager
+async def _heartbeating(period: timedelta, details: dict[str, object]) -> AsyncIterator[None]:
+    """Heartbeat `details` every `period` while the block runs, whatever it is doing.
+
+    The block updates `details` in place. Each heartbeat sends a copy: the SDK
+    encodes heartbeat details later, on a task of its own.
+    """
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(period.total_seconds())
+            activity.heartbeat(dict(details))
+
+    beats = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beats.cancel()
 
 
 async def _worker_shutting_down_within(seconds: float) -> bool:

@@ -6,7 +6,8 @@ Clients authenticate with the proxies' username and password (from the same
 providers config and PROXY_PASSWORD as the worker) and pick a member by
 username: `USER` rotates per CONNECT, `USER-session-<key>` sticks to one
 member per key, `USER-proxy-<member>` pins one member. The members are the
-pool's `endpoints`, followed by polling; Temporal is reached with the
+pool's `endpoints`, followed by polling, less any outside `--member-networks`
+(gateway/member_networks.py); Temporal is reached with the
 worker's connection settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API
 key, profiles). The gateway holds no state: run as many as you like.
 """
@@ -32,8 +33,14 @@ from temporalio.service import RPCError
 import cli
 from cli import Health, connect, serve_metrics
 from gateway import membership, metrics
+from gateway.member_networks import (
+    Gatekeeper,
+    MemberNetworks,
+    configured_networks,
+    parse_networks,
+)
 from gateway.squid import GatewayError, GatewaySquid
-from providers.config import ConfigError, load_config
+from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
@@ -69,6 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--state-dir",
         "PROXY_OPERATOR_GATEWAY_STATE_DIR",
         "where Squid's configs and logs go; unset, a private temporary directory",
+    )
+    cli.env_argument(
+        parser,
+        "--member-networks",
+        "PROXY_OPERATOR_GATEWAY_MEMBER_NETWORKS",
+        "CIDR,... the only networks a member's endpoint may be in; unset, the providers "
+        "config's (the local provider's bind address; required with Kubernetes or GCP)",
+    )
+    parser.add_argument(
+        "--allow-member-hostnames",
+        action="store_true",
+        help="let a member's endpoint be a hostname (refused by default: a name can "
+        "resolve anywhere)",
     )
     parser.add_argument(
         "--poll-interval",
@@ -112,17 +132,32 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
     return args.pool, listen
 
 
+def member_networks(args: argparse.Namespace, config: Config) -> MemberNetworks:
+    """Where members may be (gateway/member_networks.py), or UsageError naming the flag."""
+    flag = "--member-networks (or PROXY_OPERATOR_GATEWAY_MEMBER_NETWORKS)"
+    try:
+        networks = (
+            parse_networks(args.member_networks, flag)
+            if args.member_networks
+            else configured_networks(config, flag)
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return MemberNetworks(networks, allow_hostnames=args.allow_member_hostnames)
+
+
 def main(argv: list[str] | None = None) -> int:
     cli.configure_logging()
     args = parse_args(argv)
     try:
         pool, listen = checked(args)
         config = load_config(args.providers_config)
+        allowed = member_networks(args, config)
     except (UsageError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, pool, listen, config.proxy_settings()))
+        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed))
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
@@ -138,15 +173,17 @@ async def serve(
     pool: str,
     listen: tuple[str, int],
     settings: ProxySettings,
+    allowed: MemberNetworks,
 ) -> int:
     try:
         client = await connect()
     except RuntimeError as err:  # what the SDK raises for an unreachable server
         raise GatewayError(f"cannot connect to Temporal: {err}") from err
+    gatekeeper = Gatekeeper(allowed)
 
     async def fetch() -> list[GatewayMember]:
         try:
-            return await membership.query_members(client, pool)
+            return gatekeeper.admit(await membership.query_members(client, pool))
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
 

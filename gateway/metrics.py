@@ -49,6 +49,16 @@ MEMBERSHIP_ERRORS = Counter(
     "proxy_operator_gateway_membership_errors",
     "Polls of the pool's endpoints query that failed (the members in rotation stay)",
 )
+# The `reason` label of REFUSED_ENDPOINTS (gateway/member_networks.py).
+REFUSED_NETWORK = "network"
+REFUSED_HOSTNAME = "hostname"
+REFUSED_REASONS = (REFUSED_NETWORK, REFUSED_HOSTNAME)
+REFUSED_ENDPOINTS = Counter(
+    "proxy_operator_gateway_refused_endpoints",
+    "Endpoints in the pool's answer refused as parents, each counted when it first "
+    "appears: outside the member networks, or a hostname",
+    ["reason"],
+)
 
 POLL_SECONDS = 0.2
 

@@ -58,6 +58,16 @@ class ProviderSettings(StrictModel):
         """
         return []
 
+    def member_networks(self) -> tuple[str, ...] | None:
+        """The networks (CIDRs) this entry's instances get addresses in, or None if unknown.
+
+        A gateway makes only endpoints in these networks its parents
+        (gateway/member_networks.py). The default knows nothing: a type whose
+        settings say where its instances listen (the local bind address)
+        overrides it.
+        """
+        return None
+
 
 class AuthConfig(StrictModel):
     # Case-sensitive: the rendered squid.conf tells Squid not to lowercase it.

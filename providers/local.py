@@ -84,6 +84,13 @@ class LocalConfig(ProviderSettings):
     last_port: Port = 20999
     squid_binary: str = "squid"
 
+    def member_networks(self) -> tuple[str, ...] | None:
+        """Only the address the instances are published at (`client_address`)."""
+        try:
+            return (ipaddress.ip_network(client_address(self.bind_address)).with_prefixlen,)
+        except ValueError:
+            return None  # not an IP address: the provider refuses to start with it
+
     @field_validator("last_port")
     @classmethod
     def _range_not_empty(cls, last: int, info: ValidationInfo) -> int:
@@ -92,6 +99,17 @@ class LocalConfig(ProviderSettings):
         if first is not None and last < first:
             raise ValueError(f"must be at least first_port ({first}), not {last}")
         return last
+
+
+def client_address(bind_address: str) -> str:
+    """Where clients reach a Squid bound to `bind_address` (an IP address).
+
+    A wildcard bind is reachable on loopback; never publish 0.0.0.0.
+    """
+    address = ipaddress.ip_address(bind_address)
+    if address.is_unspecified:
+        return "::1" if address.version == 6 else "127.0.0.1"
+    return bind_address
 
 
 PROVIDER_TYPE = ProviderType(
@@ -171,7 +189,7 @@ class LocalProvider:
 
     def __init__(self, settings: LocalConfig, installation: str) -> None:
         try:
-            address = ipaddress.ip_address(settings.bind_address)
+            self._client_ip = client_address(settings.bind_address)
         except ValueError as exc:
             raise Permanent(f"local.bind_address: {exc}", cause=exc) from exc
         self._settings = settings
@@ -183,11 +201,6 @@ class LocalProvider:
         # every worker configured alike.
         self._state_dir = squid_dir(Path(settings.state_dir), _account_or_none())
         self._bind = settings.bind_address
-        # A wildcard bind is reachable on loopback; never publish 0.0.0.0.
-        if address.is_unspecified:
-            self._client_ip = "::1" if address.version == 6 else "127.0.0.1"
-        else:
-            self._client_ip = settings.bind_address
 
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> LocalProvider:

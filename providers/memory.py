@@ -25,6 +25,11 @@ from providers.naming import instance_name, owner_tags
 class MemoryConfig(ProviderSettings):
     """No settings: the instances live in the worker's memory."""
 
+    def member_networks(self) -> tuple[str, ...] | None:
+        """Where `MemoryProvider.address` says instances listen; a subclass
+        that points them elsewhere needs the gateway's `--member-networks`."""
+        return (LOOPBACK,)
+
 
 PROVIDER_TYPE = ProviderType(
     name="memory",
@@ -36,6 +41,7 @@ PROVIDER_TYPE = ProviderType(
 )
 
 PROVIDER_ID_PREFIX = "memory/"
+LOOPBACK = "127.0.0.1/32"
 # Long enough past any grace period a test uses.
 OLD = timedelta(days=1)
 

@@ -101,8 +101,9 @@ WAIT_RUNNING = ActivityProfile(
     start_to_close=timedelta(minutes=15), heartbeat=timedelta(seconds=30)
 )
 WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=timedelta(seconds=30))
-# The monitor heartbeats after every probe; the SDK throttles heartbeats to
-# 80% of this timeout, which keeps steady state under 100 requests an hour.
+# The monitor heartbeats every half of this timeout, whatever its probe
+# interval (activities/provider.py); the SDK sends at most one heartbeat per
+# 80% of it, which keeps steady state under 100 requests an hour.
 MONITOR = ActivityProfile(
     start_to_close=timedelta(hours=1, minutes=10), heartbeat=timedelta(seconds=60)
 )

@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.main import UsageError, member_networks, parse_args
 from gateway.squid import IPC_DIR
 from providers.config import parse_config
 from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig
@@ -379,6 +380,26 @@ def test_the_gateway_runs_its_console_script_on_the_workers_config_and_password(
     assert state in mounts
     assert str(IPC_DIR).removeprefix("/var") in mounts
     assert pod["automountServiceAccountToken"] is False
+
+
+def test_the_gateway_forwards_only_to_the_pod_cidr_the_proxies_live_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Kubernetes config says nothing of Pod IPs: the manifest must name the networks."""
+    raw = yaml.safe_load(the("ConfigMap")["data"]["providers.yaml"])
+    password_env = raw["proxy"]["auth"]["password_env"]
+    config = parse_config(raw, source="ConfigMap", environ={password_env: "not-a-real-password"})
+    args = gateway_container()["command"][1:]
+    env = {e["name"]: e["value"] for e in gateway_container()["env"] if "value" in e}
+    setting = "PROXY_OPERATOR_GATEWAY_MEMBER_NETWORKS"
+
+    monkeypatch.delenv(setting, raising=False)
+    with pytest.raises(UsageError):  # without it the gateway would not start
+        member_networks(parse_args(args), config)
+    monkeypatch.setenv(setting, env[setting])
+    allowed = member_networks(parse_args(args), config)
+    assert [str(n) for n in allowed.networks] == config.proxy.allowed_cidrs
+    assert not allowed.allow_hostnames
 
 
 def test_the_gateway_is_reachable_through_its_service_and_reaches_the_proxies() -> None:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from activities.probe import FAILURES
-from gateway.metrics import RELOAD_OUTCOMES
+from gateway.metrics import REFUSED_REASONS, RELOAD_OUTCOMES
 from providers.errors import TAXONOMY
 from tests.deploy.series import exported_series, matchers, selected_series
 
@@ -38,6 +38,7 @@ LABEL_VALUES = {
     ("proxy_operator_provider_calls_total", "outcome"): {"ok", *(c.__name__ for c in TAXONOMY)},
     ("proxy_operator_probes_total", "outcome"): {"ok", *FAILURES},
     ("proxy_operator_gateway_reloads_total", "outcome"): set(RELOAD_OUTCOMES),
+    ("proxy_operator_gateway_refused_endpoints_total", "reason"): set(REFUSED_REASONS),
     ("up", "job"): SCRAPE_JOBS,
 }
 SEVERITIES = {"critical", "warning", "info"}

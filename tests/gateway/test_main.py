@@ -144,3 +144,17 @@ def test_an_unreachable_temporal_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "error: cannot connect to Temporal" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_member_network_is_reported_before_connecting(tmp_path: Path) -> None:
+    env = {PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    result = run_gateway(
+        tmp_path, env, "--pool", "web", "--member-networks", "10.0.0.0/8,10.0.0.1/8"
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "error: --member-networks (or PROXY_OPERATOR_GATEWAY_MEMBER_NETWORKS): "
+        "bad CIDR '10.0.0.1/8'"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr

@@ -22,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.config import PASSWORD, PASSWORD_ENV
 from tests.helpers.network import free_port
+from tests.helpers.stacks import Stack
+from tests.helpers.tunnel import Answer, request
 
 ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE = 60.0
@@ -129,3 +131,16 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def through(
+    gateway: GatewayProcess, stack: Stack, username: str, password: str = PASSWORD
+) -> Answer:
+    """One CONNECT through the gateway to the stack's TLS origin, then GET /."""
+    return request(
+        ("127.0.0.1", gateway.port),
+        username,
+        password,
+        (stack.origin.host, stack.origin.port),
+        stack.origin.client_ssl_context,
+    )

@@ -24,11 +24,11 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, raw_config
-from tests.helpers.gateway import GatewayProcess
+from tests.helpers.gateway import GatewayProcess, through
 from tests.helpers.loopback_peer import loopback_peer
 from tests.helpers.stacks import Stack
 from tests.helpers.state_dir import local_state_dir
-from tests.helpers.tunnel import Answer, request
+from tests.helpers.tunnel import request
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -121,18 +121,6 @@ async def gateway(
         await asyncio.to_thread(process.start)
         yield process
         assert await asyncio.to_thread(process.stop) == 0, process.log()
-
-
-def through(
-    gateway: GatewayProcess, stack: Stack, username: str, password: str = PASSWORD
-) -> Answer:
-    return request(
-        ("127.0.0.1", gateway.port),
-        username,
-        password,
-        (stack.origin.host, stack.origin.port),
-        stack.origin.client_ssl_context,
-    )
 
 
 async def test_one_endpoint_rotates_sticks_and_pins_over_a_pool_of_three(
