@@ -146,3 +146,18 @@ def continued_state(
     except Exception as err:  # any shape the converter cannot take is bad input
         return None, [f"argument 2: not a {state_type.__name__}: {err}", *problems]
     return state, problems
+
+
+# The longest reason a `terminate` or `rotate` signal may leave in a
+# workflow's state (it is carried across continue-as-new and shown in status).
+MAX_REASON = 500
+
+
+def signal_reason(request: Any, default: str) -> str:
+    """A signal's reason, sent as `{"reason": "..."}` or as a bare string; capped.
+
+    Signals take any input (a namespace user's `temporal workflow signal
+    --input` included): whatever it is, this returns a bounded string.
+    """
+    reason = request.get("reason") if isinstance(request, dict) else request
+    return str(reason)[:MAX_REASON] if reason else default

@@ -70,7 +70,7 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
-    from workflows.inputs import ProxyInput, continued_state
+    from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
         ProxyStatus,
@@ -92,9 +92,6 @@ R = TypeVar("R")
 CRASH_BUDGET = 5
 STABLE_AFTER = timedelta(minutes=10)
 FIRST_PROBE_DEADLINE = timedelta(minutes=2)
-# The longest `rotate` reason kept.
-MAX_REASON = 500
-
 # A failing first probe is reported to the workflow (and so to `status`)
 # after this long, then every FIRST_PROBE_REPORT_EVERY until the deadline.
 FIRST_PROBE_FIRST_REPORT = timedelta(seconds=10)
@@ -203,8 +200,7 @@ class ProxyLifecycle:
         fail the workflow task on every retry, and the proxy could no longer
         be terminated cleanly.
         """
-        reason = request.get("reason") if isinstance(request, dict) else request
-        self._terminate_reason = str(reason) if reason else "terminate signal"
+        self._terminate_reason = signal_reason(request, "terminate signal")
 
     @workflow.signal(name=ROTATE_SIGNAL)
     def rotate(self, request: Any = None, *_extra: Any) -> None:
@@ -213,9 +209,7 @@ class ProxyLifecycle:
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         Rotates sent while a rotation is under way are absorbed by it.
         """
-        reason = request.get("reason") if isinstance(request, dict) else request
-        # Bounded: it is carried across continue-as-new.
-        self._carried.rotate_reason = str(reason)[:MAX_REASON] if reason else "rotate signal"
+        self._carried.rotate_reason = signal_reason(request, "rotate signal")
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:

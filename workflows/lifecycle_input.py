@@ -12,10 +12,10 @@ from typing import Any
 
 from temporalio import workflow
 
-from activities.models import TargetCheck, ValidateTargetInput
-from activities.provider import ProviderActivities
+from activities.models import ValidateTargetInput
 from workflows import policies
 from workflows.inputs import ProxyInput, parse_input
+from workflows.target_check import check_target, target_input
 
 # workflow.patched() id: a lifecycle started since learns its installation
 # from validate_target and hashes it into its instance names.
@@ -35,16 +35,11 @@ async def checked_input(
         and isinstance(raw.get("provider"), str)
     ):
         return inp, problems, None
-    placement = raw.get("placement")
-    target = ValidateTargetInput(
-        provider=raw["provider"],
-        port=inp.port if inp else None,
-        placement=(
-            {k: str(v) for k, v in placement.items() if v is not None}
-            if isinstance(placement, dict)
-            else {}
-        ),
-        health_target=inp.health.target if inp else "",
+    target = target_input(
+        raw["provider"],
+        inp.port if inp else None,
+        raw.get("placement"),
+        inp.health.target if inp else "",
     )
     worker_problems, installation = await _check_target(target)
     return inp, problems + worker_problems, installation
@@ -63,11 +58,5 @@ async def _check_target(target: ValidateTargetInput) -> tuple[list[str], str | N
             retry_policy=policies.TRANSIENT_RETRY,
         )
         return problems, None
-    check: TargetCheck = await workflow.execute_local_activity_method(
-        ProviderActivities.validate_target,
-        target,
-        start_to_close_timeout=policies.VALIDATE.start_to_close,
-        schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-        retry_policy=policies.TRANSIENT_RETRY,
-    )
+    check = await check_target(target)
     return check.problems, check.installation

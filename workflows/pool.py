@@ -50,8 +50,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
     from activities.models import (
         EndpointCheck,
-        TargetCheck,
-        ValidateTargetInput,
         VerifyEndpointInput,
     )
     from activities.pool import MembersInput, MembersOutput, PoolActivities
@@ -68,7 +66,12 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
     )
     from workflows import policies, pool_plan, pool_view
-    from workflows.inputs import DEFAULT_HEALTH_TARGET, continued_state, parse_model
+    from workflows.inputs import (
+        DEFAULT_HEALTH_TARGET,
+        continued_state,
+        parse_model,
+        signal_reason,
+    )
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
     from workflows.pool_input import (
         BanRequest,
@@ -86,6 +89,7 @@ with workflow.unsafe.imports_passed_through():
         Step,
         Wake,
     )
+    from workflows.target_check import check_target, target_input
 
 MEMBER_DRAIN_PATCH = "member-drain"
 # Pools recorded before endpoints were verified took a report's endpoint as it came.
@@ -269,8 +273,7 @@ class ProxyPool:
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         """
-        reason = request.get("reason") if isinstance(request, dict) else request
-        self._terminate_reason = str(reason)[:500] if reason else "terminate signal"
+        self._terminate_reason = signal_reason(request, "terminate signal")
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
     def member_changed(self, raw: Any = None, *_extra: Any) -> None:
@@ -427,21 +430,13 @@ class ProxyPool:
             provider, placement = entry.get("provider"), entry.get("placement")
             if not isinstance(provider, str):
                 continue
-            found: TargetCheck = await workflow.execute_local_activity_method(
-                ProviderActivities.validate_target,
-                ValidateTargetInput(
-                    provider=provider,
-                    port=port if isinstance(port, int) and 0 < port < 65536 else None,
-                    placement=(
-                        {k: str(v) for k, v in placement.items() if v is not None}
-                        if isinstance(placement, dict)
-                        else {}
-                    ),
-                    health_target=target if isinstance(target, str) else DEFAULT_HEALTH_TARGET,
-                ),
-                start_to_close_timeout=policies.VALIDATE.start_to_close,
-                schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
+            found = await check_target(
+                target_input(
+                    provider,
+                    port if isinstance(port, int) and 0 < port < 65536 else None,
+                    placement,
+                    target if isinstance(target, str) else DEFAULT_HEALTH_TARGET,
+                )
             )
             problems += [
                 prefix + problem for problem in found.problems if prefix + problem not in problems
