@@ -67,8 +67,8 @@ POOL_MEMBERS_PATCH = "end-members-of-closed-pools"
 MAX_GRACE_PERIOD_SECONDS = 30 * 24 * 3600
 DEFAULT_MAX_DELETE_SHARE = 0.5
 DEFAULT_MAX_DELETE_UNCHECKED = 10
-# workflow.patched() id: sweeps recorded before the breaker existed never
-# consulted it.
+# Deprecated patch id (docs/upgrades.md): every sweep consults the breaker
+# now; sweeps that recorded its marker still replay.
 CIRCUIT_BREAKER = "gc-circuit-breaker"
 
 # Candidates confirmed, then deleted concurrently, per batch: the bound on
@@ -258,11 +258,11 @@ class OrphanGC:
                     sweep.skipped = survey.young + survey.untagged
                     sweep.skips.update(survey.young_ids)
                     sweep.skips.update(survey.untagged_ids)
-                    if workflow.patched(CIRCUIT_BREAKER):
-                        sweep.circuit_open = _breaker(sweep.provider, survey, inp)
-                        if sweep.circuit_open and not inp.dry_run:
-                            self._show()
-                            return
+                    workflow.deprecate_patch(CIRCUIT_BREAKER)
+                    sweep.circuit_open = _breaker(sweep.provider, survey, inp)
+                    if sweep.circuit_open and not inp.dry_run:
+                        self._show()
+                        return
                 progress.pending, progress.more = survey.candidates, survey.more
                 self._show()
             while progress.pending:
