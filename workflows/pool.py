@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -94,6 +95,12 @@ with workflow.unsafe.imports_passed_through():
 MEMBER_DRAIN_PATCH = "member-drain"
 # Pools recorded before endpoints were verified took a report's endpoint as it came.
 VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
+# Updates applied lately, by id, with their results: Temporal refuses a
+# repeated update id within a run, not across continue-as-new, so a client
+# retrying one after it would apply it twice (a second full `rotate`).
+REMEMBERED_UPDATES = 64
+# A remembered result keeps this many entries of a list (`rotate`'s queued).
+REMEMBERED_LIST = 50
 # A report stamped further ahead of the pool's clock than this is forged (a
 # member stamps its reports with its own workflow time): taken, it would
 # shadow the member's real reports until then.
@@ -166,6 +173,14 @@ class PoolEndpoint:
     placement: dict[str, str]
 
 
+@dataclass(frozen=True)
+class AppliedUpdate:
+    """An update a run applied: a digest of its id, and the result it returned."""
+
+    key: str
+    result: dict[str, Any]
+
+
 @dataclass
 class PoolCarried:
     """Everything continue-as-new hands to the next run."""
@@ -184,6 +199,9 @@ class PoolCarried:
     rejected_reports: int = 0
     last_rejected: str | None = None
     vacancies: list[str] = field(default_factory=list)
+    # Oldest first, REMEMBERED_UPDATES at most (a list: JSON objects' keys
+    # come back sorted, not in the order they were added).
+    applied_updates: list[AppliedUpdate] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -224,6 +242,7 @@ class ProxyPool:
         self._verifying: set[str] = set()
         self._rejected_reports = 0
         self._last_rejected: str | None = None
+        self._applied_updates: dict[str, dict[str, Any]] = {}
         self._published: tuple[str, str] | None = None
 
     # ---- the contract: run, signals, queries, updates -------------------------------
@@ -331,23 +350,30 @@ class ProxyPool:
         ]
 
     @workflow.update(name="scale")
-    def scale(self, request: Any) -> dict[str, int]:
+    def scale(self, request: Any) -> dict[str, Any]:
         """Keep `replicas` members; also resumes replacing after the failure budget ran out."""
+        applied = self._applied()
+        if applied is not None:
+            return applied
         req = self._request(ScaleRequest, request, "scale")
         previous, self._replicas = self._replicas, req.replicas
         self._stopped = None
         self._failures_in_a_row = 0
         self._start_after = None
         self._dirty = True
-        return {"replicas": req.replicas, "previous": previous}
+        return self._remember({"replicas": req.replicas, "previous": previous})
 
     @scale.validator
     def _validate_scale(self, request: Any) -> None:
-        self._request(ScaleRequest, request, "scale")
+        if self._applied() is None:
+            self._request(ScaleRequest, request, "scale")
 
     @workflow.update(name="rotate")
-    def rotate(self, request: Any) -> dict[str, list[str]]:
+    def rotate(self, request: Any) -> dict[str, Any]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
+        applied = self._applied()
+        if applied is not None:
+            return applied
         req = self._request(RotateRequest, request, "rotate")
         # All: every member that has served; one still starting is new already.
         targets = (
@@ -356,10 +382,12 @@ class ProxyPool:
         reason = "rotate all" if req.all else "rotate update"
         queued = [member.member for member in targets if member.queue(reason)]
         self._dirty = True
-        return {"queued": queued}
+        return self._remember({"queued": queued})
 
     @rotate.validator
     def _validate_rotate(self, request: Any) -> None:
+        if self._applied() is not None:
+            return
         req = self._request(RotateRequest, request, "rotate")
         if req.member is not None:
             self._live_member(req.member)
@@ -367,6 +395,9 @@ class ProxyPool:
     @workflow.update(name="report_ban")
     def report_ban(self, request: Any) -> dict[str, Any]:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
+        applied = self._applied()
+        if applied is not None:
+            return applied
         req = self._request(BanRequest, request, "report_ban")
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
@@ -376,10 +407,12 @@ class ProxyPool:
         self._bans = [*pool_plan.recent_bans(self._bans, self._inp.bans, now), now.isoformat()]
         member.ban(req.reason or "reported banned")
         self._dirty = True
-        return {"member": member.member, "banned": True, "already": False}
+        return self._remember({"member": member.member, "banned": True, "already": False})
 
     @report_ban.validator
     def _validate_report_ban(self, request: Any) -> None:
+        if self._applied() is not None:
+            return  # a retry of one applied before a continue-as-new: its result again
         req = self._request(BanRequest, request, "report_ban")
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
@@ -442,6 +475,18 @@ class ProxyPool:
                 prefix + problem for problem in found.problems if prefix + problem not in problems
             ]
         return problems
+
+    def _applied(self) -> dict[str, Any] | None:
+        """The result of the current update if its id was applied already (in an earlier run)."""
+        return self._applied_updates.get(_update_key())
+
+    def _remember(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Keep the current update's result under its id, the oldest going past the bound."""
+        kept = {k: v[:REMEMBERED_LIST] if isinstance(v, list) else v for k, v in result.items()}
+        self._applied_updates[_update_key()] = kept
+        while len(self._applied_updates) > REMEMBERED_UPDATES:
+            del self._applied_updates[next(iter(self._applied_updates))]
+        return result
 
     def _request(self, model: Any, raw: Any, what: str) -> Any:
         """An update's request, or a rejection naming every bad field."""
@@ -714,6 +759,7 @@ class ProxyPool:
             rejected_reports=self._rejected_reports,
             last_rejected=self._last_rejected,
             vacancies=self._vacancies,
+            applied_updates=[AppliedUpdate(k, r) for k, r in self._applied_updates.items()],
         )
 
     def _restore(self, carried: PoolCarried) -> None:
@@ -733,6 +779,9 @@ class ProxyPool:
         self._terminate_reason = carried.terminate_reason
         self._rejected_reports = carried.rejected_reports
         self._last_rejected = carried.last_rejected
+        self._applied_updates = {
+            a.key: a.result for a in carried.applied_updates[-REMEMBERED_UPDATES:]
+        }
         # Carried from a run before endpoints were verified, or a check cut
         # short by continue-as-new: asked again.
         self._unverified = {
@@ -791,3 +840,10 @@ class ProxyPool:
         if self._published is None or details != self._published[1]:
             workflow.set_current_details(details)
         self._published = (state, details)
+
+
+def _update_key() -> str:
+    """A fixed-size key for the current update's id (a client's string, of any length)."""
+    info = workflow.current_update_info()
+    assert info is not None, "called from an update's handler or validator only"
+    return hashlib.sha256(info.id.encode()).hexdigest()[:32]

@@ -195,3 +195,45 @@ async def test_members_live_on_across_the_pools_continue_as_new(
         raise AssertionError(f"the pool did not end in {DEADLINE}s: {statuses}") from None
     assert result["state"] == "Terminated"
     assert stack.instances() == []
+
+
+async def test_an_update_retried_after_the_pools_continue_as_new_applies_once(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+) -> None:
+    """Temporal refuses a repeated update id within a run only; the pool remembers across runs.
+
+    A client that retries `scale` (or `rotate`, `report_ban`) with the same
+    update id after the pool continued as new gets the first result back,
+    and the pool does not apply it again.
+    """
+    stack = await stack_on(eager_can_env)
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 1, "template": stack.proxy_input(max_lifetime_seconds=10, drain_seconds=0)},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await handle.query("status"))["ready"] == 1)
+
+    await wait_for(ready, "the member Ready")
+    first = await handle.execute_update("scale", {"replicas": 2}, id="scale-to-two")
+    assert first == {"replicas": 2, "previous": 1}
+    first_run = (await handle.describe()).run_id
+
+    async def continued() -> bool:
+        return (await handle.describe()).run_id != first_run
+
+    await wait_for(continued, "the pool's continue-as-new", deadline=120)
+    assert await handle.execute_update("scale", {"replicas": 1}, id="scale-back") == {
+        "replicas": 1,
+        "previous": 2,
+    }
+    retried = await handle.execute_update("scale", {"replicas": 2}, id="scale-to-two")
+    assert retried == first
+    assert (await handle.query("status"))["replicas"] == 1, "the retry was applied again"
+    await handle.signal("terminate")
+    assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
+    assert stack.instances() == []
