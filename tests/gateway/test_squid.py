@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,9 +39,7 @@ from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.tunnel import Answer, request
 from tests.helpers.waiting import wait_until
 
-# The members' names are fixed, and a Squid's name is machine-wide (/dev/shm):
-# every test of this module runs on one xdist worker.
-pytestmark = [requires_squid, pytest.mark.slow, pytest.mark.xdist_group("gateway_squid")]
+pytestmark = [requires_squid, pytest.mark.slow]
 
 POOL = "pool-t"
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,9 +56,12 @@ class Members:
         self.config = config
         self.by_member: dict[str, GatewayMember] = {}
         self.names: dict[str, str] = {}
+        self.suffix = uuid.uuid4().hex[:8]
 
     def add(self, n: int) -> GatewayMember:
-        name = f"member-{n}"
+        # A Squid's name is machine-wide (its /dev/shm segments): each test's
+        # own, so the module's tests can run on several xdist workers at once.
+        name = f"member-{n}-{self.suffix}"
         instance = self.provider.create(
             CreateRequest(
                 name=name,
