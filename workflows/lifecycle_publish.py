@@ -27,7 +27,7 @@ from contract import (
     ProxyState,
 )
 from workflows.lifecycle_carried import ProxyStatus
-from workflows.membership import MemberReport
+from workflows.membership import MemberReport, signal_input
 
 
 class StatusPublisher:
@@ -115,4 +115,4 @@ class StatusPublisher:
 async def _send_report(pool: workflow.ExternalWorkflowHandle[Any], report: MemberReport) -> None:
     # A pool that is gone (hard-terminated) cannot be told; OrphanGC ends its members.
     with contextlib.suppress(FailureError):
-        await pool.signal(MEMBER_CHANGED_SIGNAL, report)
+        await pool.signal(MEMBER_CHANGED_SIGNAL, signal_input(report))

@@ -14,6 +14,7 @@ member's own instance serves there (workflows/pool.py, "verified").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -57,6 +58,23 @@ class MemberReport:
             return (datetime.fromisoformat(self.at), self.seq) > (datetime.fromisoformat(at), seq)
         except (ValueError, TypeError):  # unreadable, or without a time zone
             return True
+
+
+# The key of the report's one-line summary in the signal's input: Temporal's
+# JSON sorts keys, and "_" sorts before every lower-case letter, so the Web
+# UI's cut-off view of the input begins with it instead of the timestamp.
+SUMMARY_KEY = "_summary"
+
+
+def signal_input(report: MemberReport) -> dict[str, Any]:
+    """The `member_changed` input: the report, led by a summary a person can read.
+
+    `parse_report` ignores the summary (it is not a field), as pools of
+    earlier releases do.
+    """
+    endpoint = report.endpoint or "no endpoint"
+    summary = f"{report.member} {report.state}, {endpoint}, generation {report.generation}"
+    return {SUMMARY_KEY: summary, **dataclasses.asdict(report)}
 
 
 def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from temporalio.converter import default
 
 from workflows.membership import (
     MAX_ENDPOINT_LENGTH,
@@ -12,6 +13,7 @@ from workflows.membership import (
     MAX_ID_LENGTH,
     MemberReport,
     parse_report,
+    signal_input,
 )
 
 GOOD: dict[str, Any] = {
@@ -81,3 +83,14 @@ def test_huge_strings_are_capped_at_the_edge() -> None:
 def test_unknown_keys_are_ignored() -> None:
     report, problem = parse_report(GOOD | {"owner": "someone else", "password": "x"})
     assert problem is None and report == MemberReport(**GOOD)
+
+
+def test_the_signal_input_leads_with_a_summary_and_parses_to_the_report() -> None:
+    """The Web UI cuts a signal's input short: it must begin with who and what, not a timestamp."""
+    report = MemberReport(**GOOD)
+    raw = signal_input(report)
+    [payload] = default().payload_converter.to_payloads([raw])
+    assert payload.data.decode().startswith(
+        '{"_summary":"pool-a/0 Ready, 127.0.0.1:20000, generation 2"'
+    )
+    assert parse_report(raw) == (report, None)
