@@ -293,9 +293,10 @@ def stop(pid: int, exited: Callable[[], bool], grace: float, *, group: bool = Fa
 
     With `group`, whatever is left of its process group (`pid` is its
     leader, as `launch` makes it) is killed afterwards: children that
-    outlived it. `exited` is the caller's witness, as only the caller knows
-    whether `pid` is still the process it started (a Popen's poll, a
-    recorded start time). SquidError if it survives SIGKILL for `grace`.
+    outlived it, and waited for until none runs. `exited` is the caller's
+    witness, as only the caller knows whether `pid` is still the process it
+    started (a Popen's poll, a recorded start time). SquidError if it, or
+    its group, survives SIGKILL for `grace`.
     """
     if not exited():
         _signal(pid, signal.SIGTERM)
@@ -304,7 +305,10 @@ def stop(pid: int, exited: Callable[[], bool], grace: float, *, group: bool = Fa
             if not wait_until(exited, grace):
                 raise SquidError(f"process {pid} survives SIGKILL")
     if group:
+        # SIGKILL is delivered, not done: a worker may still run for a moment.
         _signal(pid, signal.SIGKILL, group=True)
+        if not wait_until(lambda: not procfs.group_members(pid), grace):
+            raise SquidError(f"processes of group {pid} survive SIGKILL")
 
 
 def _signal(pid: int, signum: int, *, group: bool = False) -> None:
