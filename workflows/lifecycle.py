@@ -17,6 +17,7 @@ workflow enforces (workflows/lifecycle_states.py; a test keeps this copy true):
     Replacing    -> Terminating   terminate signal or workflow cancel
     Replacing    -> Failed        invalid input, a Permanent error, or the crash budget spent
     Terminating  -> Terminated    every instance the workflow owned is gone
+    Terminating  -> Failed        the provider refused an instance's delete for good (Permanent)
 
 Each state is one method of ProxyLifecycle (`_provisioning`, `_replacing`,
 `_ready`, `_unhealthy`, `_terminating`, `_failed`). What outlives a run is
@@ -109,6 +110,11 @@ PROVIDER_WAIT = policies.Backoff(first=timedelta(seconds=5), cap=timedelta(minut
 # inside Temporal and slept through quota waits on terminate. Replaying them
 # keeps doing so; new runs take the paths described in docs/architecture.md.
 CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
+# Histories recorded before this patch retried a delete the provider refused
+# for good (Permanent) every PERMANENT_DELETE_RETRY_DELAY, forever; replaying
+# them still does. Since, such a refusal ends the proxy as Failed, naming the
+# instance and the provider's reason.
+DELETE_REFUSED_PATCH = "delete-refused-for-good"
 
 # The summaries of the monitor's two timers; the one that fired says which.
 LIFETIME_SUMMARY = "max lifetime reached"
@@ -153,6 +159,9 @@ class ProxyLifecycle:
         self._new_paths = False
         # Why Ready's monitor found the instance failing, for Unhealthy to record.
         self._unhealthy_cause = ""
+        # Set when the provider refused to delete an instance for good: the
+        # proxy then ends as Failed with this reason (_give_up_deleting).
+        self._delete_refused: str | None = None
         self._publisher = StatusPublisher()
 
     # ---- the contract: run, signal, query ------------------------------------------
@@ -184,9 +193,11 @@ class ProxyLifecycle:
             # `temporal workflow cancel`: clean up, then end as cancelled.
             self._terminate_reason = self._terminate_reason or "workflow cancelled"
             await self._terminating(lifecycle)
+            self._raise_if_delete_refused()
             raise
         if not lifecycle.done():
             await self._terminating(lifecycle)
+            self._raise_if_delete_refused()
             return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")
         try:
             lifecycle.result()
@@ -326,14 +337,28 @@ class ProxyLifecycle:
         await self._settle_retired_monitor()
         self._carried.current = None
         self._show_instance(None)
-        self._set_state(ProxyState.TERMINATED)
+        if self._delete_refused is not None:
+            self._note_error(self._delete_refused)
+            self._set_state(ProxyState.FAILED)
+        else:
+            self._set_state(ProxyState.TERMINATED)
         await self._publisher.delivered()
+
+    def _raise_if_delete_refused(self) -> None:
+        """After Terminating: a delete refused for good ends the proxy as Failed, saying why."""
+        if self._delete_refused is not None:
+            raise ApplicationError(
+                self._delete_refused, type=ErrorType.PERMANENT, non_retryable=True
+            )
 
     async def _failed(self, err: ApplicationError | ActivityError) -> ApplicationError:
         """Failed: delete everything; the error run() ends the workflow with."""
         reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
         self._note_error(reason)
         await self._cleanup()
+        if self._delete_refused is not None:
+            reason = f"{reason}; {self._delete_refused}"
+            self._note_error(reason)
         self._show_instance(None)
         self._set_state(ProxyState.FAILED)
         await self._publisher.delivered()
@@ -787,7 +812,13 @@ class ProxyLifecycle:
             self._end_wait(summary)
 
     async def _delete_and_wait(self, ref: InstanceRef) -> None:
-        """Delete and wait until gone; never gives up, whatever the error."""
+        """Delete and wait until gone; gives up only when the provider refuses for good.
+
+        Quota and provider trouble are waited out however long they last (a
+        leaked instance bills every hour). A Permanent refusal (the provider
+        says the instance is not ours: its tags name another owner) would be
+        refused again every time: the proxy stops trying and ends as Failed.
+        """
         while True:
             try:
                 await delete_until_gone(ref, self._cleanup_call, policies.DELETION, ref.name)
@@ -795,6 +826,11 @@ class ProxyLifecycle:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._note_error(f"deleting {ref.name}: {failures.message(err)}")
+                if failures.cause_type(err) == ErrorType.PERMANENT and workflow.patched(
+                    DELETE_REFUSED_PATCH
+                ):
+                    self._give_up_deleting(ref, failures.message(err))
+                    return
                 await workflow.sleep(
                     PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
@@ -803,6 +839,25 @@ class ProxyLifecycle:
             self._deletions.pop(ref.provider_id, None)
             self._publish()
             return
+
+    def _give_up_deleting(self, ref: InstanceRef, refusal: str) -> None:
+        """Stop deleting an instance the provider refuses to delete; end the proxy as Failed.
+
+        The instance is forgotten (no cleanup asks again) and named in the
+        reason, so an operator can look at it; terminate machinery deletes
+        everything else the proxy owns, as it does on a terminate signal.
+        """
+        self._carried.disown(ref)
+        self._deletions.pop(ref.provider_id, None)
+        reason = (
+            f"gave up deleting {ref.name} ({ref.provider_id}): the provider refused "
+            f"for good: {refusal}"
+        )
+        self._delete_refused = self._delete_refused or reason
+        self._note_error(reason)
+        if self._terminate_reason is None:
+            self._terminate_reason = reason
+        self._publish()
 
     # ---- ending --------------------------------------------------------------------
 
