@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -74,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import ProxyInput, continued_state
     from workflows.lifecycle_carried import (
         CarriedState,
+        ProviderWait,
         ProxyStatus,
         from_older_release,
         status_of,
@@ -115,6 +117,16 @@ CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
 # them still does. Since, such a refusal ends the proxy as Failed, naming the
 # instance and the provider's reason.
 DELETE_REFUSED_PATCH = "delete-refused-for-good"
+# Histories recorded before this patch continued as new only between monitor
+# cycles, and never while a deletion was pending; replaying them still does.
+# Since, a run also hands over in the middle of a long wait (quota, a
+# provider outage, a deletion waiting out either), once its history is long.
+WAIT_HANDOVER_PATCH = "hand-over-long-waits"
+
+# A run continues as new once its history has this many events, whether or
+# not the server suggests it (its default suggestion comes at about 4,000
+# too; a test server may never suggest): far below the 51,200-event limit.
+EVENT_BUDGET = 4_000
 
 # The summaries of the monitor's two timers; the one that fired says which.
 LIFETIME_SUMMARY = "max lifetime reached"
@@ -162,6 +174,9 @@ class ProxyLifecycle:
         # Set when the provider refused to delete an instance for good: the
         # proxy then ends as Failed with this reason (_give_up_deleting).
         self._delete_refused: str | None = None
+        # Provider activities running now, of every task: a run hands over
+        # only when none is, so none reports to a closed run.
+        self._in_flight = 0
         self._publisher = StatusPublisher()
 
     # ---- the contract: run, signal, query ------------------------------------------
@@ -276,7 +291,12 @@ class ProxyLifecycle:
     def _resumed_state(self) -> ProxyState:
         """Where this run's lifecycle starts: with no instance, or a continued run's."""
         if self._carried.current is not None:
-            return ProxyState.READY
+            return ProxyState.READY  # a rotation under way resumes from Ready
+        if self._carried.bringing_up is not None and self._carried.state in (
+            ProxyState.PROVISIONING,
+            ProxyState.REPLACING,
+        ):
+            return self._carried.state  # handed over in the middle of a bring-up
         if self._carried.next_generation == 0:
             return ProxyState.PROVISIONING
         return ProxyState.REPLACING  # continued after its instance went Unhealthy
@@ -417,8 +437,11 @@ class ProxyLifecycle:
         Raises _InstanceFailed (carrying the instance, if one was made) for
         anything a replacement could fix; a Permanent error fails the workflow.
         """
-        generation = self._carried.next_generation
-        self._carried.next_generation += 1
+        generation = self._carried.bringing_up
+        if generation is None:
+            generation = self._carried.next_generation
+            self._carried.next_generation += 1
+            self._carried.bringing_up = generation
         # While rotating, status keeps showing the instance that still serves.
         visible = self._carried.current is None
         ref = await self._create(inp, generation)
@@ -438,8 +461,10 @@ class ProxyLifecycle:
         except ActivityError as err:
             if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
+            self._carried.bringing_up = None
             raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
         self._carried.last_probe = probe
+        self._carried.bringing_up = None
         if not probe.ok:
             raise _InstanceFailed(
                 f"{ref.name} never passed a probe: {probe.failure} ({probe.error})", ref
@@ -540,11 +565,14 @@ class ProxyLifecycle:
                 ) from err
             # Provider trouble is waited out in _provider_call; only histories
             # from before CLEAN_STOP_PATCH get here with a Transient error.
+            self._carried.bringing_up = None
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
         self._pending_name = None
+        # A bring-up resumed after continue-as-new adopts what it made before.
+        made_before = any(known.provider_id == ref.provider_id for known in self._carried.owned)
         self._carried.own(ref)
-        if generation > 0:
+        if generation > 0 and not made_before:
             self._carried.replacements += 1
         self._publish()
         return ref
@@ -744,20 +772,52 @@ class ProxyLifecycle:
         `interruptible` call between attempts at once; a completed activity's
         result is never thrown away, so a create that succeeded is cleaned up.
         """
+        # The lifecycle's own calls (interruptible: one at a time) carry their
+        # wait across continue-as-new; cleanup's deletions, several at once,
+        # each keep their own and start again in the next run.
+        carried = interruptible
+        wait = (self._carried.provider_wait if carried else None) or ProviderWait(since="")
+        try:
+            return await self._call_waiting_out_the_provider(
+                activity, arg, profile, summary, interruptible=interruptible, wait=wait
+            )
+        finally:
+            # The wait is over, however it ended (a hand-over carried a copy).
+            if carried:
+                self._carried.provider_wait = None
+
+    async def _call_waiting_out_the_provider(
+        self,
+        activity: Callable[[ProviderActivities, A], Awaitable[R]],
+        arg: A,
+        profile: policies.ActivityProfile,
+        summary: str,
+        *,
+        interruptible: bool,
+        wait: ProviderWait,
+    ) -> R:
+        """_provider_call's loop; `wait` is its progress, carried for the lifecycle's calls."""
         patched = self._patched()
-        provider_waits = 0
+        carried = interruptible
         while True:
             if interruptible:
                 self._raise_if_stopping()
             try:
-                return await policies.execute(
-                    activity,
-                    arg,
-                    profile,
-                    summary,
-                    retry_policy=policies.PROVIDER_RETRY if patched else policies.TRANSIENT_RETRY,
-                    cancellation_type=self._cancellation(),
-                )
+                self._in_flight += 1
+                try:
+                    result = await policies.execute(
+                        activity,
+                        arg,
+                        profile,
+                        summary,
+                        retry_policy=policies.PROVIDER_RETRY
+                        if patched
+                        else policies.TRANSIENT_RETRY,
+                        cancellation_type=self._cancellation(),
+                    )
+                finally:
+                    self._in_flight -= 1
+                return result
             except ActivityError as err:
                 if interruptible and not failures.cancelled(err):
                     self._raise_if_stopping()
@@ -766,17 +826,26 @@ class ProxyLifecycle:
                     delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
                 elif patched and failures.provider_trouble(err):
                     waiting_for = "provider"
-                    delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(provider_waits)
-                    provider_waits += 1
+                    delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(
+                        wait.provider_failures
+                    )
+                    wait.provider_failures += 1
                 else:
                     raise
+                wait.failed_calls += 1
+                wait.since = wait.since or workflow.now().isoformat(timespec="seconds")
+                if carried:
+                    self._carried.provider_wait = wait
                 self._note_error(failures.message(err))
                 await self._wait(
-                    f"waiting for {waiting_for}: {failures.message(err)}",
+                    f"waiting for {waiting_for}: {failures.message(err)} "
+                    f"(since {wait.since}, {wait.failed_calls} failed calls)",
                     delay,
                     summary=f"waiting for {waiting_for} ({summary})",
                     interruptible=interruptible,
                 )
+                if carried:
+                    await self._hand_over_if_long()
 
     async def _cleanup_call(
         self,
@@ -877,27 +946,69 @@ class ProxyLifecycle:
         await asyncio.gather(*self._deletions.values())
 
     async def _continue_as_new_if_suggested(self) -> None:
-        """Between monitor cycles, the one point where a run may hand over to the next."""
+        """Between monitor cycles: hand over to a new run when the server suggests it."""
         if not workflow.info().is_continue_as_new_suggested():
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched() and self._deletions:
+        if self._patched() and self._deletions and not self._idle_deletions():
             # Their activities would report to a closed run (a warning in the
             # worker's log): continue after the next monitor cycle instead,
             # rather than leave the instance unmonitored while they finish.
             return
+        await self._continue_as_new()
+
+    def _idle_deletions(self) -> bool:
+        """Whether every pending deletion is between calls: waiting out quota or an outage.
+
+        Such a deletion starts again in the next run (`_restore`), so it no
+        longer holds a run back that waits for days.
+        """
+        return self._in_flight == 0 and workflow.patched(WAIT_HANDOVER_PATCH)
+
+    async def _hand_over_if_long(self) -> None:
+        """In the middle of a long wait: continue as new once the history is long.
+
+        A wait for quota or a provider costs about 11 events a call (every 3
+        minutes for quota): without this, a month of it would pass Temporal's
+        51,200-event limit. Called between two calls of the wait, with none
+        in flight; the next run resumes the bring-up where this one was
+        (`CarriedState.bringing_up`, `CarriedState.provider_wait`).
+        """
+        info = workflow.info()
+        long = (
+            info.is_continue_as_new_suggested() or info.get_current_history_length() >= EVENT_BUDGET
+        )
+        if not long or self._in_flight or self._terminate_reason is not None:
+            return
+        monitor = self._retired_monitor
+        if (monitor is not None and not monitor.done()) or not workflow.patched(
+            WAIT_HANDOVER_PATCH
+        ):
+            return  # a rotation's old monitor ends within a heartbeat: at the next call
+        await self._settle_retired_monitor()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._publisher.delivered()
+        if self._terminate_reason is None:
+            await self._continue_as_new()
+
+    async def _continue_as_new(self) -> None:
+        """Hand over to a new run, carrying the state as it is now."""
         assert self._input is not None
         workflow.continue_as_new(
-            args=[self._input.model_dump(mode="json", exclude_none=True), self._carried]
+            args=[
+                self._input.model_dump(mode="json", exclude_none=True),
+                # A copy: unwinding this run's tasks must not change what is carried.
+                copy.deepcopy(self._carried),
+            ]
         )
 
     def _restore(self, carried: CarriedState) -> None:
         """Take over a previous run's state; delete what it was still deleting."""
         self._carried = carried
         for ref in carried.owned:
-            if ref != carried.current:
+            if ref != carried.current and ref.generation != carried.bringing_up:
                 self._retire(ref)
 
     def _result(self, state: ProxyState, reason: str) -> ProxyResult:
