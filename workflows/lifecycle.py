@@ -123,6 +123,12 @@ DELETE_REFUSED_PATCH = "delete-refused-for-good"
 # provider outage, a deletion waiting out either), once its history is long.
 WAIT_HANDOVER_PATCH = "hand-over-long-waits"
 
+# Histories recorded before this patch cancelled the old instance's monitor
+# as a rotation began; replaying them still does. Since, the old instance is
+# monitored until its replacement is Ready: it serves (and a pool advertises
+# it) until then, which a wait for quota can make days.
+ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
+
 # A run continues as new once its history has this many events, whether or
 # not the server suggests it (its default suggestion comes at about 4,000
 # too; a test server may never suggest): far below the 51,200-event limit.
@@ -174,6 +180,9 @@ class ProxyLifecycle:
         # Set when the provider refused to delete an instance for good: the
         # proxy then ends as Failed with this reason (_give_up_deleting).
         self._delete_refused: str | None = None
+        # The monitor of the instance being rotated out, while its
+        # replacement is brought up (ROTATION_WATCH_PATCH).
+        self._old_monitor: ActivityHandle[MonitorOutcome] | None = None
         # Provider activities running now, of every task: a run hands over
         # only when none is, so none reports to a closed run.
         self._in_flight = 0
@@ -319,7 +328,8 @@ class ProxyLifecycle:
         """
         outcome = await self._monitor(inp)
         if outcome is None:
-            await self._rotate(inp)
+            if await self._rotate(inp) == ProxyState.REPLACING:
+                return ProxyState.REPLACING  # the old instance failed during the rotation
         elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
             self._forgive_if_stable()
             self._unhealthy_cause = f"{outcome.reason}: {outcome.detail}"
@@ -584,22 +594,7 @@ class ProxyLifecycle:
         await self._settle_retired_monitor()
         ref = self._carried.current
         assert ref is not None
-        handle = workflow.start_activity_method(
-            ProviderActivities.monitor,
-            MonitorInput(
-                ref,
-                inp.health.target,
-                interval_seconds=inp.health.interval_seconds,
-                failure_threshold=inp.health.failure_threshold,
-                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
-                probe_timeout_seconds=inp.health.timeout_seconds,
-            ),
-            summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
-            start_to_close_timeout=policies.MONITOR.start_to_close,
-            heartbeat_timeout=policies.MONITOR.heartbeat,
-            retry_policy=policies.TRANSIENT_RETRY,
-            cancellation_type=self._cancellation(),
-        )
+        handle = self._start_monitor(inp, ref)
 
         def wake() -> bool:
             return handle.done() or self._carried.rotate_reason is not None
@@ -633,28 +628,56 @@ class ProxyLifecycle:
                         self._forgive_if_stable()
                         self._publish()
                         continue
-                    self._rotate_now(handle)
+                    self._rotation_due(handle)
                     return None
             if handle.done():
                 break
-            self._rotate_now(handle)  # a rotate signal
+            self._rotation_due(handle)  # a rotate signal
             return None
         outcome: MonitorOutcome = await handle
         self._raise_if_stopping()
         self._carried.last_probe = outcome.last_probe
         return outcome
 
-    async def _rotate(self, inp: ProxyInput) -> None:
-        """Make before break: the old instance serves until the new one is Ready."""
+    def _start_monitor(self, inp: ProxyInput, ref: InstanceRef) -> ActivityHandle[MonitorOutcome]:
+        """Start the long-running monitor of `ref` for one MONITOR_PERIOD."""
+        return workflow.start_activity_method(
+            ProviderActivities.monitor,
+            MonitorInput(
+                ref,
+                inp.health.target,
+                interval_seconds=inp.health.interval_seconds,
+                failure_threshold=inp.health.failure_threshold,
+                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
+                probe_timeout_seconds=inp.health.timeout_seconds,
+            ),
+            summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
+            start_to_close_timeout=policies.MONITOR.start_to_close,
+            heartbeat_timeout=policies.MONITOR.heartbeat,
+            retry_policy=policies.TRANSIENT_RETRY,
+            cancellation_type=self._cancellation(),
+        )
+
+    async def _rotate(self, inp: ProxyInput) -> ProxyState:
+        """Make before break: the old instance serves until the new one is Ready.
+
+        Returns Ready, or Replacing when the old instance failed while its
+        replacement was being brought up and that replacement failed too.
+        """
         old = self._carried.current
         assert old is not None
         try:
-            new = await self._bring_up(inp)
+            new = await self._bring_up_watching(inp, old)
         except _InstanceFailed as failed:
-            # Keep serving from the old instance; try again after a backoff.
             self._retire(failed.ref)
             await self._count_failure(f"rotation failed: {failed}")
-            return
+            if self._carried.current is None:
+                return ProxyState.REPLACING  # the old one failed meanwhile: none serves
+            return ProxyState.READY  # keep serving from the old one; try again after a backoff
+        if self._carried.current is None:
+            # The old instance failed during the rotation and is already retired.
+            self._become_ready(new)
+            return ProxyState.READY
         self._become_ready(new)
         if inp.drain_seconds:
             # The new endpoint is published (and told to the pool); gateways
@@ -668,6 +691,84 @@ class ProxyLifecycle:
             )
         await self._delete_and_wait(old)
         await self._settle_retired_monitor()
+        return ProxyState.READY
+
+    def _rotation_due(self, handle: ActivityHandle[MonitorOutcome]) -> None:
+        """A rotation begins: the old monitor goes on watching, or (recorded runs) is cancelled."""
+        if workflow.patched(ROTATION_WATCH_PATCH):
+            self._old_monitor = handle
+        else:
+            self._rotate_now(handle)
+
+    async def _bring_up_watching(self, inp: ProxyInput, old: InstanceRef) -> InstanceRef:
+        """Bring up the replacement while the old instance, still serving, stays monitored.
+
+        The bring-up may wait for quota for days; the old instance is what
+        status and the pool advertise meanwhile. Its monitor is restarted
+        every MONITOR_PERIOD; if it finds the old instance failing, the old
+        one is withdrawn (Unhealthy, then Replacing) and the bring-up goes
+        on as its replacement.
+        """
+        if self._old_monitor is None:
+            # Recorded rotations cancelled the old monitor and brought up inline.
+            return await self._bring_up(inp)
+        bring_up = asyncio.create_task(self._bring_up(inp))
+        try:
+            while not bring_up.done():
+                watching = self._old_monitor
+                await self._until_done_or_ended(bring_up, watching)
+                if bring_up.done() or watching is None or self._old_monitor is not watching:
+                    continue  # done, or the monitor taken by a hand-over
+                self._old_monitor = None
+                outcome: MonitorOutcome | None = None
+                with contextlib.suppress(ActivityError):
+                    outcome = await watching
+                if outcome is not None:
+                    self._carried.last_probe = outcome.last_probe
+                if outcome is not None and outcome.reason in (
+                    MonitorReason.UNHEALTHY,
+                    MonitorReason.GONE,
+                ):
+                    self._old_instance_failed(old, outcome)
+                else:
+                    self._old_monitor = self._start_monitor(inp, old)  # another period
+        except BaseException:
+            bring_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await bring_up
+            self._stop_watching_old()
+            raise
+        self._stop_watching_old()
+        return await bring_up
+
+    async def _until_done_or_ended(
+        self, bring_up: asyncio.Task[InstanceRef], watching: ActivityHandle[MonitorOutcome] | None
+    ) -> None:
+        """Until the bring-up is done, or the old monitor ended or was taken by a hand-over."""
+        await workflow.wait_condition(
+            lambda: (
+                bring_up.done()
+                or self._old_monitor is not watching
+                or (watching is not None and watching.done())
+            )
+        )
+
+    def _old_instance_failed(self, old: InstanceRef, outcome: MonitorOutcome) -> None:
+        """The instance being rotated out failed first: withdraw it; the rotation replaces it."""
+        self._forgive_if_stable()
+        self._note_error(
+            f"{old.name} failed while being rotated out: {outcome.reason}: {outcome.detail}"
+        )
+        self._enter(ProxyState.UNHEALTHY)
+        self._retire(old)
+        self._enter(ProxyState.REPLACING)
+        self._show_instance(None)
+
+    def _stop_watching_old(self) -> None:
+        """The rotation is over: the old monitor ends as _rotate_now's does."""
+        watching, self._old_monitor = self._old_monitor, None
+        if watching is not None:
+            self._rotate_now(watching)
 
     async def _wait_untimed(self, handle: ActivityHandle[MonitorOutcome], wake: Any) -> None:
         """Wait for the monitor or a rotate signal, with no timer.
@@ -987,6 +1088,12 @@ class ProxyLifecycle:
             WAIT_HANDOVER_PATCH
         ):
             return  # a rotation's old monitor ends within a heartbeat: at the next call
+        watching, self._old_monitor = self._old_monitor, None
+        if watching is not None:
+            # A rotation's old monitor: the next run starts another.
+            watching.cancel()
+            with contextlib.suppress(ActivityError):
+                await watching
         await self._settle_retired_monitor()
         await workflow.wait_condition(workflow.all_handlers_finished)
         await self._publisher.delivered()

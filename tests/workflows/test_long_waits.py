@@ -1,4 +1,4 @@
-"""A month of waiting for quota keeps every run's history small and ends Ready.
+"""Long waits for quota: history stays small, and what serves meanwhile stays watched.
 
 On the time-skipping test server: the provider answers every create with
 QuotaExceeded for 30 simulated days, asking for a retry every 30 minutes
@@ -9,6 +9,8 @@ the wait goes on where it was: the same generation, the same "since".
 
 from __future__ import annotations
 
+import os
+import signal
 from datetime import timedelta
 from typing import Any
 
@@ -19,9 +21,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
-from tests.helpers.stacks import StackOn
+from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.time_skipping import skip_past_pending_timer
-from tests.helpers.waiting import status_of, wait_status
+from tests.helpers.waiting import status_of, wait_for, wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +101,37 @@ async def test_a_month_of_quota_continues_as_new_and_ends_ready(
     assert result["state"] == "Terminated", result
     assert stack.instances() == []
     await record_history(handle, "month_of_quota_then_ready")
+
+
+async def test_old_instance_stays_monitored_while_its_rotation_waits_for_quota(
+    stack: Stack,
+) -> None:
+    """The old instance serves (and is advertised) until its replacement is Ready: watched too."""
+    handle = await stack.start()
+    old = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    stack.provider.fail_until_recovered(
+        "create", QuotaExceeded("Quota 'CPUS' exceeded in europe-west1", retry_after_seconds=1)
+    )
+    await handle.signal("rotate")
+    rotating = await wait_status(
+        handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "rotation's wait"
+    )
+    assert rotating.state == "Ready" and rotating.endpoint == old.endpoint, rotating
+
+    # The old instance dies while its replacement waits for quota: it is
+    # withdrawn at once, not advertised until the quota comes back.
+    os.kill(stack.pid_of(old.instance), signal.SIGKILL)
+    withdrawn = await wait_status(
+        handle, lambda s: s.state == "Replacing", "the failed old instance withdrawn"
+    )
+    assert withdrawn.endpoint == "" and old.instance in (withdrawn.last_error or ""), withdrawn
+
+    stack.provider.recover("create")
+    ready = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.generation == 1, "the replacement Ready"
+    )
+    assert ready.instance != old.instance
+    await wait_for(lambda: stack.instances() == [ready.instance], "only the replacement left")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert stack.instances() == []
