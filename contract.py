@@ -101,6 +101,7 @@ PROVIDER_ERRORS = frozenset(
 # QuotaExceeded comes back in minutes, not seconds, unless the provider says
 # when (Retry-After): its own hint wins.
 QUOTA_RETRY_DELAY = timedelta(minutes=3)
-# A lifecycle's delete that failed for good (Permanent) is tried again after
-# this long, forever: a leaked instance bills every hour.
+# A lifecycle's delete that failed for good (Permanent) was tried again after
+# this long, forever; only runs recorded before DELETE_REFUSED_PATCH
+# (workflows/lifecycle.py) still do, when replayed.
 PERMANENT_DELETE_RETRY_DELAY = timedelta(minutes=5)

@@ -17,6 +17,7 @@ workflow enforces (workflows/lifecycle_states.py; a test keeps this copy true):
     Replacing    -> Terminating   terminate signal or workflow cancel
     Replacing    -> Failed        invalid input, a Permanent error, or the crash budget spent
     Terminating  -> Terminated    every instance the workflow owned is gone
+    Terminating  -> Failed        the provider refused an instance's delete for good (Permanent)
 
 Each state is one method of ProxyLifecycle (`_provisioning`, `_replacing`,
 `_ready`, `_unhealthy`, `_terminating`, `_failed`). What outlives a run is
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -73,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
+        ProviderWait,
         ProxyStatus,
         from_older_release,
         status_of,
@@ -106,6 +109,27 @@ PROVIDER_WAIT = policies.Backoff(first=timedelta(seconds=5), cap=timedelta(minut
 # inside Temporal and slept through quota waits on terminate. Replaying them
 # keeps doing so; new runs take the paths described in docs/architecture.md.
 CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
+# Histories recorded before this patch retried a delete the provider refused
+# for good (Permanent) every PERMANENT_DELETE_RETRY_DELAY, forever; replaying
+# them still does. Since, such a refusal ends the proxy as Failed, naming the
+# instance and the provider's reason.
+DELETE_REFUSED_PATCH = "delete-refused-for-good"
+# Histories recorded before this patch continued as new only between monitor
+# cycles, and never while a deletion was pending; replaying them still does.
+# Since, a run also hands over in the middle of a long wait (quota, a
+# provider outage, a deletion waiting out either), once its history is long.
+WAIT_HANDOVER_PATCH = "hand-over-long-waits"
+
+# Histories recorded before this patch cancelled the old instance's monitor
+# as a rotation began; replaying them still does. Since, the old instance is
+# monitored until its replacement is Ready: it serves (and a pool advertises
+# it) until then, which a wait for quota can make days.
+ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
+
+# A run continues as new once its history has this many events, whether or
+# not the server suggests it (its default suggestion comes at about 4,000
+# too; a test server may never suggest): far below the 51,200-event limit.
+EVENT_BUDGET = 4_000
 
 # The summaries of the monitor's two timers; the one that fired says which.
 LIFETIME_SUMMARY = "max lifetime reached"
@@ -150,6 +174,15 @@ class ProxyLifecycle:
         self._new_paths = False
         # Why Ready's monitor found the instance failing, for Unhealthy to record.
         self._unhealthy_cause = ""
+        # Set when the provider refused to delete an instance for good: the
+        # proxy then ends as Failed with this reason (_give_up_deleting).
+        self._delete_refused: str | None = None
+        # The monitor of the instance being rotated out, while its
+        # replacement is brought up (ROTATION_WATCH_PATCH).
+        self._old_monitor: ActivityHandle[MonitorOutcome] | None = None
+        # Provider activities running now, of every task: a run hands over
+        # only when none is, so none reports to a closed run.
+        self._in_flight = 0
         self._publisher = StatusPublisher()
 
     # ---- the contract: run, signal, query ------------------------------------------
@@ -181,9 +214,11 @@ class ProxyLifecycle:
             # `temporal workflow cancel`: clean up, then end as cancelled.
             self._terminate_reason = self._terminate_reason or "workflow cancelled"
             await self._terminating(lifecycle)
+            self._raise_if_delete_refused()
             raise
         if not lifecycle.done():
             await self._terminating(lifecycle)
+            self._raise_if_delete_refused()
             return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")
         try:
             lifecycle.result()
@@ -259,7 +294,12 @@ class ProxyLifecycle:
     def _resumed_state(self) -> ProxyState:
         """Where this run's lifecycle starts: with no instance, or a continued run's."""
         if self._carried.current is not None:
-            return ProxyState.READY
+            return ProxyState.READY  # a rotation under way resumes from Ready
+        if self._carried.bringing_up is not None and self._carried.state in (
+            ProxyState.PROVISIONING,
+            ProxyState.REPLACING,
+        ):
+            return self._carried.state  # handed over in the middle of a bring-up
         if self._carried.next_generation == 0:
             return ProxyState.PROVISIONING
         return ProxyState.REPLACING  # continued after its instance went Unhealthy
@@ -282,7 +322,8 @@ class ProxyLifecycle:
         """
         outcome = await self._monitor(inp)
         if outcome is None:
-            await self._rotate(inp)
+            if await self._rotate(inp) == ProxyState.REPLACING:
+                return ProxyState.REPLACING  # the old instance failed during the rotation
         elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
             self._forgive_if_stable()
             self._unhealthy_cause = f"{outcome.reason}: {outcome.detail}"
@@ -320,14 +361,28 @@ class ProxyLifecycle:
         await self._settle_retired_monitor()
         self._carried.current = None
         self._show_instance(None)
-        self._set_state(ProxyState.TERMINATED)
+        if self._delete_refused is not None:
+            self._note_error(self._delete_refused)
+            self._set_state(ProxyState.FAILED)
+        else:
+            self._set_state(ProxyState.TERMINATED)
         await self._publisher.delivered()
+
+    def _raise_if_delete_refused(self) -> None:
+        """After Terminating: a delete refused for good ends the proxy as Failed, saying why."""
+        if self._delete_refused is not None:
+            raise ApplicationError(
+                self._delete_refused, type=ErrorType.PERMANENT, non_retryable=True
+            )
 
     async def _failed(self, err: ApplicationError | ActivityError) -> ApplicationError:
         """Failed: delete everything; the error run() ends the workflow with."""
         reason = err.message if isinstance(err, ApplicationError) else failures.message(err)
         self._note_error(reason)
         await self._cleanup()
+        if self._delete_refused is not None:
+            reason = f"{reason}; {self._delete_refused}"
+            self._note_error(reason)
         self._show_instance(None)
         self._set_state(ProxyState.FAILED)
         await self._publisher.delivered()
@@ -386,8 +441,11 @@ class ProxyLifecycle:
         Raises _InstanceFailed (carrying the instance, if one was made) for
         anything a replacement could fix; a Permanent error fails the workflow.
         """
-        generation = self._carried.next_generation
-        self._carried.next_generation += 1
+        generation = self._carried.bringing_up
+        if generation is None:
+            generation = self._carried.next_generation
+            self._carried.next_generation += 1
+            self._carried.bringing_up = generation
         # While rotating, status keeps showing the instance that still serves.
         visible = self._carried.current is None
         ref = await self._create(inp, generation)
@@ -407,8 +465,10 @@ class ProxyLifecycle:
         except ActivityError as err:
             if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
+            self._carried.bringing_up = None
             raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
         self._carried.last_probe = probe
+        self._carried.bringing_up = None
         if not probe.ok:
             raise _InstanceFailed(
                 f"{ref.name} never passed a probe: {probe.failure} ({probe.error})", ref
@@ -509,11 +569,14 @@ class ProxyLifecycle:
                 ) from err
             # Provider trouble is waited out in _provider_call; only histories
             # from before CLEAN_STOP_PATCH get here with a Transient error.
+            self._carried.bringing_up = None
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
         self._pending_name = None
+        # A bring-up resumed after continue-as-new adopts what it made before.
+        made_before = any(known.provider_id == ref.provider_id for known in self._carried.owned)
         self._carried.own(ref)
-        if generation > 0:
+        if generation > 0 and not made_before:
             self._carried.replacements += 1
         self._publish()
         return ref
@@ -525,22 +588,7 @@ class ProxyLifecycle:
         await self._settle_retired_monitor()
         ref = self._carried.current
         assert ref is not None
-        handle = workflow.start_activity_method(
-            ProviderActivities.monitor,
-            MonitorInput(
-                ref,
-                inp.health.target,
-                interval_seconds=inp.health.interval_seconds,
-                failure_threshold=inp.health.failure_threshold,
-                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
-                probe_timeout_seconds=inp.health.timeout_seconds,
-            ),
-            summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
-            start_to_close_timeout=policies.MONITOR.start_to_close,
-            heartbeat_timeout=policies.MONITOR.heartbeat,
-            retry_policy=policies.TRANSIENT_RETRY,
-            cancellation_type=self._cancellation(),
-        )
+        handle = self._start_monitor(inp, ref)
 
         def wake() -> bool:
             return handle.done() or self._carried.rotate_reason is not None
@@ -574,28 +622,56 @@ class ProxyLifecycle:
                         self._forgive_if_stable()
                         self._publish()
                         continue
-                    self._rotate_now(handle)
+                    self._rotation_due(handle)
                     return None
             if handle.done():
                 break
-            self._rotate_now(handle)  # a rotate signal
+            self._rotation_due(handle)  # a rotate signal
             return None
         outcome: MonitorOutcome = await handle
         self._raise_if_stopping()
         self._carried.last_probe = outcome.last_probe
         return outcome
 
-    async def _rotate(self, inp: ProxyInput) -> None:
-        """Make before break: the old instance serves until the new one is Ready."""
+    def _start_monitor(self, inp: ProxyInput, ref: InstanceRef) -> ActivityHandle[MonitorOutcome]:
+        """Start the long-running monitor of `ref` for one MONITOR_PERIOD."""
+        return workflow.start_activity_method(
+            ProviderActivities.monitor,
+            MonitorInput(
+                ref,
+                inp.health.target,
+                interval_seconds=inp.health.interval_seconds,
+                failure_threshold=inp.health.failure_threshold,
+                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
+                probe_timeout_seconds=inp.health.timeout_seconds,
+            ),
+            summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
+            start_to_close_timeout=policies.MONITOR.start_to_close,
+            heartbeat_timeout=policies.MONITOR.heartbeat,
+            retry_policy=policies.TRANSIENT_RETRY,
+            cancellation_type=self._cancellation(),
+        )
+
+    async def _rotate(self, inp: ProxyInput) -> ProxyState:
+        """Make before break: the old instance serves until the new one is Ready.
+
+        Returns Ready, or Replacing when the old instance failed while its
+        replacement was being brought up and that replacement failed too.
+        """
         old = self._carried.current
         assert old is not None
         try:
-            new = await self._bring_up(inp)
+            new = await self._bring_up_watching(inp, old)
         except _InstanceFailed as failed:
-            # Keep serving from the old instance; try again after a backoff.
             self._retire(failed.ref)
             await self._count_failure(f"rotation failed: {failed}")
-            return
+            if self._carried.current is None:
+                return ProxyState.REPLACING  # the old one failed meanwhile: none serves
+            return ProxyState.READY  # keep serving from the old one; try again after a backoff
+        if self._carried.current is None:
+            # The old instance failed during the rotation and is already retired.
+            self._become_ready(new)
+            return ProxyState.READY
         self._become_ready(new)
         if inp.drain_seconds:
             # The new endpoint is published (and told to the pool); gateways
@@ -609,6 +685,84 @@ class ProxyLifecycle:
             )
         await self._delete_and_wait(old)
         await self._settle_retired_monitor()
+        return ProxyState.READY
+
+    def _rotation_due(self, handle: ActivityHandle[MonitorOutcome]) -> None:
+        """A rotation begins: the old monitor goes on watching, or (recorded runs) is cancelled."""
+        if workflow.patched(ROTATION_WATCH_PATCH):
+            self._old_monitor = handle
+        else:
+            self._rotate_now(handle)
+
+    async def _bring_up_watching(self, inp: ProxyInput, old: InstanceRef) -> InstanceRef:
+        """Bring up the replacement while the old instance, still serving, stays monitored.
+
+        The bring-up may wait for quota for days; the old instance is what
+        status and the pool advertise meanwhile. Its monitor is restarted
+        every MONITOR_PERIOD; if it finds the old instance failing, the old
+        one is withdrawn (Unhealthy, then Replacing) and the bring-up goes
+        on as its replacement.
+        """
+        if self._old_monitor is None:
+            # Recorded rotations cancelled the old monitor and brought up inline.
+            return await self._bring_up(inp)
+        bring_up = asyncio.create_task(self._bring_up(inp))
+        try:
+            while not bring_up.done():
+                watching = self._old_monitor
+                await self._until_done_or_ended(bring_up, watching)
+                if bring_up.done() or watching is None or self._old_monitor is not watching:
+                    continue  # done, or the monitor taken by a hand-over
+                self._old_monitor = None
+                outcome: MonitorOutcome | None = None
+                with contextlib.suppress(ActivityError):
+                    outcome = await watching
+                if outcome is not None:
+                    self._carried.last_probe = outcome.last_probe
+                if outcome is not None and outcome.reason in (
+                    MonitorReason.UNHEALTHY,
+                    MonitorReason.GONE,
+                ):
+                    self._old_instance_failed(old, outcome)
+                else:
+                    self._old_monitor = self._start_monitor(inp, old)  # another period
+        except BaseException:
+            bring_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await bring_up
+            self._stop_watching_old()
+            raise
+        self._stop_watching_old()
+        return await bring_up
+
+    async def _until_done_or_ended(
+        self, bring_up: asyncio.Task[InstanceRef], watching: ActivityHandle[MonitorOutcome] | None
+    ) -> None:
+        """Until the bring-up is done, or the old monitor ended or was taken by a hand-over."""
+        await workflow.wait_condition(
+            lambda: (
+                bring_up.done()
+                or self._old_monitor is not watching
+                or (watching is not None and watching.done())
+            )
+        )
+
+    def _old_instance_failed(self, old: InstanceRef, outcome: MonitorOutcome) -> None:
+        """The instance being rotated out failed first: withdraw it; the rotation replaces it."""
+        self._forgive_if_stable()
+        self._note_error(
+            f"{old.name} failed while being rotated out: {outcome.reason}: {outcome.detail}"
+        )
+        self._enter(ProxyState.UNHEALTHY)
+        self._retire(old)
+        self._enter(ProxyState.REPLACING)
+        self._show_instance(None)
+
+    def _stop_watching_old(self) -> None:
+        """The rotation is over: the old monitor ends as _rotate_now's does."""
+        watching, self._old_monitor = self._old_monitor, None
+        if watching is not None:
+            self._rotate_now(watching)
 
     async def _wait_untimed(self, handle: ActivityHandle[MonitorOutcome], wake: Any) -> None:
         """Wait for the monitor or a rotate signal, with no timer.
@@ -713,20 +867,52 @@ class ProxyLifecycle:
         `interruptible` call between attempts at once; a completed activity's
         result is never thrown away, so a create that succeeded is cleaned up.
         """
+        # The lifecycle's own calls (interruptible: one at a time) carry their
+        # wait across continue-as-new; cleanup's deletions, several at once,
+        # each keep their own and start again in the next run.
+        carried = interruptible
+        wait = (self._carried.provider_wait if carried else None) or ProviderWait(since="")
+        try:
+            return await self._call_waiting_out_the_provider(
+                activity, arg, profile, summary, interruptible=interruptible, wait=wait
+            )
+        finally:
+            # The wait is over, however it ended (a hand-over carried a copy).
+            if carried:
+                self._carried.provider_wait = None
+
+    async def _call_waiting_out_the_provider(
+        self,
+        activity: Callable[[ProviderActivities, A], Awaitable[R]],
+        arg: A,
+        profile: policies.ActivityProfile,
+        summary: str,
+        *,
+        interruptible: bool,
+        wait: ProviderWait,
+    ) -> R:
+        """_provider_call's loop; `wait` is its progress, carried for the lifecycle's calls."""
         patched = self._patched()
-        provider_waits = 0
+        carried = interruptible
         while True:
             if interruptible:
                 self._raise_if_stopping()
             try:
-                return await policies.execute(
-                    activity,
-                    arg,
-                    profile,
-                    summary,
-                    retry_policy=policies.PROVIDER_RETRY if patched else policies.TRANSIENT_RETRY,
-                    cancellation_type=self._cancellation(),
-                )
+                self._in_flight += 1
+                try:
+                    result = await policies.execute(
+                        activity,
+                        arg,
+                        profile,
+                        summary,
+                        retry_policy=policies.PROVIDER_RETRY
+                        if patched
+                        else policies.TRANSIENT_RETRY,
+                        cancellation_type=self._cancellation(),
+                    )
+                finally:
+                    self._in_flight -= 1
+                return result
             except ActivityError as err:
                 if interruptible and not failures.cancelled(err):
                     self._raise_if_stopping()
@@ -735,17 +921,26 @@ class ProxyLifecycle:
                     delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
                 elif patched and failures.provider_trouble(err):
                     waiting_for = "provider"
-                    delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(provider_waits)
-                    provider_waits += 1
+                    delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(
+                        wait.provider_failures
+                    )
+                    wait.provider_failures += 1
                 else:
                     raise
+                wait.failed_calls += 1
+                wait.since = wait.since or workflow.now().isoformat(timespec="seconds")
+                if carried:
+                    self._carried.provider_wait = wait
                 self._note_error(failures.message(err))
                 await self._wait(
-                    f"waiting for {waiting_for}: {failures.message(err)}",
+                    f"waiting for {waiting_for}: {failures.message(err)} "
+                    f"(since {wait.since}, {wait.failed_calls} failed calls)",
                     delay,
                     summary=f"waiting for {waiting_for} ({summary})",
                     interruptible=interruptible,
                 )
+                if carried:
+                    await self._hand_over_if_long()
 
     async def _cleanup_call(
         self,
@@ -781,7 +976,13 @@ class ProxyLifecycle:
             self._end_wait(summary)
 
     async def _delete_and_wait(self, ref: InstanceRef) -> None:
-        """Delete and wait until gone; never gives up, whatever the error."""
+        """Delete and wait until gone; gives up only when the provider refuses for good.
+
+        Quota and provider trouble are waited out however long they last (a
+        leaked instance bills every hour). A Permanent refusal (the provider
+        says the instance is not ours: its tags name another owner) would be
+        refused again every time: the proxy stops trying and ends as Failed.
+        """
         while True:
             try:
                 await delete_until_gone(ref, self._cleanup_call, policies.DELETION, ref.name)
@@ -789,6 +990,11 @@ class ProxyLifecycle:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._note_error(f"deleting {ref.name}: {failures.message(err)}")
+                if failures.cause_type(err) == ErrorType.PERMANENT and workflow.patched(
+                    DELETE_REFUSED_PATCH
+                ):
+                    self._give_up_deleting(ref, failures.message(err))
+                    return
                 await workflow.sleep(
                     PERMANENT_DELETE_RETRY_DELAY, summary=f"retry deleting {ref.name}"
                 )
@@ -797,6 +1003,25 @@ class ProxyLifecycle:
             self._deletions.pop(ref.provider_id, None)
             self._publish()
             return
+
+    def _give_up_deleting(self, ref: InstanceRef, refusal: str) -> None:
+        """Stop deleting an instance the provider refuses to delete; end the proxy as Failed.
+
+        The instance is forgotten (no cleanup asks again) and named in the
+        reason, so an operator can look at it; terminate machinery deletes
+        everything else the proxy owns, as it does on a terminate signal.
+        """
+        self._carried.disown(ref)
+        self._deletions.pop(ref.provider_id, None)
+        reason = (
+            f"gave up deleting {ref.name} ({ref.provider_id}): the provider refused "
+            f"for good: {refusal}"
+        )
+        self._delete_refused = self._delete_refused or reason
+        self._note_error(reason)
+        if self._terminate_reason is None:
+            self._terminate_reason = reason
+        self._publish()
 
     # ---- ending --------------------------------------------------------------------
 
@@ -816,27 +1041,75 @@ class ProxyLifecycle:
         await asyncio.gather(*self._deletions.values())
 
     async def _continue_as_new_if_suggested(self) -> None:
-        """Between monitor cycles, the one point where a run may hand over to the next."""
+        """Between monitor cycles: hand over to a new run when the server suggests it."""
         if not workflow.info().is_continue_as_new_suggested():
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched() and self._deletions:
+        if self._patched() and self._deletions and not self._idle_deletions():
             # Their activities would report to a closed run (a warning in the
             # worker's log): continue after the next monitor cycle instead,
             # rather than leave the instance unmonitored while they finish.
             return
+        await self._continue_as_new()
+
+    def _idle_deletions(self) -> bool:
+        """Whether every pending deletion is between calls: waiting out quota or an outage.
+
+        Such a deletion starts again in the next run (`_restore`), so it no
+        longer holds a run back that waits for days.
+        """
+        return self._in_flight == 0 and workflow.patched(WAIT_HANDOVER_PATCH)
+
+    async def _hand_over_if_long(self) -> None:
+        """In the middle of a long wait: continue as new once the history is long.
+
+        A wait for quota or a provider costs about 11 events a call (every 3
+        minutes for quota): without this, a month of it would pass Temporal's
+        51,200-event limit. Called between two calls of the wait, with none
+        in flight; the next run resumes the bring-up where this one was
+        (`CarriedState.bringing_up`, `CarriedState.provider_wait`).
+        """
+        info = workflow.info()
+        long = (
+            info.is_continue_as_new_suggested() or info.get_current_history_length() >= EVENT_BUDGET
+        )
+        if not long or self._in_flight or self._terminate_reason is not None:
+            return
+        monitor = self._retired_monitor
+        if (monitor is not None and not monitor.done()) or not workflow.patched(
+            WAIT_HANDOVER_PATCH
+        ):
+            return  # a rotation's old monitor ends within a heartbeat: at the next call
+        watching, self._old_monitor = self._old_monitor, None
+        if watching is not None:
+            # A rotation's old monitor: the next run starts another.
+            watching.cancel()
+            with contextlib.suppress(ActivityError):
+                await watching
+        await self._settle_retired_monitor()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._publisher.delivered()
+        if self._terminate_reason is None:
+            await self._continue_as_new()
+
+    async def _continue_as_new(self) -> None:
+        """Hand over to a new run, carrying the state as it is now."""
         assert self._input is not None
         workflow.continue_as_new(
-            args=[self._input.model_dump(mode="json", exclude_none=True), self._carried]
+            args=[
+                self._input.model_dump(mode="json", exclude_none=True),
+                # A copy: unwinding this run's tasks must not change what is carried.
+                copy.deepcopy(self._carried),
+            ]
         )
 
     def _restore(self, carried: CarriedState) -> None:
         """Take over a previous run's state; delete what it was still deleting."""
         self._carried = carried
         for ref in carried.owned:
-            if ref != carried.current:
+            if ref != carried.current and ref.generation != carried.bringing_up:
                 self._retire(ref)
 
     def _result(self, state: ProxyState, reason: str) -> ProxyResult:

@@ -39,6 +39,22 @@ class ProxyStatus:
 
 
 @dataclass
+class ProviderWait:
+    """How far the lifecycle is into waiting out quota or a provider outage.
+
+    Carried, so a run that continues as new in the middle of the wait goes on
+    with it: the backoff where it was, the time it began still shown.
+    """
+
+    # When the first call of this wait failed (ISO 8601).
+    since: str
+    # Calls that failed for provider trouble (PROVIDER_WAIT's backoff step).
+    provider_failures: int = 0
+    # Calls that failed in all, quota included.
+    failed_calls: int = 0
+
+
+@dataclass
 class CarriedState:
     """Everything a lifecycle knows that outlives a run; continue-as-new carries it whole.
 
@@ -71,6 +87,12 @@ class CarriedState:
     installation: str | None = None
     # A `rotate` signal not yet carried out.
     rotate_reason: str | None = None
+    # The generation being brought up (created, waited for, first-probed)
+    # until it is Ready or written off: a run that continued as new in the
+    # middle resumes it instead of starting another.
+    bringing_up: int | None = None
+    # The lifecycle's wait for quota or its provider, while one lasts.
+    provider_wait: ProviderWait | None = None
 
     def own(self, ref: InstanceRef) -> None:
         """Remember an instance until it is gone; a newer view of one replaces it in place."""

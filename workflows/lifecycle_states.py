@@ -44,6 +44,7 @@ TRANSITIONS: dict[ProxyState, dict[ProxyState, str]] = {
     },
     ProxyState.TERMINATING: {
         ProxyState.TERMINATED: "every instance the workflow owned is gone",
+        ProxyState.FAILED: "the provider refused an instance's delete for good (Permanent)",
     },
     ProxyState.TERMINATED: {},
     ProxyState.FAILED: {},

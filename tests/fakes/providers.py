@@ -20,6 +20,8 @@ class FaultyProvider:
         self.inner = inner
         self.calls: Counter[str] = Counter()
         self._faults: defaultdict[str, deque[ProviderError]] = defaultdict(deque)
+        # Errors raised by every call of an operation, until `recover`.
+        self._outages: dict[str, ProviderError] = {}
         self._lock = threading.Lock()
         # While cleared, create blocks (a slow cloud); set it to let creates through.
         self.create_gate = threading.Event()
@@ -38,6 +40,15 @@ class FaultyProvider:
         """Queue errors that the next calls of `operation` raise, one each."""
         with self._lock:
             self._faults[operation].extend(errors)
+
+    def fail_until_recovered(self, operation: str, error: ProviderError) -> None:
+        """Every call of `operation` raises `error` from now until `recover(operation)`."""
+        with self._lock:
+            self._outages[operation] = error
+
+    def recover(self, operation: str) -> None:
+        with self._lock:
+            self._outages.pop(operation, None)
 
     def create(self, req: CreateRequest) -> Instance:
         self._enter("create")
@@ -77,6 +88,6 @@ class FaultyProvider:
         with self._lock:
             self.calls[operation] += 1
             queue = self._faults[operation]
-            error = queue.popleft() if queue else None
+            error = queue.popleft() if queue else self._outages.get(operation)
         if error is not None:
             raise error

@@ -1,0 +1,137 @@
+"""Long waits for quota: history stays small, and what serves meanwhile stays watched.
+
+On the time-skipping test server: the provider answers every create with
+QuotaExceeded for 30 simulated days, asking for a retry every 30 minutes
+(1,440 calls, about 16,000 history events in all: one run alone would pass
+10,000). The workflow hands over to a new run in the middle of the wait, and
+the wait goes on where it was: the same generation, the same "since".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from providers.errors import QuotaExceeded
+from tests.helpers.histories import record_history
+from tests.helpers.stacks import Stack, StackOn
+from tests.helpers.time_skipping import skip_past_pending_timer
+from tests.helpers.waiting import status_of, wait_for, wait_status
+
+pytestmark = pytest.mark.slow
+
+WAIT = timedelta(days=30)
+RETRY_AFTER = timedelta(minutes=30)
+# Virtual time skipped per step: its 12 quota calls run within the client's
+# 30 s deadline for one skip.
+STEP = timedelta(hours=6)
+MAX_EVENTS_PER_RUN = 10_000
+
+
+async def run_lengths(client: Client, workflow_id: str, first_run_id: str) -> list[int]:
+    """The number of history events of every run, following continue-as-new from the first."""
+    lengths: list[int] = []
+    run_id: str | None = first_run_id
+    while run_id is not None:
+        events = [
+            e
+            async for e in client.get_workflow_handle(
+                workflow_id, run_id=run_id
+            ).fetch_history_events()
+        ]
+        lengths.append(len(events))
+        last = events[-1]
+        run_id = (
+            last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+            if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+            else None
+        )
+    return lengths
+
+
+async def test_a_month_of_quota_continues_as_new_and_ends_ready(
+    time_skipping_env: WorkflowEnvironment, stack_on: StackOn
+) -> None:
+    env = time_skipping_env
+    stack = await stack_on(env)
+    stack.provider.fail_until_recovered(
+        "create",
+        QuotaExceeded(
+            "Quota 'CPUS' exceeded in europe-west1",
+            retry_after_seconds=int(RETRY_AFTER.total_seconds()),
+        ),
+    )
+    handle = await stack.start()
+    first_run_id = handle.first_execution_run_id or handle.result_run_id
+    assert first_run_id is not None
+    first = await wait_status(
+        handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "quota wait"
+    )
+    since = (first.waiting_for or "").split("(since ")[1].split(",")[0]
+
+    wait_ends = await env.get_current_time() + WAIT
+    while (now := await env.get_current_time()) < wait_ends:
+        await env.sleep(min(STEP, wait_ends - now))
+        status = await status_of(handle)
+        assert status.state == "Provisioning" and status.generation == 0, status
+        assert status.failures_in_a_row == 0, "waiting for quota spent the crash budget"
+        # The same wait, however many runs it took.
+        assert f"(since {since}," in (status.waiting_for or ""), status
+
+    lengths = await run_lengths(stack.client, handle.id, first_run_id)
+    assert len(lengths) > 1, f"never continued as new: {lengths} events"
+    assert max(lengths) < MAX_EVENTS_PER_RUN, lengths
+    assert stack.provider.calls["create"] >= WAIT / RETRY_AFTER
+
+    stack.provider.recover("create")
+    await skip_past_pending_timer(env, handle)
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready once quota returns")
+    assert (ready.generation, ready.replacements, ready.waiting_for) == (0, 0, None), ready
+    assert stack.instances() == [ready.instance]
+
+    await handle.signal("terminate")
+    result: dict[str, Any] = await handle.result()
+    assert result["state"] == "Terminated", result
+    assert stack.instances() == []
+    await record_history(handle, "month_of_quota_then_ready")
+
+
+async def test_old_instance_stays_monitored_while_its_rotation_waits_for_quota(
+    stack: Stack,
+) -> None:
+    """The old instance serves (and is advertised) until its replacement is Ready: watched too."""
+    handle = await stack.start()
+    old = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    stack.provider.fail_until_recovered(
+        "create", QuotaExceeded("Quota 'CPUS' exceeded in europe-west1", retry_after_seconds=1)
+    )
+    await handle.signal("rotate")
+    rotating = await wait_status(
+        handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "rotation's wait"
+    )
+    assert rotating.state == "Ready" and rotating.endpoint == old.endpoint, rotating
+
+    # The old instance dies while its replacement waits for quota: it is
+    # withdrawn at once, not advertised until the quota comes back.
+    os.kill(stack.pid_of(old.instance), signal.SIGKILL)
+    withdrawn = await wait_status(
+        handle, lambda s: s.state == "Replacing", "the failed old instance withdrawn"
+    )
+    assert withdrawn.endpoint == "" and old.instance in (withdrawn.last_error or ""), withdrawn
+
+    stack.provider.recover("create")
+    ready = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.generation == 1, "the replacement Ready"
+    )
+    assert ready.instance != old.instance
+    await wait_for(lambda: stack.instances() == [ready.instance], "only the replacement left")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    assert stack.instances() == []
