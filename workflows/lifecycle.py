@@ -668,11 +668,10 @@ class ProxyLifecycle:
             if self._carried.current is None:
                 return ProxyState.REPLACING  # the old one failed meanwhile: none serves
             return ProxyState.READY  # keep serving from the old one; try again after a backoff
-        if self._carried.current is None:
-            # The old instance failed during the rotation and is already retired.
-            self._become_ready(new)
-            return ProxyState.READY
+        old_failed = self._carried.current is None  # and is already being deleted
         self._become_ready(new)
+        if old_failed:
+            return ProxyState.READY
         if inp.drain_seconds:
             # The new endpoint is published (and told to the pool); gateways
             # drop the old one before it goes. No timer without a drain, so
@@ -754,9 +753,8 @@ class ProxyLifecycle:
             f"{old.name} failed while being rotated out: {outcome.reason}: {outcome.detail}"
         )
         self._enter(ProxyState.UNHEALTHY)
-        self._retire(old)
+        self._retire(old)  # no longer shown nor advertised
         self._enter(ProxyState.REPLACING)
-        self._show_instance(None)
 
     def _stop_watching_old(self) -> None:
         """The rotation is over: the old monitor ends as _rotate_now's does."""
