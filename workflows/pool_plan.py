@@ -126,6 +126,10 @@ class Member:
                 f"{report.generation}, {report.at[:19]}Z)"
             )
             self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None
+            if self.banned is not None:
+                # The banned instance must not come back while the new one
+                # is checked: out of `endpoints` until then.
+                self.verified = ""
             self.banned = None
         return first
 
@@ -138,9 +142,7 @@ class Member:
 
     def ban_changes_nothing(self, seen_on: str | None) -> bool:
         """A ban report of one banned already, or seen on an instance it no longer has."""
-        return self.banned is not None or bool(
-            seen_on and seen_on not in (self.endpoint, self.verified)
-        )
+        return self.banned is not None or bool(seen_on and seen_on != self.endpoint)
 
     def ban(self, reason: str) -> None:
         """Out of `endpoints` now; rotated first, unless a rotation is under way already."""

@@ -568,3 +568,13 @@ def test_a_carried_last_report_keeps_only_its_stamp() -> None:
     garbled = {"at": 5, "seq": "four"}
     [member] = legacy_carried({"members": [legacy_member(0, report=garbled)]})["members"]
     assert (member["report_at"], member["report_seq"]) == (None, 0)
+
+
+def test_a_banned_member_stays_out_until_its_new_endpoint_is_confirmed() -> None:
+    member = ready(0)
+    member.ban("403 from the shop")
+    member.start_rotation()
+    member.take(report(member, ProxyState.READY, 1, T0 + timedelta(minutes=1)))
+    assert member.banned is None
+    assert not is_serving(member), "the banned endpoint came back while the new one is checked"
+    assert member.ban_changes_nothing(f"127.0.0.1:{4000}"), "a repeat of the ban, seen on it"
