@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.probe import FORBIDDEN, PROXY_AUTH_REQUIRED, probe_connect
+from activities.probe import FORBIDDEN, PROXY_AUTH_REQUIRED, ProbeResult, probe_connect
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.config import parse_config
 from providers.errors import NotFound, Permanent, QuotaExceeded, Transient
@@ -179,6 +179,18 @@ def squids_running(conf: Path) -> list[int]:
     return [pid for pid, ppid in live.items() if ppid not in live]
 
 
+async def probe_origin(instance: Instance, origin: TlsOrigin) -> ProbeResult:
+    """A CONNECT through the instance, with the fleet's credentials, to the TLS origin."""
+    return await probe_connect(
+        instance.ip,
+        instance.port,
+        USERNAME,
+        PASSWORD,
+        origin.url,
+        ssl_context=origin.client_ssl_context,
+    )
+
+
 def shm_segments(name: str) -> list[Path]:
     return list(SHM_DIR.glob(f"{service_name(name)}-*"))
 
@@ -208,14 +220,7 @@ async def test_create_probe_delete(state_dir: Path, tls_origin: TlsOrigin) -> No
     assert running.created_at == created.created_at
     assert shm_segments("proxy-life"), "Squid's shm segments are not where cleanup looks"
 
-    result = await probe_connect(
-        running.ip,
-        running.port,
-        USERNAME,
-        PASSWORD,
-        tls_origin.url,
-        ssl_context=tls_origin.client_ssl_context,
-    )
+    result = await probe_origin(running, tls_origin)
     assert result.ok, result
     assert result.status_code == 200
 
@@ -411,14 +416,7 @@ async def test_state_dir_the_proxy_user_cannot_reach_moves_to_the_runtime_dir(
     try:
         created = provider.create(request("proxy-unreachable", tls_origin))
         running = wait_for_state(provider, created.provider_id, InstanceState.RUNNING)
-        result = await probe_connect(
-            running.ip,
-            running.port,
-            USERNAME,
-            PASSWORD,
-            tls_origin.url,
-            ssl_context=tls_origin.client_ssl_context,
-        )
+        result = await probe_origin(running, tls_origin)
         assert result.ok, result
         assert (moved / "proxy-unreachable" / "access.log").exists()
         # Another provider object (a restarted worker) finds it again.
