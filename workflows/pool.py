@@ -44,7 +44,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import FailureError, WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, FailureError, WorkflowAlreadyStartedError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -563,8 +563,17 @@ class ProxyPool:
                 retry_policy=policies.TRANSIENT_RETRY,
             )
         except FailureError as err:
-            # Still unverified: asked again on the next step.
             self._last_error = f"could not verify {member.member}'s endpoint: {err}"
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and (
+                cause.non_retryable or cause.type in policies.NON_RETRYABLE
+            ):
+                # Asking again cannot help (a provider this worker does not
+                # have): refused, or the next step would ask at once, forever.
+                self._unverified.discard(member.member)
+                self._reject(f"{member.member}: {cause.message}")
+            # Otherwise still unverified (the provider's outage outlasted the
+            # retries): asked again on the next step.
             return
         finally:
             self._verifying.discard(member.member)
