@@ -102,11 +102,17 @@ async def test_the_pools_history_and_page_name_each_member_and_why(stack: Stack)
 
 
 async def settled(pool: WorkflowHandle[Any, Any], generations: dict[int, int]) -> bool:
-    """The pool is Ready with exactly these members at these generations, and waits for nothing."""
+    """The pool is Ready with exactly these members at these generations, and waits for nothing.
+
+    Serving too: a member Ready with its endpoint not yet confirmed by its
+    provider is not in `endpoints`, and a ban of it is refused.
+    """
     status = await pool.query("status")
     seen = {m["member"]: (m["state"], m["generation"]) for m in status["members"]}
     expected = {f"{pool.id}/{n}": ("Ready", g) for n, g in generations.items()}
-    return bool(seen == expected and status["waiting_for"] is None)
+    return bool(
+        seen == expected and status["waiting_for"] is None and status["ready"] == len(generations)
+    )
 
 
 async def current_details(pool: WorkflowHandle[Any, Any]) -> str:
