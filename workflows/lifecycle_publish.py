@@ -27,7 +27,7 @@ from contract import (
     ProxyState,
 )
 from workflows.lifecycle_carried import ProxyStatus
-from workflows.membership import MemberReport, signal_input
+from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
 
 class StatusPublisher:
@@ -115,4 +115,8 @@ class StatusPublisher:
 async def _send_report(pool: workflow.ExternalWorkflowHandle[Any], report: MemberReport) -> None:
     # A pool that is gone (hard-terminated) cannot be told; OrphanGC ends its members.
     with contextlib.suppress(FailureError):
-        await pool.signal(MEMBER_CHANGED_SIGNAL, signal_input(report))
+        payload = signal_input(report)
+        # The label names the member and its state in this member's history.
+        label = payload[SUMMARY_KEY]
+        group = workflow.create_event_group(report.member, label=label)
+        await pool.signal(MEMBER_CHANGED_SIGNAL, payload, event_groups=[group])

@@ -660,8 +660,12 @@ class ProxyPool:
 
     async def _signal(self, member: str, name: str, payload: dict[str, str]) -> None:
         handle = workflow.get_external_workflow_handle(member)
+        label = pool_view.signal_label(name, member, payload.get("reason", ""))
         try:
-            await handle.signal(name, payload)
+            # The label names the member and the cause in the pool's history.
+            await handle.signal(
+                name, payload, event_groups=[workflow.create_event_group(member, label=label)]
+            )
         except FailureError:
             # Already closed: the reconcile finds out how, and soon.
             self._last_reconcile = None

@@ -12,9 +12,11 @@ The pool's history and its page should tell its story as a member's do
 - `alarm_summary` and `drain_summary` are the pool's timers: what it does
   when each fires.
 
-Temporal's Python SDK (1.35) takes no summary for a signal to another
-workflow, so a `rotate` or `terminate` the pool sends carries its cause in
-its input (`{"reason": "pool: ban: ..."}`), and the row names the member.
+- `signal_label` is the label of a `rotate` or `terminate` the pool sends
+  to a member: Temporal's Python SDK (1.35) takes no summary for a signal to
+  another workflow, but it takes an Event Group (experimental), whose label
+  the server stores on the SignalExternalWorkflowExecutionInitiated event.
+  The cause is in the signal's input too (`{"reason": "pool: ban: ..."}`).
 """
 
 from __future__ import annotations
@@ -90,8 +92,18 @@ def _cell(text: str) -> str:
 
 def start_summary(member: Member, cause: str) -> str:
     """The child start's one line: which member, and why."""
-    text = f"start {member.member}: {' '.join(cause.split())}"
-    return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 1] + "…"
+    return _line(f"start {member.member}: {cause}")
+
+
+def signal_label(signal: str, member: str, reason: str) -> str:
+    """An outgoing signal's one line: what, to which member, and why."""
+    return _line(f"{signal} {member}: {reason}")
+
+
+def _line(text: str) -> str:
+    """One line of at most MAX_SUMMARY characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= MAX_SUMMARY else flat[: MAX_SUMMARY - 1] + "…"
 
 
 def start_details(pool_id: str, member: Member, cause: str) -> str:

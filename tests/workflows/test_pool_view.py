@@ -15,6 +15,7 @@ from workflows.pool_view import (
     DETAIL_ROWS,
     MAX_SUMMARY,
     current_details,
+    signal_label,
     start_details,
     start_summary,
 )
@@ -107,3 +108,10 @@ def test_the_table_shows_only_an_endpoint_the_provider_confirmed() -> None:
         "127.0.0.1:4000 (checking a new one)",
         "(checking)",
     ]
+
+
+def test_a_signal_label_names_the_signal_member_and_cause_in_one_bounded_line() -> None:
+    label = signal_label("rotate", f"{POOL}/3", "pool: ban: captcha\non /search " + "x" * 300)
+
+    assert label.startswith(f"rotate {POOL}/3: pool: ban: captcha on /search x")
+    assert len(label) == MAX_SUMMARY and "\n" not in label

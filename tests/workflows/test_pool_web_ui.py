@@ -62,22 +62,36 @@ async def test_the_pools_history_and_page_name_each_member_and_why(stack: Stack)
     assert await replacement.static_summary() == starts[f"{pool.id}/3"]
     assert f"member of pool `{pool.id}`" in (await replacement.static_details() or "")
 
-    # The SDK takes no summary for a signal: its row names the member, its input the cause.
+    # The SDK takes no summary for a signal: its Event Group's label names the
+    # member and the cause, and so does its input.
     signals = [
         (
             e.signal_external_workflow_execution_initiated_event_attributes.signal_name,
             e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id,
             text(e.signal_external_workflow_execution_initiated_event_attributes.input.payloads[0]),
+            [text(m.label.label) for m in e.event_group_markers],
         )
         for e in events
         if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
     ]
+    ban, rotate_all = "pool: ban: 403 from the shop", "pool: rotate all"
     assert signals == [
-        ("rotate", banned, {"reason": "pool: ban: 403 from the shop"}),
-        ("rotate", f"{pool.id}/0", {"reason": "pool: rotate all"}),
-        ("rotate", banned, {"reason": "pool: rotate all"}),
-        ("rotate", f"{pool.id}/3", {"reason": "pool: rotate all"}),
+        ("rotate", banned, {"reason": ban}, [f"rotate {banned}: {ban}"]),
+        *(
+            ("rotate", m, {"reason": rotate_all}, [f"rotate {m}: {rotate_all}"])
+            for m in (f"{pool.id}/0", banned, f"{pool.id}/3")
+        ),
     ]
+    # A member's report to the pool is labelled in the member's history.
+    member_events = (await stack.client.get_workflow_handle(banned).fetch_history()).events
+    reports = [
+        text(m.label.label)
+        for e in member_events
+        if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+        for m in e.event_group_markers
+    ]
+    assert reports and all(r.startswith(f"{banned} ") for r in reports), reports
+    assert any(r.startswith(f"{banned} Ready, 127.0.0.1:") for r in reports), reports
     timers = [
         text(e.user_metadata.summary)
         for e in events
