@@ -25,6 +25,7 @@ from tests.helpers.config import local_settings, stack_config
 from tests.helpers.squid_upstream import SquidUpstreams
 from tests.helpers.stacks import ProviderStack, Stack, StackFactory
 from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.workers import stop_worker
 from worker import build_worker
 
 
@@ -53,7 +54,7 @@ async def stack_on(
 
     yield start
     for worker in workers:
-        await worker.shutdown()
+        await stop_worker(worker)
     for acts in activities:
         acts.close()
 
@@ -94,13 +95,12 @@ async def provider_stack_on(tls_origin: TlsOrigin) -> AsyncIterator[StackFactory
                 if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
                     await handle.terminate("test teardown")
     for worker in workers:
-        await worker.shutdown()
-    outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        await stop_worker(worker)
     for acts in activities:
         acts.close()
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome  # a worker that died: say so rather than only time out
+    for run in runs:
+        if run.done():
+            run.result()  # a worker that died: say so rather than only time out
 
 
 @pytest.fixture

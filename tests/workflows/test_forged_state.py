@@ -32,6 +32,7 @@ from tests.helpers.histories import record_history
 from tests.helpers.loopback_peer import LoopbackPeer, loopback_peer
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
+from tests.helpers.workers import running
 from worker import build_worker
 
 pytestmark = pytest.mark.slow
@@ -193,7 +194,7 @@ async def test_forged_gc_progress_deletes_nothing(temporal_env: WorkflowEnvironm
         "created_at": victim.created_at.isoformat(),
     }
     forged = {"sweeps": [{"provider": "mem"}], "pending": [candidate]}
-    async with build_worker(temporal_env.client, acts, gc=gc, task_queue=task_queue):
+    async with running(build_worker(temporal_env.client, acts, gc=gc, task_queue=task_queue)):
         handle = await temporal_env.client.start_workflow(
             "OrphanGC",
             args=[{"grace_period_seconds": 0}, forged],

@@ -33,6 +33,7 @@ from tests.helpers.gateway import GatewayProcess, through
 from tests.helpers.stacks import Stack
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer
+from tests.helpers.workers import running
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,9 @@ async def test_a_gateway_never_sends_to_an_endpoint_outside_the_member_networks(
             },
             {"member": "forged-pool/3", "endpoint": f"localhost:{named.server_address[1]}"},
         ]
-        async with Worker(temporal_env.client, task_queue=task_queue, workflows=[ForgedEndpoints]):
+        async with running(
+            Worker(temporal_env.client, task_queue=task_queue, workflows=[ForgedEndpoints])
+        ):
             pool = await temporal_env.client.start_workflow(
                 ForgedEndpoints.run,
                 [*real, *forged],

@@ -37,6 +37,7 @@ from contract import ORPHAN_GC, PROXY_LIFECYCLE, ErrorType
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config
 from tests.helpers.waiting import wait_for
+from tests.helpers.workers import running
 from worker import build_worker
 
 pytestmark = pytest.mark.slow
@@ -192,7 +193,7 @@ async def worker_queue(temporal_env: WorkflowEnvironment) -> AsyncIterator[str]:
     acts = ProviderActivities({"mem": provider}, config)
     gc = GcActivities({"mem": provider}, config.installation, temporal_env.client)
     task_queue = f"hostile-{uuid.uuid4().hex[:12]}"
-    async with build_worker(temporal_env.client, acts, gc=gc, task_queue=task_queue):
+    async with running(build_worker(temporal_env.client, acts, gc=gc, task_queue=task_queue)):
         yield task_queue
     acts.close()
 

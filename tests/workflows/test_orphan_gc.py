@@ -38,6 +38,7 @@ from tests.helpers.config import local_settings, stack_config
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import status_of, wait_for, wait_status
+from tests.helpers.workers import stop_worker
 from worker import build_worker
 from workflows.orphan_gc import MAX_PER_RUN, GcResult
 
@@ -64,7 +65,7 @@ async def gc_worker(temporal_env: WorkflowEnvironment) -> AsyncIterator[StartGcW
 
     yield start
     for worker in workers:
-        await worker.shutdown()
+        await stop_worker(worker)
     for acts in activities:
         acts.close()
 

@@ -35,6 +35,7 @@ from tests.helpers.config import build_config, lifecycle_instance_name
 from tests.helpers.histories import load_history, record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
+from tests.helpers.workers import stop_worker
 from worker import build_worker
 from workflows.orphan_gc import GcResult
 
@@ -141,8 +142,9 @@ class Namespaced:
 
     async def close(self) -> None:
         for worker, run, acts in self._stops:
-            await worker.shutdown()
-            await run
+            await stop_worker(worker)
+            if run.done():
+                run.result()
             acts.close()
 
 
