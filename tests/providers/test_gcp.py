@@ -522,13 +522,11 @@ def test_quota_does_not_fall_back(fake_compute: FakeCompute) -> None:
 
 
 def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
-    provider = GcpProvider(
-        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B),
-        INSTALLATION,
-        operation_timeout=0.3,
-        **fake_compute.clients(),
-    )
-    provider.create(make_request("warm-up"))  # firewall in place
+    config = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B)
+    # The firewall put in place with the default budget: a busy machine may
+    # take longer than the short one below even for operations that are not paused.
+    GcpProvider(config, INSTALLATION, **fake_compute.clients()).create(make_request("warm-up"))
+    provider = GcpProvider(config, INSTALLATION, operation_timeout=0.3, **fake_compute.clients())
     fake_compute.set_operations_paused(True)
     req = make_request()
 

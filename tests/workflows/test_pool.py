@@ -12,6 +12,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -368,7 +369,8 @@ async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak
         return bool(status["ready"] == count and len(status["members"]) == count)
 
     await wait_for(lambda: ready(2), "2 Ready", deadline=90)
-    await handle.execute_update("scale", {"replicas": 5})
+    # The update waits for a workflow task; on a busy machine that outlasts the default RPC timeout.
+    await handle.execute_update("scale", {"replicas": 5}, rpc_timeout=timedelta(minutes=3))
 
     async def scaling() -> bool:
         return len((await handle.query("status"))["members"]) > 2
