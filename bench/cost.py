@@ -138,15 +138,16 @@ class Bench:
 
     async def standalone(self, task_queue: str, count: int) -> list[str]:
         ids = await self.start_standalone(task_queue, count)
+        await self.steady(f"standalone ProxyLifecycle x{count}", count, "proxy-hour")
+        return ids
+
+    async def steady(self, what: str, proxies: int, unit: str) -> None:
+        """Settle, then count a window of `--minutes` and print it per proxy-hour."""
         await asyncio.sleep(SETTLE_SECONDS)
         counts, seconds = await self.actions.over(self.args.minutes * 60)
         table(
-            f"standalone ProxyLifecycle x{count}, steady state, {seconds / 60:.1f} min",
-            counts,
-            count * seconds / 3600,
-            "proxy-hour",
+            f"{what}, steady state, {seconds / 60:.1f} min", counts, proxies * seconds / 3600, unit
         )
-        return ids
 
     async def pool(
         self, task_queue: str, members: int, *, rotate: bool
@@ -169,14 +170,7 @@ class Bench:
 
         counts, seconds = await self.actions.during(until(ready, 600 + members))
         table(f"pool of {members}: start to all Ready ({seconds:.0f} s)", counts, members, "member")
-        await asyncio.sleep(SETTLE_SECONDS)
-        counts, seconds = await self.actions.over(self.args.minutes * 60)
-        table(
-            f"pool of {members}, steady state (members and pool), {seconds / 60:.1f} min",
-            counts,
-            members * seconds / 3600,
-            "member-hour",
-        )
+        await self.steady(f"pool of {members} (members and pool)", members, "member-hour")
         if rotate:
             await self.rotation(handle, members)
         return handle
@@ -212,6 +206,7 @@ class Bench:
                 poll_seconds=GATEWAY_POLL_SECONDS,
                 debounce_seconds=GATEWAY_DEBOUNCE_SECONDS,
                 on_error=lambda err: print(f"gateway poll failed: {err}"),
+                gate=membership.HistoryGate(lambda: membership.pool_position(self.client, pool)),
             )
         )
         try:
