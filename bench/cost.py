@@ -138,12 +138,12 @@ class Bench:
 
     async def standalone(self, task_queue: str, count: int) -> list[str]:
         ids = await self.start_standalone(task_queue, count)
+        await asyncio.sleep(SETTLE_SECONDS)
         await self.steady(f"standalone ProxyLifecycle x{count}", count, "proxy-hour")
         return ids
 
     async def steady(self, what: str, proxies: int, unit: str) -> None:
-        """Settle, then count a window of `--minutes` and print it per proxy-hour."""
-        await asyncio.sleep(SETTLE_SECONDS)
+        """Count a window of `--minutes` and print it per proxy-hour."""
         counts, seconds = await self.actions.over(self.args.minutes * 60)
         table(
             f"{what}, steady state, {seconds / 60:.1f} min", counts, proxies * seconds / 3600, unit
@@ -168,8 +168,18 @@ class Bench:
         async def ready() -> bool:
             return bool((await handle.query("status"))["ready"] == members)
 
-        counts, seconds = await self.actions.during(until(ready, 600 + members))
-        table(f"pool of {members}: start to all Ready ({seconds:.0f} s)", counts, members, "member")
+        async def started() -> None:
+            await until(ready, 600 + members)
+            await asyncio.sleep(SETTLE_SECONDS)  # the last reports, checks and first heartbeats
+
+        counts, seconds = await self.actions.during(started())
+        table(
+            f"pool of {members}: start, to all Ready and {SETTLE_SECONDS:.0f} s more "
+            f"({seconds:.0f} s)",
+            counts,
+            members,
+            "member",
+        )
         await self.steady(f"pool of {members} (members and pool)", members, "member-hour")
         if rotate:
             await self.rotation(handle, members)
