@@ -97,7 +97,7 @@ class MonitorInput(ProbeThrough):
     interval_seconds: float
     failure_threshold: int
     # Return after this long even when nothing changed, so the workflow can
-    # rotate, continue-as-new and refresh its status about once an hour.
+    # rotate, continue-as-new and refresh its status (policies.MONITOR_PERIOD).
     max_duration_seconds: float
     probe_timeout_seconds: float = 5.0
 

@@ -67,13 +67,14 @@ GONE_CHECK_SECONDS = 5.0
 CREATE_HEARTBEAT_SECONDS = 5.0
 # The monitor heartbeats on a clock of its own, not after each probe: an
 # `interval_seconds` longer than its heartbeat timeout (up to an hour is
-# allowed) would otherwise time it out between probes. Once per half timeout
-# leaves the other half for a busy event loop, and costs no billable actions
-# beyond what heartbeating after every probe did: sdk-core sends at most one
-# heartbeat per 80% of the timeout (capped at the worker's
-# max_heartbeat_throttle_interval, 60 s by default) and holds the newest until
-# then, so for the monitor's 60 s timeout the server still hears one every 48 s.
-MONITOR_HEARTBEAT_SHARE = 0.5
+# allowed) would otherwise time it out between probes. Every heartbeat is a
+# billable action in Temporal Cloud (docs/cost.md), so it beats as rarely as
+# its timeout allows: MONITOR_HEARTBEAT_SLACK before the timeout (a busy
+# event loop's margin), or at half the timeout for a timeout under twice
+# that. For the monitor's 270 s timeout (workflows/policies.py) that is every
+# 210 s, 17 an hour; the SDK sends each at once (it holds back only
+# heartbeats closer together than 80% of the timeout, capped at 60 s).
+MONITOR_HEARTBEAT_SLACK = timedelta(seconds=60)
 # A monitor scheduled without a heartbeat timeout beats as if it had this one:
 # its heartbeats still carry the last probe and bring a cancel.
 UNTIMED_HEARTBEAT = timedelta(seconds=60)
@@ -289,7 +290,8 @@ class ProviderActivities:
             "last_probe": carried.get("last_probe"),
             "consecutive_failures": failures,
         }
-        period = (info.heartbeat_timeout or UNTIMED_HEARTBEAT) * MONITOR_HEARTBEAT_SHARE
+        timeout = info.heartbeat_timeout or UNTIMED_HEARTBEAT
+        period = max(timeout - MONITOR_HEARTBEAT_SLACK, timeout / 2)
         async with _heartbeating(period, details):
             return await self._monitor_loop(inp, failures, details)
 

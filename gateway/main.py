@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--poll-interval",
         type=float,
         default=DEFAULT_POLL_SECONDS,
-        help="seconds between endpoints queries (default %(default)s)",
+        help="seconds between looks at the pool: a describe, and the endpoints query only "
+        "when its history moved (default %(default)s)",
     )
     parser.add_argument(
         "--debounce",
@@ -209,7 +210,8 @@ async def serve(
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
         )
-        return await _run(args, squid, names, fetch, members)
+        gate = membership.HistoryGate(lambda: membership.pool_position(client, pool))
+        return await _run(args, squid, names, fetch, gate, members)
     finally:
         await asyncio.to_thread(squid.stop)
         follower.stop()
@@ -222,6 +224,7 @@ async def _run(
     squid: GatewaySquid,
     names: metrics.MemberNames,
     fetch: membership.Fetch,
+    gate: membership.HistoryGate,
     members: Sequence[GatewayMember],
 ) -> int:
     async def apply(new: Sequence[GatewayMember]) -> bool:
@@ -254,6 +257,7 @@ async def _run(
             poll_seconds=args.poll_interval,
             debounce_seconds=args.debounce,
             on_error=on_error,
+            gate=gate,
         )
     )
     try:

@@ -4,6 +4,14 @@ The pool lists its Ready members only, and takes a member out before its
 instance is deleted (the drain); the gateway polls, and reloads its backs
 once a change has held still for the debounce time, so a rolling rotation
 that changes members one after another costs a few reloads, not one each.
+
+What it polls is cheap: Temporal Cloud bills every query as an action, and
+a 2 s query poll was 1,800 actions an hour per gateway. A workflow's state
+changes only through events in its history, so the gateway describes the
+pool (DescribeWorkflowExecution, not billed) and queries `endpoints` only
+when the pool's current run or its history length moved since the last
+query, and at least every REFRESH_SECONDS as a safety net. Any pool, of any
+release, answers a describe: nothing in the pool had to change for this.
 """
 
 from __future__ import annotations
@@ -21,12 +29,18 @@ from providers.squid import GatewayMember
 log = logging.getLogger("proxy_operator.gateway")
 
 ENDPOINTS_QUERY = "endpoints"
+# However still the pool's history, its endpoints are queried this often
+# (12 queries an hour): a net under the history-length gate, never its load.
+REFRESH_SECONDS = 300.0
 # A membership that keeps changing is applied after this many debounce waits
 # anyway, so a long rolling rotation does not starve the gateway of reloads.
 MAX_DEBOUNCE_ROUNDS = 5
 
 
 Fetch = Callable[[], Awaitable[list[GatewayMember]]]
+# Where the pool's history stands: (run id, history length).
+Position = tuple[str, int]
+Describe = Callable[[], Awaitable[Position]]
 
 
 class PoolNotFound(Exception):
@@ -73,6 +87,50 @@ async def query_members(client: Client, pool: str) -> list[GatewayMember]:
     return parse_endpoints(raw)
 
 
+async def pool_position(client: Client, pool: str) -> Position:
+    """The pool's current run and its history length: one describe, which Temporal does not bill."""
+    try:
+        described = await client.get_workflow_handle(pool).describe()
+    except RPCError as err:
+        if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
+            raise PoolNotFound(f"pool {pool!r}: {err.message}") from err
+        raise
+    return described.run_id or "", described.history_length
+
+
+class HistoryGate:
+    """Whether the pool may have changed since the endpoints were last fetched.
+
+    It may have unless the describe finds the same run at the same history
+    length as just before the last successful fetch (state changes only
+    through events), or it is REFRESH_SECONDS since that fetch. The position
+    is read before the fetch, so an event that lands between the two makes
+    the next poll fetch again: a change can cost a second query, never be missed.
+    """
+
+    def __init__(self, describe: Describe, *, refresh_seconds: float = REFRESH_SECONDS) -> None:
+        self._describe = describe
+        self._refresh_seconds = refresh_seconds
+        self._fetched_at: Position | None = None
+        self._fetched_when = 0.0
+        self._pending: Position | None = None
+
+    async def may_have_changed(self) -> bool:
+        """Describe the pool; False only when a fetch now would surely answer as the last one."""
+        self._pending = await self._describe()
+        stale = asyncio.get_running_loop().time() - self._fetched_when >= self._refresh_seconds
+        return stale or self._pending != self._fetched_at
+
+    def fetched(self) -> None:
+        """The fetch after `may_have_changed` succeeded and its answer was taken in."""
+        self._fetched_at = self._pending
+        self._fetched_when = asyncio.get_running_loop().time()
+
+    def forget(self) -> None:
+        """Fetch at the next poll whatever the describe says (a failed fetch or reload)."""
+        self._fetched_at = None
+
+
 async def follow(
     fetch: Fetch,
     apply: Callable[[Sequence[GatewayMember]], Awaitable[bool]],
@@ -81,10 +139,12 @@ async def follow(
     poll_seconds: float,
     debounce_seconds: float,
     on_error: Callable[[BaseException], None],
+    gate: HistoryGate,
 ) -> None:
     """Poll `fetch` forever; `apply` a new membership once it held still for the debounce.
 
-    `apply` says whether the gateway now serves that membership.
+    `apply` says whether the gateway now serves that membership. A poll
+    fetches only when `gate` says the pool may have changed.
 
     A failed poll keeps the members the gateway has: a pool that cannot be
     asked for a moment has not lost them.
@@ -93,8 +153,11 @@ async def follow(
     while True:
         await asyncio.sleep(poll_seconds)
         try:
+            if not await gate.may_have_changed():
+                continue
             members = await fetch()
             if set(members) == applied:
+                gate.fetched()
                 continue
             for _ in range(MAX_DEBOUNCE_ROUNDS):  # wait for the change to stop changing
                 await asyncio.sleep(debounce_seconds)
@@ -103,7 +166,11 @@ async def follow(
                     break
                 members = again
         except (RPCError, PoolNotFound, ValueError) as err:
+            gate.forget()
             on_error(err)
             continue
-        if await apply(members):  # a failed reload is tried again at the next poll
+        if await apply(members):
             applied = set(members)
+            gate.fetched()
+        else:
+            gate.forget()  # a failed reload is tried again at the next poll

@@ -28,7 +28,7 @@ that tells search attributes, the Web UI and a parent pool of a change.
 The workflow id is the proxy's identity. Steady state costs a handful of
 history events an hour: a single long-running `monitor` activity probes and
 heartbeats, and returns only when health changes, the instance vanishes, or
-an hour has passed. Every instance the workflow creates is remembered in
+two hours have passed. Every instance the workflow creates is remembered in
 `CarriedState.owned` until it is confirmed gone, so terminate, cancel and
 failure all end with nothing left running.
 """

@@ -101,11 +101,16 @@ WAIT_RUNNING = ActivityProfile(
     start_to_close=timedelta(minutes=15), heartbeat=timedelta(seconds=30)
 )
 WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=timedelta(seconds=30))
-# The monitor heartbeats every half of this timeout, whatever its probe
-# interval (activities/provider.py); the SDK sends at most one heartbeat per
-# 80% of it, which keeps steady state under 100 requests an hour.
+# How long the monitor runs before it reports back even when all is well:
+# each report-back is a new activity (a billable schedule, a first heartbeat,
+# a timer), so a long period keeps steady state cheap (docs/cost.md).
+MONITOR_PERIOD = timedelta(hours=2)
+# The monitor heartbeats a minute before this timeout, whatever its probe
+# interval (activities/provider.py): 17 heartbeats an hour, each a billable
+# action in Temporal Cloud. A worker lost mid-monitor is noticed within the
+# timeout, and the retry probes from another worker well within 5 minutes.
 MONITOR = ActivityProfile(
-    start_to_close=timedelta(hours=1, minutes=10), heartbeat=timedelta(seconds=60)
+    start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=270)
 )
 
 
@@ -134,9 +139,6 @@ VALIDATE = ActivityProfile(
 VERIFY = ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=10)
 )
-
-# How long the monitor runs before it reports back even when all is well.
-MONITOR_PERIOD = timedelta(hours=1)
 
 # Orphan GC's own calls. Unlike a proxy's owner, GC gives up on one instance
 # and counts it as failed: the next sweep tries again, while one stuck delete

@@ -8,7 +8,7 @@ from providers.config import Config
 from tests.helpers.config import build_config, local_entry
 
 INSTALLATION = "bench-fleet"
-PASSWORD = "bench-password"
+PASSWORD = "bench-fleet-password-8d1e"  # at least 16 characters, as the config requires
 FLEET_PROVIDER = "fleet"
 SQUID_PROVIDER = "local"
 INTERVAL = 10.0

@@ -19,6 +19,11 @@ import activities.metrics  # noqa: F401  (registers the activity series)
 import gateway.metrics  # noqa: F401  (registers the gateway's series)
 from providers.metrics import default_metrics
 
+# The Temporal SDK's own series the worker re-exports on its /metrics
+# (worker.py, `_SdkMetrics`) that charts and alerts read: sdk-core's names
+# with the `temporal_` prefix, durations in seconds (`durations_as_seconds`),
+# as a worker's scrape shows them once an activity has started.
+SDK_SERIES = frozenset({"temporal_activity_schedule_to_start_latency_bucket"})
 # The names Prometheus stores for each metric type prometheus_client exports.
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
 # Children of a PromQL AST node that can hold selectors.
@@ -28,7 +33,7 @@ _CHILDREN = ("lhs", "rhs", "expr", "args", "vector_selector", "param")
 def exported_series() -> set[str]:
     """Every series name the worker's or the gateway's /metrics can serve."""
     default_metrics()
-    names = set()
+    names = set(SDK_SERIES)
     for family in REGISTRY.collect():
         names |= {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}
     return names

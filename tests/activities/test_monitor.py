@@ -1,0 +1,101 @@
+"""The monitor activity's heartbeat clock holds while a probe hangs.
+
+The monitor heartbeats rarely (a minute before its heartbeat timeout, to keep
+Temporal Cloud actions down), so a heartbeat that waited for a probe would
+time the monitor out: the server would take the worker for dead and run the
+monitor again elsewhere. Here the proxy is a real listener that accepts the
+CONNECT's TCP connection and never answers, so each real probe hangs until
+its timeout; heartbeats must go on meanwhile, and the failed probe still
+ends the monitor as unhealthy.
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.models import InstanceRef, MonitorInput, MonitorReason
+from activities.provider import ProviderActivities
+from providers.memory import MemoryProvider
+from tests.helpers.config import build_config, local_entry
+
+# A probe hangs this long (its timeout); the heartbeat clock beats every
+# second meanwhile (half of HEARTBEAT_TIMEOUT, which is under twice the slack).
+PROBE_TIMEOUT_SECONDS = 8.0
+HEARTBEAT_TIMEOUT = timedelta(seconds=2)
+
+
+class _Silent(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        self.request.settimeout(None)
+        try:
+            self.request.recv(65536)  # the CONNECT, never answered
+            self.request.recv(1)  # held until the client gives up
+        except OSError:
+            pass
+
+
+class _Tarpit(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@pytest.fixture
+def silent_proxy() -> Iterator[int]:
+    """A port that accepts connections and never says a word."""
+    with _Tarpit(("127.0.0.1", 0), _Silent) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield server.server_address[1]
+        server.shutdown()
+
+
+async def test_a_hanging_probe_does_not_stall_the_heartbeats(
+    silent_proxy: int, tmp_path: Any
+) -> None:
+    provider = MemoryProvider()
+    instance = provider.add("test", "hanging-proxy", 0)
+    config = build_config(local_entry(tmp_path), connect_ports=[443])
+    activities = ProviderActivities({"memory": provider}, config)
+    env = ActivityEnvironment()
+    env.info = replace(env.info, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    beats: list[Any] = []
+    env.on_heartbeat = lambda *details: beats.append(details[0])
+    ref = InstanceRef(
+        "memory", instance.provider_id, instance.name, 0, ip="127.0.0.1", port=silent_proxy
+    )
+    try:
+        outcome = await env.run(
+            activities.monitor,
+            MonitorInput(
+                ref,
+                "https://example.com/",
+                interval_seconds=1,
+                failure_threshold=1,
+                max_duration_seconds=3600,
+                probe_timeout_seconds=PROBE_TIMEOUT_SECONDS,
+            ),
+        )
+    finally:
+        activities.close()
+    assert outcome.reason is MonitorReason.UNHEALTHY, outcome
+    assert outcome.last_probe is not None and not outcome.last_probe.ok
+    # Beats while the one probe hung: none had a probe to show yet.
+    during = [b for b in beats if b["last_probe"] is None]
+    assert len(during) >= 3, f"{len(during)} heartbeats in an {PROBE_TIMEOUT_SECONDS:g} s hang"
+
+
+def test_the_silent_proxy_really_is_silent(silent_proxy: int) -> None:
+    with socket.create_connection(("127.0.0.1", silent_proxy), timeout=5) as conn:
+        conn.sendall(b"CONNECT example.com:443 HTTP/1.1\r\n\r\n")
+        conn.settimeout(1)
+        with pytest.raises(TimeoutError):
+            conn.recv(1)

@@ -1,0 +1,102 @@
+"""A worker SIGKILLed while it monitors a proxy: another worker monitors it, same instance.
+
+The monitor heartbeats rarely (docs/cost.md), so the server notices the lost
+worker only at its heartbeat timeout (4.5 minutes); the retry then runs on
+the surviving worker, which must truly watch the proxy: when the proxy dies
+afterwards, it is replaced. Real `python worker.py` processes, real Squid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.waiting import wait_for, wait_status
+from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
+    LocalWorker,
+    local_worker,
+    origin,
+    worker_process,
+)
+from workflows import policies
+
+pytestmark = pytest.mark.slow
+
+assert policies.MONITOR.heartbeat is not None
+# The heartbeat timeout, the retry and the new attempt's pick-up, with room
+# for a machine whose cores are busy.
+RESUMED_WITHIN = policies.MONITOR.heartbeat.total_seconds() + 120
+
+
+async def monitor_worker(handle: WorkflowHandle[Any, Any]) -> str | None:
+    """The identity of the worker running the proxy's monitor now, if one runs it."""
+    description = await handle.describe()
+    for pending in description.raw_description.pending_activities:
+        if (
+            pending.activity_type.name == "monitor"
+            and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        ):
+            return pending.last_worker_identity
+    return None
+
+
+def identity(pid: int) -> str:
+    """The SDK's default worker identity."""
+    return f"{pid}@{os.uname().nodename}"
+
+
+async def test_a_killed_monitor_worker_is_replaced_by_another_that_watches_the_same_instance(
+    temporal_env: WorkflowEnvironment,
+    local_worker: LocalWorker,  # noqa: F811
+    state_dir: Path,
+) -> None:
+    first = local_worker.process
+    assert first is not None
+    handle = await temporal_env.client.start_workflow(
+        "ProxyLifecycle",
+        {
+            "provider": "local",
+            "health": {
+                "target": f"https://127.0.0.1:{local_worker.origin_port}/",
+                "interval_seconds": 2,
+            },
+        },
+        id=f"proxy-{uuid.uuid4().hex[:10]}",
+        task_queue=local_worker.task_queue,
+    )
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready", deadline=120)
+
+    async def monitored_by_first() -> bool:
+        return await monitor_worker(handle) == identity(first.pid)
+
+    await wait_for(monitored_by_first, "the monitor running on the first worker", 60)
+    first.kill()  # SIGKILL: no drain, no goodbye to the server
+    await asyncio.to_thread(first.wait)
+    second = local_worker.restart()
+
+    async def monitored_by_second() -> bool:
+        return await monitor_worker(handle) == identity(second.pid)
+
+    await wait_for(monitored_by_second, "the monitor running on the second worker", RESUMED_WITHIN)
+    still = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    assert (still.instance, still.generation) == (ready.instance, 0), "the instance was replaced"
+
+    # The new monitor watches: the proxy dies, and is replaced.
+    pid = json.loads((state_dir / ready.instance / "instance.json").read_text())["pid"]
+    os.kill(int(pid), signal.SIGKILL)
+    replaced = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.generation == 1, "replaced", deadline=120
+    )
+    assert replaced.replacements == 1
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
