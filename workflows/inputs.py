@@ -9,6 +9,7 @@ after an instance exists (docs/security.md, "No input wedges a workflow").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -121,7 +122,10 @@ def describe_error(err: Any) -> str:
 
 
 def continued_state(
-    state_type: type[T], carried: Any, extra: tuple[Any, ...]
+    state_type: type[T],
+    carried: Any,
+    extra: tuple[Any, ...],
+    decode: Callable[[Any], T] | None = None,
 ) -> tuple[T | None, list[str]]:
     """The state a previous run of this workflow handed over, or why it is refused.
 
@@ -130,6 +134,7 @@ def continued_state(
     probe with the fleet's credentials or to delete. Cron runs and retries
     start again from the first run's arguments, which a starter chose, so
     they are refused too. Any argument after the second is refused as well.
+    `decode` reads a state of its own encoding (default: `state_type` as JSON).
     """
     problems = [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, start=3)]
     if carried is None:
@@ -142,7 +147,7 @@ def continued_state(
         )
         return None, [refused, *problems]
     try:
-        state: T = value_to_type(state_type, carried)
+        state: T = (decode or (lambda raw: value_to_type(state_type, raw)))(carried)
     except Exception as err:  # any shape the converter cannot take is bad input
         return None, [f"argument 2: not a {state_type.__name__}: {err}", *problems]
     return state, problems

@@ -15,6 +15,7 @@ member's own instance serves there (workflows/pool.py, "verified").
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -24,7 +25,12 @@ from contract import ProxyState
 # Caps on what a report may carry into the pool's state (and so into every
 # continue-as-new payload and `status` answer): longer strings are cut.
 MAX_ID_LENGTH = 300
-MAX_ENDPOINT_LENGTH = 300
+# A provider's endpoint is `ip:port` or `[ipv6]:port` (providers/base.py,
+# `endpoint`): 47 characters at most, of these. Anything else is no
+# provider's, and bounded it keeps the pool's carried state small
+# (workflows/pool_carried.py).
+MAX_ENDPOINT_LENGTH = 64
+ENDPOINT_CHARACTERS = re.compile(r"^[A-Za-z0-9.:%\[\]-]*$")
 MAX_PROVIDER_LENGTH = 63
 MAX_ERROR_LENGTH = 500
 MAX_TIMESTAMP_LENGTH = 64
@@ -117,6 +123,9 @@ def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:
             return None
         return value
 
+    endpoint = text("endpoint", MAX_ENDPOINT_LENGTH) or ""
+    if not ENDPOINT_CHARACTERS.match(endpoint):
+        problems.append("endpoint: not an address and port")
     member = text("member", MAX_ID_LENGTH)
     state = text("state", MAX_ID_LENGTH)
     if state is not None and state not in set(ProxyState):
@@ -124,7 +133,7 @@ def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:
     report = MemberReport(
         member=member or "",
         state=state or "",
-        endpoint=text("endpoint", MAX_ENDPOINT_LENGTH) or "",
+        endpoint=endpoint,
         provider=text("provider", MAX_PROVIDER_LENGTH) or "",
         generation=count("generation"),
         ready_since=timestamp("ready_since", optional=True),

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -66,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
         PoolState,
         ProxyState,
     )
-    from workflows import policies, pool_plan, pool_view
+    from workflows import policies, pool_carried, pool_plan, pool_view
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
         continued_state,
@@ -74,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
         signal_reason,
     )
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
+    from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
     from workflows.pool_input import (
         BanRequest,
         PoolInput,
@@ -174,37 +175,6 @@ class PoolEndpoint:
 
 
 @dataclass(frozen=True)
-class AppliedUpdate:
-    """An update a run applied: a digest of its id, and the result it returned."""
-
-    key: str
-    result: dict[str, Any]
-
-
-@dataclass
-class PoolCarried:
-    """Everything continue-as-new hands to the next run."""
-
-    replicas: int
-    # Runs from before MemberPhase carried another shape (pool_plan.legacy_carried).
-    members: list[Member]
-    next_index: int
-    failures_in_a_row: int = 0
-    last_error: str | None = None
-    stopped_replacing: str | None = None
-    start_after: str | None = None
-    bans: list[str] = field(default_factory=list)
-    last_reconcile: str | None = None
-    terminate_reason: str | None = None
-    rejected_reports: int = 0
-    last_rejected: str | None = None
-    vacancies: list[str] = field(default_factory=list)
-    # Oldest first, REMEMBERED_UPDATES at most (a list: JSON objects' keys
-    # come back sorted, not in the order they were added).
-    applied_updates: list[AppliedUpdate] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class PoolResult:
     """What a finished ProxyPool returns."""
 
@@ -250,8 +220,9 @@ class ProxyPool:
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
         # Untyped, so no argument can fail to decode outside our validation.
+        pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
-            PoolCarried, pool_plan.legacy_carried(carried), extra
+            PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
         )
         inp = await self._validated(raw, argument_problems, continued=state is not None)
         self._inp = inp
@@ -274,7 +245,7 @@ class ProxyPool:
                 if workflow.info().is_continue_as_new_suggested() and not self._tasks:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
-                        workflow.continue_as_new(args=[raw, self._carry()])
+                        workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
                 self._arm(pool_plan.next_wake(self._situation()))
                 await workflow.wait_condition(
                     lambda: self._dirty or self._terminate_reason is not None
@@ -754,6 +725,11 @@ class ProxyPool:
             self._alarm.cancel()
         await workflow.wait_condition(lambda: not self._tasks)
         self._publish(PoolState.TERMINATED)
+
+    def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:
+        lifetime = inp.template.max_lifetime_seconds
+        lifetimes = None if lifetime is None else Lifetimes(lifetime, inp.lifetime_jitter)
+        return pool_carried.encode(self._carry(), workflow.info().workflow_id, lifetimes)
 
     def _carry(self) -> PoolCarried:
         return PoolCarried(
