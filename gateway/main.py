@@ -32,7 +32,7 @@ from temporalio.service import RPCError
 
 import cli
 from cli import Health, connect, serve_metrics
-from gateway import membership, metrics
+from gateway import demand, membership, metrics
 from gateway.member_networks import (
     Gatekeeper,
     MemberNetworks,
@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_DEBOUNCE_SECONDS,
         help="seconds a membership change must hold still before a reload (default %(default)s)",
     )
+    demand.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -128,6 +129,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
     except UsageError as err:
         problems.append(str(err))
         listen = ("", 0)
+    problems += demand.usage_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
     return args.pool, listen
@@ -196,9 +198,10 @@ async def serve(
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
+    meter = demand.DemandMeter(listen[1])
     try:
         await asyncio.to_thread(squid.start, members)
-        follower.follow(squid.front.access_log, metrics.count_front_line)
+        follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
         for back in squid.backs:
             follower.follow(back.access_log, lambda line: metrics.count_back_line(line, names))
         follower.start()
@@ -211,7 +214,8 @@ async def serve(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
         )
         gate = membership.HistoryGate(lambda: membership.pool_position(client, pool))
-        return await _run(args, squid, names, fetch, gate, members)
+        async with demand.reporting(args, client, pool, meter, listen):
+            return await _run(args, squid, names, fetch, gate, members)
     finally:
         await asyncio.to_thread(squid.stop)
         follower.stop()

@@ -59,6 +59,25 @@ REFUSED_ENDPOINTS = Counter(
     "appears: outside the member networks, or a hostname",
     ["reason"],
 )
+# Autoscaling (gateway/demand.py, gateway/wake.py).
+OPEN_TUNNELS = Gauge("proxy_operator_gateway_open_tunnels", "Client tunnels the front holds now")
+# The `outcome` label of DEMAND_REPORTS.
+REPORT_SENT = "sent"
+REPORT_REFUSED = "refused"
+REPORT_FAILED = "failed"
+DEMAND_REPORTS = Counter(
+    "proxy_operator_gateway_demand_reports",
+    "Demand reports to the pool, by outcome (sent, refused by the pool, failed to reach it)",
+    ["outcome"],
+)
+POOL_REPLICAS = Gauge(
+    "proxy_operator_gateway_pool_replicas",
+    "The pool's size, as its answer to the gateway's last report or wake said",
+)
+POOL_MEMBER_SECONDS = Gauge(
+    "proxy_operator_gateway_pool_member_seconds",
+    "Instance time the pool has cost since it started (member-seconds), as of its last answer",
+)
 
 POLL_SECONDS = 0.2
 

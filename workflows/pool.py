@@ -66,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
         PoolState,
         ProxyState,
     )
-    from workflows import policies, pool_carried, pool_plan, pool_view
+    from workflows import policies, pool_autoscale, pool_carried, pool_plan, pool_view
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
         continued_state,
@@ -85,6 +85,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.pool_plan import (
         ENDED,
         RECONCILE_BUSY,
+        SCALED_DOWN,
         Member,
         MemberPhase,
         Situation,
@@ -162,6 +163,8 @@ class PoolStatus:
     # naming an endpoint the member's provider does not confirm.
     rejected_reports: int = 0
     last_rejected: str | None = None
+    # Fixed or autoscaled, why this size, demand, member-hours.
+    scaling: pool_autoscale.ScalingStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,10 @@ class ProxyPool:
         self._last_rejected: str | None = None
         self._applied_updates: dict[str, dict[str, Any]] = {}
         self._published: tuple[str, str] | None = None
+        # An autoscaled pool's books, and why it has its size now.
+        self._autoscale: pool_autoscale.Books | None = None
+        self._scaling_why: str | None = None
+        self._usage = pool_autoscale.Usage()
 
     # ---- the contract: run, signals, queries, updates -------------------------------
 
@@ -231,22 +238,29 @@ class ProxyPool:
         else:
             self._replicas = inp.replicas
             self._last_reconcile = workflow.now()
+        if inp.autoscale is not None and self._autoscale is None:
+            self._autoscale = pool_autoscale.new_books(inp.autoscale)
         workflow.upsert_search_attributes([POOL.value_set(workflow.info().workflow_id)])
         try:
             while self._terminate_reason is None:
                 self._dirty = False
+                self._usage = pool_autoscale.counted(
+                    self._usage, len(self._members), workflow.now()
+                )
+                self._autoscale_step()
                 self._apply(
                     pool_plan.plan(
                         self._situation(), inp, workflow.info().workflow_id, workflow.now()
                     )
                 )
+                self._usage.members = len(self._members)
                 self._verify_endpoints()
                 self._publish()
                 if workflow.info().is_continue_as_new_suggested() and not self._tasks:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
-                self._arm(pool_plan.next_wake(self._situation()))
+                self._arm(self._next_wake())
                 await workflow.wait_condition(
                     lambda: self._dirty or self._terminate_reason is not None
                 )
@@ -311,6 +325,14 @@ class ProxyPool:
             terminate_reason=self._terminate_reason,
             rejected_reports=self._rejected_reports,
             last_rejected=self._last_rejected,
+            scaling=pool_autoscale.scaling_status(
+                self._autoscale,
+                self._inp.autoscale if self._inp else None,
+                self._replicas,
+                self._scaling_why,
+                self._usage,
+                workflow.now(),
+            ),
         )
 
     @workflow.query(name="endpoints")
@@ -322,22 +344,111 @@ class ProxyPool:
 
     @workflow.update(name="scale")
     def scale(self, request: Any) -> dict[str, Any]:
-        """Keep `replicas` members; also resumes replacing after the failure budget ran out."""
+        """Keep `replicas` members, or (autoscaled) new bounds; also resumes replacing
+        after the failure budget ran out."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(ScaleRequest, request, "scale")
-        previous, self._replicas = self._replicas, req.replicas
+        req = self._scale_request(request)
         self._stopped = None
         self._failures_in_a_row = 0
         self._start_after = None
         self._dirty = True
+        if self._autoscale is not None:
+            before = self._autoscale
+            self._autoscale, _ = pool_autoscale.rebound(before, req.min_replicas, req.max_replicas)
+            return self._remember(
+                {
+                    "min_replicas": self._autoscale.min_replicas,
+                    "max_replicas": self._autoscale.max_replicas,
+                    "previous": [before.min_replicas, before.max_replicas],
+                }
+            )
+        assert req.replicas is not None  # _scale_request refuses a fixed pool's bounds
+        previous, self._replicas = self._replicas, req.replicas
         return self._remember({"replicas": req.replicas, "previous": previous})
 
     @scale.validator
     def _validate_scale(self, request: Any) -> None:
         if self._applied() is None:
-            self._request(ScaleRequest, request, "scale")
+            self._scale_request(request)
+
+    def _scale_request(self, request: Any) -> ScaleRequest:
+        """A `scale` request that fits the pool's mode, or a rejection naming the field."""
+        req: ScaleRequest = self._request(ScaleRequest, request, "scale")
+        if self._autoscale is None:
+            if req.replicas is None:
+                raise invalid_input(
+                    "invalid scale request: replicas: required (this pool has no autoscale; "
+                    "min_replicas/max_replicas are for autoscaled pools)"
+                )
+            return req
+        if req.replicas is not None:
+            raise invalid_input(
+                "invalid scale request: replicas: this pool is autoscaled; give "
+                "min_replicas and/or max_replicas (its bounds) instead"
+            )
+        _, problem = pool_autoscale.rebound(self._autoscale, req.min_replicas, req.max_replicas)
+        if problem is not None:
+            raise invalid_input(f"invalid scale request: {problem}")
+        return req
+
+    @workflow.update(name="report_demand")
+    def report_demand(self, request: Any) -> dict[str, Any]:
+        """A gateway's demand (workflows/pool_autoscale.py): untrusted, rate-limited, bounded."""
+        report = self._demand_report(request)
+        assert self._autoscale is not None  # _demand_report refuses a fixed pool
+        self._autoscale = pool_autoscale.take(self._autoscale, report, workflow.now())
+        self._dirty = True
+        return self._scaling_answer()
+
+    @report_demand.validator
+    def _validate_report_demand(self, request: Any) -> None:
+        self._demand_report(request)
+
+    def _demand_report(self, request: Any) -> pool_autoscale.Report:
+        report: pool_autoscale.Report = self._request(
+            pool_autoscale.Report, request, "report_demand"
+        )
+        books = self._autoscaled_books("report_demand")
+        refusal = pool_autoscale.report_refusal(books, report, workflow.now())
+        if refusal is not None:
+            raise invalid_input(refusal)
+        return report
+
+    @workflow.update(name="wake")
+    def wake(self, request: Any) -> dict[str, Any]:
+        """A gateway holds a client and sees no member: start one, unless the pool has some."""
+        req: pool_autoscale.WakeRequest = self._request(pool_autoscale.WakeRequest, request, "wake")
+        books = self._autoscaled_books("wake")
+        decision = pool_autoscale.wake(books, self._replicas, req.gateway, workflow.now())
+        if decision.changed:
+            self._take_decision(decision)
+            self._dirty = True
+        return {**self._scaling_answer(), "woken": decision.changed}
+
+    @wake.validator
+    def _validate_wake(self, request: Any) -> None:
+        self._request(pool_autoscale.WakeRequest, request, "wake")
+        self._autoscaled_books("wake")
+
+    def _autoscaled_books(self, what: str) -> pool_autoscale.Books:
+        if self._autoscale is None:
+            raise ApplicationError(
+                f"{what}: this pool is not autoscaled (no `autoscale` in its input)",
+                type=pool_autoscale.NOT_AUTOSCALED,
+                non_retryable=True,
+            )
+        return self._autoscale
+
+    def _scaling_answer(self) -> dict[str, Any]:
+        """What a gateway learns from a report or a wake: the pool's size and cost."""
+        return {
+            "replicas": self._replicas,
+            "member_seconds": pool_autoscale.counted(
+                self._usage, self._usage.members, workflow.now()
+            ).member_seconds,
+        }
 
     @workflow.update(name="rotate")
     def rotate(self, request: Any) -> dict[str, Any]:
@@ -493,6 +604,41 @@ class ProxyPool:
             ending=self._terminate_reason is not None,
             vacancies=tuple(self._vacancies),
         )
+
+    def _autoscale_step(self) -> None:
+        """An autoscaled pool's size for this step; a scale-down picks its members itself."""
+        assert self._inp is not None
+        bounds = self._inp.autoscale
+        if bounds is None or self._autoscale is None or self._terminate_reason is not None:
+            return
+        self._take_decision(
+            pool_autoscale.decide(self._autoscale, bounds, self._replicas, workflow.now())
+        )
+
+    def _take_decision(self, decision: pool_autoscale.Decision) -> None:
+        assert self._inp is not None
+        self._autoscale, self._scaling_why = decision.books, decision.reason
+        self._replicas = decision.replicas
+        if decision.changed:
+            workflow.logger.info("autoscale: %s", decision.reason)
+        # Banned, not serving, then the youngest go first (pool_plan would
+        # remove the oldest): the plan then finds the pool at size.
+        excess = len(self._live()) - self._replicas
+        drain = pool_plan.drain_seconds(self._inp)
+        for victim in pool_autoscale.victims(self._live(), excess):
+            victim.remove(SCALED_DOWN, drain)
+            self._spawn(self._drain_then_terminate(victim.member, SCALED_DOWN, drain))
+
+    def _next_wake(self) -> Wake | None:
+        """The plan's next wake, or an autoscale decision falling due, whichever is first."""
+        wake = pool_plan.next_wake(self._situation())
+        bounds = self._inp.autoscale if self._inp is not None else None
+        if bounds is None or self._autoscale is None:
+            return wake
+        due = pool_autoscale.next_wake(self._autoscale, bounds)
+        if due is not None and (wake is None or due < wake.at):
+            return Wake(due, "autoscale: a decision falls due")
+        return wake
 
     def _apply(self, step: Step) -> None:
         """The plan's members and books, then its commands, each in a task of its own, in order."""
@@ -749,6 +895,8 @@ class ProxyPool:
             last_rejected=self._last_rejected,
             vacancies=self._vacancies,
             applied_updates=[AppliedUpdate(k, r) for k, r in self._applied_updates.items()],
+            autoscale=self._autoscale,
+            usage=self._usage,
         )
 
     def _restore(self, carried: PoolCarried) -> None:
@@ -779,6 +927,8 @@ class ProxyPool:
             if m.state == ProxyState.READY and m.endpoint and m.endpoint != m.verified
         }
         self._vacancies = carried.vacancies
+        self._autoscale = carried.autoscale
+        self._usage = carried.usage
 
     # ---- views ----------------------------------------------------------------------
 

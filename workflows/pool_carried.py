@@ -34,6 +34,7 @@ from typing import Any
 
 from temporalio.converter import value_to_type
 
+from workflows.pool_autoscale import Books, Usage
 from workflows.pool_plan import Member, MemberPhase, jittered_lifetime, legacy_carried
 
 SCHEMA = 2
@@ -79,6 +80,9 @@ class PoolCarried:
     # Oldest first, REMEMBERED_UPDATES at most (a list: JSON objects' keys
     # come back sorted, not in the order they were added).
     applied_updates: list[AppliedUpdate] = field(default_factory=list)
+    # An autoscaled pool's books (bounded: MAX_GATEWAYS reports), and its cost so far.
+    autoscale: Books | None = None
+    usage: Usage = field(default_factory=Usage)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class CompactCarried:
     vacancies: list[int] = field(default_factory=list)
     # [key, result with member ids relative to the pool]
     applied_updates: list[list[Any]] = field(default_factory=list)
+    autoscale: Books | None = None
+    usage: Usage = field(default_factory=Usage)
 
 
 # A member row's columns, in order. Text columns name a position in
@@ -220,6 +226,8 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
             [a.key, _map_strings(a.result, lambda s: _relative(s, prefix))]
             for a in carried.applied_updates
         ],
+        autoscale=carried.autoscale,
+        usage=carried.usage,
         **books,
     )
 
@@ -292,6 +300,8 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
             AppliedUpdate(str(key), _map_strings(dict(result), lambda s: _absolute(s, prefix)))
             for key, result in compact.applied_updates
         ],
+        autoscale=compact.autoscale,
+        usage=compact.usage,
     )
 
 

@@ -43,9 +43,31 @@ class BanLimit(StrictInput):
         return self.max if self.max is not None else max(1, replicas // 4)
 
 
+class Autoscale(StrictInput):
+    """Size the pool by its gateways' demand (workflows/pool_autoscale.py), within bounds."""
+
+    # 0: scale to zero while idle; a gateway's `wake` starts one member.
+    min_replicas: Replicas = 0
+    max_replicas: Replicas
+    # Open tunnels one member should carry: demand / target is the wanted size.
+    target_tunnels_per_member: Annotated[int, Field(ge=1, le=100_000)] = 10
+    scale_up_after_seconds: Annotated[int, Field(ge=1, le=86400)] = 30
+    scale_down_after_seconds: Annotated[int, Field(ge=1, le=7 * 86400)] = 300
+
+    @model_validator(mode="after")
+    def _ordered_bounds(self) -> Autoscale:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must not exceed "
+                f"max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
 class PoolInput(StrictInput):
     """What a user passes to `temporal workflow start --type ProxyPool --input`."""
 
+    # With `autoscale`: the size the pool starts at, within its bounds.
     replicas: Replicas
     template: ProxyInput
     spread: Annotated[list[SpreadEntry], Field(min_length=1, max_length=100)] | None = None
@@ -57,10 +79,36 @@ class PoolInput(StrictInput):
     # Members in a row that end Failed before the pool stops replacing them.
     failure_budget: Annotated[int, Field(ge=1, le=100)] = 3
     bans: BanLimit = BanLimit()
+    autoscale: Autoscale | None = None
+
+    @model_validator(mode="after")
+    def _replicas_within_bounds(self) -> PoolInput:
+        bounds = self.autoscale
+        if bounds is not None and not bounds.min_replicas <= self.replicas <= bounds.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) is the autoscaled pool's first size and must be "
+                f"within autoscale.min_replicas ({bounds.min_replicas}) and "
+                f"autoscale.max_replicas ({bounds.max_replicas})"
+            )
+        return self
 
 
 class ScaleRequest(StrictInput):
-    replicas: Replicas
+    """A fixed pool's new size (`replicas`), or an autoscaled pool's new bounds."""
+
+    replicas: Replicas | None = None
+    min_replicas: Replicas | None = None
+    max_replicas: Replicas | None = None
+
+    @model_validator(mode="after")
+    def _size_or_bounds(self) -> ScaleRequest:
+        bounds = self.min_replicas is not None or self.max_replicas is not None
+        if (self.replicas is None) != bounds:
+            raise ValueError(
+                'give either "replicas" (a fixed pool) or "min_replicas"/"max_replicas" '
+                "(an autoscaled pool)"
+            )
+        return self
 
 
 class RotateRequest(StrictInput):

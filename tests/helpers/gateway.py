@@ -14,13 +14,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, PASSWORD_ENV
+from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.tunnel import Answer, request
@@ -43,6 +45,7 @@ class GatewayProcess:
         directory: Path,
         poll_seconds: float = 0.5,
         debounce_seconds: float = 0.5,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
@@ -69,6 +72,7 @@ class GatewayProcess:
             str(debounce_seconds),
             "--state-dir",
             str(directory / "state"),
+            *extra_args,
         ]
         self.state_dir = directory / "state"
         self.env = {
@@ -131,6 +135,24 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def stack_gateway(
+    env: WorkflowEnvironment,
+    stack: Stack,
+    pool: str,
+    directory: Path,
+    extra_args: Sequence[str] = (),
+) -> GatewayProcess:
+    """A gateway (not started) over `pool`: the stack's local provider, its origin's port."""
+    return GatewayProcess(
+        pool=pool,
+        raw_config=raw_config(local_entry(stack.state_dir), connect_ports=[443, stack.origin.port]),
+        temporal_address=env.client.service_client.config.target_host,
+        namespace=env.client.namespace,
+        directory=directory,
+        extra_args=extra_args,
+    )
 
 
 def through(

@@ -19,6 +19,7 @@ from contract import ProxyState
 from workflows.inputs import MAX_REASON
 from workflows.membership import MAX_COUNTER, MAX_ENDPOINT_LENGTH, MAX_ERROR_LENGTH
 from workflows.pool import REMEMBERED_LIST, REMEMBERED_UPDATES
+from workflows.pool_autoscale import MAX_GATEWAYS, MAX_TUNNELS, Books, Demand, Usage
 from workflows.pool_carried import (
     TEXT_BUDGET,
     AppliedUpdate,
@@ -107,6 +108,18 @@ def worst_state() -> PoolCarried:
         last_rejected=longest(4, MAX_ERROR_LENGTH),
         vacancies=[f"replaces x, ended Failed: {longest(n, 500)}" for n in range(MAX_REPLICAS)],
         applied_updates=[AppliedUpdate("k" * 32, rotated) for _ in range(REMEMBERED_UPDATES)],
+        autoscale=Books(
+            0,
+            MAX_REPLICAS,
+            reports=[
+                Demand(f"{n:02d}" + "g" * 98, T0.isoformat(), MAX_TUNNELS, MAX_TUNNELS)
+                for n in range(MAX_GATEWAYS)
+            ],
+            above_since=T0.isoformat(),
+            last_decision=longest(5, MAX_ERROR_LENGTH),
+            decided_at=T0.isoformat(),
+        ),
+        usage=Usage(1e12, T0.isoformat(), MAX_REPLICAS),
     )
 
 
@@ -156,6 +169,8 @@ def typical_state() -> PoolCarried:
             AppliedUpdate("b", {"member": f"{POOL}/1", "banned": True, "already": False}),
             AppliedUpdate("c", {"replicas": 3, "previous": 2}),
         ],
+        autoscale=Books(0, 5, [Demand("gw-a", T0.isoformat(), 12, 3)], T0.isoformat()),
+        usage=Usage(3600.0, T0.isoformat(), 4),
     )
 
 

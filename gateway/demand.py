@@ -1,0 +1,263 @@
+"""The gateway's demand, measured and reported to its pool (`report_demand` update).
+
+What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
+
+- open tunnels: the client connections the front worker holds, counted in
+  the kernel's socket table (/proc/net/tcp and tcp6: ESTABLISHED, local
+  port = the listen port) every SAMPLE_SECONDS; a report gives the most
+  seen at once since the last one. Squid logs a CONNECT only when it ends,
+  so its access log cannot say what is open now;
+- new tunnels: the CONNECTs the front granted (200) since the last report
+  (its access log, which the gateway follows for its metrics anyway; Squid
+  writes a tunnel's line when it closes).
+
+A report is an action billed by Temporal Cloud and a history event, so the
+gateway reports sparingly: every REPORT_SECONDS at most, and only when the
+demand moved (`moved`) or HEARTBEAT has passed (the pool forgets a report
+after workflows/pool_autoscale.REPORT_STALE). A pool that is not autoscaled
+says so, and the gateway stops reporting to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+import cli
+from gateway import metrics
+from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
+
+log = logging.getLogger("proxy_operator.gateway")
+
+REPORT_DEMAND_UPDATE = "report_demand"
+SAMPLE_SECONDS = 1.0
+REPORT_SECONDS = 15.0
+HEARTBEAT = 300.0
+# A change of open tunnels smaller than this share (and than one) is not
+# worth a report.
+MOVED_SHARE = 0.1
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+ESTABLISHED = "01"
+
+
+def open_connections(port: int, tables: Iterable[Path] = TCP_TABLES) -> int:
+    """ESTABLISHED sockets whose local port is `port`: the clients a listener holds."""
+    count = 0
+    for table in tables:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 here, say
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == ESTABLISHED:
+                _, _, local_port = fields[1].rpartition(":")
+                if int(local_port, 16) == port:
+                    count += 1
+    return count
+
+
+def gateway_name(listen: tuple[str, int]) -> str:
+    """This gateway's name in its reports: the host's name and the listen port."""
+    host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())
+    return f"{host.strip('.-')[:80] or 'gateway'}:{listen[1]}"
+
+
+@dataclass(frozen=True)
+class Sample:
+    open_tunnels: int
+    new_tunnels: int
+
+
+def moved(last: Sample | None, now: Sample) -> bool:
+    """Whether the demand changed enough since the last report to be worth another."""
+    if last is None:
+        return True
+    if (last.open_tunnels == 0) != (now.open_tunnels == 0):
+        return True
+    if (last.new_tunnels == 0) != (now.new_tunnels == 0):
+        return True
+    step = max(1, int(last.open_tunnels * MOVED_SHARE))
+    return abs(now.open_tunnels - last.open_tunnels) > step
+
+
+class DemandMeter:
+    """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._answered = 0
+
+    def sample(self) -> int:
+        now = open_connections(self.port)
+        with self._lock:
+            self._peak = max(self._peak, now)
+        return now
+
+    def count_front_line(self, line: str) -> None:
+        """One line of the front's access log: a tunnel counts if it was granted (200).
+
+        A client refused (407, 403) is no demand: unauthenticated clients
+        must not hold a pool up.
+        """
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "200":
+            with self._lock:
+                self._answered += 1
+
+    def counting(self, handle: Callable[[str], None]) -> Callable[[str], None]:
+        """`handle` for the front's access log lines, each also counted here."""
+
+        def both(line: str) -> None:
+            handle(line)
+            self.count_front_line(line)
+
+        return both
+
+    def take(self) -> Sample:
+        """What was seen since the last take; starts the next window at what is open now."""
+        current = open_connections(self.port)
+        with self._lock:
+            sample = Sample(max(self._peak, current), self._answered)
+            self._peak, self._answered = current, 0
+        return sample
+
+
+class DemandReporter:
+    """Samples the meter and reports to the pool, sparingly, until the pool says it is fixed."""
+
+    def __init__(self, client: Client, pool: str, meter: DemandMeter, name: str) -> None:
+        if not _valid_name(name):
+            raise ValueError(f"gateway name {name!r} does not match {GATEWAY_NAME}")
+        self.client = client
+        self.pool = pool
+        self.meter = meter
+        self.name = name
+        self.last: Sample | None = None
+        self.last_at = 0.0
+
+    async def run(self, report_seconds: float = REPORT_SECONDS) -> None:
+        """Until cancelled, or until the pool turns out not to be autoscaled."""
+        window_start = time.monotonic()
+        while True:
+            while time.monotonic() - window_start < report_seconds:
+                metrics.OPEN_TUNNELS.set(await asyncio.to_thread(self.meter.sample))
+                await asyncio.sleep(SAMPLE_SECONDS)
+            window = time.monotonic() - window_start
+            window_start = time.monotonic()
+            sample = await asyncio.to_thread(self.meter.take)
+            if not moved(self.last, sample) and time.monotonic() - self.last_at < HEARTBEAT:
+                continue
+            if not await self.report(sample, window):
+                return
+
+    async def report(self, sample: Sample, window: float) -> bool:
+        """One report; False once the pool said it is not autoscaled (stop reporting)."""
+        body = {
+            "gateway": self.name,
+            "open_tunnels": sample.open_tunnels,
+            "new_tunnels": sample.new_tunnels,
+            "window_seconds": max(1, min(3600, round(window))),
+        }
+        try:
+            answer = await self.client.get_workflow_handle(self.pool).execute_update(
+                REPORT_DEMAND_UPDATE, body
+            )
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == NOT_AUTOSCALED:
+                log.info("pool %s is not autoscaled: no demand reports", self.pool)
+                return False
+            metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_REFUSED).inc()
+            log.warning("demand report refused: %s", cause or err)
+            return True
+        except RPCError as err:
+            metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_FAILED).inc()
+            log.warning("demand report failed: %s", err)
+            return True
+        metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_SENT).inc()
+        self.last, self.last_at = sample, time.monotonic()
+        record_answer(answer)
+        return True
+
+
+def record_answer(answer: Any) -> None:
+    """The pool's size and cost as its answer says, into the gateway's metrics."""
+    if not isinstance(answer, dict):
+        return
+    replicas, seconds = answer.get("replicas"), answer.get("member_seconds")
+    if isinstance(replicas, int):
+        metrics.POOL_REPLICAS.set(replicas)
+    if isinstance(seconds, int | float):
+        metrics.POOL_MEMBER_SECONDS.set(seconds)
+
+
+def _valid_name(name: str) -> bool:
+    return re.fullmatch(GATEWAY_NAME, name) is not None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.env_argument(
+        parser,
+        "--gateway-name",
+        "PROXY_OPERATOR_GATEWAY_NAME",
+        "this gateway's name in its demand reports; unset, <host name>:<listen port>",
+    )
+    parser.add_argument(
+        "--report-interval",
+        type=float,
+        default=REPORT_SECONDS,
+        help="seconds between demand reports to an autoscaled pool, at most "
+        "(default %(default)s; reports that change nothing are skipped)",
+    )
+
+
+def usage_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.gateway_name is not None and not _valid_name(args.gateway_name):
+        problems.append(
+            f"--gateway-name: {args.gateway_name!r} must be 1-100 letters, digits, "
+            "'.', '_', ':', '@', '/' or '-', starting with a letter or digit"
+        )
+    least = MIN_REPORT_INTERVAL.total_seconds()
+    if not least <= args.report_interval <= HEARTBEAT:
+        problems.append(
+            f"--report-interval: {args.report_interval} is not between {least:g} and "
+            f"{HEARTBEAT:g} seconds"
+        )
+    return problems
+
+
+@contextlib.asynccontextmanager
+async def reporting(
+    args: argparse.Namespace,
+    client: Client,
+    pool: str,
+    meter: DemandMeter,
+    listen: tuple[str, int],
+) -> AsyncIterator[None]:
+    """Demand reports in the background while the gateway serves."""
+    reporter = DemandReporter(client, pool, meter, args.gateway_name or gateway_name(listen))
+    task = asyncio.create_task(reporter.run(args.report_interval))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,91 @@
+"""What the gateway measures and reports as demand (gateway/demand.py), without a pool.
+
+Open tunnels are read from the kernel's socket table, so these tests hold
+real connections to a real listener; the reports themselves are tested
+against a pool in tests/workflows/test_pool_autoscale_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.demand import DemandMeter, Sample, gateway_name, moved, open_connections
+from gateway.main import UsageError, checked, parse_args
+
+
+@contextlib.contextmanager
+def listener_with_clients(count: int) -> Iterator[int]:
+    """A listening socket on loopback holding `count` accepted client connections."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with contextlib.ExitStack() as stack:
+            for _ in range(count):
+                stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+                stack.enter_context(server.accept()[0])
+            yield port
+
+
+def test_open_connections_counts_the_clients_a_listener_holds_not_its_own_dials() -> None:
+    with listener_with_clients(3) as port:
+        # The three clients' own sockets have the port as their *remote* port.
+        assert open_connections(port) == 3
+    with listener_with_clients(0) as port:
+        assert open_connections(port) == 0
+
+
+def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
+    with listener_with_clients(2) as port:
+        meter = DemandMeter(port)
+        assert meter.sample() == 2
+        count = meter.counting(lambda line: None)
+        for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):
+            count(line)  # only a granted tunnel is demand: not a refused client
+    assert meter.take() == Sample(open_tunnels=2, new_tunnels=1)
+    assert meter.take() == Sample(open_tunnels=0, new_tunnels=0)
+
+
+@pytest.mark.parametrize(
+    ("last", "now", "worth"),
+    [
+        (None, Sample(0, 0), True),
+        (Sample(0, 0), Sample(0, 0), False),
+        (Sample(0, 0), Sample(1, 0), True),
+        (Sample(3, 0), Sample(0, 0), True),
+        (Sample(0, 0), Sample(0, 4), True),
+        (Sample(100, 5), Sample(109, 7), False),
+        (Sample(100, 5), Sample(111, 7), True),
+    ],
+)
+def test_only_a_demand_that_moved_is_reported_again(
+    last: Sample | None, now: Sample, worth: bool
+) -> None:
+    assert moved(last, now) is worth
+
+
+def test_the_default_name_is_the_host_and_the_listen_port() -> None:
+    name = gateway_name(("0.0.0.0", 8888))
+    assert name.endswith(":8888") and name[0].isalnum()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--gateway-name", "a b"], "--gateway-name: 'a b' must be 1-100 letters"),
+        (["--gateway-name", "x" * 101], "--gateway-name"),
+        (["--gateway-name", "gw\n"], "--gateway-name"),
+        (["--report-interval", "1"], "--report-interval: 1.0 is not between 5 and 300"),
+        (["--report-interval", "nan"], "--report-interval: nan is not between"),
+    ],
+)
+def test_bad_reporting_flags_are_named(
+    argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
+    with pytest.raises(UsageError, match=expected.replace("(", r"\(")):
+        checked(parse_args(["--pool", "web", *argv]))

@@ -1,0 +1,163 @@
+"""Autoscaled pools end to end: the local provider's real Squids, a real gateway reporting.
+
+Short delays in the pool's `autoscale` input (seconds, not minutes) and a
+gateway reporting every 5 s let a load ramp run its course in a test: the
+load is tunnels held open through the gateway, which counts them in its
+socket table and reports them (gateway/demand.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import socket
+import ssl
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.gateway import GatewayProcess, stack_gateway
+from tests.helpers.network import read_head
+from tests.helpers.stacks import Stack
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.waiting import wait_for
+from workflows.pool_autoscale import MAX_TUNNELS
+
+pytestmark = pytest.mark.slow
+
+QUIET_HEALTH = {"interval_seconds": 3600, "failure_threshold": 2}
+REPORT_SECONDS = 5
+DEADLINE = 240
+
+
+async def start_pool(stack: Stack, replicas: int, **autoscale: int) -> WorkflowHandle[Any, Any]:
+    return await stack.client.start_workflow(
+        "ProxyPool",
+        {
+            "replicas": replicas,
+            "template": stack.proxy_input(
+                health=QUIET_HEALTH | {"target": stack.origin.url}, drain_seconds=2
+            ),
+            "autoscale": autoscale,
+        },
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+
+async def settled_at(handle: WorkflowHandle[Any, Any], size: int, what: str) -> dict[str, Any]:
+    """Wait until the pool keeps `size` members, all serving; its status then."""
+    seen: list[dict[str, Any]] = []
+
+    async def settled() -> bool:
+        seen.append(await handle.query("status"))
+        status = seen[-1]
+        return bool(
+            status["replicas"] == size
+            and status["ready"] == size
+            and len(status["members"]) == size
+        )
+
+    await wait_for(settled, what, deadline=DEADLINE)
+    return seen[-1]
+
+
+@contextlib.asynccontextmanager
+async def gateway_for(
+    env: WorkflowEnvironment, stack: Stack, pool: str
+) -> AsyncIterator[GatewayProcess]:
+    with local_state_dir("proxy-operator-gateway-test-") as directory:
+        process = stack_gateway(
+            env,
+            stack,
+            pool,
+            directory,
+            ["--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test"],
+        )
+        await asyncio.to_thread(process.start)
+        try:
+            yield process
+        finally:
+            assert await asyncio.to_thread(process.stop) == 0, process.log()
+
+
+def open_tunnel(gateway: GatewayProcess, stack: Stack) -> ssl.SSLSocket:
+    """A CONNECT through the gateway to the origin, TLS up, held open (no request sent)."""
+    target = f"{stack.origin.host}:{stack.origin.port}"
+    credentials = base64.b64encode(f"{USERNAME}:{PASSWORD}".encode()).decode()
+    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
+    sock.sendall(
+        f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+        f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+    )
+    head = read_head(sock)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return stack.origin.client_ssl_context.wrap_socket(sock, server_hostname=stack.origin.host)
+
+
+def open_tunnels(gateway: GatewayProcess, stack: Stack, count: int) -> list[ssl.SSLSocket]:
+    return [open_tunnel(gateway, stack) for _ in range(count)]
+
+
+async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(
+        stack,
+        1,
+        min_replicas=1,
+        max_replicas=3,
+        target_tunnels_per_member=2,
+        scale_up_after_seconds=2,
+        scale_down_after_seconds=6,
+    )
+    await settled_at(handle, 1, "the pool's first member")
+    async with gateway_for(temporal_env, stack, handle.id) as gateway:
+        # 10 tunnels want 5 members: the pool stops at its bound, 3. Opened
+        # off the event loop: the worker in this process serves the pool.
+        held = await asyncio.to_thread(open_tunnels, gateway, stack, 10)
+        try:
+            status = await settled_at(handle, 3, "the pool scaled up to max_replicas")
+            scaling = status["scaling"]
+            assert scaling["mode"] == "autoscaled"
+            assert scaling["open_tunnels"] >= 10
+            assert scaling["last_decision"].startswith("scale up 1 -> 3")
+        finally:
+            for tunnel in held:
+                tunnel.close()
+        status = await settled_at(handle, 1, "the pool back at min_replicas after the load")
+    scaling = status["scaling"]
+    assert scaling["last_decision"].startswith("scale down 2 -> 1")
+    assert scaling["member_hours"] > 0
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+async def test_an_idle_pool_reaches_zero_and_forged_reports_stay_in_bounds(
+    stack: Stack,
+) -> None:
+    handle = await start_pool(
+        stack, 1, max_replicas=2, scale_up_after_seconds=2, scale_down_after_seconds=3
+    )
+    await settled_at(handle, 1, "the pool's first member")
+    # No gateway reports: no demand, and after the delay no member.
+    status = await settled_at(handle, 0, "the idle pool at zero")
+    assert not stack.instances()
+    assert status["state"] == "Ready"
+    assert status["scaling"]["last_decision"].startswith("scale down 1 -> 0")
+    # Anyone may send an update: the most a report may say, as a forger would.
+    forged = {"gateway": "forged", "open_tunnels": MAX_TUNNELS}
+    await handle.execute_update("report_demand", forged)
+    with pytest.raises(WorkflowUpdateFailedError) as refused:
+        await handle.execute_update("report_demand", {"gateway": "x", "open_tunnels": 10**9})
+    assert "open_tunnels: input should be less" in str(refused.value.cause)
+    status = await settled_at(handle, 2, "the forged demand's pool at max_replicas")
+    assert "scale up 0 -> 2" in status["scaling"]["last_decision"]
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
