@@ -33,6 +33,8 @@ from urllib.parse import quote
 
 NCSA_AUTH_HELPER = "/usr/lib/squid/basic_ncsa_auth"
 SQUID_USER = "proxy"
+# The proxies' username (`proxy.auth.username`): what gateway usernames start with.
+PROXY_USERNAME = r"^[A-Za-z0-9._-]{1,64}$"
 
 # Where a proxy must not tunnel to unless the config says otherwise: a proxy
 # user would otherwise reach what only the proxy host can, such as services on

@@ -1,0 +1,118 @@
+"""GatewayMiddleware's settings and routing, in process: no crawl, no reactor.
+
+What a request looks like after the middleware (the gateway's address in
+meta['proxy'], the login in Proxy-Authorization, a session per mode) and
+how bad settings are refused, naming the setting. The ban loop itself runs
+in a real crawl: tests/proxy_operator/test_scrapy_crawl.py.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from scrapy import Request
+from scrapy.utils.test import get_crawler
+
+from proxy_operator.gateway_url import InvalidProxySetting
+from proxy_operator.scrapy import (
+    FROM_ENVIRONMENT,
+    SESSION_META,
+    GatewayMiddleware,
+    gateway_settings,
+)
+
+PASSWORD = "pw-5d0c:/@"
+TOKEN = "api-token-91ac"
+BASE = {
+    "PROXY_OPERATOR_GATEWAY": "127.0.0.1:8888",
+    "PROXY_OPERATOR_PASSWORD": PASSWORD,
+    "PROXY_OPERATOR_API": "http://127.0.0.1:9999",
+    "PROXY_OPERATOR_API_TOKEN": TOKEN,
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in FROM_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+
+
+def middleware(**settings: Any) -> GatewayMiddleware:
+    return GatewayMiddleware.from_crawler(get_crawler(settings_dict=BASE | settings))
+
+
+def routed(mw: GatewayMiddleware, url: str, **meta: Any) -> tuple[Request, str]:
+    """The request after the middleware, and the username it logs in with."""
+    request = Request(url, meta=meta)
+    assert mw.process_request(request) is None
+    scheme, _, token = request.headers[b"Proxy-Authorization"].partition(b" ")
+    assert scheme == b"Basic"
+    username, _, password = base64.b64decode(token).decode().partition(":")
+    assert password == PASSWORD
+    return request, username
+
+
+def test_the_login_is_a_header_and_meta_proxy_only_the_gateway() -> None:
+    request, username = routed(middleware(), "https://shop.example/a")
+    assert request.meta["proxy"] == "http://127.0.0.1:8888"
+    assert username == f"proxy-session-{request.meta[SESSION_META]}"
+
+
+def test_per_domain_sessions_are_shared_by_a_host_only() -> None:
+    mw = middleware()
+    first, _ = routed(mw, "https://shop.example/a")
+    second, _ = routed(mw, "https://shop.example/b?page=2")
+    other, _ = routed(mw, "https://news.example/")
+    assert first.meta[SESSION_META] == second.meta[SESSION_META] != other.meta[SESSION_META]
+
+
+def test_per_request_sessions_differ_and_none_rotates() -> None:
+    mw = middleware(PROXY_OPERATOR_SESSION="per-request")
+    keys = {routed(mw, "https://shop.example/a")[0].meta[SESSION_META] for _ in range(5)}
+    assert len(keys) == 5
+    request, username = routed(middleware(PROXY_OPERATOR_SESSION="none"), "https://shop.example/")
+    assert username == "proxy" and SESSION_META not in request.meta
+
+
+def test_a_session_the_spider_chose_is_kept() -> None:
+    _, username = routed(middleware(), "https://shop.example/login", **{SESSION_META: "login-7"})
+    assert username == "proxy-session-login-7"
+
+
+def test_secrets_come_from_the_environment_when_settings_lack_them() -> None:
+    crawler = get_crawler(settings_dict={"PROXY_OPERATOR_GATEWAY": "127.0.0.1:8888"})
+    environ = {"PROXY_OPERATOR_PASSWORD": PASSWORD, "PROXY_OPERATOR_API_TOKEN": TOKEN}
+    environ["PROXY_OPERATOR_API"] = "http://127.0.0.1:9999"
+    parsed = gateway_settings(crawler.settings, environ)
+    assert (parsed.password, parsed.api_token) == (PASSWORD, TOKEN)
+    assert PASSWORD not in repr(parsed) and TOKEN not in repr(parsed)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"PROXY_OPERATOR_GATEWAY": None}, "PROXY_OPERATOR_GATEWAY"),
+        ({"PROXY_OPERATOR_PASSWORD": None}, "PROXY_OPERATOR_PASSWORD"),
+        ({"PROXY_OPERATOR_API_TOKEN": None}, "PROXY_OPERATOR_API_TOKEN"),
+        ({"PROXY_OPERATOR_SESSION": "per-site"}, "PROXY_OPERATOR_SESSION"),
+        ({"PROXY_OPERATOR_BAN_STATUS": "403,abc"}, "PROXY_OPERATOR_BAN_STATUS"),
+        ({"PROXY_OPERATOR_BAN_STATUS": [99]}, "PROXY_OPERATOR_BAN_STATUS"),
+        ({"PROXY_OPERATOR_BAN_PATTERN": "captcha("}, "PROXY_OPERATOR_BAN_PATTERN"),
+        ({"PROXY_OPERATOR_MAX_BAN_RETRIES": "-1"}, "PROXY_OPERATOR_MAX_BAN_RETRIES"),
+        ({"PROXY_OPERATOR_MAX_BAN_RETRIES": "lots"}, "PROXY_OPERATOR_MAX_BAN_RETRIES"),
+        ({"PROXY_OPERATOR_BAN_RETRY_DELAY": "nan"}, "PROXY_OPERATOR_BAN_RETRY_DELAY"),
+        ({"PROXY_OPERATOR_GATEWAY": "gateway"}, "gateway"),
+        ({"PROXY_OPERATOR_USER": "a user"}, "user"),
+        ({"PROXY_OPERATOR_API": "ftp://x"}, "api"),
+        ({"PROXY_OPERATOR_API_CA_FILE": "/nonexistent/ca.pem"}, "PROXY_OPERATOR_API_CA_FILE"),
+    ],
+)
+def test_a_bad_setting_is_named(settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(InvalidProxySetting) as raised:
+        GatewayMiddleware.from_crawler(
+            get_crawler(settings_dict=BASE | settings),
+        )
+    assert named in str(raised.value)
+    assert PASSWORD not in str(raised.value) and TOKEN not in str(raised.value)
