@@ -30,15 +30,22 @@ def proxies_for(proxy: GatewayProxy) -> dict[str, str]:
 def requests_session(proxy: GatewayProxy) -> requests.Session:
     """A requests Session whose every request goes through the gateway.
 
-    `trust_env` is off so a proxy in the environment cannot send requests
-    around the gateway (see `proxies_for`); that also ignores
-    REQUESTS_CA_BUNDLE and .netrc, so give `verify=` yourself when the origin
-    needs a CA of yours.
+    A Session's own `proxies` lose to HTTP(S)_PROXY in the environment (see
+    `proxies_for`), so this one puts the gateway back over whatever the
+    environment or a call gave; the rest of the environment (REQUESTS_CA_BUNDLE,
+    .netrc) still applies.
     """
     import requests
 
-    client = requests.Session()
-    client.trust_env = False
+    class GatewaySession(requests.Session):
+        def merge_environment_settings(
+            self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any
+        ) -> Any:
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            settings["proxies"] = dict(self.proxies)
+            return settings
+
+    client = GatewaySession()
     client.proxies = proxies_for(proxy)
     return client
 

@@ -3,7 +3,7 @@
 What a request looks like after the middleware (the gateway's address in
 meta['proxy'], the login in Proxy-Authorization, a session per mode) and
 how bad settings are refused, naming the setting. The ban loop itself runs
-in a real crawl: tests/proxy_operator/test_scrapy_crawl.py.
+in a real crawl: tests/workflows/test_gateway_scrapy.py.
 """
 
 from __future__ import annotations
@@ -58,6 +58,16 @@ def test_the_login_is_a_header_and_meta_proxy_only_the_gateway() -> None:
     request, username = routed(middleware(), "https://shop.example/a")
     assert request.meta["proxy"] == "http://127.0.0.1:8888"
     assert username == f"proxy-session-{request.meta[SESSION_META]}"
+
+
+def test_tunnels_close_after_each_request_only_when_bans_are_reported() -> None:
+    # The gateway learns a session's member when its tunnel closes.
+    reported, _ = routed(middleware(), "https://shop.example/a")
+    assert reported.headers[b"Connection"] == b"close"
+    unreported, _ = routed(middleware(PROXY_OPERATOR_API=None), "https://shop.example/a")
+    assert b"Connection" not in unreported.headers
+    rotating, _ = routed(middleware(PROXY_OPERATOR_SESSION="none"), "https://shop.example/a")
+    assert b"Connection" not in rotating.headers
 
 
 def test_per_domain_sessions_are_shared_by_a_host_only() -> None:

@@ -76,8 +76,12 @@ class Pool:
         )
 
 
-@pytest.fixture
-async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator[Pool]:
+@contextlib.asynccontextmanager
+async def running_pool(stack: Stack, **settings: Any) -> AsyncIterator[Pool]:
+    """A pool of REPLICAS quiet members (`settings` added to its input), all in endpoints.
+
+    Terminated afterwards, once every member's Squid is gone.
+    """
     target = {"target": stack.origin.url}
     handle = await stack.client.start_workflow(
         "ProxyPool",
@@ -88,6 +92,7 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
             "template": stack.proxy_input(
                 health=QUIET_HEALTH | target, drain_seconds=DRAIN_SECONDS
             ),
+            **settings,
         },
         id=f"pool-{uuid.uuid4().hex[:8]}",
         task_queue=stack.task_queue,
@@ -101,6 +106,12 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
     yield found
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=120)
+
+
+@pytest.fixture
+async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator[Pool]:
+    async with running_pool(stack) as found:
+        yield found
 
 
 @pytest.fixture
