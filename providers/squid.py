@@ -203,9 +203,10 @@ def render(
 
 # ---- the gateway (docs/architecture.md, "The gateway") ---------------------------
 
-# What the gateway's workers write per request: what its metrics are read from.
+# What the gateway's workers write per request: what its metrics, and which
+# member carried each session (gateway/sessions.py), are read from.
 GATEWAY_LOG_FORMAT = "gateway"
-_GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru"
+_GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru %un"
 # A member id that can be written into squid.conf and typed as a username.
 PINNABLE_MEMBER = re.compile(r"^[A-Za-z0-9._~/:@+=-]{1,200}$")
 # A session key: anything a client can put in a username without escaping.

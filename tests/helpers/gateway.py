@@ -7,6 +7,7 @@ stops its Squids) and kills what is left after a bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -14,15 +15,18 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, PASSWORD_ENV
+from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
+from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer, request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +47,7 @@ class GatewayProcess:
         directory: Path,
         poll_seconds: float = 0.5,
         debounce_seconds: float = 0.5,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
@@ -69,6 +74,7 @@ class GatewayProcess:
             str(debounce_seconds),
             "--state-dir",
             str(directory / "state"),
+            *extra_args,
         ]
         self.state_dir = directory / "state"
         self.env = {
@@ -144,3 +150,33 @@ def through(
         (stack.origin.host, stack.origin.port),
         stack.origin.client_ssl_context,
     )
+
+
+@contextlib.asynccontextmanager
+async def pool_gateway(
+    env: WorkflowEnvironment,
+    stack: Stack,
+    pool: str,
+    flags: Callable[[Path], tuple[str, ...]] | None = None,
+) -> AsyncIterator[GatewayProcess]:
+    """A gateway over `pool` of the stack's worker, stopped (and checked exit 0) afterwards.
+
+    `flags`, given the gateway's directory, writes there what the gateway
+    needs (a tokens file, say) and returns the flags that point at it.
+    """
+    with local_state_dir("proxy-operator-gateway-test-") as directory:
+        extra_args = flags(directory) if flags is not None else ()
+        process = GatewayProcess(
+            pool=pool,
+            raw_config=raw_config(
+                local_entry(stack.state_dir), connect_ports=[443, stack.origin.port]
+            ),
+            temporal_address=env.client.service_client.config.target_host,
+            namespace=env.client.namespace,
+            directory=directory,
+            extra_args=extra_args,
+        )
+        # Started off the event loop: the worker in the test's process answers its queries.
+        await asyncio.to_thread(process.start)
+        yield process
+        assert await asyncio.to_thread(process.stop) == 0, process.log()

@@ -23,11 +23,10 @@ import pytest
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, USERNAME, local_entry, raw_config
-from tests.helpers.gateway import GatewayProcess, through
+from tests.helpers.config import PASSWORD, USERNAME
+from tests.helpers.gateway import GatewayProcess, pool_gateway, through
 from tests.helpers.loopback_peer import loopback_peer
 from tests.helpers.stacks import Stack
-from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import request
 from tests.helpers.waiting import wait_for
 
@@ -118,20 +117,8 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
 async def gateway(
     temporal_env: WorkflowEnvironment, stack: Stack, pool: Pool
 ) -> AsyncIterator[GatewayProcess]:
-    # Started off the event loop: the worker in this process answers its queries.
-    with local_state_dir("proxy-operator-gateway-test-") as directory:
-        process = GatewayProcess(
-            pool=pool.handle.id,
-            raw_config=raw_config(
-                local_entry(stack.state_dir), connect_ports=[443, stack.origin.port]
-            ),
-            temporal_address=temporal_env.client.service_client.config.target_host,
-            namespace=temporal_env.client.namespace,
-            directory=directory,
-        )
-        await asyncio.to_thread(process.start)
+    async with pool_gateway(temporal_env, stack, pool.handle.id) as process:
         yield process
-        assert await asyncio.to_thread(process.stop) == 0, process.log()
 
 
 async def test_one_endpoint_rotates_sticks_and_pins_over_a_pool_of_three(
