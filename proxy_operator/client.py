@@ -128,8 +128,10 @@ class GatewayClient:
         """
         if (member is None) == (session is None):
             raise InvalidProxySetting("member or session: give exactly one")
-        if len(reason) > MAX_REASON:
-            raise InvalidProxySetting(f"reason: {len(reason)} characters, at most {MAX_REASON}")
+        if len(reason) > MAX_REASON or not reason.isprintable():
+            raise InvalidProxySetting(
+                f"reason: {len(reason)} characters, at most {MAX_REASON} printable ones"
+            )
         target = (
             {"member": checked_member(member)}
             if member is not None

@@ -176,6 +176,7 @@ def test_an_unreachable_api_is_status_0_naming_the_address() -> None:
         (lambda g: g.report_ban(reason="x"), "member or session"),
         (lambda g: g.report_ban(member="web/0", session="s1", reason="x"), "member or session"),
         (lambda g: g.report_ban(session="s1", reason="x" * 201), "reason"),
+        (lambda g: g.report_ban(session="s1", reason="line\nbreak"), "reason"),
         (lambda g: g.report_ban(session="a b", reason="x"), "session"),
         (lambda g: g.report_ban(member="web 0", reason="x"), "member"),
         (lambda g: g.session_member("../members"), "session"),
