@@ -68,14 +68,14 @@ def gateway_username(user: str, *, session: str | None = None, member: str | Non
 
 def checked_session(key: str) -> str:
     """`key` if the gateway takes it as a session key, else a clear error."""
-    if not SESSION_KEY.fullmatch(key):
+    if not isinstance(key, str) or not SESSION_KEY.fullmatch(key):
         raise InvalidProxySetting(f"session: {key!r} is not 1 to 128 of A-Z a-z 0-9 . _ ~ + = -")
     return key
 
 
 def checked_member(member: str) -> str:
     """`member` if it can be a pool member id (`<pool>/<n>`), else a clear error."""
-    if not PINNABLE_MEMBER.fullmatch(member):
+    if not isinstance(member, str) or not PINNABLE_MEMBER.fullmatch(member):
         raise InvalidProxySetting(f"member: {member!r} is not a pool member id")
     return member
 

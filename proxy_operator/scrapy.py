@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from scrapy.exceptions import IgnoreRequest
 from scrapy.http import Request, Response
 from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
@@ -231,11 +232,17 @@ class GatewayMiddleware:
     def process_request(self, request: Request, spider: Spider | None = None) -> None:
         """Route `request` through the gateway on its session (chosen now unless it has one)."""
         key = request.meta.get(SESSION_META) or self._session_for(request)
+        try:
+            proxy = gateway_proxy(
+                self.settings.gateway, self.settings.user, self.settings.password, session=key
+            )
+        except InvalidProxySetting as error:
+            # Only a spider's own meta can be wrong here: settings were checked at start.
+            self.stats.inc_value(f"{STATS_PREFIX}/bad_sessions")
+            logger.error("Dropped %s: meta[%r]: %s", request, SESSION_META, error)
+            raise IgnoreRequest(f"meta[{SESSION_META!r}]: {error}") from None
         if key is not None:
             request.meta[SESSION_META] = key
-        proxy = gateway_proxy(
-            self.settings.gateway, self.settings.user, self.settings.password, session=key
-        )
         _route(request, proxy)
         if self.reporting:
             # The gateway learns which member carried a session from its log,

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from scrapy import Request
+from scrapy.exceptions import IgnoreRequest
 from scrapy.utils.test import get_crawler
 
 from proxy_operator.gateway_url import InvalidProxySetting
@@ -89,6 +90,15 @@ def test_per_request_sessions_differ_and_none_rotates() -> None:
 def test_a_session_the_spider_chose_is_kept() -> None:
     _, username = routed(middleware(), "https://shop.example/login", **{SESSION_META: "login-7"})
     assert username == "proxy-session-login-7"
+
+
+@pytest.mark.parametrize("key", ["a b", "k" * 129, 42, "../x"])
+def test_a_bad_session_from_the_spider_drops_the_request_naming_it(key: object) -> None:
+    mw = middleware()
+    request = Request("https://shop.example/login", meta={SESSION_META: key})
+    with pytest.raises(IgnoreRequest, match=r"proxy_operator_session.*session:"):
+        mw.process_request(request)
+    assert "proxy" not in request.meta and b"Proxy-Authorization" not in request.headers
 
 
 def test_secrets_come_from_the_environment_when_settings_lack_them() -> None:
