@@ -127,10 +127,12 @@ def middleware_env(gateway: ApiGateway) -> dict[str, str]:
 Crawl = tuple[str, list[dict[str, object]], dict[str, int]]
 
 
-def crawl(gateway: ApiGateway, origin: str, workdir: Path) -> Crawl:
+def crawl(
+    gateway: ApiGateway, origin: str, workdir: Path, *, pages: int = PAGES, **env_overrides: str
+) -> Crawl:
     """Run the spider to its end: everything it logged, its items, its stats."""
     items, stats = workdir / "items.jsonl", workdir / "stats.json"
-    env = middleware_env(gateway)
+    env = middleware_env(gateway) | env_overrides
     # The token as a setting, the password from the environment: both ways are covered.
     token = env.pop("PROXY_OPERATOR_API_TOKEN")
     log = run_python(
@@ -139,10 +141,10 @@ def crawl(gateway: ApiGateway, origin: str, workdir: Path) -> Crawl:
             *("-s", f"PROXY_OPERATOR_API_TOKEN={token}"),
         ],
         workdir,
-        env | {"PAGES_ORIGIN": origin, "PAGES_COUNT": str(PAGES), "PAGES_STATS": str(stats)},
+        env | {"PAGES_ORIGIN": origin, "PAGES_COUNT": str(pages), "PAGES_STATS": str(stats)},
         CRAWL_TIMEOUT,
     )
-    found = [json.loads(line) for line in items.read_text().splitlines()]
+    found = [json.loads(line) for line in items.read_text().splitlines()] if items.exists() else []
     return log, found, json.loads(stats.read_text())
 
 
@@ -184,6 +186,21 @@ async def test_a_crawl_gets_every_page_reporting_each_ban_and_leaking_no_credent
     for secret in (PASSWORD, gateway.token, "Basic "):
         assert secret not in log
     assert "Reported member" in log
+
+    # Nor when the gateway refuses the login: every tunnel is a 407, retried, then given up.
+    wrong = "wrong-" + PASSWORD
+    (tmp_path / "refused").mkdir()
+    log, items, _ = await asyncio.to_thread(
+        crawl,
+        gateway,
+        stack.origin.url,
+        tmp_path / "refused",
+        pages=2,
+        PROXY_OPERATOR_PASSWORD=wrong,
+    )
+    assert items == [] and "407" in log, log[-3000:]
+    for secret in (wrong, gateway.token, "Basic "):
+        assert secret not in log
 
 
 def run_example(example: Example, gateway: ApiGateway, origin: TlsOrigin, workdir: Path) -> str:
