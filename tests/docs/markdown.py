@@ -54,8 +54,12 @@ class Example:
         return None
 
 
-def examples(path: Path, root: Path) -> list[Example]:
-    """Every example in the Markdown file at `path`, in document order."""
+def examples(path: Path, root: Path, runs: re.Pattern[str] = TEMPORAL_COMMAND) -> list[Example]:
+    """Every example in the Markdown file at `path`, in document order.
+
+    An example is a block that `runs` a command of interest: the `temporal`
+    CLI's by default (docs/gateway-api.md's tests look for curl).
+    """
     name = path.relative_to(root).as_posix()
     lines = path.read_text().splitlines()
     found: list[Example] = []
@@ -71,7 +75,7 @@ def examples(path: Path, root: Path) -> list[Example]:
             start = i + 1
             indent, info = fence.group(1), fence.group(2)
             body, i = _fenced_body(lines, i + 1, indent)
-            if info in RUNNABLE and TEMPORAL_COMMAND.search(body):
+            if info in RUNNABLE and runs.search(body):
                 found.append(Example(f"{name}:{start}", info, body, tuple(pending)))
             pending = []
             continue
