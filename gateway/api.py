@@ -3,7 +3,7 @@
     GET  /healthz                 no token; {"status": "ok"}
     GET  /metrics                 the gateway's Prometheus metrics
     GET  /v1/members              the pool's members, each with the sessions it carried last
-    GET  /v1/sessions/<key>       which member carried that session's latest tunnel
+    GET  /v1/sessions/<key>       which member that session goes to (gateway/sessions.py)
     POST /v1/bans                 {"member": ...} or {"session": ...}, and a "reason"
 
 Every path but /healthz takes `Authorization: Bearer <token>`, a token of
@@ -71,7 +71,7 @@ class Pool(Protocol):
         """The `/v1/members` answer."""
 
     def session_member(self, key: str) -> str | None:
-        """The member that carried `key`'s latest tunnel, if one did."""
+        """The member session `key` goes to now, if any member can carry it."""
 
     async def ban(self, *, member: str | None, session: str | None, reason: str) -> str:
         """Forward a ban to the pool's `report_ban`; the banned member's id, or ApiError."""
@@ -251,7 +251,7 @@ class ControlApi:
             )
         member = self._pool.session_member(key)
         if member is None:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"session: no tunnel seen for {key!r}")
+            raise ApiError(HTTPStatus.NOT_FOUND, f"session: no member for {key!r} now")
         return HTTPStatus.OK, _json({"session": key, "member": member}), JSON_TYPE
 
     async def _ban(self, request: Request) -> tuple[HTTPStatus, bytes, str]:

@@ -24,8 +24,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from gateway.api import ApiError
-from gateway.sessions import SessionMap
-from providers.squid import GatewayMember
+from gateway.sessions import SessionMap, userhash_member
+from providers.squid import SESSION_INFIX, GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -75,11 +75,14 @@ class PoolControl:
         self,
         client: Client,
         pool: str,
+        user: str,
         sessions: SessionMap,
         serving: Callable[[], Sequence[GatewayMember]],
     ) -> None:
-        """`serving` gives the members the gateway forwards to now, with their endpoints."""
+        """`serving` gives the members the gateway forwards to now, with their endpoints;
+        `user` is the account a session key is assumed to come with when none was seen."""
         self._handle = client.get_workflow_handle(pool)
+        self._user = user
         self._pool = pool
         self._sessions = sessions
         self._serving = serving
@@ -130,16 +133,31 @@ class PoolControl:
         return {"pool": self._pool, "members": members}
 
     def session_member(self, key: str) -> str | None:
+        return self._route(key)[0]
+
+    def _route(self, key: str) -> tuple[str | None, str | None]:
+        """The member session `key` goes to now, and the endpoint to name in a ban of it.
+
+        The endpoint is the one the session's latest tunnel went to when that
+        was this member (an instance since replaced is not banned again), else
+        the member's endpoint now.
+        """
         carrier = self._sessions.get(key)
-        return carrier.member if carrier else None
+        username = carrier.username if carrier else f"{self._user}{SESSION_INFIX}{key}"
+        serving = {m.member: m for m in self._serving()}
+        member = userhash_member(username, list(serving))
+        if member is None:
+            return None, None
+        if carrier is not None and carrier.member == member:
+            return member, carrier.endpoint
+        return member, endpoint_of(serving[member])
 
     async def ban(self, *, member: str | None, session: str | None, reason: str) -> str:
         endpoint: str | None = None
         if session is not None:
-            carrier = self._sessions.get(session)
-            if carrier is None:
-                raise ApiError(HTTPStatus.NOT_FOUND, f"session: no tunnel seen for {session!r}")
-            member, endpoint = carrier.member, carrier.endpoint
+            member, endpoint = self._route(session)
+            if member is None:
+                raise ApiError(HTTPStatus.NOT_FOUND, f"session: no member for {session!r} now")
         assert member is not None  # parse_ban gives exactly one of the two
         if endpoint is None:
             endpoint = next((endpoint_of(m) for m in self._serving() if m.member == member), None)

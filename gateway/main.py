@@ -219,7 +219,9 @@ async def serve(
         if args.metrics_address:
             serve_metrics(args.metrics_address, health)
         if api is not None:
-            pool_control = PoolControl(client, pool, sessions, lambda: squid.members)
+            pool_control = PoolControl(
+                client, pool, settings.username, sessions, lambda: squid.members
+            )
             control = ControlApi(
                 pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
             )

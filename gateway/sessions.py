@@ -1,24 +1,37 @@
-"""Which member carried each session key: read from the back workers' access logs.
+"""Which member a session key goes to: Squid's own choice, computed, and what its logs saw.
 
 Squid cannot add a header to its own `200 Connection established` (Squid 5
-writes that reply as a fixed string, tunnel.cc, and `reply_header_add` never
-sees it), so a client learns which member served a session from the control
-API instead (`GET /v1/sessions/<key>`, and each member's `sessions` in
-`GET /v1/members`). The backs log the username (`%un`) next to the peer that
-carried each CONNECT; the session key is the part after `-session-`. The map
-holds the member that carried the latest tunnel of each key, and the endpoint
-it was at (a ban names it, so a member that rotated since is not banned for
-its old instance's sins). It keeps the MAX_SESSIONS keys seen last.
+writes that reply as a fixed string, and `reply_header_add` never touches
+it), so a client learns which member serves a session from the control API
+instead (`GET /v1/sessions/<key>`, and each member's `sessions` in
+`GET /v1/members`).
+
+The backs pick a session's member with Squid's `userhash`
+(src/peer_userhash.cc): a 32-bit hash of the username mixed with each
+allowed peer's name hash, the highest wins. Every session peer has the same
+weight, so every load multiplier is 1 and the score is the mixed hash alone:
+`userhash_member` computes the same choice from the members in rotation, at
+once, while the session's tunnel is still open (Squid logs a CONNECT only
+when its tunnel closes). What it cannot see is a member Squid counts down
+for now (connect failures): Squid then takes the next highest, as this does
+for the members it is given.
+
+The backs' access logs (`%un` next to the peer that carried each CONNECT)
+add the endpoint a session's latest tunnel went to, so a ban names the
+instance the client saw (a member that rotated since is not banned again
+for its old instance's sins), and the session keys each member carried, for
+`/v1/members`. The map keeps the MAX_SESSIONS keys seen last.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.metrics import MemberNames
-from providers.squid import SESSION_INFIX, SESSION_KEY
+from providers.squid import SESSION_INFIX, SESSION_KEY, Route, peer_name
 
 MAX_SESSIONS = 100_000
 # A back log line's fields (providers.squid.GATEWAY_LOG_FORMAT): status, peer
@@ -26,12 +39,46 @@ MAX_SESSIONS = 100_000
 _STATUS, _PEER, _ADDRESS, _PORT, _USER = 2, 4, 5, 6, 9
 
 
+_MASK = 0xFFFFFFFF
+_MIX = 0x62531965
+
+
 @dataclass(frozen=True)
 class Carrier:
-    """The member that carried a session's latest tunnel, and the endpoint it was at."""
+    """The member that carried a session's latest tunnel, the endpoint it was at, and the
+    username it came with (which may carry routing filters)."""
 
     member: str
     endpoint: str
+    username: str
+
+
+def _rotate_left(value: int, bits: int) -> int:
+    return ((value << bits) | (value >> (32 - bits))) & _MASK
+
+
+def _string_hash(text: str) -> int:
+    """Squid's `h += ROTATE_LEFT(h, 19) + c` over a string's bytes, in 32 bits."""
+    value = 0
+    for byte in text.encode():
+        value = (value + _rotate_left(value, 19) + byte) & _MASK
+    return value
+
+
+def _mixed(value: int) -> int:
+    return _rotate_left((value + value * _MIX) & _MASK, 21)
+
+
+def userhash_member(username: str, members: Sequence[str]) -> str | None:
+    """The member Squid's userhash sends `username` to, of `members` (all up), or None."""
+    user_hash = _string_hash(username)
+    best, high = None, 0
+    for member in members:
+        peer_hash = _mixed(_string_hash(peer_name(member, Route.SESSION)))
+        score = _mixed(user_hash ^ peer_hash)
+        if score > high:  # as Squid: the first of equal scores, and never a score of 0
+            best, high = member, score
+    return best
 
 
 class SessionMap:
@@ -78,4 +125,4 @@ def record_back_line(line: str, names: MemberNames, sessions: SessionMap) -> Non
     if member and key:
         address = fields[_ADDRESS]
         host = f"[{address}]" if ":" in address else address  # as the pool writes endpoints
-        sessions.record(key, Carrier(member, f"{host}:{fields[_PORT]}"))
+        sessions.record(key, Carrier(member, f"{host}:{fields[_PORT]}", fields[_USER]))

@@ -6,7 +6,7 @@ secret; the token never appears in an error, a repr or a log line of ours.
 The endpoints are the gateway's (docs/operations.md, "The control API"):
 
 - `GET /v1/members`: the pool's members, their placement and pinned sessions;
-- `GET /v1/sessions/<key>`: the member a session key is pinned to (404: none);
+- `GET /v1/sessions/<key>`: the member a session key goes to now (404: none serves);
 - `POST /v1/bans`: a member or a session's member is banned, and replaced by
   the pool (202; 429 when the pool's ban limit or the gateway's request
   limit refuses it).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,8 +27,6 @@ from proxy_operator.gateway_url import InvalidProxySetting, checked_member, chec
 DEFAULT_TIMEOUT = 10.0
 # The API refuses longer reasons; refusing them here names the field before a round trip.
 MAX_REASON = 200
-# How often a ban on a session the gateway has not seen yet is sent again (`wait`).
-UNSEEN_SESSION_RETRY = 0.5
 # An error body is shown to the user; a misrouted request could answer with a whole page.
 MAX_ERROR_CHARS = 300
 
@@ -111,20 +108,12 @@ class GatewayClient:
         return str(body["member"])
 
     def report_ban(
-        self,
-        *,
-        member: str | None = None,
-        session: str | None = None,
-        reason: str,
-        wait: float = 0.0,
+        self, *, member: str | None = None, session: str | None = None, reason: str
     ) -> str:
-        """Report `member`, or the member that carried `session`, as banned; the member banned.
+        """Report `member`, or the member `session` goes to, as banned; the member banned.
 
         The pool replaces it; a session's next request lands on another
         member. Raises BanRefused when the pool or the gateway limits bans.
-        The gateway learns a session's member from its log, written when a
-        tunnel closes: a session it has not seen yet (404) is asked about
-        again until `wait` seconds have passed.
         """
         if (member is None) == (session is None):
             raise InvalidProxySetting("member or session: give exactly one")
@@ -137,16 +126,8 @@ class GatewayClient:
             if member is not None
             else {"session": checked_session(str(session))}
         )
-        until = time.monotonic() + wait
-        while True:
-            try:
-                body = self._call("POST", "/v1/bans", {**target, "reason": reason})
-            except GatewayApiError as error:
-                if error.status != 404 or session is None or time.monotonic() >= until:
-                    raise
-                time.sleep(UNSEEN_SESSION_RETRY)
-                continue
-            return str(body["member"])
+        body = self._call("POST", "/v1/bans", {**target, "reason": reason})
+        return str(body["member"])
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()

@@ -67,9 +67,6 @@ DEFAULT_MAX_BAN_RETRIES = 5
 # The gateway follows its pool's endpoints every couple of seconds: a retry
 # sent at once may still be hashed to the member just banned.
 DEFAULT_BAN_RETRY_DELAY = 3.0
-# How long a ban report waits for the gateway to read which member carried
-# the session (its log follower, a moment after the tunnel closed).
-REPORT_WAIT = 15.0
 # What the pool keeps of a reason (the API refuses longer ones).
 MAX_REASON = 200
 # Settings that may come from the environment instead, so no secret needs to
@@ -214,7 +211,6 @@ class GatewayMiddleware:
         self.requests = 0
         self.domain_generation: dict[str, int] = {}
         self.reported: set[str] = set()
-        self.reporting = self.api is not None and settings.session is not SessionMode.NONE
         if self.api is None:
             logger.warning("PROXY_OPERATOR_API is not set: bans are retried, not reported")
         elif settings.session is SessionMode.NONE:
@@ -244,12 +240,6 @@ class GatewayMiddleware:
         if key is not None:
             request.meta[SESSION_META] = key
         _route(request, proxy)
-        if self.reporting:
-            # The gateway learns which member carried a session from its log,
-            # which Squid writes when a tunnel closes; a tunnel Scrapy kept
-            # open for reuse would leave the session unknown and its ban
-            # unreportable. Asking the origin to close makes one tunnel per request.
-            request.headers.setdefault(b"Connection", b"close")
         return None
 
     async def process_response(
@@ -321,9 +311,7 @@ class GatewayMiddleware:
         api = self.api
         try:
             member = await maybe_deferred_to_future(
-                threads.deferToThread(
-                    lambda: api.report_ban(session=session, reason=reason, wait=REPORT_WAIT)
-                )
+                threads.deferToThread(lambda: api.report_ban(session=session, reason=reason))
             )
         except (GatewayApiError, InvalidProxySetting) as error:
             self.stats.inc_value(f"{STATS_PREFIX}/ban_reports_failed")

@@ -57,11 +57,18 @@ class Example:
         return None
 
 
-def examples(path: Path, root: Path, language: str | None = None) -> list[Example]:
+def examples(
+    path: Path,
+    root: Path,
+    runs: re.Pattern[str] = TEMPORAL_COMMAND,
+    language: str | None = None,
+) -> list[Example]:
     """Every example in the Markdown file at `path`, in document order.
 
-    With `language`, every block of that language instead (tables aside),
-    e.g. docs/scrapers.md's `python` blocks, whose directives say how each runs.
+    An example is a block that `runs` a command of interest: the `temporal`
+    CLI's by default (docs/gateway-api.md's tests look for curl). With
+    `language`, every block of that language instead (tables aside), e.g.
+    docs/scrapers.md's `python` blocks, whose directives say how each runs.
     """
     name = path.relative_to(root).as_posix()
     lines = path.read_text().splitlines()
@@ -78,8 +85,8 @@ def examples(path: Path, root: Path, language: str | None = None) -> list[Exampl
             start = i + 1
             indent, info = fence.group(1), fence.group(2)
             body, i = _fenced_body(lines, i + 1, indent)
-            wanted = info == language if language else info in RUNNABLE
-            if wanted and (language or TEMPORAL_COMMAND.search(body)):
+            wanted = info == language if language else info in RUNNABLE and runs.search(body)
+            if wanted:
                 found.append(Example(f"{name}:{start}", info, body, tuple(pending)))
             pending = []
             continue

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.sessions import userhash_member
 from gateway.squid import GatewayError, GatewaySquid
 from providers.base import CreateRequest
 from providers.config import Config
@@ -573,3 +574,26 @@ def test_a_killed_front_worker_is_restarted_and_serves_again(
     )
     wait_until(lambda: through(gateway, tls_origin, USERNAME).ok, 30, "the new front to serve")
     assert gateway.running()
+
+
+def test_the_computed_session_member_is_the_one_squid_chose(
+    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # gateway/sessions.py computes Squid's userhash choice for the control API;
+    # the members' own access logs say which one Squid made, key after key.
+    names = list(members.by_member)
+    for key in range(30):
+        username = f"{USERNAME}-session-k{key}"
+        before = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (carried,) = members.tunnels() - before
+        assert userhash_member(username, names) == carried, username
+    # One member fewer (its peers gone from the config): its keys move, as Squid moves them.
+    gone = names[0]
+    gateway.apply([m for member, m in members.by_member.items() if member != gone])
+    for key in range(30):
+        username = f"{USERNAME}-session-k{key}"
+        before = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (carried,) = members.tunnels() - before
+        assert userhash_member(username, names[1:]) == carried, username

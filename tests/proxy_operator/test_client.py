@@ -1,7 +1,7 @@
 """GatewayClient against a stand-in of the gateway's control API (the contract in gateway/api.py).
 
 The stand-in answers as the API documents: bearer token or 401, `/v1/members`,
-`/v1/sessions/<key>` (404 for a key no member carried), `POST /v1/bans`
+`/v1/sessions/<key>` (404 when no member serves it), `POST /v1/bans`
 (202, or 429 when the pool refuses); errors as `{"error": ...}`. The real
 API is exercised end to end in tests/workflows/test_gateway_scrapy.py.
 """
@@ -44,8 +44,6 @@ class StandIn:
     port: int
     bans: list[dict[str, Any]] = field(default_factory=list)
     refuse_bans: bool = False
-    # Ban reports on a session answered 404 before the gateway "reads its log".
-    unseen_for: int = 0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -67,10 +65,6 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if "session" in body and self.server.stand_in.unseen_for > 0:
-            self.server.stand_in.unseen_for -= 1
-            self._answer(404, {"error": f"session: no tunnel seen for {body['session']!r}"})
-            return
         if self.server.stand_in.refuse_bans:
             self._answer(429, {"error": "ban rate limit: 1 bans accepted in the last 600s"})
             return
@@ -132,18 +126,6 @@ def test_a_ban_is_posted_by_session_or_member(api: StandIn) -> None:
         {"session": "s1", "reason": "HTTP 403"},
         {"member": "web/0", "reason": "captcha"},
     ]
-
-
-def test_a_session_the_gateway_has_not_seen_is_reported_again_within_the_wait(
-    api: StandIn,
-) -> None:
-    api.unseen_for = 2
-    assert client(api).report_ban(session="s1", reason="HTTP 403", wait=30) == "web/0"
-    assert api.bans == [{"session": "s1", "reason": "HTTP 403"}]
-    api.unseen_for = 1
-    with pytest.raises(GatewayApiError) as raised:
-        client(api).report_ban(session="s1", reason="HTTP 403")
-    assert raised.value.status == 404 and "no tunnel seen" in raised.value.message
 
 
 def test_a_refused_ban_is_ban_refused_with_the_pools_reason(api: StandIn) -> None:

@@ -61,16 +61,6 @@ def test_the_login_is_a_header_and_meta_proxy_only_the_gateway() -> None:
     assert username == f"proxy-session-{request.meta[SESSION_META]}"
 
 
-def test_tunnels_close_after_each_request_only_when_bans_are_reported() -> None:
-    # The gateway learns a session's member when its tunnel closes.
-    reported, _ = routed(middleware(), "https://shop.example/a")
-    assert reported.headers[b"Connection"] == b"close"
-    unreported, _ = routed(middleware(PROXY_OPERATOR_API=None), "https://shop.example/a")
-    assert b"Connection" not in unreported.headers
-    rotating, _ = routed(middleware(PROXY_OPERATOR_SESSION="none"), "https://shop.example/a")
-    assert b"Connection" not in rotating.headers
-
-
 def test_per_domain_sessions_are_shared_by_a_host_only() -> None:
     mw = middleware()
     first, _ = routed(mw, "https://shop.example/a")

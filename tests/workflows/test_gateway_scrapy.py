@@ -240,7 +240,7 @@ def run_example(example: Example, gateway: ApiGateway, origin: TlsOrigin, workdi
 async def test_every_python_example_in_scrapers_md_runs(
     gateway: ApiGateway, stack: Stack, tmp_path: Path
 ) -> None:
-    found = examples(DOC, ROOT, "python")
+    found = examples(DOC, ROOT, language="python")
     assert len(found) >= 5, "docs/scrapers.md's python blocks not found"
     failures = []
     for n, example in enumerate(found):
