@@ -246,18 +246,16 @@ class GatewayMiddleware:
         self, request: Request, response: Response, spider: Spider | None = None
     ) -> Request | Response:
         """`response` unless it looks banned; then report the session and retry on a fresh one."""
-        reason = self._ban_reason(request, response)
+        reason = self.ban_reason(request, response)
         if reason is None:
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/bans")
         session = request.meta.get(SESSION_META)
         if session is not None:
-            self._retire(request, session)
+            self.retire(request, session)
             await self._report(session, reason)
-        retries = int(request.meta.get(BAN_RETRIES_META, 0))
-        if retries >= self.settings.max_ban_retries:
-            self.stats.inc_value(f"{STATS_PREFIX}/ban_retries_exhausted")
-            logger.warning("Gave up on %s: banned %d times (%s)", request, retries + 1, reason)
+        retry = self.retry_of(request, reason)
+        if retry is None:
             return response
         if self.settings.ban_retry_delay:
             from twisted.internet import reactor
@@ -265,6 +263,33 @@ class GatewayMiddleware:
             await maybe_deferred_to_future(
                 task.deferLater(reactor, self.settings.ban_retry_delay, lambda: None)
             )
+        return retry
+
+    def ban_reason(self, request: Request, response: Response) -> str | None:
+        """Why `response` looks banned (for the report), or None if it does not."""
+        host = urlparse_cached(request).hostname or "?"
+        if response.status in self.settings.ban_status:
+            return f"scrapy: HTTP {response.status} from {host}"[:MAX_REASON]
+        pattern = self.settings.ban_pattern
+        if pattern is not None and pattern.search(response.body):
+            return f"scrapy: ban page from {host} (HTTP {response.status})"[:MAX_REASON]
+        return None
+
+    def retire(self, request: Request, session: str) -> None:
+        """The domain's next requests get a fresh session, unless a ban retired this one already."""
+        if self.settings.session is not SessionMode.PER_DOMAIN:
+            return
+        domain = urlparse_cached(request).hostname or ""
+        if session == self._domain_session(domain):
+            self.domain_generation[domain] = self.domain_generation.get(domain, 0) + 1
+
+    def retry_of(self, request: Request, reason: str) -> Request | None:
+        """`request` again, to go out on a fresh session; None once it met too many bans."""
+        retries = int(request.meta.get(BAN_RETRIES_META, 0))
+        if retries >= self.settings.max_ban_retries:
+            self.stats.inc_value(f"{STATS_PREFIX}/ban_retries_exhausted")
+            logger.warning("Gave up on %s: banned %d times (%s)", request, retries + 1, reason)
+            return None
         retry = request.replace(dont_filter=True, priority=request.priority + self.priority_adjust)
         retry.meta[BAN_RETRIES_META] = retries + 1
         retry.meta.pop(SESSION_META, None)
@@ -284,23 +309,6 @@ class GatewayMiddleware:
     def _domain_session(self, domain: str) -> str:
         """The session `domain`'s requests go out on now: a new one after each ban."""
         return f"{self.crawl}.{_digest(domain)}.{self.domain_generation.get(domain, 0)}"
-
-    def _retire(self, request: Request, session: str) -> None:
-        """The domain's next requests get a fresh session, unless a ban retired this one already."""
-        if self.settings.session is not SessionMode.PER_DOMAIN:
-            return
-        domain = urlparse_cached(request).hostname or ""
-        if session == self._domain_session(domain):
-            self.domain_generation[domain] = self.domain_generation.get(domain, 0) + 1
-
-    def _ban_reason(self, request: Request, response: Response) -> str | None:
-        host = urlparse_cached(request).hostname or "?"
-        if response.status in self.settings.ban_status:
-            return f"scrapy: HTTP {response.status} from {host}"[:MAX_REASON]
-        pattern = self.settings.ban_pattern
-        if pattern is not None and pattern.search(response.body):
-            return f"scrapy: ban page from {host} (HTTP {response.status})"[:MAX_REASON]
-        return None
 
     async def _report(self, session: str, reason: str) -> None:
         """Report the ban on `session` once; requests still out on it are only retried."""

@@ -1,9 +1,10 @@
-"""GatewayMiddleware's settings and routing, in process: no crawl, no reactor.
+"""GatewayMiddleware's settings, routing and ban decisions, in process: no crawl, no reactor.
 
 What a request looks like after the middleware (the gateway's address in
-meta['proxy'], the login in Proxy-Authorization, a session per mode) and
-how bad settings are refused, naming the setting. The ban loop itself runs
-in a real crawl: tests/workflows/test_gateway_scrapy.py.
+meta['proxy'], the login in Proxy-Authorization, a session per mode), how
+bad settings are refused, naming the setting, and what a ban changes. The
+ban loop itself (the report through the API, the wait, the retry) runs in a
+real crawl: tests/workflows/test_gateway_scrapy.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any
 import pytest
 from scrapy import Request
 from scrapy.exceptions import IgnoreRequest
+from scrapy.http import HtmlResponse
 from scrapy.utils.test import get_crawler
 
 from proxy_operator.gateway_url import InvalidProxySetting
 from proxy_operator.scrapy import (
+    BAN_RETRIES_META,
     FROM_ENVIRONMENT,
     SESSION_META,
     GatewayMiddleware,
@@ -126,3 +129,51 @@ def test_a_bad_setting_is_named(settings: dict[str, Any], named: str) -> None:
         )
     assert named in str(raised.value)
     assert PASSWORD not in str(raised.value) and TOKEN not in str(raised.value)
+
+
+def banned_answer(request: Request, status: int = 200, body: bytes = b"ok") -> HtmlResponse:
+    return HtmlResponse(request.url, status=status, body=body, request=request)
+
+
+def test_a_ban_is_a_listed_status_or_a_body_matching_the_pattern() -> None:
+    mw = middleware(PROXY_OPERATOR_BAN_PATTERN=r"(?i)captcha", PROXY_OPERATOR_BAN_STATUS="403,503")
+    request, _ = routed(mw, "https://shop.example/a")
+    assert mw.ban_reason(request, banned_answer(request, 403)) == (
+        "scrapy: HTTP 403 from shop.example"
+    )
+    assert mw.ban_reason(request, banned_answer(request, 200, b"<p>CAPTCHA</p>")) == (
+        "scrapy: ban page from shop.example (HTTP 200)"
+    )
+    # 429 is not listed here; a 404 is the site's answer, not a ban.
+    for status in (200, 404, 429):
+        assert mw.ban_reason(request, banned_answer(request, status)) is None
+
+
+def test_a_ban_retires_the_domains_session_once_and_the_retry_goes_out_on_the_new_one() -> None:
+    mw = middleware()
+    first, _ = routed(mw, "https://shop.example/a")
+    second, _ = routed(mw, "https://shop.example/b")
+    banned = first.meta[SESSION_META]
+    mw.retire(first, banned)
+    mw.retire(second, banned)  # a request still out on it: no second renewal
+    retry = mw.retry_of(first, "scrapy: HTTP 403 from shop.example")
+    assert retry is not None and retry.dont_filter
+    assert retry.meta[BAN_RETRIES_META] == 1 and retry.priority == first.priority - 1
+    rerouted, username = routed(mw, retry.url, **retry.meta)
+    renewed = rerouted.meta[SESSION_META]
+    assert renewed != banned and username == f"proxy-session-{renewed}"
+    assert routed(mw, "https://shop.example/c")[0].meta[SESSION_META] == renewed
+    # Only one renewal: the second request's session is renewed to the same key.
+    assert renewed.rsplit(".", 1)[1] == "1"
+
+
+def test_a_request_banned_too_often_is_given_up() -> None:
+    mw = middleware(PROXY_OPERATOR_MAX_BAN_RETRIES=2)
+    request, _ = routed(mw, "https://shop.example/a")
+    for _ in range(2):
+        retry = mw.retry_of(request, "banned")
+        assert retry is not None
+        request, _ = routed(mw, retry.url, **retry.meta)
+    assert mw.retry_of(request, "banned") is None
+    assert mw.stats.get_value("proxy_operator/ban_retries_exhausted") == 1
+    assert mw.stats.get_value("proxy_operator/ban_retries") == 2
