@@ -30,7 +30,7 @@ import os
 import re
 import secrets
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,7 +41,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import task, threads
 
-from proxy_operator.client import GatewayApiError, GatewayClient
+from proxy_operator.client import MAX_REASON, GatewayApiError, GatewayClient
 from proxy_operator.gateway_url import (
     GatewayProxy,
     InvalidProxySetting,
@@ -67,8 +67,6 @@ DEFAULT_MAX_BAN_RETRIES = 5
 # The gateway follows its pool's endpoints every couple of seconds: a retry
 # sent at once may still be hashed to the member just banned.
 DEFAULT_BAN_RETRY_DELAY = 3.0
-# What the pool keeps of a reason (the API refuses longer ones).
-MAX_REASON = 200
 # Settings that may come from the environment instead, so no secret needs to
 # be written into a settings file or typed on a command line.
 FROM_ENVIRONMENT = (
@@ -110,7 +108,7 @@ class GatewaySettings:
 
 
 def gateway_settings(
-    settings: BaseSettings, environ: dict[str, str] | None = None
+    settings: BaseSettings, environ: Mapping[str, str] | None = None
 ) -> GatewaySettings:
     """The PROXY_OPERATOR_* settings, those in FROM_ENVIRONMENT also from `environ`."""
     env = os.environ if environ is None else environ
