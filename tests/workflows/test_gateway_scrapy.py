@@ -12,6 +12,8 @@ pool, and no password or token in what Scrapy logged.
 
 docs/scrapers.md's examples run here too, against the same kind of gateway:
 each `python` block as its `docs-test` directive says (tests/docs/markdown.py).
+Playwright's is only compiled: Playwright downloads its browsers from its own
+servers, outside the package registries this project's machines reach.
 """
 
 from __future__ import annotations
