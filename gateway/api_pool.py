@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -24,8 +23,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from gateway.api import ApiError
+from gateway.placement import region_of, zone_of
 from gateway.sessions import SessionMap, userhash_member
-from providers.squid import SESSION_INFIX, GatewayMember
+from providers.squid import SESSION_INFIX, GatewayMember, parse_gateway_username
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -36,18 +36,8 @@ STATUS_CACHE_SECONDS = 1.0
 TEMPORAL_SECONDS = 30.0
 # What the pool's refusal of a member it does not have starts with (workflows/pool.py).
 NO_SUCH_MEMBER = "member: no member"
-# A zone named `<region>-<letter>` (Compute Engine's), for a region the placement does not name.
-ZONE_IN_REGION = re.compile(r"^(?P<region>[a-z0-9-]+)-[a-z]$")
 DEFAULT_REASON = "reported through the gateway's API"
 MAX_LOGGED_REASON = 200
-
-
-def region_of(placement: dict[str, str]) -> str | None:
-    """The placement's region: named, or the region of a Compute Engine zone."""
-    if region := placement.get("region"):
-        return region
-    match = ZONE_IN_REGION.match(placement.get("zone", ""))
-    return match["region"] if match else None
 
 
 def endpoint_of(member: GatewayMember) -> str:
@@ -114,13 +104,12 @@ class PoolControl:
             if not isinstance(entry, dict) or not isinstance(entry.get("member"), str):
                 continue
             placement = entry.get("placement")
-            placement = placement if isinstance(placement, dict) else {}
             member = entry["member"]
             members.append(
                 {
                     "member": member,
                     "state": str(entry.get("state", "")),
-                    "zone": placement.get("zone"),
+                    "zone": zone_of(placement),
                     "region": region_of(placement),
                     "provider": str(entry.get("provider", "")),
                     # The address a member's traffic leaves from: the pool does not
@@ -144,7 +133,11 @@ class PoolControl:
         """
         carrier = self._sessions.get(key)
         username = carrier.username if carrier else f"{self._user}{SESSION_INFIX}{key}"
-        serving = {m.member: m for m in self._serving()}
+        parsed = parse_gateway_username(username, self._user)
+        if parsed is None:
+            return None, None
+        # The members its filters admit: the backs' ACLs leave Squid no others.
+        serving = {m.member: m for m in self._serving() if m.matches(parsed.filters)}
         member = userhash_member(username, list(serving))
         if member is None:
             return None, None

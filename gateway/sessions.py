@@ -110,8 +110,11 @@ class SessionMap:
 
 
 def session_key(username: str) -> str | None:
-    """The session key in a gateway username, or None if it names no session."""
-    _, infix, key = username.rpartition(SESSION_INFIX)
+    """The session key in a gateway username, or None if it names no session.
+
+    The first `-session-` starts the key (a key may hold more; no filter value can).
+    """
+    _, infix, key = username.partition(SESSION_INFIX)
     return key if infix and SESSION_KEY.fullmatch(key) else None
 
 
