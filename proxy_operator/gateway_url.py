@@ -1,8 +1,10 @@
 """Gateway proxy URLs: the username that routes a request, built and checked before it is sent.
 
-The gateway routes by username (docs/operations.md, "The gateway"): `USER`
+The gateway routes by username (docs/operations.md, "Usernames"): `USER`
 rotates, `USER-session-<key>` keeps one member per key, `USER-proxy-<member>`
-pins one member. The gateway answers any username it cannot parse with a
+pins one member, and routing filters before either (`-zone-<zone>`,
+`-region-<region>`, `-provider-<name>`) keep to the members that match them.
+The gateway answers any username it cannot parse with a
 bare 407, which says nothing of what was wrong; built here, a bad field is
 named before the first request. The grammar's pieces are the gateway's own
 (providers/squid.py), so client and gateway cannot drift apart.
@@ -12,9 +14,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 from urllib.parse import quote, urlsplit
 
-from providers.squid import PIN_INFIX, PINNABLE_MEMBER, PROXY_USERNAME, SESSION_INFIX, SESSION_KEY
+from providers.squid import (
+    FILTER_VALUE,
+    FILTERS,
+    PIN_INFIX,
+    PINNABLE_MEMBER,
+    PROXY_USERNAME,
+    SESSION_INFIX,
+    SESSION_KEY,
+)
 
 ACCOUNT = re.compile(PROXY_USERNAME)
 GATEWAY_SCHEME = "http"
@@ -22,6 +33,19 @@ GATEWAY_SCHEME = "http"
 
 class InvalidProxySetting(ValueError):
     """A proxy URL part that the gateway would refuse; the message names the part."""
+
+
+class Routing(TypedDict, total=False):
+    """How a username routes: a session or a pin, after any of the filters (None: not given)."""
+
+    session: str | None
+    member: str | None
+    zone: str | None
+    region: str | None
+    provider: str | None
+
+
+ROUTING_FIELDS = frozenset(Routing.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -45,25 +69,46 @@ class GatewayProxy:
         return f"GatewayProxy(server={self.server!r}, username={self.username!r}, password=***)"
 
 
-def gateway_username(user: str, *, session: str | None = None, member: str | None = None) -> str:
-    """The username that routes as asked: `user`, then a session key or a member pin.
+def gateway_username(user: str, **routing: Unpack[Routing]) -> str:
+    """The username that routes as asked: `user`, its filters, then a session key or a pin.
 
-    A session key is 1 to 128 of `A-Z a-z 0-9 . _ ~ + = -`; a member is a
-    pool member id (`<pool>/<n>`) as the pool's `endpoints` and the API's
-    `/v1/members` name it. A session and a pin exclude each other: a pin
-    already decides the member.
+    A filter value is 1 to 64 of `A-Z a-z 0-9 . _ ~ + =` in words joined by
+    `-`, none of the grammar's keywords before a `-`; a session key is 1 to
+    128 of `A-Z a-z 0-9 . _ ~ + = -`; a member is a pool member id
+    (`<pool>/<n>`) as the pool's `endpoints` and the API's `/v1/members` name
+    it. A session and a pin exclude each other: a pin already decides the member.
     """
+    unknown = sorted(set(routing) - ROUTING_FIELDS)
+    if unknown:
+        raise InvalidProxySetting(
+            f"{unknown[0]}: not a routing field ({', '.join(Routing.__annotations__)})"
+        )
     if not ACCOUNT.fullmatch(user):
         raise InvalidProxySetting(
             f"user: {user!r} is not a proxy username (1 to 64 of A-Z a-z 0-9 . _ -)"
         )
+    session, member = routing.get("session"), routing.get("member")
     if session is not None and member is not None:
         raise InvalidProxySetting("session and member: give one, a pin already picks the member")
+    username = user
+    for name in FILTERS:
+        value = routing.get(name)
+        if value is not None:
+            username += f"-{name}-{_checked_filter(name, value)}"
     if session is not None:
-        return f"{user}{SESSION_INFIX}{checked_session(session)}"
+        return f"{username}{SESSION_INFIX}{checked_session(session)}"
     if member is not None:
-        return f"{user}{PIN_INFIX}{checked_member(member)}"
-    return user
+        return f"{username}{PIN_INFIX}{checked_member(member)}"
+    return username
+
+
+def _checked_filter(name: str, value: object) -> str:
+    if not isinstance(value, str) or not FILTER_VALUE.fullmatch(value):
+        raise InvalidProxySetting(
+            f"{name}: {value!r} is not 1 to 64 of A-Z a-z 0-9 . _ ~ + = in words joined by -"
+            " (none of zone, region, provider, session, proxy before a -)"
+        )
+    return value
 
 
 def checked_session(key: str) -> str:
@@ -97,28 +142,17 @@ def gateway_server(gateway: str) -> str:
 
 
 def gateway_proxy(
-    gateway: str,
-    user: str,
-    password: str,
-    *,
-    session: str | None = None,
-    member: str | None = None,
+    gateway: str, user: str, password: str, **routing: Unpack[Routing]
 ) -> GatewayProxy:
-    """The gateway at `gateway`, logged in as `user` routed by `session` or `member`."""
+    """The gateway at `gateway`, logged in as `user` routed as `routing` says."""
     if not password:
         raise InvalidProxySetting("password: empty; the gateway takes the proxies' password")
-    return GatewayProxy(
-        gateway_server(gateway), gateway_username(user, session=session, member=member), password
-    )
+    return GatewayProxy(gateway_server(gateway), gateway_username(user, **routing), password)
 
 
-def proxy_url(
-    gateway: str,
-    user: str,
-    password: str,
-    *,
-    session: str | None = None,
-    member: str | None = None,
-) -> str:
-    """`http://user[-session-<key>|-proxy-<member>]:password@host:port`, %-encoded."""
-    return gateway_proxy(gateway, user, password, session=session, member=member).url()
+def proxy_url(gateway: str, user: str, password: str, **routing: Unpack[Routing]) -> str:
+    """`http://USER[-zone-..][-region-..][-provider-..][-session-..|-proxy-..]:password@host:port`.
+
+    %-encoded: a member id's `/` is `%2F`, and the password's reserved characters too.
+    """
+    return gateway_proxy(gateway, user, password, **routing).url()

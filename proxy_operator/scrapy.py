@@ -41,6 +41,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import task, threads
 
+from providers.squid import FILTERS
 from proxy_operator.client import MAX_REASON, GatewayApiError, GatewayClient
 from proxy_operator.gateway_url import (
     GatewayProxy,
@@ -102,6 +103,8 @@ class GatewaySettings:
     api: str | None
     api_token: str | None
     api_ca_file: str | None
+    # Routing filters every request's username carries: {"zone": ..., ...}.
+    filters: dict[str, str]
 
     def __repr__(self) -> str:
         return f"GatewaySettings(gateway={self.gateway!r}, session={self.session.value!r}, ...)"
@@ -159,6 +162,11 @@ def gateway_settings(
         api=api,
         api_token=token,
         api_ca_file=text("PROXY_OPERATOR_API_CA_FILE"),
+        filters={
+            name: value
+            for name in FILTERS
+            if (value := text(f"PROXY_OPERATOR_{name.upper()}")) is not None
+        },
     )
 
 
@@ -200,7 +208,7 @@ class GatewayMiddleware:
         self.priority_adjust = priority_adjust
         # Checked once here, so a bad user or gateway fails the crawl's start, not each request.
         try:
-            gateway_proxy(settings.gateway, settings.user, settings.password)
+            gateway_proxy(settings.gateway, settings.user, settings.password, **settings.filters)
             self.api = _api_client(settings)
         except InvalidProxySetting as error:
             raise InvalidProxySetting(f"PROXY_OPERATOR_* settings: {error}") from None
@@ -228,7 +236,11 @@ class GatewayMiddleware:
         key = request.meta.get(SESSION_META) or self._session_for(request)
         try:
             proxy = gateway_proxy(
-                self.settings.gateway, self.settings.user, self.settings.password, session=key
+                self.settings.gateway,
+                self.settings.user,
+                self.settings.password,
+                session=key,
+                **self.settings.filters,
             )
         except InvalidProxySetting as error:
             # Only a spider's own meta can be wrong here: settings were checked at start.

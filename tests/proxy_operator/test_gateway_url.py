@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from providers.squid import gateway_account
+from providers.squid import gateway_account, parse_gateway_username
 from proxy_operator.gateway_url import (
     InvalidProxySetting,
     gateway_proxy,
@@ -29,6 +29,13 @@ def _userinfo(url: str) -> tuple[str, str]:
         ({}, "proxy"),
         ({"session": "cart-42.a_b~c+d=e"}, "proxy-session-cart-42.a_b~c+d=e"),
         ({"member": "web/3"}, "proxy-proxy-web/3"),
+        ({"zone": "europe-west1-b"}, "proxy-zone-europe-west1-b"),
+        (
+            {"provider": "gcp", "region": "us-east1", "zone": "us-east1-c", "session": "s-1"},
+            "proxy-zone-us-east1-c-region-us-east1-provider-gcp-session-s-1",
+        ),
+        ({"region": "eu", "member": "web/0"}, "proxy-region-eu-proxy-web/0"),
+        ({"provider": "local", "session": None, "zone": None}, "proxy-provider-local"),
     ],
 )
 def test_each_form_is_a_username_the_gateway_accepts(
@@ -36,6 +43,12 @@ def test_each_form_is_a_username_the_gateway_accepts(
 ) -> None:
     assert gateway_username("proxy", **routing) == username
     assert gateway_account(username, "proxy") == "proxy"
+    # The gateway reads back exactly what was asked for.
+    parsed = parse_gateway_username(username, "proxy")
+    assert parsed is not None
+    given = {k: v for k, v in routing.items() if v is not None}
+    assert parsed.filters == {k: v for k, v in given.items() if k not in ("session", "member")}
+    assert (parsed.session, parsed.pin) == (given.get("session"), given.get("member"))
     url = proxy_url("127.0.0.1:8888", "proxy", PASSWORD, **routing)
     assert url.endswith("@127.0.0.1:8888")
     # The password's and the member's reserved characters survive the round trip.
@@ -69,6 +82,12 @@ def test_the_server_has_no_credentials_and_the_repr_no_password() -> None:
         ({"gateway": "http://gw:8888/path"}, "gateway"),
         ({"gateway": "gw:8888?x=1"}, "gateway"),
         ({"password": ""}, "password"),
+        ({"zone": ""}, "zone"),
+        ({"zone": "eu west"}, "zone"),
+        ({"region": "eu-session-x"}, "region"),
+        ({"provider": "a" * 65}, "provider"),
+        ({"provider": "gcp-"}, "provider"),
+        ({"country": "fr"}, "country"),
     ],
 )
 def test_a_bad_field_is_named(arguments: dict[str, str], field: str) -> None:

@@ -80,6 +80,14 @@ def test_per_request_sessions_differ_and_none_rotates() -> None:
     assert username == "proxy" and SESSION_META not in request.meta
 
 
+def test_routing_filters_from_settings_go_before_the_session() -> None:
+    mw = middleware(PROXY_OPERATOR_ZONE="europe-west1-b", PROXY_OPERATOR_PROVIDER="gcp")
+    request, username = routed(mw, "https://shop.example/a")
+    assert username == (
+        f"proxy-zone-europe-west1-b-provider-gcp-session-{request.meta[SESSION_META]}"
+    )
+
+
 def test_a_session_the_spider_chose_is_kept() -> None:
     _, username = routed(middleware(), "https://shop.example/login", **{SESSION_META: "login-7"})
     assert username == "proxy-session-login-7"
@@ -120,6 +128,7 @@ def test_secrets_come_from_the_environment_when_settings_lack_them() -> None:
         ({"PROXY_OPERATOR_USER": "a user"}, "user"),
         ({"PROXY_OPERATOR_API": "ftp://x"}, "api"),
         ({"PROXY_OPERATOR_API_CA_FILE": "/nonexistent/ca.pem"}, "PROXY_OPERATOR_API_CA_FILE"),
+        ({"PROXY_OPERATOR_REGION": "eu west"}, "region"),
     ],
 )
 def test_a_bad_setting_is_named(settings: dict[str, Any], named: str) -> None:
