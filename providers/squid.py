@@ -436,8 +436,10 @@ def render_gateway_back(
                 f"cache_peer_access {name} allow {acl}",
                 f"cache_peer_access {name} deny all",
             ]
+    # No member: no username is routable (and ROUTABLE, never defined, cannot be named).
+    routable = f"!{ROUTABLE} " if len(access) > 1 else ""
     access += [
-        f"http_access deny CONNECT !{ROUTABLE} {UNROUTABLE}",
+        f"http_access deny CONNECT {routable}{UNROUTABLE}",
         f"error_directory {error_directory}",
         f"deny_info {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} {UNROUTABLE}",
     ]

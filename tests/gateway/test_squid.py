@@ -664,3 +664,15 @@ def connect_reply(gateway: GatewaySquid, origin: TlsOrigin, username: str, port:
         while chunk := sock.recv(65536):
             reply += chunk
     return reply
+
+
+def test_a_gateway_without_members_answers_that_no_member_matches(
+    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # Every member banned or gone at once: the backs still parse and answer.
+    gateway.apply([])
+    for username in (USERNAME, f"{USERNAME}-session-k", f"{USERNAME}-zone-eu"):
+        reply = connect_reply(gateway, tls_origin, username)
+        assert reply.startswith(b"HTTP/1.1 503 "), (username, reply[:100])
+    gateway.apply(list(members.by_member.values()))
+    assert through(gateway, tls_origin, USERNAME).ok
