@@ -16,6 +16,7 @@ COPY activities/ activities/
 COPY workflows/ workflows/
 COPY startup/ startup/
 COPY gateway/ gateway/
+COPY proxy_operator/ proxy_operator/
 COPY worker.py contract.py cli.py ./
 RUN pip install . \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker

@@ -3,8 +3,9 @@
     auth_param basic program <python> auth_helper.py USER /usr/lib/squid/basic_ncsa_auth HTPASSWD
 
 Squid writes one `username password` line per check, both %-encoded, and
-reads one answer line (`OK` or `ERR ...`). `USER`, `USER-session-<key>` and
-`USER-proxy-<member>` are passed on to the wrapped helper as `USER password`,
+reads one answer line (`OK` or `ERR ...`). Every form of
+`providers.squid.parse_gateway_username` (`USER`, with routing filters, a
+session or a pin) is passed on to the wrapped helper as `USER password`,
 so the password is verified by Squid's own `basic_ncsa_auth` against the
 htpasswd the renderer wrote, whatever hash it uses; any other username is
 refused without asking it. Squid keeps the full username for its ACLs: that

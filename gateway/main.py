@@ -32,13 +32,16 @@ from temporalio.service import RPCError
 
 import cli
 from cli import Health, connect, serve_metrics
-from gateway import demand, membership, metrics
+from gateway import api_settings, demand, membership, metrics
+from gateway.api import ControlApi
+from gateway.api_pool import PoolControl
 from gateway.member_networks import (
     Gatekeeper,
     MemberNetworks,
     configured_networks,
     parse_networks,
 )
+from gateway.sessions import SessionMap, record_back_line
 from gateway.squid import GatewayError, GatewaySquid
 from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
@@ -104,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a membership change must hold still before a reload (default %(default)s)",
     )
     demand.add_arguments(parser)
+    api_settings.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -156,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         pool, listen = checked(args)
         config = load_config(args.providers_config)
         allowed = member_networks(args, config)
-    except (UsageError, ConfigError) as err:
+        api = api_settings.api_settings(args)
+    except (UsageError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed))
+        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api))
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
@@ -177,6 +182,7 @@ async def serve(
     listen: tuple[str, int],
     settings: ProxySettings,
     allowed: MemberNetworks,
+    api: api_settings.ApiSettings | None = None,
 ) -> int:
     try:
         client = await connect()
@@ -199,16 +205,32 @@ async def serve(
         names.add(member.member)
     follower = metrics.LogFollower()
     meter = demand.DemandMeter(listen[1])
+    sessions = SessionMap()
+    control: ControlApi | None = None
+
+    def on_back_line(line: str) -> None:
+        metrics.count_back_line(line, names)
+        record_back_line(line, names, sessions)
+
     try:
         await asyncio.to_thread(squid.start, members)
         follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
         for back in squid.backs:
-            follower.follow(back.access_log, lambda line: metrics.count_back_line(line, names))
+            follower.follow(back.access_log, on_back_line)
         follower.start()
         metrics.MEMBERS.set(len(members))
         health = Health()
         if args.metrics_address:
             serve_metrics(args.metrics_address, health)
+        if api is not None:
+            pool_control = PoolControl(
+                client, pool, settings.username, sessions, lambda: squid.members
+            )
+            control = ControlApi(
+                pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
+            )
+            await control.start(*api.listen)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, control.reload_tokens)
         health.ready = True
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
@@ -217,6 +239,8 @@ async def serve(
         async with demand.reporting(args, client, pool, meter, listen):
             return await _run(args, squid, names, fetch, gate, members)
     finally:
+        if control is not None:
+            await control.close()
         await asyncio.to_thread(squid.stop)
         follower.stop()
         if private:

@@ -24,6 +24,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from gateway.placement import region_of, zone_of
 from providers.squid import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -60,7 +61,16 @@ def parse_endpoints(raw: Any) -> list[GatewayMember]:
         if not isinstance(member, str) or not member or parsed is None:
             log.warning("ignoring endpoints entry %r: needs a member id and host:port", entry)
             continue
-        members.append(GatewayMember(member, *parsed))
+        provider = entry.get("provider")
+        members.append(
+            GatewayMember(
+                member,
+                *parsed,
+                zone=zone_of(entry.get("placement")),
+                region=region_of(entry.get("placement")),
+                provider=provider if isinstance(provider, str) and provider else None,
+            )
+        )
     return sorted(set(members), key=lambda m: m.member)
 
 

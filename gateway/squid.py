@@ -61,6 +61,8 @@ from urllib.parse import quote
 from providers import procfs
 from providers import squid as squid_module
 from providers.squid import (
+    NO_MEMBER_PAGE,
+    NO_MEMBER_TEMPLATE,
     SQUID_USER,
     GatewayMember,
     ProxySettings,
@@ -112,6 +114,9 @@ STOP_GRACE = 10.0
 # built into Debian's Squid (DEFAULT_STATEDIR), not set in squid.conf. Squid
 # leaves them behind when it exits.
 IPC_DIR = Path("/var/run/squid")
+# Squid's own error page templates (Debian's --datadir): the backs' error_directory
+# holds copies of them next to the gateway's page for a username no member admits.
+SQUID_ERROR_TEMPLATES = Path("/usr/share/squid/errors/templates")
 # What the workers log (cache.log, "kid<n>| ..."): taking connections again,
 # the start of a reload, and, at the level their debug_options ask for, a
 # probe of a peer that answered or did not.
@@ -200,6 +205,7 @@ class GatewaySquid:
         self.members = tuple(members)
         self._make_dir(self.directory)
         self._python = self._install_helper()
+        self._install_error_pages()
         if not IPC_DIR.is_dir():
             # Squid would start, its workers would never listen, and it would log nothing.
             raise GatewayError(
@@ -323,6 +329,24 @@ class GatewaySquid:
             http_address=worker.address,
         )
 
+    @property
+    def _errors(self) -> Path:
+        """The backs' error_directory: Squid's templates, and the gateway's own."""
+        return self.directory / "errors"
+
+    def _install_error_pages(self) -> None:
+        """Squid's error templates, and NO_MEMBER_TEMPLATE, where the backs read them."""
+        if not SQUID_ERROR_TEMPLATES.is_dir():
+            raise GatewayError(
+                f"{SQUID_ERROR_TEMPLATES} (Squid's error pages, from Debian's squid-common) "
+                "does not exist"
+            )
+        self._make_dir(self._errors)
+        for template in SQUID_ERROR_TEMPLATES.iterdir():
+            if template.is_file():
+                self._write(self._errors / template.name, template.read_text(errors="replace"))
+        self._write(self._errors / NO_MEMBER_TEMPLATE, NO_MEMBER_PAGE)
+
     def _front_conf(self) -> str:
         settings = replace(self._settings, port=self.front.port)
         ports = [back.port for back in self.backs]
@@ -335,7 +359,9 @@ class GatewaySquid:
         wrapper = [self._python, str(helper), self._settings.username]
         for back in self.backs:
             settings = replace(self._settings, port=back.port)
-            rendered = render_gateway_back(settings, self._paths(back), self.members, wrapper)
+            rendered = render_gateway_back(
+                settings, self._paths(back), self.members, wrapper, str(self._errors)
+            )
             self._write(self.directory / "htpasswd", rendered.htpasswd)
             self._write_checked(back.conf, rendered.squid_conf)
 

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from providers.catalog import TYPE_NAMES, provider_type
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, PROXY_USERNAME, ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ProviderSettings(StrictModel):
 
 class AuthConfig(StrictModel):
     # Case-sensitive: the rendered squid.conf tells Squid not to lowercase it.
-    username: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "proxy"
+    username: Annotated[str, Field(pattern=PROXY_USERNAME)] = "proxy"
     password_env: str | None = None
     password_file: str | None = None
 

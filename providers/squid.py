@@ -33,6 +33,8 @@ from urllib.parse import quote
 
 NCSA_AUTH_HELPER = "/usr/lib/squid/basic_ncsa_auth"
 SQUID_USER = "proxy"
+# The proxies' username (`proxy.auth.username`): what gateway usernames start with.
+PROXY_USERNAME = r"^[A-Za-z0-9._-]{1,64}$"
 
 # Where a proxy must not tunnel to unless the config says otherwise: a proxy
 # user would otherwise reach what only the proxy host can, such as services on
@@ -100,6 +102,7 @@ def render(
     log_format: str | None = None,
     routing: Sequence[str] = (),
     authenticate: bool = True,
+    access: Sequence[str] = (),
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
@@ -107,7 +110,8 @@ def render(
     `render_gateway_back`), which keep every rule above and add to them:
     `auth_wrapper` is a helper command `basic_ncsa_auth` runs under,
     `log_format` a logformat definition for the access log, `routing` the
-    lines that send requests to parents. `authenticate=False` drops rule 5
+    lines that send requests to parents, `access` lines that deny more just
+    before rule 5 allows. `authenticate=False` drops rule 5
     for the gateway's front, which passes credentials on to back workers
     that check them; it is refused unless `routing` forbids going direct.
 
@@ -175,6 +179,7 @@ def render(
         # Before auth: no credentials, not even the right ones, open these.
         lines.append("http_access deny denied_destinations")
     lines += [
+        *access,
         f"http_access allow CONNECT allowed_ports{' authenticated' if authenticate else ''}",
         "http_access deny all",
         "",
@@ -201,15 +206,29 @@ def render(
 
 # ---- the gateway (docs/architecture.md, "The gateway") ---------------------------
 
-# What the gateway's workers write per request: what its metrics are read from.
+# What the gateway's workers write per request: what its metrics, and which
+# member carried each session (gateway/sessions.py), are read from.
 GATEWAY_LOG_FORMAT = "gateway"
-_GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru"
+_GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru %un"
 # A member id that can be written into squid.conf and typed as a username.
 PINNABLE_MEMBER = re.compile(r"^[A-Za-z0-9._~/:@+=-]{1,200}$")
 # A session key: anything a client can put in a username without escaping.
 SESSION_KEY = re.compile(r"^[A-Za-z0-9._~+=-]{1,128}$")
 SESSION_INFIX = "-session-"
 PIN_INFIX = "-proxy-"
+# Routing filters a username may carry before its session or pin, in this
+# order, each at most once: `USER-zone-<zone>-region-<region>-provider-<name>`.
+FILTERS = ("zone", "region", "provider")
+# A filter's value: dash-separated words, none of them a keyword of the grammar
+# followed by a dash (so `-session-` always starts the session key).
+_WORD = r"[A-Za-z0-9._~+=]+"
+_KEYWORDS = "|".join([*FILTERS, "session", "proxy"])
+_VALUE = rf"{_WORD}(?:-(?!(?:{_KEYWORDS})-){_WORD})*"
+FILTER_VALUE = re.compile(rf"^(?=.{{1,64}}$){_VALUE}$")
+_SUFFIX = re.compile(
+    "".join(rf"(?:-{name}-(?P<{name}>{_VALUE}))?" for name in FILTERS)
+    + rf"(?:{SESSION_INFIX}(?P<session>.+)|{PIN_INFIX}(?P<pin>.+))?"
+)
 # A member that fails this many times in a row is skipped until Squid's own
 # probe (a TCP connect, at most once a second) sees it answer again; a
 # connect that hangs gives up after MEMBER_CONNECT_TIMEOUT seconds and the
@@ -229,6 +248,18 @@ GATEWAY_DEBUG = "debug_options ALL,1 15,2"
 NEVER_DIRECT = "never_direct allow all"
 # Members (or back workers) one request may be tried on before it fails.
 FORWARD_MAX_TRIES = 10
+# A username no member admits (its filters match none, or it pins one not in
+# the pool) is answered this, with this page, by the backs: never sent elsewhere.
+ROUTABLE = "gateway_routable"
+UNROUTABLE = "gateway_unroutable"
+NO_MEMBER_STATUS = 503
+NO_MEMBER_TEMPLATE = "ERR_GATEWAY_NO_MEMBER"
+NO_MEMBER_PAGE = (
+    "No member of the pool matches this username: its routing filters "
+    "(-zone-, -region-, -provider-) match none of the members in rotation, or "
+    "the member it pins (-proxy-) is not one of them. The request was sent "
+    "nowhere else.\n"
+)
 
 
 class Route(StrEnum):
@@ -241,11 +272,24 @@ class Route(StrEnum):
 
 @dataclass(frozen=True)
 class GatewayMember:
-    """A pool member the gateway forwards to: its workflow id and where it listens."""
+    """A pool member the gateway forwards to: its workflow id, where it listens, and what
+    a username's routing filters match it by (None: it has no such attribute)."""
 
     member: str
     host: str
     port: int
+    zone: str | None = None
+    region: str | None = None
+    provider: str | None = None
+
+    def attribute(self, name: str) -> str | None:
+        """Its value for routing filter `name` (one of FILTERS)."""
+        value: str | None = getattr(self, name)
+        return value
+
+    def matches(self, filters: dict[str, str]) -> bool:
+        """Whether every one of a username's routing filters names this member's value."""
+        return all(self.attribute(name) == value for name, value in filters.items())
 
 
 def peer_name(member: str, route: Route) -> str:
@@ -258,22 +302,60 @@ def peer_name(member: str, route: Route) -> str:
     return f"{route}-{hashlib.sha256(member.encode()).hexdigest()[:16]}"
 
 
+@dataclass(frozen=True)
+class GatewayUsername:
+    """A gateway username taken apart: the account, its routing filters, session or pin."""
+
+    account: str
+    filters: dict[str, str]
+    session: str | None = None
+    pin: str | None = None
+
+
+def parse_gateway_username(username: str, user: str) -> GatewayUsername | None:
+    """`username` as one of the gateway's forms for account `user`, or None if it is none.
+
+        USER[-zone-<zone>][-region-<region>][-provider-<name>][-session-<key> | -proxy-<member>]
+
+    Filters come in that order, each at most once, each 1 to 64 characters
+    of dash-separated words (no word a keyword of the grammar followed by a
+    dash); a session key is 1 to 128 of A-Z a-z 0-9 . _ ~ + = - and a member
+    id 1 to 200 of those and / : @.
+    """
+    if not username.startswith(user):
+        return None
+    match = _SUFFIX.fullmatch(username[len(user) :])
+    if match is None:
+        return None
+    filters = {name: match[name] for name in FILTERS if match[name] is not None}
+    if any(not FILTER_VALUE.fullmatch(value) for value in filters.values()):
+        return None
+    session, pin = match["session"], match["pin"]
+    if session is not None and not SESSION_KEY.fullmatch(session):
+        return None
+    if pin is not None and not PINNABLE_MEMBER.fullmatch(pin):
+        return None
+    return GatewayUsername(user, filters, session, pin)
+
+
 def gateway_account(username: str, user: str) -> str | None:
     """The account a gateway username authenticates as, or None if it is not one of its forms.
 
-    `user` itself, `user-session-<key>` and `user-proxy-<member>` all check
-    `user`'s password; the suffix only chooses the member.
+    Every form (`parse_gateway_username`) checks `user`'s password; the suffix
+    only chooses the member.
     """
-    if username == user:
-        return user
-    rest = username.removeprefix(user)
-    if rest == username:
-        return None
-    if rest.startswith(SESSION_INFIX) and SESSION_KEY.fullmatch(rest[len(SESSION_INFIX) :]):
-        return user
-    if rest.startswith(PIN_INFIX) and PINNABLE_MEMBER.fullmatch(rest[len(PIN_INFIX) :]):
-        return user
-    return None
+    parsed = parse_gateway_username(username, user)
+    return parsed.account if parsed is not None else None
+
+
+def _ere(text: str) -> str:
+    """`text` as a POSIX extended regular expression matching it literally.
+
+    Usernames, member ids and filter values are checked to letters, digits
+    and `. _ ~ + = - / : @` before they reach a config; `.` and `+` are the
+    special ones among those, the rest are escaped for safety.
+    """
+    return re.sub(r"([.+*?^$()\[\]{}|\\])", r"\\\1", text)
 
 
 def _format_name(definition: str | None) -> str:
@@ -291,6 +373,7 @@ def render_gateway_back(
     paths: SquidPaths,
     members: Sequence[GatewayMember],
     auth_wrapper: Sequence[str],
+    error_directory: str,
 ) -> RenderedSquid:
     """The back workers' config: they route by username to the pool's members.
 
@@ -302,9 +385,20 @@ def render_gateway_back(
     may use. When the chosen member fails to connect, Squid retries the other
     members the same route allows, so a dead member costs a client nothing
     but a retry; a pinned request has only its member.
+
+    Each declaration's ACL is a regular expression over the whole username
+    that admits the member's own routing filter values only
+    (`^USER(-zone-Z)?(-region-R)?(-provider-P)?<route>$`): a username whose
+    filters another member's values would need never reaches this one, so a
+    filter nothing matches finds no member, never a fallback: such a username
+    (or a pin of a member not in the pool) is answered NO_MEMBER_STATUS with
+    the error page NO_MEMBER_TEMPLATE, which `error_directory` holds next to
+    copies of Squid's own templates. The front relays the status and Squid's
+    `X-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0` header, not the page.
     """
-    user = settings.username
-    session_pattern = "^" + user.replace(".", "\\.") + SESSION_INFIX
+    user = _ere(settings.username)
+    # Every username some member admits; the rest are answered NO_MEMBER_STATUS.
+    access = [f"acl {UNROUTABLE} src 127.0.0.1/32"]  # always true: the backs admit no other
     lines = [
         "# The pool's members, one cache_peer per member and route. A member that",
         "# cannot be connected to is retried on the next; its error answers (an",
@@ -312,8 +406,6 @@ def render_gateway_back(
         GATEWAY_DEBUG,
         NEVER_DIRECT,
         f"forward_max_tries {FORWARD_MAX_TRIES}",
-        f"acl gateway_{Route.ROTATE} proxy_auth {user}",
-        f"acl gateway_{Route.SESSION} proxy_auth_regex {session_pattern}",
     ]
     common = (
         f"no-query no-digest no-netdb-exchange login={_login(settings)} "
@@ -321,21 +413,38 @@ def render_gateway_back(
     )
     options = {Route.ROTATE: "round-robin", Route.SESSION: "userhash", Route.PIN: ""}
     for m in sorted(members, key=lambda m: m.member):
+        filters = "".join(
+            f"(-{name}-{_ere(value)})?"
+            for name in FILTERS
+            if (value := m.attribute(name)) is not None and FILTER_VALUE.fullmatch(value)
+        )
+        routes = {
+            Route.ROTATE: "$",
+            Route.SESSION: SESSION_INFIX,
+            Route.PIN: f"{PIN_INFIX}{_ere(m.member)}$",
+        }
         for route in Route:
             if route is Route.PIN and not PINNABLE_MEMBER.fullmatch(m.member):
                 continue  # cannot be named in a username; rotation and sessions still reach it
             name = peer_name(m.member, route)
-            acl = f"gateway_{route}"
-            if route is Route.PIN:
-                acl = f"gateway_{name}"
-                lines.append(f"acl {acl} proxy_auth {user}{PIN_INFIX}{m.member}")
+            acl = f"gateway_{name}"
+            pattern = f"^{user}{filters}{routes[route]}"
+            access.append(f"acl {ROUTABLE} proxy_auth_regex {pattern}")
             lines += [
+                f"acl {acl} proxy_auth_regex {pattern}",
                 f"cache_peer {m.host} parent {m.port} 0 {options[route]} name={name} {common}",
                 f"cache_peer_access {name} allow {acl}",
                 f"cache_peer_access {name} deny all",
             ]
+    # No member: no username is routable (and ROUTABLE, never defined, cannot be named).
+    routable = f"!{ROUTABLE} " if len(access) > 1 else ""
+    access += [
+        f"http_access deny CONNECT {routable}{UNROUTABLE}",
+        f"error_directory {error_directory}",
+        f"deny_info {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} {UNROUTABLE}",
+    ]
     loopback = replace(settings, allowed_cidrs=("127.0.0.1/32",))
-    return _render_gateway_squid(loopback, paths, lines, auth_wrapper)
+    return _render_gateway_squid(loopback, paths, lines, auth_wrapper, access=access)
 
 
 def render_gateway_front(
@@ -375,6 +484,7 @@ def _render_gateway_squid(
     routing: list[str],
     auth_wrapper: Sequence[str] = (),
     authenticate: bool = True,
+    access: Sequence[str] = (),
 ) -> RenderedSquid:
     """A gateway worker's config: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
     return render(
@@ -384,6 +494,7 @@ def _render_gateway_squid(
         log_format=f"logformat {GATEWAY_LOG_FORMAT} {_GATEWAY_LOG_FIELDS}",
         routing=[*routing, ""],
         authenticate=authenticate,
+        access=access,
     )
 
 

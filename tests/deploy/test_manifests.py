@@ -15,6 +15,7 @@ import ipaddress
 import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,16 @@ def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() 
     (gateway,) = [stage for stage in stages if stage.startswith("worker AS gateway")]
     uid, gid = security["runAsUser"], security["runAsGroup"]
     assert f"install -d -o {uid} -g {gid} -m 0750 /run/squid" in gateway
+
+
+def test_the_dockerfile_copies_every_package_pip_installs() -> None:
+    # `pip install .` fails on a package pyproject.toml names but the image lacks.
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    copied = re.findall(r"^COPY (.+) \S+$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    sources = {source.rstrip("/") for line in copied for source in line.split()}
+    top_level = {package.split(".")[0] for package in setuptools["packages"]}
+    modules = {f"{module}.py" for module in setuptools["py-modules"]}
+    assert top_level | modules <= sources, (top_level | modules) - sources
 
 
 # --- who reaches the proxies -------------------------------------------------

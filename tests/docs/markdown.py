@@ -17,7 +17,10 @@ What counts as a command, and the few comments that steer the test:
   that cannot apply to a dev server and the local provider; the reason is
   for the next reader of the Markdown.
 
-Blocks in other languages, and commands in prose, are not run.
+Blocks in other languages, and commands in prose, are not run here.
+docs/scrapers.md's `python` blocks are run by tests/workflows/test_gateway_scrapy.py
+(they need a gateway over a pool), each as its directive says: `python`
+(a script), `scrapy-runspider` (a spider file) or `syntax-only <reason>`.
 """
 
 from __future__ import annotations
@@ -54,8 +57,19 @@ class Example:
         return None
 
 
-def examples(path: Path, root: Path) -> list[Example]:
-    """Every example in the Markdown file at `path`, in document order."""
+def examples(
+    path: Path,
+    root: Path,
+    runs: re.Pattern[str] = TEMPORAL_COMMAND,
+    language: str | None = None,
+) -> list[Example]:
+    """Every example in the Markdown file at `path`, in document order.
+
+    An example is a block that `runs` a command of interest: the `temporal`
+    CLI's by default (docs/gateway-api.md's tests look for curl). With
+    `language`, every block of that language instead (tables aside), e.g.
+    docs/scrapers.md's `python` blocks, whose directives say how each runs.
+    """
     name = path.relative_to(root).as_posix()
     lines = path.read_text().splitlines()
     found: list[Example] = []
@@ -71,11 +85,13 @@ def examples(path: Path, root: Path) -> list[Example]:
             start = i + 1
             indent, info = fence.group(1), fence.group(2)
             body, i = _fenced_body(lines, i + 1, indent)
-            if info in RUNNABLE and TEMPORAL_COMMAND.search(body):
+            wanted = info == language if language else info in RUNNABLE and runs.search(body)
+            if wanted:
                 found.append(Example(f"{name}:{start}", info, body, tuple(pending)))
             pending = []
             continue
-        if line.lstrip().startswith("|") and any(d.startswith("each-on-fresh") for d in pending):
+        each_on_fresh = any(d.startswith("each-on-fresh") for d in pending)
+        if not language and line.lstrip().startswith("|") and each_on_fresh:
             start = i + 1
             commands = []
             while i < len(lines) and lines[i].lstrip().startswith("|"):

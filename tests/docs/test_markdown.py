@@ -90,3 +90,13 @@ def test_a_console_transcript_is_commands_and_the_output_each_shows() -> None:
         ("temporal workflow result     --workflow-id x", ["Results:", "  Status   FAILED"]),
         ("temporal workflow list", []),
     ]
+
+
+def test_the_blocks_of_a_language_are_found_with_their_directives(tmp_path: Path) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text(DOC + "\n<!-- docs-test: python -->\n```python\nprint(1)\n```\n")
+    first, second = examples(doc, tmp_path, language="python")
+    assert (first.source, first.directives) == ("page.md:27", ())
+    assert first.text == "temporal workflow start  # another language: not run\n"
+    assert (second.source, second.kind, second.text) == ("page.md:46", "python", "print(1)\n")
+    assert second.directives == ("python",)

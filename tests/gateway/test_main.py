@@ -71,9 +71,21 @@ def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         ("proxy-session-a%0A", None),
         ("Proxy", None),
         ("proxy-session-proxy-proxy-web.3", "proxy"),  # a session key that looks like a pin
+        ("proxy-zone-europe-west1-b", "proxy"),
+        ("proxy-region-europe-west1-provider-gcp-session-cart-1", "proxy"),
+        ("proxy-zone-eu-proxy-web/3", "proxy"),
+        ("proxy-session-k-zone-eu", "proxy"),  # a key with a filter-like tail is a key
+        ("proxy-zone-a-zone-b", None),  # each filter at most once
+        ("proxy-provider-gcp-zone-a", None),  # in order
+        ("proxy-zone-", None),
+        ("proxy-zone--session-k", None),
+        ("proxy-zone-" + "z" * 65, None),
+        ("proxy-zone-eu west", None),
+        ("proxy-zone-eu-session-", None),
+        ("proxy-country-fr", None),
     ],
 )
-def test_only_the_three_username_forms_authenticate_as_the_user(
+def test_only_the_username_forms_authenticate_as_the_user(
     username: str, account: str | None
 ) -> None:
     assert gateway_account(username, "proxy") == account
@@ -91,8 +103,8 @@ def test_endpoints_entries_that_are_not_members_are_skipped() -> None:
         "web/5",
     ]
     assert parse_endpoints(raw) == [
-        GatewayMember("web/0", "10.0.0.5", 3128),
-        GatewayMember("web/1", "2001:db8::1", 3128),
+        GatewayMember("web/0", "10.0.0.5", 3128, provider="gcp"),
+        GatewayMember("web/1", "2001:db8::1", 3128, provider="gcp"),
     ]
     assert split_endpoint("host") is None
     with pytest.raises(ValueError):

@@ -8,6 +8,7 @@ the gateway, so the gateway's reporting is not its own witness.
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import json
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.sessions import userhash_member
 from gateway.squid import GatewayError, GatewaySquid
 from providers.base import CreateRequest
 from providers.config import Config
@@ -166,11 +168,11 @@ def test_a_pinned_username_reaches_exactly_that_member(
 def test_pinning_a_member_that_is_not_in_the_pool_fails_alone(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    # Squid's "cannot forward": no parent may carry it. A burst of them must
-    # not make the front count its backs down (Squid 5 counts every error
-    # answer to a CONNECT against the parent that gave it).
+    # The backs' "no member" answer: no parent may carry it. A burst of them
+    # must not make the front count its backs down (Squid 5 counts every
+    # error answer to a CONNECT against the parent that gave it).
     for _ in range(20):
-        assert through(gateway, tls_origin, f"{USERNAME}-proxy-{POOL}/99").connect_status == 500
+        assert through(gateway, tls_origin, f"{USERNAME}-proxy-{POOL}/99").connect_status == 503
     assert sum(members.tunnels().values()) == 0
     assert all(through(gateway, tls_origin, USERNAME).ok for _ in range(5))
 
@@ -573,3 +575,104 @@ def test_a_killed_front_worker_is_restarted_and_serves_again(
     )
     wait_until(lambda: through(gateway, tls_origin, USERNAME).ok, 30, "the new front to serve")
     assert gateway.running()
+
+
+def test_the_computed_session_member_is_the_one_squid_chose(
+    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # gateway/sessions.py computes Squid's userhash choice for the control API;
+    # the members' own access logs say which one Squid made, key after key.
+    names = list(members.by_member)
+    for key in range(30):
+        username = f"{USERNAME}-session-k{key}"
+        before = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (carried,) = members.tunnels() - before
+        assert userhash_member(username, names) == carried, username
+    # One member fewer (its peers gone from the config): its keys move, as Squid moves them.
+    gone = names[0]
+    gateway.apply([m for member, m in members.by_member.items() if member != gone])
+    for key in range(30):
+        username = f"{USERNAME}-session-k{key}"
+        before = members.tunnels()
+        assert through(gateway, tls_origin, username).ok
+        (carried,) = members.tunnels() - before
+        assert userhash_member(username, names[1:]) == carried, username
+
+
+def test_routing_filters_reach_only_the_members_they_name(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    zones = {0: "europe-west1-b", 1: "europe-west1-c", 2: "us-east1-b"}
+    placed = {
+        member: dataclasses.replace(
+            m, zone=zones[n], region=zones[n].rsplit("-", 1)[0], provider="local"
+        )
+        for n, (member, m) in enumerate(sorted(members.by_member.items()))
+    }
+    first, second, third = sorted(placed)
+    squid = GatewaySquid(
+        config.proxy_settings(), state_dir / ".filters", ("127.0.0.1", free_port())
+    )
+    try:
+        squid.start(list(placed.values()))
+
+        def carried(username: str, times: int = 1) -> collections.Counter[str]:
+            before = members.tunnels()
+            for _ in range(times):
+                assert through(squid, tls_origin, username).ok, username
+            return members.tunnels() - before
+
+        # Round-robin evens out the counts of the members a filter admits: first the wide one.
+        assert set(carried(f"{USERNAME}-provider-local", 12)) == {first, second, third}
+        assert set(carried(f"{USERNAME}-region-europe-west1", 12)) == {first, second}
+        assert set(carried(f"{USERNAME}-zone-europe-west1-b", 6)) == {first}
+        sticky = carried(f"{USERNAME}-region-europe-west1-session-cart-1", 6)
+        assert len(sticky) == 1 and set(sticky) <= {first, second}
+        assert set(carried(f"{USERNAME}-region-us-east1-provider-local-session-k", 3)) == {third}
+        assert set(carried(f"{USERNAME}-zone-europe-west1-c-proxy-{second}")) == {second}
+
+        before = members.tunnels()
+        for username in (
+            f"{USERNAME}-zone-asia-east1-a",
+            f"{USERNAME}-provider-gcp-session-k",
+            f"{USERNAME}-zone-europe-west1-b-proxy-{second}",
+        ):
+            reply = connect_reply(squid, tls_origin, username)
+            assert reply.startswith(b"HTTP/1.1 503 "), (username, reply[:200])
+            # The front relays the backs' status and error name, not their page.
+            assert b"\r\nX-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0\r\n" in reply, reply
+            back = connect_reply(squid, tls_origin, username, squid.backs[0].port)
+            assert b"No member of the pool matches this username" in back, back
+        for username in (f"{USERNAME}-zone-a-zone-b", f"{USERNAME}-zone--session-k"):
+            assert through(squid, tls_origin, username).connect_status == 407, username
+        assert members.tunnels() == before, "a filter that matches nothing falls back to nothing"
+    finally:
+        squid.stop()
+
+
+def connect_reply(gateway: GatewaySquid, origin: TlsOrigin, username: str, port: int = 0) -> bytes:
+    """The gateway's whole answer to a CONNECT it refuses: status line, headers, page."""
+    credentials = base64.b64encode(f"{username}:{PASSWORD}".encode()).decode()
+    target = f"{origin.host}:{origin.port}"
+    with socket.create_connection(("127.0.0.1", port or gateway.front.port), timeout=10) as sock:
+        sock.sendall(
+            f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+            f"Proxy-Authorization: Basic {credentials}\r\nConnection: close\r\n\r\n".encode()
+        )
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_a_gateway_without_members_answers_that_no_member_matches(
+    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
+) -> None:
+    # Every member banned or gone at once: the backs still parse and answer.
+    gateway.apply([])
+    for username in (USERNAME, f"{USERNAME}-session-k", f"{USERNAME}-zone-eu"):
+        reply = connect_reply(gateway, tls_origin, username)
+        assert reply.startswith(b"HTTP/1.1 503 "), (username, reply[:100])
+    gateway.apply(list(members.by_member.values()))
+    assert through(gateway, tls_origin, USERNAME).ok

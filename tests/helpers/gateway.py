@@ -7,6 +7,7 @@ stops its Squids) and kills what is left after a bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
+from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer, request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +168,24 @@ def through(
         (stack.origin.host, stack.origin.port),
         stack.origin.client_ssl_context,
     )
+
+
+@contextlib.asynccontextmanager
+async def pool_gateway(
+    env: WorkflowEnvironment,
+    stack: Stack,
+    pool: str,
+    flags: Callable[[Path], tuple[str, ...]] | None = None,
+) -> AsyncIterator[GatewayProcess]:
+    """A gateway over `pool` of the stack's worker, stopped (and checked exit 0) afterwards.
+
+    `flags`, given the gateway's directory, writes there what the gateway
+    needs (a tokens file, say) and returns the flags that point at it.
+    """
+    with local_state_dir("proxy-operator-gateway-test-") as directory:
+        extra_args = flags(directory) if flags is not None else ()
+        process = stack_gateway(env, stack, pool, directory, extra_args)
+        # Started off the event loop: the worker in the test's process answers its queries.
+        await asyncio.to_thread(process.start)
+        yield process
+        assert await asyncio.to_thread(process.stop) == 0, process.log()

@@ -24,10 +24,9 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME
-from tests.helpers.gateway import GatewayProcess, stack_gateway, through
+from tests.helpers.gateway import GatewayProcess, pool_gateway, through
 from tests.helpers.loopback_peer import loopback_peer
 from tests.helpers.stacks import Stack
-from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import request
 from tests.helpers.waiting import wait_for
 
@@ -76,8 +75,12 @@ class Pool:
         )
 
 
-@pytest.fixture
-async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator[Pool]:
+@contextlib.asynccontextmanager
+async def running_pool(stack: Stack, **settings: Any) -> AsyncIterator[Pool]:
+    """A pool of REPLICAS quiet members (`settings` added to its input), all in endpoints.
+
+    Terminated afterwards, once every member's Squid is gone.
+    """
     target = {"target": stack.origin.url}
     handle = await stack.client.start_workflow(
         "ProxyPool",
@@ -88,6 +91,7 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
             "template": stack.proxy_input(
                 health=QUIET_HEALTH | target, drain_seconds=DRAIN_SECONDS
             ),
+            **settings,
         },
         id=f"pool-{uuid.uuid4().hex[:8]}",
         task_queue=stack.task_queue,
@@ -104,15 +108,17 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
 
 
 @pytest.fixture
+async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator[Pool]:
+    async with running_pool(stack) as found:
+        yield found
+
+
+@pytest.fixture
 async def gateway(
     temporal_env: WorkflowEnvironment, stack: Stack, pool: Pool
 ) -> AsyncIterator[GatewayProcess]:
-    # Started off the event loop: the worker in this process answers its queries.
-    with local_state_dir("proxy-operator-gateway-test-") as directory:
-        process = stack_gateway(temporal_env, stack, pool.handle.id, directory)
-        await asyncio.to_thread(process.start)
+    async with pool_gateway(temporal_env, stack, pool.handle.id) as process:
         yield process
-        assert await asyncio.to_thread(process.stop) == 0, process.log()
 
 
 async def test_one_endpoint_rotates_sticks_and_pins_over_a_pool_of_three(

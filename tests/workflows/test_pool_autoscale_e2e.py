@@ -14,7 +14,6 @@ import contextlib
 import socket
 import ssl
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,10 +21,9 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME
-from tests.helpers.gateway import GatewayProcess, stack_gateway
+from tests.helpers.gateway import GatewayProcess, pool_gateway
 from tests.helpers.network import read_head
 from tests.helpers.stacks import Stack
-from tests.helpers.state_dir import local_state_dir
 from tests.helpers.waiting import wait_for
 from workflows.pool_autoscale import MAX_TUNNELS
 
@@ -68,23 +66,12 @@ async def settled_at(handle: WorkflowHandle[Any, Any], size: int, what: str) -> 
     return seen[-1]
 
 
-@contextlib.asynccontextmanager
-async def gateway_for(
+def gateway_for(
     env: WorkflowEnvironment, stack: Stack, pool: str
-) -> AsyncIterator[GatewayProcess]:
-    with local_state_dir("proxy-operator-gateway-test-") as directory:
-        process = stack_gateway(
-            env,
-            stack,
-            pool,
-            directory,
-            ["--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test"],
-        )
-        await asyncio.to_thread(process.start)
-        try:
-            yield process
-        finally:
-            assert await asyncio.to_thread(process.stop) == 0, process.log()
+) -> contextlib.AbstractAsyncContextManager[GatewayProcess]:
+    """A gateway over `pool` that reports demand every REPORT_SECONDS."""
+    flags = ("--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test")
+    return pool_gateway(env, stack, pool, lambda _directory: flags)
 
 
 def open_tunnel(gateway: GatewayProcess, stack: Stack) -> ssl.SSLSocket:

@@ -1,0 +1,179 @@
+"""What the control API asks of the pool: its members, and bans, through Temporal.
+
+`/v1/members` is the pool's `status` query, cut to what a scraper may see
+(never an endpoint's credentials: the pool holds none, and only the member
+id, state, placement, provider and age are copied), joined with the session
+keys each member carried last (gateway/sessions.py). A ban is the pool's
+`report_ban` update, naming the endpoint the gateway saw the member at, so
+a ban of a member that has rotated since changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from http import HTTPStatus
+from typing import Any
+
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from gateway.api import ApiError
+from gateway.placement import region_of, zone_of
+from gateway.sessions import SessionMap, userhash_member
+from providers.squid import SESSION_INFIX, GatewayMember, parse_gateway_username
+
+log = logging.getLogger("proxy_operator.gateway")
+
+STATUS_QUERY = "status"
+BAN_UPDATE = "report_ban"
+# A status answer is reused this long: many clients asking at once cost one query.
+STATUS_CACHE_SECONDS = 1.0
+TEMPORAL_SECONDS = 30.0
+# What the pool's refusal of a member it does not have starts with (workflows/pool.py).
+NO_SUCH_MEMBER = "member: no member"
+DEFAULT_REASON = "reported through the gateway's API"
+MAX_LOGGED_REASON = 200
+
+
+def endpoint_of(member: GatewayMember) -> str:
+    """`member`'s endpoint as the pool writes it: `host:port`, `[v6]:port`."""
+    host = f"[{member.host}]" if ":" in member.host else member.host
+    return f"{host}:{member.port}"
+
+
+def _age(ready_since: Any, now: datetime) -> int | None:
+    if not isinstance(ready_since, str):
+        return None
+    try:
+        since = datetime.fromisoformat(ready_since)
+    except ValueError:
+        return None
+    if since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    return max(0, int((now - since).total_seconds()))
+
+
+class PoolControl:
+    """The API's view of one pool (gateway/api.py's `Pool`)."""
+
+    def __init__(
+        self,
+        client: Client,
+        pool: str,
+        user: str,
+        sessions: SessionMap,
+        serving: Callable[[], Sequence[GatewayMember]],
+    ) -> None:
+        """`serving` gives the members the gateway forwards to now, with their endpoints;
+        `user` is the account a session key is assumed to come with when none was seen."""
+        self._handle = client.get_workflow_handle(pool)
+        self._user = user
+        self._pool = pool
+        self._sessions = sessions
+        self._serving = serving
+        self._status: tuple[float, dict[str, Any]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def _query_status(self) -> dict[str, Any]:
+        async with self._lock:
+            now = asyncio.get_running_loop().time()
+            if self._status is not None and now - self._status[0] < STATUS_CACHE_SECONDS:
+                return self._status[1]
+            try:
+                raw = await asyncio.wait_for(self._handle.query(STATUS_QUERY), TEMPORAL_SECONDS)
+            except (RPCError, WorkflowQueryFailedError, TimeoutError) as err:
+                log.warning("status query for the API failed: %s", err)
+                raise ApiError(
+                    HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot ask {self._pool!r} now"
+                ) from None
+            status = raw if isinstance(raw, dict) else {}
+            self._status = (now, status)
+            return status
+
+    async def members(self) -> dict[str, Any]:
+        status = await self._query_status()
+        sessions = self._sessions.by_member()
+        now = datetime.now(UTC)
+        members = []
+        for entry in status.get("members") or []:
+            if not isinstance(entry, dict) or not isinstance(entry.get("member"), str):
+                continue
+            placement = entry.get("placement")
+            member = entry["member"]
+            members.append(
+                {
+                    "member": member,
+                    "state": str(entry.get("state", "")),
+                    "zone": zone_of(placement),
+                    "region": region_of(placement),
+                    "provider": str(entry.get("provider", "")),
+                    # The address a member's traffic leaves from: the pool does not
+                    # record one (a member's endpoint is where clients reach it).
+                    "exit_address": None,
+                    "age_seconds": _age(entry.get("ready_since"), now),
+                    "sessions": sessions.get(member, []),
+                }
+            )
+        return {"pool": self._pool, "members": members}
+
+    def session_member(self, key: str) -> str | None:
+        return self._route(key)[0]
+
+    def _route(self, key: str) -> tuple[str | None, str | None]:
+        """The member session `key` goes to now, and the endpoint to name in a ban of it.
+
+        The endpoint is the one the session's latest tunnel went to when that
+        was this member (an instance since replaced is not banned again), else
+        the member's endpoint now.
+        """
+        carrier = self._sessions.get(key)
+        username = carrier.username if carrier else f"{self._user}{SESSION_INFIX}{key}"
+        parsed = parse_gateway_username(username, self._user)
+        if parsed is None:
+            return None, None
+        # The members its filters admit: the backs' ACLs leave Squid no others.
+        serving = {m.member: m for m in self._serving() if m.matches(parsed.filters)}
+        member = userhash_member(username, list(serving))
+        if member is None:
+            return None, None
+        if carrier is not None and carrier.member == member:
+            return member, carrier.endpoint
+        return member, endpoint_of(serving[member])
+
+    async def ban(self, *, member: str | None, session: str | None, reason: str) -> str:
+        endpoint: str | None = None
+        if session is not None:
+            member, endpoint = self._route(session)
+            if member is None:
+                raise ApiError(HTTPStatus.NOT_FOUND, f"session: no member for {session!r} now")
+        assert member is not None  # parse_ban gives exactly one of the two
+        if endpoint is None:
+            endpoint = next((endpoint_of(m) for m in self._serving() if m.member == member), None)
+        request: dict[str, Any] = {"member": member, "reason": reason or DEFAULT_REASON}
+        if endpoint is not None:
+            request["endpoint"] = endpoint
+        try:
+            await asyncio.wait_for(
+                self._handle.execute_update(BAN_UPDATE, request, id=f"api-ban-{uuid.uuid4()}"),
+                TEMPORAL_SECONDS,
+            )
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+            if message.startswith(NO_SUCH_MEMBER):
+                raise ApiError(
+                    HTTPStatus.NOT_FOUND, f"member: no member {member!r} in the pool"
+                ) from None
+            raise ApiError(HTTPStatus.TOO_MANY_REQUESTS, message) from None
+        except (RPCError, TimeoutError) as err:
+            log.warning("report_ban through the API failed: %s", err)
+            raise ApiError(
+                HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot reach {self._pool!r} now"
+            ) from None
+        log.info("ban of %s forwarded to the pool (%s)", member, reason[:MAX_LOGGED_REASON])
+        return member
