@@ -35,7 +35,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
-from providers.errors import Permanent, Transient
+from providers.errors import NotFound, Permanent, Transient
 from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
 
 if TYPE_CHECKING:
@@ -136,14 +136,21 @@ class AwsProvider:
             return self._launch(req, subnets[-1], group, image)
 
     def get(self, provider_id: str) -> Instance:
+        """The instance's state; a terminated one is NotFound, with why it ended.
+
+        EC2 lists a terminated instance for about an hour after, but it is
+        gone for good (and no longer billed): for the contract, it no longer
+        exists.
+        """
         instance_id = parse_provider_id(provider_id)
         with edge():
             found = self._describe(instance_id)
-            if found is None:
-                raise ClientError(
-                    {"Error": {"Code": INSTANCE_NOT_FOUND, "Message": f"{instance_id} not listed"}},
-                    "DescribeInstances",
-                )
+        if found is None:
+            raise NotFound(f"EC2: instance {instance_id} is not listed")
+        if found.get("State", {}).get("Name") == "terminated":
+            why = to_instance(found).reason
+            raise NotFound(f"EC2: instance {instance_id} is terminated{': ' + why if why else ''}")
+        with edge():
             return self._with_readiness(found)
 
     def delete(self, provider_id: str) -> None:

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 GROUP_PREFIX = "proxy-operator-"
 DESCRIPTION = "proxy-operator: the proxy port, from allowed_cidrs only"
+# The proxy ports the group admits: those of every proxy made since it was
+# created, since running instances may still listen on them.
+PORTS_TAG = "proxy-operator/ports"
 # One ingress rule: TCP on one port from one network.
 Rule = tuple[int, str]
 
@@ -56,9 +59,9 @@ class InstallationGroup:
     def ensure(self, proxy: ProxySettings, vpc_id: str) -> str:
         """The group's id, once it admits `proxy`'s port from its CIDRs and nothing else.
 
-        Ports of earlier proxies are kept, since running instances may still
-        listen on them; any other ingress (another protocol, source or
-        port range) is revoked.
+        Ports of earlier proxies (recorded in the group's PORTS_TAG) are kept,
+        since running instances may still listen on them; any other ingress
+        (another port, protocol, source or port range) is revoked.
         """
         cidrs = tuple(sorted(proxy.allowed_cidrs))
         key = (vpc_id, proxy.port, cidrs)
@@ -75,7 +78,14 @@ class InstallationGroup:
                 )
             group_id = group["GroupId"]
             have = list(group.get("IpPermissions", []))
-            ports = _single_tcp_ports(have) | {proxy.port}
+            ports = _ports_of(group) | {proxy.port}
+            if ports != _ports_of(group):
+                # Recorded before the rules change: a port is only ever
+                # opened once the group says it is the proxies'.
+                self._ec2.create_tags(
+                    Resources=[group_id],
+                    Tags=[{"Key": PORTS_TAG, "Value": ",".join(map(str, sorted(ports)))}],
+                )
             wanted = {(port, cidr) for port in ports for cidr in cidrs}
             unwanted = [p for p in (_without(perm, wanted) for perm in have) if p]
             if unwanted:
@@ -132,8 +142,10 @@ def _rules(perms: Iterable[IpPermissionOutputTypeDef]) -> set[Rule]:
     return found
 
 
-def _single_tcp_ports(perms: Iterable[IpPermissionOutputTypeDef]) -> set[int]:
-    return {port for port, _ in _rules(perms)}
+def _ports_of(group: SecurityGroupTypeDef) -> set[int]:
+    """The proxy ports the group's PORTS_TAG records (rules alone cannot tell ours apart)."""
+    recorded = tag_dict(group.get("Tags", [])).get(PORTS_TAG, "")
+    return {int(p) for p in recorded.split(",") if p.isdigit() and 0 < int(p) < 65536}
 
 
 def _without(perm: IpPermissionOutputTypeDef, wanted: set[Rule]) -> Any:
