@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from providers.base import Instance, InstanceState, state_table
+from providers.base import Instance, InstanceState, public_exit, state_table
 from providers.errors import Permanent
 
 if TYPE_CHECKING:
@@ -75,6 +75,8 @@ def to_instance(ec2: InstanceTypeDef) -> Instance:
         tags=owner_tags_of(tags),
         created_at=launched if isinstance(launched, datetime) else datetime.now(UTC),
         reason=reason,
+        # The subnet routes through an internet gateway: no NAT in between.
+        exit_address=public_exit(ec2.get("PublicIpAddress", ""), state),
     )
 
 

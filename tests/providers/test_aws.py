@@ -115,6 +115,8 @@ def test_create_is_provisioning_until_the_user_data_reports_squid_ready(
 
     assert ready.state is InstanceState.RUNNING
     assert ready.ip == ec2.public_ip and ready.endpoint == f"{ec2.public_ip}:3128"
+    assert ready.exit_address == ec2.public_ip  # requests leave from the public IP
+    assert waiting.exit_address == ec2.public_ip  # known before Squid is ready
 
     provider.delete(created.provider_id)
     assert fake_ec2.instance(created.provider_id).state == "terminated"
@@ -306,6 +308,7 @@ def test_a_spot_interruption_ends_the_instance_as_lost(fake_ec2: FakeEc2) -> Non
 
     lost = provider.get(created.provider_id)
     assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
+    assert lost.exit_address is None
     assert lost.reason.startswith("spot interruption: Server.SpotInstanceTermination")
 
     fake_ec2.interrupt_spot(created.provider_id, state="terminated")
