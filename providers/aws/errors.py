@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
 from providers.errors import (
     NotFound,
@@ -74,10 +74,14 @@ def normalise(exc: BaseException) -> ProviderError:
     """The one translation of EC2 failures into the taxonomy.
 
     UnauthorizedOperation and AuthFailure (a missing IAM permission, bad
-    credentials), invalid parameters and unknown images are Permanent;
+    credentials), no credentials at all, invalid parameters and unknown
+    images are Permanent;
     anything unclassified by code is judged by its HTTP status: 5xx is
     Transient, 4xx Permanent. Connection errors and timeouts are Transient.
     """
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        # The default chain found nothing usable: no retry brings credentials.
+        return Permanent(f"AWS credentials: {exc}", cause=exc)
     if not isinstance(exc, ClientError):
         return classify(exc)
     found = code(exc)

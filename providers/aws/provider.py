@@ -160,6 +160,8 @@ class AwsProvider:
         installation, or one made by hand, is Permanent.
         """
         instance_id = parse_provider_id(provider_id)
+        with self._lock:
+            self._console.pop(instance_id, None)
         with edge():
             try:
                 found = self._describe(instance_id)
@@ -172,8 +174,6 @@ class AwsProvider:
             except ClientError as exc:
                 if code(exc) != INSTANCE_NOT_FOUND:
                     raise
-            with self._lock:
-                self._console.pop(instance_id, None)
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance not yet terminated carrying `key=value`, in the provider's region.

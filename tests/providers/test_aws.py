@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from typing import Any
 
+import boto3
 import pytest
 
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
@@ -443,6 +444,26 @@ def test_a_create_with_tags_ec2_would_refuse_fails_naming_the_tag(provider: AwsP
     foreign = make_request(installation="other")
     with pytest.raises(Permanent, match=f"tag {INSTALLATION_KEY} must be 'prod-eu'"):
         provider.create(foreign)
+
+
+def test_no_credentials_is_permanent(fake_ec2: FakeEc2) -> None:
+    """The suite hides every credential (tests/conftest.py): what a worker without any sees."""
+    bare = boto3.session.Session(region_name=REGION).client("ec2", endpoint_url=fake_ec2.url)
+    settings = AwsConfig(region=REGION, subnets=subnet_ids(fake_ec2, 1))
+    provider = AwsProvider(settings, INSTALLATION, ec2=bare)
+    with pytest.raises(Permanent, match="AWS credentials: Unable to locate credentials"):
+        provider.create(make_request())
+
+
+def test_subnets_in_two_vpcs_are_refused(fake_ec2: FakeEc2) -> None:
+    client = fake_ec2.client()
+    vpc = client.create_vpc(CidrBlock="10.77.0.0/16")["Vpc"]["VpcId"]
+    elsewhere = client.create_subnet(VpcId=vpc, CidrBlock="10.77.1.0/24")["Subnet"]["SubnetId"]
+    settings = AwsConfig(region=REGION, subnets=[*subnet_ids(fake_ec2, 1), elsewhere])
+    provider = AwsProvider(settings, INSTALLATION, ec2=client)
+    with pytest.raises(Permanent, match="the subnets must be in one VPC"):
+        provider.create(make_request())
+    assert fake_ec2.calls("RunInstances") == []
 
 
 def test_no_image_of_that_name_is_a_config_error(fake_ec2: FakeEc2) -> None:
