@@ -9,6 +9,7 @@ import sys
 BENCHMARKS = (
     "bench.local_squid",
     "bench.lifecycle",
+    "bench.provider_ready",
     "bench.orphan_gc",
     "bench.fleet",
     "bench.gateway",

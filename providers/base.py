@@ -48,10 +48,26 @@ class Instance:
     # Why the instance is in its state, when the provider knows more than the
     # state says ("image pull failed: ..."); shown to users as is.
     reason: str = ""
+    # The address the proxy's traffic leaves from, as the provider knows it
+    # (a VM's public IP, a Pod's node's external IP), or None when it does
+    # not (a local proxy, a Pod behind a cluster NAT). What a request through
+    # the proxy actually shows may differ (a NAT the provider cannot see).
+    exit_address: str | None = None
 
     @property
     def endpoint(self) -> str:
         return endpoint(self.ip, self.port)
+
+
+def public_exit(public_ip: str, state: InstanceState) -> str | None:
+    """A VM's exit address: its public IP, while it holds one (not once stopped or ended).
+
+    For providers whose instances send their requests from their own public
+    address, with no NAT in between (GCP's external IP, EC2's public IPv4).
+    """
+    if not public_ip or state in (InstanceState.STOPPED, InstanceState.TERMINATED):
+        return None
+    return public_ip
 
 
 def endpoint(ip: str, port: int) -> str:

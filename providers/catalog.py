@@ -27,6 +27,7 @@ MODULES: dict[str, str] = {
     "local": "providers.local",
     "kubernetes": "providers.kubernetes",
     "gcp": "providers.gcp",
+    "aws": "providers.aws",
     "memory": "providers.memory",
 }
 TYPE_NAMES: tuple[str, ...] = tuple(MODULES)

@@ -7,6 +7,9 @@ the class. Anything unclassified is Transient: retrying is safer than failing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 
 class ProviderError(Exception):
     """Base of the taxonomy; never raised itself."""
@@ -51,3 +54,15 @@ def classify(exc: BaseException) -> ProviderError:
     if isinstance(exc, ProviderError):
         return exc
     return Transient(f"{type(exc).__name__}: {exc}", cause=exc)
+
+
+@contextlib.contextmanager
+def translated(normalise: Callable[[BaseException], ProviderError]) -> Iterator[None]:
+    """A provider's error edge: what escapes the block is the taxonomy, as `normalise` says."""
+    try:
+        yield
+    except Exception as exc:
+        error = normalise(exc)
+        if error is exc:
+            raise
+        raise error from exc

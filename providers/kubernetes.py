@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from providers.base import CreateRequest, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
 from providers.config import LABEL_VALUE, Config, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
+from providers.kubernetes_nodes import NodeAddresses
 from providers.naming import (
     HASHED_IN_LABELS,
     INSTALLATION_KEY,
@@ -219,6 +221,7 @@ class KubernetesProvider:
         self._core = client.CoreV1Api(api_client)
         self._installation = installation
         self._timeout = settings.request_timeout_seconds
+        self._nodes = NodeAddresses(self._core, self._timeout)
 
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> KubernetesProvider:
@@ -371,7 +374,12 @@ class KubernetesProvider:
         return pod
 
     def _instance(self, pod: client.V1Pod) -> Instance:
-        return _instance(pod, self._settings.unschedulable_timeout_seconds)
+        """The Pod as an Instance, its exit address its node's external IP (if known)."""
+        instance = _instance(pod, self._settings.unschedulable_timeout_seconds)
+        node = pod.spec.node_name if pod.spec else None
+        if not node or instance.state in (InstanceState.STOPPED, InstanceState.TERMINATED):
+            return instance
+        return dataclasses.replace(instance, exit_address=self._nodes.exit_of(node))
 
     def _read_pod(self, namespace: str, name: str) -> client.V1Pod:
         return self._core.read_namespaced_pod(name, namespace, _request_timeout=self._timeout)

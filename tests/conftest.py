@@ -58,6 +58,13 @@ def _no_real_credentials(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(empty / "gcloud"))
+    # boto3's default chain: no keys from the environment, no ~/.aws, no
+    # instance metadata (the AWS fake's clients carry fake keys of their own).
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(empty / "aws-config-does-not-exist"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "aws-credentials-does-not-exist"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     import google.auth
     from kubernetes import config as k8s_config
 

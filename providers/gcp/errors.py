@@ -9,13 +9,20 @@ the taxonomy escapes it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import cast
 
 from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
-from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient, classify
+from providers.errors import (
+    NotFound,
+    Permanent,
+    ProviderError,
+    QuotaExceeded,
+    Transient,
+    classify,
+    translated,
+)
 
 # Compute Engine counts API rate quotas per minute (compute/docs/api-quota):
 # a rate limit is over within one, unlike a resource quota.
@@ -38,16 +45,9 @@ _PERMANENT_REASONS = frozenset({"conditionnotmet"})
 _RETRYABLE_STATUS = frozenset({408, 409, 429})
 
 
-@contextlib.contextmanager
-def edge() -> Iterator[None]:
+def edge() -> contextlib.AbstractContextManager[None]:
     """Every public operation runs in here: nothing but the taxonomy escapes."""
-    try:
-        yield
-    except Exception as exc:
-        error = normalise(exc)
-        if error is exc:
-            raise
-        raise error from exc
+    return translated(normalise)
 
 
 def normalise(exc: BaseException, *, missing: type[ProviderError] = NotFound) -> ProviderError:

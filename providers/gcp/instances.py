@@ -13,7 +13,7 @@ from datetime import datetime
 
 from google.cloud import compute_v1
 
-from providers.base import Instance, InstanceState, state_table
+from providers.base import Instance, InstanceState, public_exit, state_table
 from providers.errors import Permanent
 from providers.naming import RFC1035_LABEL
 
@@ -71,6 +71,7 @@ def to_instance(gce: compute_v1.Instance) -> Instance:
         port=int(metadata.get(PORT_METADATA_KEY, "0")),
         tags=tags_of(gce),
         created_at=datetime.fromisoformat(gce.creation_timestamp),
+        exit_address=public_exit(ip, state),
     )
 
 

@@ -8,7 +8,6 @@ the firewall rule, operations, and the error edge.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
@@ -20,6 +19,7 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
 from providers.base import CreateRequest, Instance, InstanceState
+from providers.boot_script import with_report
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
 from providers.errors import Permanent, Transient
@@ -47,12 +47,7 @@ from providers.gcp.operations import (
     wait_succeeded,
 )
 from providers.gcp.settings import GcpConfig, config_problems
-from providers.gcp.startup import (
-    STARTUP_FAILED_PREFIX,
-    STARTUP_READY,
-    STARTUP_STATE_ATTRIBUTE,
-    startup_script,
-)
+from providers.gcp.startup import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, startup_script
 from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
 
 PROVIDER_TYPE = ProviderType(
@@ -66,9 +61,6 @@ log = logging.getLogger(__name__)
 
 COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"
 
-# A startup script's failure report is written by the VM and shown to users:
-# kept this short.
-MAX_REASON_CHARS = 300
 # Guest attributes are meant for "at most 10 queries per minute per VM"
 # (compute/docs/metadata/manage-guest-attributes); a VM not ready yet is asked
 # at most this often, the answer in between reused.
@@ -427,21 +419,8 @@ class GcpProvider:
         instance = to_instance(gce)
         if instance.state is not InstanceState.RUNNING or not reports_readiness(gce):
             return instance
-        state = self._startup_state(zone, gce)
-        if state == STARTUP_READY:
-            return instance
-        if state.startswith(STARTUP_FAILED_PREFIX):
-            # Written by the VM: shown to users, so kept short and printable.
-            said = "".join(c if c.isprintable() else "?" for c in state[:MAX_REASON_CHARS])
-            return dataclasses.replace(
-                instance, state=InstanceState.TERMINATED, ip="", reason=f"startup script {said}"
-            )
-        return dataclasses.replace(
-            instance,
-            state=InstanceState.PROVISIONING,
-            ip="",
-            reason=f"VM running, waiting for its startup script to start Squid ({state})",
-        )
+        report = self._startup_state(zone, gce)
+        return with_report(instance, report, script="startup script", machine="VM")
 
     def _startup_state(self, zone: str, gce: compute_v1.Instance) -> str:
         """The startup script's last report ("booting" before its first), paced per VM."""

@@ -57,6 +57,8 @@ T = TypeVar("T")
 PODS = kmock.resource("", "v1", "pods")
 SECRETS = kmock.resource("", "v1", "secrets")
 KINDS = {PODS: "Pod", SECRETS: "Secret"}
+# Cluster-scoped: read by the provider (with `get nodes`) for the exit address.
+NODES = kmock.resource("", "v1", "nodes")
 NODE_NAME = "fake-node"
 # What every cluster has from the start; tests add the namespaces they use.
 BUILTIN_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -151,6 +153,7 @@ class ApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         for resource, kind in KINDS.items():
             self.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=True)
+        self.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         resource = request.resource
@@ -426,6 +429,28 @@ class FakeKubernetes:
         def store() -> None:
             self.api.stamp(obj, meta["namespace"])
             self.api.objects[resource, meta["namespace"], meta["name"]] = obj
+
+        self._on_loop(store)
+
+    def add_node(self, name: str = NODE_NAME, *, external_ip: str | None = None) -> None:
+        """A node as the kubelet registers it: an InternalIP, and an ExternalIP if given
+        (kubernetes.io/docs/reference/node/node-status/#addresses)."""
+        addresses = [
+            {"type": "InternalIP", "address": "10.128.0.7"},
+            {"type": "Hostname", "address": name},
+        ]
+        if external_ip:
+            addresses.append({"type": "ExternalIP", "address": external_ip})
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name},
+            "status": {"addresses": addresses},
+        }
+
+        def store() -> None:
+            self.api.stamp(node, None)
+            self.api.objects[NODES, None, name] = node
 
         self._on_loop(store)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHandle
 
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 
 DEADLINE = 60.0
+T = TypeVar("T")
 
 
 async def status_of(handle: WorkflowHandle[Any, Any]) -> ProxyStatus:
@@ -71,3 +72,13 @@ async def wait_status(
     except AssertionError as err:
         raise AssertionError(f"{err}; last status: {seen[-1] if seen else None}") from None
     return seen[-1]
+
+
+def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float, every: float) -> T:
+    """Poll a real cloud until `done(fetch())`; the last value past `timeout` (the opt-in tests)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fetch()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(every)

@@ -219,11 +219,12 @@ def test_every_type_in_the_catalog_declares_itself() -> None:
         "local": set(),
         "kubernetes": {"namespace"},
         "gcp": {"zone"},
+        "aws": {"subnet"},
         "memory": set(),
     }
 
 
-@pytest.mark.parametrize("kind", ["local", "kubernetes", "gcp"])
+@pytest.mark.parametrize("kind", ["local", "kubernetes", "gcp", "aws"])
 def test_from_config_refuses_a_block_of_another_type_the_same_way(kind: str) -> None:
     config = parse_config(minimal_config({"name": "odd", "type": "memory"}), environ=ENVIRON)
     with pytest.raises(TypeError) as caught:
@@ -241,7 +242,10 @@ from providers.config import parse_config
 from providers.registry import build_providers
 raw = {minimal_config({"name": "here", "type": "local", "local": {"state_dir": str(tmp_path)}})!r}
 build_providers(parse_config(raw, environ={ENVIRON!r}))
-sdks = ("kubernetes", "google.cloud", "google.auth", "google.api_core", "providers.gcp")
+sdks = (
+    "kubernetes", "google.cloud", "google.auth", "google.api_core", "providers.gcp",
+    "boto3", "botocore", "providers.aws",
+)
 print(sorted(m for m in sys.modules if m.startswith(sdks) or m == "providers.kubernetes"))
 """
     run = subprocess.run(
@@ -301,9 +305,12 @@ BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
         ["providers[1].name: duplicate 'local'"],
     ),
     "unknown type": (
-        broken(add_providers({"name": "aws", "type": "aws"})),
+        broken(add_providers({"name": "azure", "type": "azure"})),
         ENVIRON,
-        ["providers[1].type: unknown type 'aws' (expected one of local, kubernetes, gcp, memory)"],
+        [
+            "providers[1].type: unknown type 'azure' "
+            "(expected one of local, kubernetes, gcp, aws, memory)"
+        ],
     ),
     "block of another type": (
         broken(add_providers({"name": "cloud", "type": "gcp", "kubernetes": {}})),

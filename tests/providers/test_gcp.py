@@ -301,6 +301,9 @@ def test_get_maps_every_status(
     # An address is published only with RUNNING, and RUNNING only with one.
     assert instance.ip == (nat_ip if state is InstanceState.RUNNING else "")
     assert instance.endpoint == (f"{nat_ip}:3128" if state is InstanceState.RUNNING else "")
+    # The exit is the external IP while the VM holds one, ready or not.
+    holds = state in (InstanceState.RUNNING, InstanceState.PROVISIONING)
+    assert instance.exit_address == (nat_ip if holds else None)
 
 
 @pytest.mark.parametrize(

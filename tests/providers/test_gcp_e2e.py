@@ -22,9 +22,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import google.auth
 import pytest
@@ -37,8 +34,7 @@ from providers.config import parse_config
 from providers.errors import NotFound
 from providers.gcp import GcpProvider, firewall_name, labels
 from providers.naming import INSTALLATION_KEY, instance_name, owner_tags
-
-T = TypeVar("T")
+from tests.helpers.waiting import until
 
 PROJECT = os.environ.get("PROXY_OPERATOR_E2E_GCP_PROJECT", "")
 ZONE = os.environ.get("PROXY_OPERATOR_E2E_GCP_ZONE", "")
@@ -60,16 +56,6 @@ pytestmark = [
         reason="set PROXY_OPERATOR_E2E_GCP_PROJECT, _ZONE and _CLIENT_CIDR to run",
     ),
 ]
-
-
-def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float, every: float) -> T:
-    """Poll a real cloud until `done(fetch())`; fail with the last value past `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fetch()
-        if done(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(every)
 
 
 def test_proxy_vm_lifecycle_on_a_real_project(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,365 @@
+"""AwsProvider: the provider contract on EC2, one instance per proxy.
+
+The concerns it leans on live next to it in this package (see its
+docstring): settings, the state table and tags, the user data, the security
+group, and the error edge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+from providers.aws.errors import CAPACITY_CODES, IDEMPOTENT_MISMATCH, INSTANCE_NOT_FOUND, code, edge
+from providers.aws.instances import (
+    NAME_TAG,
+    PORT_TAG,
+    as_tag_list,
+    first,
+    parse_provider_id,
+    tag_dict,
+    tag_problems,
+    to_instance,
+)
+from providers.aws.security_group import InstallationGroup, group_name
+from providers.aws.settings import AwsConfig, config_problems
+from providers.aws.user_data import STARTUP_READY, console_state, user_data
+from providers.base import CreateRequest, Instance, InstanceState
+from providers.boot_script import with_report
+from providers.catalog import ProviderType
+from providers.config import Config, ProviderEntry
+from providers.errors import NotFound, Permanent, Transient
+from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2 import EC2Client
+    from mypy_boto3_ec2.type_defs import FilterTypeDef, InstanceTypeDef
+
+PROVIDER_TYPE = ProviderType(
+    name="aws",
+    settings=AwsConfig,
+    placement_keys=frozenset({"subnet"}),
+    build=lambda entry, config: AwsProvider.from_config(entry, config),
+    config_problems=config_problems,
+)
+log = logging.getLogger(__name__)
+
+# The SDK's own retries are off (total_max_attempts 1): Temporal's activity
+# retry policy is the one retry layer, derived from the error taxonomy.
+SDK_CONFIG = BotoConfig(
+    retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=10, read_timeout=60
+)
+# GetConsoleOutput is throttled per account like every EC2 action; an
+# instance not ready yet is asked at most this often, the answer in between reused.
+CONSOLE_INTERVAL_SECONDS = 6.0
+# The newest image of the configured name is looked up again after this long.
+IMAGE_CACHE_SECONDS = 3600.0
+# Every state but terminated: an instance in them still holds its name.
+LIVE_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
+
+
+class AwsProvider:
+    """The provider contract on EC2; `provider_id` is the instance id."""
+
+    def __init__(
+        self,
+        settings: AwsConfig,
+        installation: str,
+        *,
+        ec2: EC2Client,
+        console_interval: float = CONSOLE_INTERVAL_SECONDS,
+    ) -> None:
+        self._settings = settings
+        self._installation = installation
+        self._ec2 = ec2
+        self._console_interval = console_interval
+        self._group = InstallationGroup(
+            ec2=ec2,
+            name=settings.security_group or group_name(installation),
+            installation=installation,
+        )
+        self._lock = threading.Lock()
+        # Console state per instance id: "ready" is kept for good; anything
+        # else with when it was read, to pace the queries.
+        self._console: dict[str, tuple[str, float]] = {}
+        self._image: tuple[str, float] | None = None
+        self._vpc: str | None = None
+
+    @classmethod
+    def from_config(cls, entry: ProviderEntry, config: Config) -> AwsProvider:
+        """A real client on the default AWS credential chain; never used by tests."""
+        settings = PROVIDER_TYPE.settings_of(entry)
+        ec2 = boto3.session.Session().client("ec2", region_name=settings.region, config=SDK_CONFIG)
+        return cls(settings, config.installation, ec2=ec2)
+
+    # -- the contract -------------------------------------------------------
+
+    def create(self, req: CreateRequest) -> Instance:
+        """Launch the instance (or adopt the one an earlier attempt made), trying each subnet.
+
+        The client token is the instance name, so a retried RunInstances
+        whose first answer was lost returns the instance it made instead of
+        launching a second; an instance of that name already there is
+        adopted if it is this request's. The security group's port and CIDRs
+        come from `req.proxy`, the settings Squid is rendered from.
+        """
+        problems = self._settings.placement_problems(req.placement) + tag_problems(req.tags)
+        if req.tags.get(INSTALLATION_KEY) != self._installation:
+            # This installation's orphan GC could never find such an instance.
+            problems.append(
+                f"tag {INSTALLATION_KEY} must be {self._installation!r}, "
+                f"got {req.tags.get(INSTALLATION_KEY)!r}"
+            )
+        if problems:
+            raise Permanent(f"create {req.name}: {'; '.join(problems)}")
+        with edge():
+            existing = self._by_filter({"Name": f"tag:{NAME_TAG}", "Values": [req.name]})
+            if existing is not None:
+                return self._adopt(req, existing)
+            subnets = self._subnet_order(req)
+            group = self._group.ensure(req.proxy, self._vpc_of(subnets))
+            image = self._image_id()
+            for subnet in subnets[:-1]:
+                try:
+                    return self._launch(req, subnet, group, image)
+                except ClientError as exc:
+                    if code(exc) not in CAPACITY_CODES:
+                        raise
+                    log.info("subnet %s has no capacity for %s, trying the next", subnet, req.name)
+            return self._launch(req, subnets[-1], group, image)
+
+    def get(self, provider_id: str) -> Instance:
+        """The instance's state; a terminated one is NotFound, with why it ended.
+
+        EC2 lists a terminated instance for about an hour after, but it is
+        gone for good (and no longer billed): for the contract, it no longer
+        exists.
+        """
+        instance_id = parse_provider_id(provider_id)
+        with edge():
+            found = self._describe(instance_id)
+        if found is None:
+            raise NotFound(f"EC2: instance {instance_id} is not listed")
+        if found.get("State", {}).get("Name") == "terminated":
+            why = to_instance(found).reason
+            raise NotFound(f"EC2: instance {instance_id} is terminated{': ' + why if why else ''}")
+        with edge():
+            return self._with_readiness(found)
+
+    def delete(self, provider_id: str) -> None:
+        """Terminate our instance, and only that one; an instance already gone is success.
+
+        The instance is read first and its tags checked: one of another
+        installation, or one made by hand, is Permanent.
+        """
+        instance_id = parse_provider_id(provider_id)
+        with self._lock:
+            self._console.pop(instance_id, None)
+        with edge():
+            try:
+                found = self._describe(instance_id)
+                if found is None or found.get("State", {}).get("Name") == "terminated":
+                    return
+                mismatch = ownership_mismatch(tag_dict(found.get("Tags", [])), self._installation)
+                if mismatch:
+                    raise Permanent(f"delete instance {instance_id}: refused, {mismatch}")
+                self._ec2.terminate_instances(InstanceIds=[instance_id])
+            except ClientError as exc:
+                if code(exc) != INSTANCE_NOT_FOUND:
+                    raise
+
+    def list_by_tag(self, key: str, value: str) -> list[Instance]:
+        """Every instance not yet terminated carrying `key=value`, in the provider's region.
+
+        EC2 filter values take `*` and `?` as wildcards, so the exact tag is
+        checked again here.
+        """
+        with edge():
+            pages = self._ec2.get_paginator("describe_instances").paginate(
+                Filters=[
+                    {"Name": f"tag:{key}", "Values": [value]},
+                    {"Name": "instance-state-name", "Values": LIVE_STATES},
+                ]
+            )
+            found = [
+                to_instance(ec2)
+                for page in pages
+                for reservation in page["Reservations"]
+                for ec2 in reservation.get("Instances", [])
+            ]
+        return [inst for inst in found if inst.tags.get(key) == value]
+
+    # -- instances ----------------------------------------------------------
+
+    def _launch(self, req: CreateRequest, subnet: str, group: str, image: str) -> Instance:
+        try:
+            answer = self._ec2.run_instances(**self._run_params(req, subnet, group, image))
+        except ClientError as exc:
+            if code(exc) != IDEMPOTENT_MISMATCH:
+                raise
+            # The token launched an instance with other parameters (another
+            # subnet, a newer image): that instance is this request's.
+            made = self._by_filter({"Name": "client-token", "Values": [req.name]})
+            if made is None:
+                raise Transient(
+                    f"create {req.name}: EC2 says its client token was used, but the instance "
+                    "is not listed yet"
+                ) from exc
+            return self._adopt(req, made)
+        return self._adopt(req, answer["Instances"][0])
+
+    def _run_params(self, req: CreateRequest, subnet: str, group: str, image: str) -> Any:
+        s = self._settings
+        tags = as_tag_list({**req.tags, NAME_TAG: req.name, PORT_TAG: str(req.proxy.port)})
+        params: dict[str, Any] = {
+            "ClientToken": req.name,
+            "ImageId": image,
+            "InstanceType": s.instance_type,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "UserData": user_data(req.proxy),
+            "NetworkInterfaces": [
+                {
+                    "DeviceIndex": 0,
+                    "SubnetId": subnet,
+                    "Groups": [group],
+                    "AssociatePublicIpAddress": True,
+                    "DeleteOnTermination": True,
+                }
+            ],
+            # IMDSv2 only, one hop: a token needs a PUT from the instance
+            # itself, so nothing a proxy user sends can read the user data.
+            "MetadataOptions": {
+                "HttpTokens": "required",
+                "HttpEndpoint": "enabled",
+                "HttpPutResponseHopLimit": 1,
+            },
+            "InstanceInitiatedShutdownBehavior": "terminate",
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": tags},
+                # Billing and volume listings show whose disk it is.
+                {"ResourceType": "volume", "Tags": tags},
+            ],
+            # No IAM instance profile: a proxy needs no AWS API access, so a
+            # compromised one has no credentials to steal.
+        }
+        if s.market == "spot":
+            spot: dict[str, Any] = {
+                "SpotInstanceType": "one-time",
+                "InstanceInterruptionBehavior": "terminate",
+            }
+            if s.max_price is not None:
+                spot["MaxPrice"] = s.max_price
+            params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
+        return params
+
+    def _adopt(self, req: CreateRequest, ec2: InstanceTypeDef) -> Instance:
+        """The instance of the requested name, if it is the one this request made."""
+        mismatch = adoption_mismatch(tag_dict(ec2.get("Tags", [])), self._installation, req.tags)
+        if mismatch:
+            raise Permanent(
+                f"create instance {req.name}: an instance of that name exists "
+                f"({ec2.get('InstanceId')}) and is not this proxy's, {mismatch}"
+            )
+        return self._with_readiness(ec2)
+
+    def _subnet_order(self, req: CreateRequest) -> list[str]:
+        """The pinned subnet, or all of them starting at one derived from the name.
+
+        Derived, so a retried create asks the same subnet first (and sends
+        the same parameters with its client token), while a pool's members
+        spread over the availability zones.
+        """
+        pinned = req.placement.get("subnet")
+        if pinned:
+            return [pinned]
+        subnets = self._settings.subnets
+        start = int.from_bytes(hashlib.sha256(req.name.encode()).digest()[:4], "big") % len(subnets)
+        return subnets[start:] + subnets[:start]
+
+    def _vpc_of(self, subnets: list[str]) -> str:
+        """The VPC of the configured subnets; they must share one (the security group's)."""
+        if self._vpc is not None:
+            return self._vpc
+        found = self._ec2.describe_subnets(SubnetIds=self._settings.subnets)["Subnets"]
+        vpcs = sorted({s["VpcId"] for s in found if "VpcId" in s})
+        if len(vpcs) != 1:
+            raise Permanent(
+                f"aws.subnets: the subnets must be in one VPC, they are in {', '.join(vpcs)}"
+            )
+        self._vpc = vpcs[0]
+        return self._vpc
+
+    def _image_id(self) -> str:
+        """The configured image, or the newest available one of the owner and name."""
+        s = self._settings
+        if s.image_id is not None:
+            return s.image_id
+        with self._lock:
+            if self._image is not None and time.monotonic() - self._image[1] < IMAGE_CACHE_SECONDS:
+                return self._image[0]
+        images = self._ec2.describe_images(
+            Owners=[s.image_owner],
+            Filters=[
+                {"Name": "name", "Values": [s.image_name]},
+                {"Name": "state", "Values": ["available"]},
+            ],
+        )["Images"]
+        if not images:
+            raise Permanent(
+                f"aws.image_name: no available image named {s.image_name!r} owned by "
+                f"{s.image_owner} in {s.region}"
+            )
+        newest = max(images, key=lambda image: image.get("CreationDate", ""))["ImageId"]
+        with self._lock:
+            self._image = (newest, time.monotonic())
+        return newest
+
+    def _describe(self, instance_id: str) -> InstanceTypeDef | None:
+        answer = self._ec2.describe_instances(InstanceIds=[instance_id])
+        return first(list(answer["Reservations"]))
+
+    def _by_filter(self, selector: FilterTypeDef) -> InstanceTypeDef | None:
+        """The one instance not yet terminated that `selector` picks, if any."""
+        answer = self._ec2.describe_instances(
+            Filters=[selector, {"Name": "instance-state-name", "Values": LIVE_STATES}]
+        )
+        return first(list(answer["Reservations"]))
+
+    # -- readiness ----------------------------------------------------------
+
+    def _with_readiness(self, ec2: InstanceTypeDef) -> Instance:
+        """The instance, RUNNING only once its user data reports Squid ready.
+
+        A script that reports a failure ends the instance (TERMINATED with
+        its reason), so the workflow replaces it at once instead of waiting
+        out its deadline.
+        """
+        instance = to_instance(ec2)
+        if instance.state is not InstanceState.RUNNING:
+            return instance
+        report = self._console_state(instance.provider_id)
+        return with_report(instance, report, script="user data", machine="instance")
+
+    def _console_state(self, instance_id: str) -> str:
+        """The user data's last report on the serial console, paced per instance."""
+        with self._lock:
+            known = self._console.get(instance_id)
+        if known is not None and (
+            known[0] == STARTUP_READY or time.monotonic() - known[1] < self._console_interval
+        ):
+            return known[0]
+        # Latest: the console as it is now (Nitro instances), not the buffer
+        # EC2 posts at state transitions only.
+        answer = self._ec2.get_console_output(InstanceId=instance_id, Latest=True)
+        state = console_state(answer.get("Output"))
+        with self._lock:
+            self._console[instance_id] = (state, time.monotonic())
+        return state

@@ -1,0 +1,179 @@
+"""The installation's security group: the proxy port, open to `allowed_cidrs` only.
+
+One security group per installation (and VPC) admits TCP on the proxy ports
+from `allowed_cidrs`; every proxy instance is launched in it and in nothing
+else. It belongs to the installation (tagged like its instances), so an
+ingress rule added by hand is revoked, and a group of that name without the
+installation's tags is somebody else's.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from botocore.exceptions import ClientError
+
+from providers.aws.errors import code
+from providers.aws.instances import as_tag_list, tag_dict
+from providers.errors import Permanent
+from providers.naming import (
+    INSTALLATION_KEY,
+    MANAGED_BY_KEY,
+    MANAGED_BY_VALUE,
+    ownership_mismatch,
+)
+from providers.squid import ProxySettings
+
+if TYPE_CHECKING:
+    from mypy_boto3_ec2 import EC2Client
+    from mypy_boto3_ec2.type_defs import IpPermissionOutputTypeDef, SecurityGroupTypeDef
+
+GROUP_PREFIX = "proxy-operator-"
+DESCRIPTION = "proxy-operator: the proxy port, from allowed_cidrs only"
+# The proxy ports the group admits: those of every proxy made since it was
+# created, since running instances may still listen on them.
+PORTS_TAG = "proxy-operator/ports"
+# One ingress rule: TCP on one port from one network.
+Rule = tuple[int, str]
+
+
+def group_name(installation: str) -> str:
+    return f"{GROUP_PREFIX}{installation}"
+
+
+class InstallationGroup:
+    """Keeps security group `name` in `vpc_id` admitting exactly the proxy ports asked for."""
+
+    def __init__(self, *, ec2: EC2Client, name: str, installation: str) -> None:
+        self._ec2 = ec2
+        self._name = name
+        self._installation = installation
+        # (vpc, port, CIDRs) already made true by this provider object: the
+        # group is checked once per combination, not per create.
+        self._ensured: dict[tuple[str, int, tuple[str, ...]], str] = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, proxy: ProxySettings, vpc_id: str) -> str:
+        """The group's id, once it admits `proxy`'s port from its CIDRs and nothing else.
+
+        Ports of earlier proxies (recorded in the group's PORTS_TAG) are kept,
+        since running instances may still listen on them; any other ingress
+        (another port, protocol, source or port range) is revoked.
+        """
+        cidrs = tuple(sorted(proxy.allowed_cidrs))
+        key = (vpc_id, proxy.port, cidrs)
+        with self._lock:
+            known = self._ensured.get(key)
+            if known is not None:
+                return known
+            group = self._get(vpc_id) or self._create(vpc_id)
+            mismatch = ownership_mismatch(tag_dict(group.get("Tags", [])), self._installation)
+            if mismatch:
+                raise Permanent(
+                    f"security group {self._name!r} in {vpc_id} is not this installation's "
+                    f"({mismatch}): set aws.security_group to a name of its own"
+                )
+            group_id = group["GroupId"]
+            have = list(group.get("IpPermissions", []))
+            ports = _ports_of(group) | {proxy.port}
+            if ports != _ports_of(group):
+                # Recorded before the rules change: a port is only ever
+                # opened once the group says it is the proxies'.
+                self._ec2.create_tags(
+                    Resources=[group_id],
+                    Tags=[{"Key": PORTS_TAG, "Value": ",".join(map(str, sorted(ports)))}],
+                )
+            wanted = {(port, cidr) for port in ports for cidr in cidrs}
+            unwanted = [p for p in (_without(perm, wanted) for perm in have) if p]
+            if unwanted:
+                self._ec2.revoke_security_group_ingress(GroupId=group_id, IpPermissions=unwanted)
+            missing = wanted - _rules(have)
+            if missing:
+                self._ec2.authorize_security_group_ingress(
+                    GroupId=group_id,
+                    IpPermissions=[_permission(rule) for rule in sorted(missing)],
+                )
+            self._ensured[key] = group_id
+            return group_id
+
+    def _get(self, vpc_id: str) -> SecurityGroupTypeDef | None:
+        groups = self._ec2.describe_security_groups(
+            Filters=[
+                {"Name": "group-name", "Values": [self._name]},
+                {"Name": "vpc-id", "Values": [vpc_id]},
+            ]
+        )["SecurityGroups"]
+        return groups[0] if groups else None
+
+    def _create(self, vpc_id: str) -> SecurityGroupTypeDef:
+        tags = {MANAGED_BY_KEY: MANAGED_BY_VALUE, INSTALLATION_KEY: self._installation}
+        try:
+            self._ec2.create_security_group(
+                GroupName=self._name,
+                Description=DESCRIPTION,
+                VpcId=vpc_id,
+                TagSpecifications=[{"ResourceType": "security-group", "Tags": as_tag_list(tags)}],
+            )
+        except ClientError as exc:
+            if code(exc) != "InvalidGroup.Duplicate":  # a racing worker made it
+                raise
+        group = self._get(vpc_id)
+        if group is None:
+            raise Permanent(f"security group {self._name!r} in {vpc_id} vanished after creation")
+        return group
+
+
+def _family(cidr: str) -> int:
+    return ipaddress.ip_network(cidr).version
+
+
+def _rules(perms: Iterable[IpPermissionOutputTypeDef]) -> set[Rule]:
+    """Single-port TCP rules from networks; everything else is not ours."""
+    found: set[Rule] = set()
+    for perm in perms:
+        if perm.get("IpProtocol") != "tcp" or perm.get("FromPort") != perm.get("ToPort"):
+            continue
+        port = int(perm.get("FromPort", -1))
+        found.update((port, r["CidrIp"]) for r in perm.get("IpRanges", []) if "CidrIp" in r)
+        found.update((port, r["CidrIpv6"]) for r in perm.get("Ipv6Ranges", []) if "CidrIpv6" in r)
+    return found
+
+
+def _ports_of(group: SecurityGroupTypeDef) -> set[int]:
+    """The proxy ports the group's PORTS_TAG records (rules alone cannot tell ours apart)."""
+    recorded = tag_dict(group.get("Tags", [])).get(PORTS_TAG, "")
+    return {int(p) for p in recorded.split(",") if p.isdigit() and 0 < int(p) < 65536}
+
+
+def _without(perm: IpPermissionOutputTypeDef, wanted: set[Rule]) -> Any:
+    """The part of `perm` not in `wanted`, as a permission to revoke (None if all wanted)."""
+    single_tcp = perm.get("IpProtocol") == "tcp" and perm.get("FromPort") == perm.get("ToPort")
+    port = int(perm.get("FromPort", -1))
+    extra: dict[str, Any] = {}
+
+    v4 = [r["CidrIp"] for r in perm.get("IpRanges", []) if "CidrIp" in r]
+    v6 = [r["CidrIpv6"] for r in perm.get("Ipv6Ranges", []) if "CidrIpv6" in r]
+    if unwanted_v4 := [c for c in v4 if not (single_tcp and (port, c) in wanted)]:
+        extra["IpRanges"] = [{"CidrIp": c} for c in unwanted_v4]
+    if unwanted_v6 := [c for c in v6 if not (single_tcp and (port, c) in wanted)]:
+        extra["Ipv6Ranges"] = [{"CidrIpv6": c} for c in unwanted_v6]
+    for field in ("UserIdGroupPairs", "PrefixListIds"):
+        if perm.get(field):
+            extra[field] = perm[field]
+    if not extra:
+        return None
+    revoke: dict[str, Any] = {"IpProtocol": perm.get("IpProtocol", "-1"), **extra}
+    if "FromPort" in perm:
+        revoke["FromPort"] = perm["FromPort"]
+        revoke["ToPort"] = perm.get("ToPort", perm["FromPort"])
+    return revoke
+
+
+def _permission(rule: Rule) -> Any:
+    """One TCP permission per port and network, the family's range field set."""
+    port, cidr = rule
+    field, key = ("IpRanges", "CidrIp") if _family(cidr) == 4 else ("Ipv6Ranges", "CidrIpv6")
+    return {"IpProtocol": "tcp", "FromPort": port, "ToPort": port, field: [{key: cidr}]}

@@ -1,0 +1,535 @@
+"""AwsProvider against moto's EC2 in server mode, through the real boto3 client.
+
+What moto does not model (client-token idempotency, the serial console the
+user data reports on, capacity and throttling errors, spot interruptions)
+comes from the layer in front of it, tests/fakes/ec2.py (docs/fakes.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import boto3
+import pytest
+
+from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
+from providers.aws.provider import PROVIDER_TYPE
+from providers.base import CreateRequest, InstanceState
+from providers.config import ConfigError, parse_config
+from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
+from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
+from providers.squid import ProxySettings
+from tests.fakes.ec2 import DEBIAN_IMAGES, NEWEST_DEBIAN_12, REGION, FakeEc2
+from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
+
+INSTALLATION = "prod-eu"
+PASSWORD = "correct horse battery staple"
+CIDRS = ("192.0.2.0/24", "10.0.0.0/8")
+NAMESPACE = "default"
+
+
+def proxy_settings(port: int = 3128, cidrs: tuple[str, ...] = CIDRS) -> ProxySettings:
+    return ProxySettings(
+        port=port,
+        username="proxy",
+        password=PASSWORD,
+        allowed_cidrs=cidrs,
+        allowed_connect_ports=(443,),
+    )
+
+
+def make_request(
+    owner: str = "proxy-eu-1",
+    *,
+    generation: int = 1,
+    subnet: str | None = None,
+    port: int = 3128,
+    installation: str = INSTALLATION,
+    labels: dict[str, str] | None = None,
+) -> CreateRequest:
+    return CreateRequest(
+        name=instance_name(owner, generation, installation=installation, namespace=NAMESPACE),
+        proxy=proxy_settings(port),
+        tags=owner_tags(installation, owner, generation, labels, namespace=NAMESPACE),
+        placement={"subnet": subnet} if subnet else {},
+    )
+
+
+def subnet_ids(fake: FakeEc2, count: int = 2) -> list[str]:
+    return [subnet for subnet, _ in fake.subnets()[:count]]
+
+
+def make_provider(fake: FakeEc2, subnets: int = 1, **settings: Any) -> AwsProvider:
+    config = AwsConfig(region=REGION, subnets=subnet_ids(fake, subnets), **settings)
+    # Every `get` asks the console: tests step through it without pacing.
+    return AwsProvider(config, INSTALLATION, ec2=fake.client(), console_interval=0)
+
+
+@pytest.fixture
+def provider(fake_ec2: FakeEc2) -> AwsProvider:
+    return make_provider(fake_ec2)
+
+
+def live(fake: FakeEc2) -> list[Any]:
+    return [i for i in fake.instances() if i.state != "terminated"]
+
+
+def run_param(fake: FakeEc2, key: str) -> str:
+    return fake.calls("RunInstances")[-1].params[key]
+
+
+# -- create, ready, delete -------------------------------------------------------
+
+
+def test_create_is_provisioning_until_the_user_data_reports_squid_ready(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    req = make_request(labels={"team": "crawl"})
+
+    created = provider.create(req)
+
+    assert created.state is InstanceState.PROVISIONING and created.ip == ""
+    assert created.tags == req.tags  # round-trips, the provider's own tags left out
+    assert (created.name, created.port) == (req.name, 3128)
+    ec2 = fake_ec2.instance(created.provider_id)
+    assert ec2.image_id == NEWEST_DEBIAN_12  # the newest Debian 12, not 11, not older
+    assert ec2.instance_type == "t3.micro"
+    assert ec2.get_tags() and {t["key"]: t["value"] for t in ec2.get_tags()}[NAME_TAG] == req.name
+    options = ec2.metadata_options
+    assert (options.http_tokens, options.http_put_response_hop_limit) == ("required", 1)
+    assert ec2.lifecycle is None  # on-demand
+    assert run_param(fake_ec2, "ClientToken") == req.name
+    script = fake_ec2.user_data(created.provider_id)
+    assert script.startswith("#!/bin/bash") and PASSWORD not in script
+    assert "auth_param basic program" in script and "http_port 3128" in script
+
+    waiting = provider.get(created.provider_id)
+    assert waiting.state is InstanceState.PROVISIONING
+    assert "waiting for its user data to start Squid (booting)" in waiting.reason
+    fake_ec2.report(created.provider_id, "installing")
+    assert "(installing)" in provider.get(created.provider_id).reason
+
+    fake_ec2.report(created.provider_id, "ready")
+    ready = provider.get(created.provider_id)
+
+    assert ready.state is InstanceState.RUNNING
+    assert ready.ip == ec2.public_ip and ready.endpoint == f"{ec2.public_ip}:3128"
+    assert ready.exit_address == ec2.public_ip  # requests leave from the public IP
+    assert waiting.exit_address == ec2.public_ip  # known before Squid is ready
+
+    provider.delete(created.provider_id)
+    assert fake_ec2.instance(created.provider_id).state == "terminated"
+    provider.delete(created.provider_id)  # already gone: success
+    with pytest.raises(NotFound, match="is terminated"):
+        provider.get(created.provider_id)  # listed for an hour, but gone for good
+    assert provider.list_by_tag(INSTALLATION_KEY, INSTALLATION) == []
+
+
+def test_a_failure_the_user_data_reports_ends_the_instance_with_its_reason(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    created = provider.create(make_request())
+    fake_ec2.console_write(created.provider_id, "[   12.3] cloud-init[612]: noise\x1b[0m")
+    fake_ec2.report(created.provider_id, "failed: apt-get could not install squid in 5 attempts")
+
+    ended = provider.get(created.provider_id)
+
+    assert ended.state is InstanceState.TERMINATED and ended.ip == ""
+    assert ended.reason == "user data failed: apt-get could not install squid in 5 attempts"
+
+
+def test_a_slow_boot_stays_provisioning_until_its_report() -> None:
+    with FakeEc2(ready_after_polls=3) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())  # pending: the console is not asked
+        states = [provider.get(created.provider_id).state for _ in range(4)]
+
+    assert created.state is InstanceState.PROVISIONING
+    assert states == [InstanceState.PROVISIONING] * 3 + [InstanceState.RUNNING]
+
+
+def test_the_user_data_is_valid_bash_and_reports_on_the_console(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2)
+    created = provider.create(make_request())
+    script = fake_ec2.user_data(created.provider_id)
+    bash = shutil.which("bash") or "/bin/bash"
+
+    subprocess.run([bash, "-n"], input=script, text=True, check=True)
+
+    assert f'echo "{STATE_MARKER} $1" > /dev/console' in script
+    assert "@" + "READY@" not in script  # every placeholder filled
+
+
+# -- ownership: delete and adopt -----------------------------------------------------
+
+
+def launch_by_hand(fake: FakeEc2, tags: dict[str, str], name: str) -> str:
+    """An instance somebody made without this provider, carrying `tags` and `name`."""
+    client = fake.client()
+    answer = client.run_instances(
+        ImageId=NEWEST_DEBIAN_12,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="t3.micro",
+        TagSpecifications=[
+            {
+                "ResourceType": "instance",
+                "Tags": [{"Key": k, "Value": v} for k, v in {**tags, NAME_TAG: name}.items()],
+            }
+        ],
+    )
+    instance_id: str = answer["Instances"][0]["InstanceId"]
+    return instance_id
+
+
+def test_delete_refuses_an_instance_of_another_installation(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    theirs = launch_by_hand(fake_ec2, owner_tags("other", "x", 1), "proxy-theirs")
+    by_hand = launch_by_hand(fake_ec2, {"team": "web"}, "web-1")
+
+    for instance_id in (theirs, by_hand):
+        with pytest.raises(Permanent, match="refused, not managed by this installation"):
+            provider.delete(instance_id)
+
+    assert {i.state for i in fake_ec2.instances()} == {"running"}
+
+
+def test_create_adopts_its_own_instance_and_refuses_somebody_elses_of_that_name(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    req = make_request()
+    first = provider.create(req)
+
+    again = provider.create(req)  # a retried create
+
+    assert again.provider_id == first.provider_id and len(live(fake_ec2)) == 1
+    assert len(fake_ec2.calls("RunInstances")) == 1
+
+    other = make_request("another-owner")
+    launch_by_hand(fake_ec2, owner_tags(INSTALLATION, "x", 1), other.name)
+    with pytest.raises(Permanent, match=r"exists \(i-[0-9a-f]+\) and is not this proxy's"):
+        provider.create(other)
+
+
+def test_a_client_token_launches_once(fake_ec2: FakeEc2) -> None:
+    """EC2's idempotency as the fake models it: same token, same answer."""
+    client = fake_ec2.client()
+    params: dict[str, Any] = {
+        "ImageId": NEWEST_DEBIAN_12,
+        "MinCount": 1,
+        "MaxCount": 1,
+        "ClientToken": "proxy-abc",
+    }
+    first = client.run_instances(**params)["Instances"][0]["InstanceId"]
+    second = client.run_instances(**params)["Instances"][0]["InstanceId"]
+    assert first == second and len(fake_ec2.instances()) == 1
+    with pytest.raises(client.exceptions.ClientError, match="IdempotentParameterMismatch"):
+        client.run_instances(**{**params, "InstanceType": "t3.large"})
+
+
+def test_a_create_whose_token_already_launched_elsewhere_adopts_that_instance(
+    fake_ec2: FakeEc2,
+) -> None:
+    """An earlier attempt launched with the token, but is not found by name (yet).
+
+    RunInstances with the same token and other parameters (another subnet)
+    answers IdempotentParameterMismatch; the instance the token made is
+    looked up by token and adopted, never launched twice.
+    """
+    provider = make_provider(fake_ec2)
+    req = make_request()
+    client = fake_ec2.client()
+    client.run_instances(
+        ImageId=NEWEST_DEBIAN_12,
+        MinCount=1,
+        MaxCount=1,
+        ClientToken=req.name,
+        SubnetId=subnet_ids(fake_ec2, 2)[1],
+        TagSpecifications=[
+            {
+                "ResourceType": "instance",
+                "Tags": [{"Key": k, "Value": v} for k, v in req.tags.items()],
+            }
+        ],
+    )
+    [earlier] = fake_ec2.instances()
+
+    adopted = provider.create(req)
+
+    assert adopted.provider_id == earlier.id and len(fake_ec2.instances()) == 1
+
+
+# -- placement: subnets and zones ----------------------------------------------------
+
+
+def test_instances_spread_over_the_subnets_and_a_full_zone_falls_back(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, subnets=2)
+    (subnet_a, zone_a), (subnet_b, zone_b) = fake_ec2.subnets()[:2]
+
+    made = [provider.create(make_request(f"owner-{i}")) for i in range(8)]
+
+    zones = {fake_ec2.instance(i.provider_id).placement.zone for i in made}
+    assert zones == {zone_a, zone_b}
+
+    fake_ec2.inject_error("RunInstances", "capacity", subnet=subnet_a, times=None)
+    landed = [provider.create(make_request(f"later-{i}")) for i in range(4)]
+    assert {fake_ec2.instance(i.provider_id).subnet_id for i in landed} == {subnet_b}
+
+    pinned = make_request("pinned", subnet=subnet_a)
+    with pytest.raises(QuotaExceeded, match="InsufficientInstanceCapacity"):
+        provider.create(pinned)  # pinned to the full zone: no fallback
+
+
+def test_placement_outside_the_configured_subnets_is_refused(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2)
+    stranger = fake_ec2.subnets()[2][0]
+    with pytest.raises(
+        Permanent, match=r"placement\.subnet: 'subnet-[0-9a-f]+' is not one of this provider"
+    ):
+        provider.create(make_request(subnet=stranger))
+    assert fake_ec2.calls("RunInstances") == []
+
+
+# -- spot ----------------------------------------------------------------------------
+
+
+def test_a_spot_interruption_ends_the_instance_as_lost(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot", max_price="0.0050")
+    created = provider.create(make_request())
+    assert run_param(fake_ec2, "InstanceMarketOptions.MarketType") == "spot"
+    assert run_param(fake_ec2, "InstanceMarketOptions.SpotOptions.MaxPrice") == "0.0050"
+    assert fake_ec2.instance(created.provider_id).lifecycle == "spot"
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+    fake_ec2.interrupt_spot(created.provider_id, state="shutting-down")
+
+    lost = provider.get(created.provider_id)
+    assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
+    assert lost.exit_address is None
+    assert lost.reason.startswith("spot interruption: Server.SpotInstanceTermination")
+
+    fake_ec2.interrupt_spot(created.provider_id, state="terminated")
+    with pytest.raises(NotFound, match="terminated: spot interruption"):
+        provider.get(created.provider_id)
+
+
+def test_only_a_spot_instance_is_interrupted(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
+    created = provider.create(make_request())
+    with pytest.raises(ValueError, match="not a spot instance"):
+        fake_ec2.interrupt_spot(created.provider_id)
+
+
+# -- the security group ----------------------------------------------------------------
+
+
+def group_of(fake: FakeEc2) -> dict[str, Any]:
+    [group] = fake.client().describe_security_groups(
+        Filters=[{"Name": "group-name", "Values": [group_name(INSTALLATION)]}]
+    )["SecurityGroups"]
+    return dict(group)
+
+
+def ingress(group: dict[str, Any]) -> set[tuple[str, int, str]]:
+    return {
+        (p["IpProtocol"], p.get("FromPort", -1), r.get("CidrIp") or r.get("CidrIpv6"))
+        for p in group["IpPermissions"]
+        for r in [*p.get("IpRanges", []), *p.get("Ipv6Ranges", [])]
+    }
+
+
+ANYONE = "0.0.0.0/0"
+
+
+def test_the_security_group_admits_the_proxy_ports_from_allowed_cidrs_only(
+    fake_ec2: FakeEc2,
+) -> None:
+    created = make_provider(fake_ec2).create(make_request(port=3128))
+    group = group_of(fake_ec2)
+    [reservation] = fake_ec2.client().describe_instances(InstanceIds=[created.provider_id])[
+        "Reservations"
+    ]
+    [interface] = reservation["Instances"][0]["NetworkInterfaces"]
+    assert [g["GroupId"] for g in interface["Groups"]] == [group["GroupId"]]
+    assert ingress(group) == {("tcp", 3128, cidr) for cidr in CIDRS}
+    fake_ec2.open_by_hand(group_name(INSTALLATION), 22, ANYONE)
+
+    make_provider(fake_ec2).create(make_request("second", port=8080))  # a new provider object
+
+    # The widened rule is put back; the first proxy's port stays open.
+    assert ingress(group_of(fake_ec2)) == {("tcp", p, c) for p in (3128, 8080) for c in CIDRS}
+
+
+def test_a_security_group_of_that_name_that_is_not_ours_is_refused(fake_ec2: FakeEc2) -> None:
+    vpc = fake_ec2.client().describe_subnets(SubnetIds=subnet_ids(fake_ec2, 1))["Subnets"][0]
+    fake_ec2.client().create_security_group(
+        GroupName=group_name(INSTALLATION), Description="web servers", VpcId=vpc["VpcId"]
+    )
+    with pytest.raises(Permanent, match="is not this installation's"):
+        make_provider(fake_ec2).create(make_request())
+    assert fake_ec2.calls("RunInstances") == []
+
+
+# -- listing ---------------------------------------------------------------------------
+
+
+def test_list_by_tag_matches_exactly_not_as_a_wildcard(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    ours = provider.create(make_request("crawler-1"))
+    provider.create(make_request("crawler-2"))
+
+    assert [i.provider_id for i in provider.list_by_tag(OWNER_KEY, "crawler-1")] == [
+        ours.provider_id
+    ]
+    assert provider.list_by_tag(OWNER_KEY, "crawler-*") == []  # EC2 filters take wildcards
+    assert len(provider.list_by_tag(INSTALLATION_KEY, INSTALLATION)) == 2
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "kind", "expected"),
+    [
+        ("RunInstances", "capacity", QuotaExceeded),
+        ("RunInstances", "instance_limit", QuotaExceeded),
+        ("RunInstances", "vcpu_limit", QuotaExceeded),
+        ("RunInstances", "throttled", Transient),
+        ("RunInstances", "unauthorized", Permanent),
+        ("RunInstances", "auth_failure", Permanent),
+        ("RunInstances", "internal", Transient),
+        ("DescribeInstances", "throttled", Transient),
+        ("CreateSecurityGroup", "unauthorized", Permanent),
+    ],
+)
+def test_ec2_errors_map_onto_the_taxonomy(
+    fake_ec2: FakeEc2,
+    provider: AwsProvider,
+    action: str,
+    kind: str,
+    expected: type[ProviderError],
+) -> None:
+    fake_ec2.inject_error(action, kind)
+
+    with pytest.raises(expected) as caught:
+        provider.create(make_request())
+
+    assert type(caught.value) is expected
+    assert caught.value.cause is not None  # the SDK's error is kept
+
+
+def test_errors_of_get_and_delete(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
+    with pytest.raises(NotFound):
+        provider.get("i-0123456789abcdef0")
+    provider.delete("i-0123456789abcdef0")  # gone already: success
+    with pytest.raises(Permanent, match="malformed AWS provider_id"):
+        provider.get("i-../../x")
+    created = provider.create(make_request())
+    fake_ec2.inject_error("GetConsoleOutput", "throttled")
+    with pytest.raises(Transient, match="RequestLimitExceeded"):
+        provider.get(created.provider_id)
+    fake_ec2.inject_error("TerminateInstances", "unauthorized")
+    with pytest.raises(Permanent, match="UnauthorizedOperation"):
+        provider.delete(created.provider_id)
+
+
+def test_a_create_with_tags_ec2_would_refuse_fails_naming_the_tag(provider: AwsProvider) -> None:
+    req = make_request(labels={"note": "x" * 300})
+    with pytest.raises(Permanent, match="tag 'label/note': value longer than 256"):
+        provider.create(req)
+    foreign = make_request(installation="other")
+    with pytest.raises(Permanent, match=f"tag {INSTALLATION_KEY} must be 'prod-eu'"):
+        provider.create(foreign)
+
+
+def test_no_credentials_is_permanent(fake_ec2: FakeEc2) -> None:
+    """The suite hides every credential (tests/conftest.py): what a worker without any sees."""
+    bare = boto3.session.Session(region_name=REGION).client("ec2", endpoint_url=fake_ec2.url)
+    settings = AwsConfig(region=REGION, subnets=subnet_ids(fake_ec2, 1))
+    provider = AwsProvider(settings, INSTALLATION, ec2=bare)
+    with pytest.raises(Permanent, match="AWS credentials: Unable to locate credentials"):
+        provider.create(make_request())
+
+
+def test_subnets_in_two_vpcs_are_refused(fake_ec2: FakeEc2) -> None:
+    client = fake_ec2.client()
+    vpc = client.create_vpc(CidrBlock="10.77.0.0/16")["Vpc"]["VpcId"]
+    elsewhere = client.create_subnet(VpcId=vpc, CidrBlock="10.77.1.0/24")["Subnet"]["SubnetId"]
+    settings = AwsConfig(region=REGION, subnets=[*subnet_ids(fake_ec2, 1), elsewhere])
+    provider = AwsProvider(settings, INSTALLATION, ec2=client)
+    with pytest.raises(Permanent, match="the subnets must be in one VPC"):
+        provider.create(make_request())
+    assert fake_ec2.calls("RunInstances") == []
+
+
+def test_no_image_of_that_name_is_a_config_error(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, image_name="debian-13-amd64-*")
+    with pytest.raises(Permanent, match=r"aws\.image_name: no available image"):
+        provider.create(make_request())
+    fixed = make_provider(fake_ec2, image_id=next(iter(DEBIAN_IMAGES)))
+    assert fake_ec2.instance(fixed.create(make_request()).provider_id).image_id == next(
+        iter(DEBIAN_IMAGES)
+    )
+
+
+# -- config --------------------------------------------------------------------------
+
+
+def aws_config(block: dict[str, Any], cidrs: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "installation": INSTALLATION,
+        "proxy": {"auth": {"password_env": "PW"}, "allowed_cidrs": cidrs or ["192.0.2.0/24"]},
+        "providers": [{"name": "ec2", "type": "aws", "aws": block}],
+    }
+
+
+GOOD = {"region": "eu-west-1", "subnets": ["subnet-0123456789abcdef0"]}
+SPOT = {**GOOD, "market": "spot"}
+
+
+@pytest.mark.parametrize(
+    ("block", "cidrs", "problem"),
+    [
+        ({**GOOD, "max_price": "0.01"}, None, "max_price: only for market: spot"),
+        ({**GOOD, "market": "spot", "max_price": "cheap"}, None, "aws.max_price: 'cheap' is not"),
+        (
+            {**GOOD, "market": "spot", "max_price": "-1"},
+            None,
+            "aws.max_price: '-1' is not a positive",
+        ),
+        (
+            {**GOOD, "market": "spot", "max_price": "NaN"},
+            None,
+            "aws.max_price: 'NaN' is not a positive",
+        ),
+        ({**GOOD, "market": "reserved"}, None, "aws.market: input should be 'on-demand' or 'spot'"),
+        ({**GOOD, "subnets": []}, None, "aws.subnets: list should have at least 1 item"),
+        ({**GOOD, "subnets": ["sg-1"]}, None, "aws.subnets[0]: string should match pattern"),
+        ({**GOOD, "subnets": ["subnet-01234567"] * 2}, None, "aws.subnets: listed more than once"),
+        ({**GOOD, "region": "Europe"}, None, "aws.region: string should match pattern"),
+        ({**GOOD, "image_id": "ami-x"}, None, "aws.image_id: string should match pattern"),
+        ({"region": "eu-west-1"}, None, "aws.subnets: field required"),
+        (GOOD, ["2001:db8::/32"], "proxy.allowed_cidrs: no IPv4 range, but providers[0] (ec2)"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_field(
+    block: dict[str, Any], cidrs: list[str] | None, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(aws_config(block, cidrs), environ={"PW": PASSWORD})
+    assert any(problem in p for p in caught.value.problems), caught.value.problems
+
+
+def test_a_good_config_builds_a_provider_on_the_default_chain() -> None:
+    config = parse_config(
+        aws_config({**GOOD, "market": "spot", "max_price": "0.0042"}), environ={"PW": PASSWORD}
+    )
+    settings = config.provider("ec2").settings
+    assert isinstance(settings, AwsConfig) and settings.max_price == "0.0042"
+    provider = PROVIDER_TYPE.build(config.provider("ec2"), config)
+    assert isinstance(provider, AwsProvider)
+    assert settings.placement_problems({"subnet": "subnet-0123456789abcdef0"}) == []
