@@ -23,6 +23,8 @@ class InstanceRef:
     ip: str = ""
     port: int = 0
     created_at: str = ""
+    # The address its traffic leaves from, as the provider knows it ("" unknown).
+    exit_address: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -146,6 +148,8 @@ class VerifyEndpointInput:
     provider: str
     owner_id: str
     endpoint: str
+    # The pool's `exit_echo_url`: asked through the proxy once it is confirmed.
+    echo_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,8 @@ class EndpointCheck:
 
     verified: bool
     problem: str = ""
+    # Where the member's traffic leaves from: what the echo service saw when
+    # the pool names one and it answered, else what the provider says ("" unknown).
+    exit_address: str = ""
+    # Why the echo service gave no address (the provider's is kept meanwhile).
+    exit_problem: str = ""

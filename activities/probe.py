@@ -66,7 +66,9 @@ class ProbeResult:
     total_ms: float | None = None
 
 
-class _ProbeFailed(Exception):
+class ProbeFailed(Exception):
+    """A probe step failed: `failure` classifies it, `error` says what happened."""
+
     def __init__(self, failure: str, error: str) -> None:
         super().__init__(error)
         self.failure = failure
@@ -106,29 +108,29 @@ async def probe_connect(
         return (time.monotonic() - since) * 1000
 
     try:
-        host, port, path = _parse_target(target_url)
+        host, port, path = parse_https_target(target_url)
         async with asyncio.timeout(timeout):
             try:
                 reader, writer = await asyncio.open_connection(
                     proxy_host, proxy_port, limit=MAX_HEAD_BYTES
                 )
             except ConnectionRefusedError:
-                raise _ProbeFailed(
+                raise ProbeFailed(
                     REFUSED, f"{proxy_host}:{proxy_port} refused the connection"
                 ) from None
             timings["connect_ms"] = elapsed_ms(start)
 
             sent = time.monotonic()
             credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
-            authority = _authority(host, port)
+            authority = host_port(host, port)
             writer.write(
                 f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
                 f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
             )
-            status_code = await _read_status(reader, "proxy")
+            status_code = await read_status(reader, "proxy")
             timings["connect_reply_ms"] = elapsed_ms(sent)
             if status_code != 200:
-                raise _ProbeFailed(
+                raise ProbeFailed(
                     _classify_proxy_status(status_code),
                     f"proxy answered CONNECT {authority} with {status_code}",
                 )
@@ -137,15 +139,15 @@ async def probe_connect(
             try:
                 await writer.start_tls(ssl_context or _default_ssl_context(), server_hostname=host)
             except (ssl.SSLError, ConnectionError) as exc:
-                raise _ProbeFailed(TLS_ERROR, f"TLS with {authority}: {_reason(exc)}") from exc
+                raise ProbeFailed(TLS_ERROR, f"TLS with {authority}: {_reason(exc)}") from exc
             timings["tls_ms"] = elapsed_ms(handshake)
 
             writer.write(
                 f"HEAD {path} HTTP/1.1\r\nHost: {authority}\r\n"
                 "User-Agent: proxy-operator-probe\r\nConnection: close\r\n\r\n".encode()
             )
-            await _read_status(reader, "origin")
-    except _ProbeFailed as failed:
+            await read_status(reader, "origin")
+    except ProbeFailed as failed:
         return _result(start, timings, failed.failure, failed.error, status_code)
     except TimeoutError:
         error = f"{_pending_stage(timings)} took over {timeout:g} s"
@@ -174,37 +176,39 @@ def _pending_stage(timings: dict[str, float]) -> str:
     return "the origin's response"
 
 
-def _parse_target(target_url: str) -> tuple[str, int, str]:
+def parse_https_target(target_url: str) -> tuple[str, int, str]:
+    """Host, port and path of an https:// URL; ProbeFailed if it is not one."""
     parts = urlsplit(target_url)
     try:
         port = parts.port or 443
     except ValueError:
         port = 0
     if parts.scheme != "https" or not parts.hostname or not port:
-        raise _ProbeFailed(OTHER, f"target {target_url!r} is not an https:// URL with a host")
+        raise ProbeFailed(OTHER, f"target {target_url!r} is not an https:// URL with a host")
     path = parts.path or "/"
     if parts.query:
         path += f"?{parts.query}"
     return parts.hostname, port, path
 
 
-def _authority(host: str, port: int) -> str:
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a CONNECT names it (an IPv6 host in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _read_status(reader: asyncio.StreamReader, peer: str) -> int:
+async def read_status(reader: asyncio.StreamReader, peer: str) -> int:
     """Read a response head and return its status code."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as exc:
-        raise _ProbeFailed(OTHER, f"{peer} closed the connection before answering") from exc
+        raise ProbeFailed(OTHER, f"{peer} closed the connection before answering") from exc
     except asyncio.LimitOverrunError as exc:
-        raise _ProbeFailed(OTHER, f"{peer} sent an oversized response head") from exc
+        raise ProbeFailed(OTHER, f"{peer} sent an oversized response head") from exc
     status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
     version, _, rest = status_line.partition(" ")
     code = rest[:3]
     if not version.startswith("HTTP/") or not code.isdigit():
-        raise _ProbeFailed(OTHER, f"{peer} sent no HTTP status line: {status_line[:80]!r}")
+        raise ProbeFailed(OTHER, f"{peer} sent no HTTP status line: {status_line[:80]!r}")
     return int(code)
 
 

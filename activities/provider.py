@@ -24,6 +24,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
+from activities.exit_echo import EchoFailed, observe_exit
 from activities.metrics import PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
@@ -362,7 +363,7 @@ class ProviderActivities:
                 and instance.state is InstanceState.RUNNING
                 and (instance.endpoint == inp.endpoint)
             ):
-                return EndpointCheck(verified=True)
+                return await self._exit_check(instance, inp.echo_url)
         return EndpointCheck(
             verified=False,
             problem=(
@@ -370,6 +371,24 @@ class ProviderActivities:
                 f"at {inp.endpoint[:100]!r}"
             ),
         )
+
+    async def _exit_check(self, instance: Instance, echo_url: str) -> EndpointCheck:
+        """A confirmed endpoint and its exit: as the echo service saw it, else the provider's."""
+        known = instance.exit_address or ""
+        if not echo_url:
+            return EndpointCheck(verified=True, exit_address=known)
+        try:
+            seen = await observe_exit(
+                instance.ip,
+                instance.port,
+                self._config.proxy.auth.username,
+                self._config.proxy_settings().password,
+                echo_url,
+                ssl_context=self._ssl,
+            )
+        except EchoFailed as err:
+            return EndpointCheck(verified=True, exit_address=known, exit_problem=str(err)[:200])
+        return EndpointCheck(verified=True, exit_address=seen)
 
     @activity.defn(name="delete_instance")
     async def delete_instance(self, inp: InstanceInput) -> None:
@@ -502,6 +521,7 @@ def _ref(provider: str, generation: int, instance: Instance) -> InstanceRef:
         ip=instance.ip,
         port=instance.port,
         created_at=instance.created_at.isoformat(),
+        exit_address=instance.exit_address or "",
     )
 
 

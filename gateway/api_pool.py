@@ -112,9 +112,8 @@ class PoolControl:
                     "zone": zone_of(placement),
                     "region": region_of(placement),
                     "provider": str(entry.get("provider", "")),
-                    # The address a member's traffic leaves from: the pool does not
-                    # record one (a member's endpoint is where clients reach it).
-                    "exit_address": None,
+                    # Where the member's traffic leaves from, as the pool confirmed it.
+                    "exit_address": _text_or_none(entry.get("exit_address")),
                     "age_seconds": _age(entry.get("ready_since"), now),
                     "sessions": sessions.get(member, []),
                 }
@@ -177,3 +176,8 @@ class PoolControl:
             ) from None
         log.info("ban of %s forwarded to the pool (%s)", member, reason[:MAX_LOGGED_REASON])
         return member
+
+
+def _text_or_none(value: Any) -> str | None:
+    """A string field of the pool's answer, or None when absent or not a string."""
+    return value if isinstance(value, str) and value else None

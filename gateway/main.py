@@ -218,7 +218,7 @@ async def serve(
         for back in squid.backs:
             follower.follow(back.access_log, on_back_line)
         follower.start()
-        metrics.MEMBERS.set(len(members))
+        metrics.set_members(members)
         health = Health()
         if args.metrics_address:
             serve_metrics(args.metrics_address, health)
@@ -265,7 +265,7 @@ async def _run(
             log.error("reload failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
-        metrics.MEMBERS.set(len(new))
+        metrics.set_members(new)
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
 

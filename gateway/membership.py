@@ -17,6 +17,7 @@ release, answers a describe: nothing in the pool had to change for this.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -61,7 +62,7 @@ def parse_endpoints(raw: Any) -> list[GatewayMember]:
         if not isinstance(member, str) or not member or parsed is None:
             log.warning("ignoring endpoints entry %r: needs a member id and host:port", entry)
             continue
-        provider = entry.get("provider")
+        provider, exit_address = entry.get("provider"), entry.get("exit_address")
         members.append(
             GatewayMember(
                 member,
@@ -69,9 +70,18 @@ def parse_endpoints(raw: Any) -> list[GatewayMember]:
                 zone=zone_of(entry.get("placement")),
                 region=region_of(entry.get("placement")),
                 provider=provider if isinstance(provider, str) and provider else None,
+                exit_address=_address_or_none(exit_address),
             )
         )
     return sorted(set(members), key=lambda m: m.member)
+
+
+def _address_or_none(value: Any) -> str | None:
+    """An entry's exit address if it is one IP address (it only labels a metric)."""
+    try:
+        return str(ipaddress.ip_address(value)) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int] | None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from providers.squid import Route, peer_name
+from providers.squid import GatewayMember, Route, peer_name
 
 REQUESTS = Counter(
     "proxy_operator_gateway_requests",
@@ -45,6 +45,27 @@ RELOADS = Counter(
     ["outcome"],
 )
 MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation")
+MEMBER_EXITS = Gauge(
+    "proxy_operator_gateway_member_exit_info",
+    "1 per member in rotation and the exit address its pool confirmed (unknown: not listed)",
+    ["member", "exit_address"],
+)
+DISTINCT_EXITS = Gauge(
+    "proxy_operator_gateway_distinct_exits",
+    "Different exit addresses among the members in rotation (unknown ones not counted)",
+)
+
+
+def set_members(members: Sequence[GatewayMember]) -> None:
+    """The member gauges: how many, and where each one's traffic leaves from."""
+    MEMBERS.set(len(members))
+    MEMBER_EXITS.clear()
+    for member in members:
+        if member.exit_address:
+            MEMBER_EXITS.labels(member.member, member.exit_address).set(1)
+    DISTINCT_EXITS.set(len({m.exit_address for m in members if m.exit_address}))
+
+
 MEMBERSHIP_ERRORS = Counter(
     "proxy_operator_gateway_membership_errors",
     "Polls of the pool's endpoints query that failed (the members in rotation stay)",

@@ -281,6 +281,8 @@ class GatewayMember:
     zone: str | None = None
     region: str | None = None
     provider: str | None = None
+    # Where its traffic leaves from, as the pool confirmed it (metrics only).
+    exit_address: str | None = None
 
     def attribute(self, name: str) -> str | None:
         """Its value for routing filter `name` (one of FILTERS)."""

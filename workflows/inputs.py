@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from temporalio import workflow
 from temporalio.converter import value_to_type
 
@@ -39,23 +39,26 @@ class StrictInput(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
+def _https_url(target: str) -> str:
+    parts = urlsplit(target)
+    if parts.scheme != "https" or not parts.hostname:
+        raise ValueError("must be an https:// URL with a host")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ValueError("has an invalid port") from None
+    return target
+
+
+# Where a probe or an exit check goes through a proxy: always a CONNECT tunnel.
+HttpsUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH), AfterValidator(_https_url)]
+
+
 class HealthInput(StrictInput):
-    target: Annotated[str, Field(max_length=MAX_URL_LENGTH)] = DEFAULT_HEALTH_TARGET
+    target: HttpsUrl = DEFAULT_HEALTH_TARGET
     interval_seconds: Annotated[Seconds, Field(ge=1, le=3600)] = 10
     failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
     timeout_seconds: Annotated[Seconds, Field(ge=0.5, le=60)] = 5
-
-    @field_validator("target")
-    @classmethod
-    def _https_url(cls, target: str) -> str:
-        parts = urlsplit(target)
-        if parts.scheme != "https" or not parts.hostname:
-            raise ValueError("must be an https:// URL with a host")
-        try:
-            _ = parts.port
-        except ValueError:
-            raise ValueError("has an invalid port") from None
-        return target
 
 
 class PlacementInput(StrictInput):

@@ -36,6 +36,8 @@ class ProxyStatus:
     terminate_reason: str | None = None
     # When last_error happened: an error older than ready_since is history.
     last_error_at: str | None = None
+    # Where the instance's traffic leaves from, as its provider knows it.
+    exit_address: str | None = None
 
 
 @dataclass
@@ -127,6 +129,7 @@ def status_of(
         last_error=carried.last_error,
         terminate_reason=terminate_reason,
         last_error_at=carried.last_error_at,
+        exit_address=(shown.exit_address or None) if shown else None,
     )
 
 

@@ -137,6 +137,8 @@ class MemberStatus:
     last_error: str | None
     # A reported endpoint its provider has not confirmed (yet): checking, or refused.
     unconfirmed_endpoint: str | None = None
+    # Where its traffic leaves from, once its endpoint is confirmed (None: unknown).
+    exit_address: str | None = None
 
 
 @dataclass
@@ -165,6 +167,10 @@ class PoolStatus:
     last_rejected: str | None = None
     # Fixed or autoscaled, why this size, demand, member-hours.
     scaling: pool_autoscale.ScalingStatus | None = None
+    # Different exit addresses among the serving members (unknown ones not counted).
+    distinct_exits: int = 0
+    # Why the last exit check through the echo service gave no address.
+    last_exit_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,8 @@ class PoolEndpoint:
     endpoint: str
     provider: str
     placement: dict[str, str]
+    # Where its traffic leaves from (None: unknown); gateways route by `endpoint` only.
+    exit_address: str | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,8 @@ class ProxyPool:
         self._verifying: set[str] = set()
         self._rejected_reports = 0
         self._last_rejected: str | None = None
+        # Not carried: the next run's checks say it again if it still holds.
+        self._last_exit_problem: str | None = None
         self._applied_updates: dict[str, dict[str, Any]] = {}
         self._published: tuple[str, str] | None = None
         # An autoscaled pool's books, and why it has its size now.
@@ -333,13 +343,16 @@ class ProxyPool:
                 self._usage,
                 workflow.now(),
             ),
+            distinct_exits=pool_plan.distinct_exits(situation.members),
+            last_exit_problem=self._last_exit_problem,
         )
 
     @workflow.query(name="endpoints")
     def endpoints(self) -> list[PoolEndpoint]:
         """Ready members a client may use now: not banned, not being removed."""
         return [
-            PoolEndpoint(m.member, m.verified, m.provider, m.placement) for m in self._serving()
+            PoolEndpoint(m.member, m.verified, m.provider, m.placement, m.exit_address or None)
+            for m in self._serving()
         ]
 
     @workflow.update(name="scale")
@@ -673,7 +686,7 @@ class ProxyPool:
         try:
             check: EndpointCheck = await workflow.execute_activity_method(
                 ProviderActivities.verify_endpoint,
-                VerifyEndpointInput(member.provider, member.member, claimed),
+                VerifyEndpointInput(member.provider, member.member, claimed, self._echo_url()),
                 summary=f"verify {member.member} at {claimed}",
                 start_to_close_timeout=policies.VERIFY.start_to_close,
                 schedule_to_close_timeout=policies.VERIFY.schedule_to_close,
@@ -699,9 +712,15 @@ class ProxyPool:
             return  # overtaken by a later report, which has a check of its own
         self._unverified.discard(member.member)
         if check.verified:
-            current.verified = claimed
+            current.verified, current.exit_address = claimed, check.exit_address
+            if check.exit_problem:
+                self._last_exit_problem = f"{member.member}: {check.exit_problem}"
         else:
             self._reject(check.problem)
+
+    def _echo_url(self) -> str:
+        """Where the exit check asks, "" for none (activities/exit_echo.py)."""
+        return (self._inp.exit_echo_url if self._inp is not None else None) or ""
 
     def _reject(self, problem: str) -> None:
         """Count a refused member report, keep the latest reason, and log it."""
@@ -960,6 +979,7 @@ class ProxyPool:
             last_rotation=m.last_rotation,
             last_error=m.last_error,
             unconfirmed_endpoint=m.endpoint if m.endpoint != m.verified else None,
+            exit_address=m.exit_address or None,
         )
 
     def _publish(self, state: PoolState | None = None) -> None:

@@ -41,7 +41,7 @@ SCHEMA = 2
 # Bytes (as JSON) all carried texts may take together: with the rows of
 # 1,000 members at their largest, the payload stays under Temporal's 512 KiB
 # warning.
-TEXT_BUDGET = 128 * 1024
+TEXT_BUDGET = 80 * 1024
 # A text is never cut below this, however many there are.
 MIN_TEXT = 16
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -152,6 +152,7 @@ _ROW = (
     "verified",
     "member",
     "lifetime",
+    "exit_address",
 )
 _PHASES = {
     MemberPhase.ACTIVE: "a",
@@ -196,6 +197,7 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
                 names.ref(m.verified),
                 None if derived_id else names.ref(m.member),
                 _lifetime_column(m, lifetimes),
+                names.ref(m.exit_address),
             ]
         )
     prefix = f"{pool_id}/"
@@ -279,6 +281,7 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
                 banned=text(c["banned"]),
                 served=bool(c["served"]),
                 last_rotation=text(c["last_rotation"]),
+                exit_address=names[c["exit_address"]],
             )
         )
     prefix = f"{pool_id}/"

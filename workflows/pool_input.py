@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from workflows.inputs import PlacementInput, ProxyInput, StrictInput
+from workflows.inputs import HttpsUrl, PlacementInput, ProxyInput, StrictInput
 
 MAX_REPLICAS = 1000
 # Pool ids end up in member ids (`<pool id>/<n>`) and in visibility queries:
@@ -80,6 +80,12 @@ class PoolInput(StrictInput):
     failure_budget: Annotated[int, Field(ge=1, le=100)] = 3
     bans: BanLimit = BanLimit()
     autoscale: Autoscale | None = None
+    # An https service that answers with the caller's address: asked through
+    # each member once its endpoint is confirmed (activities/exit_echo.py).
+    exit_echo_url: HttpsUrl | None = None
+    # A member whose exit address another member already uses is replaced
+    # (once in a row: a NAT shared by every instance would replace for ever).
+    distinct_exits: bool = False
 
     @model_validator(mode="after")
     def _replicas_within_bounds(self) -> PoolInput:

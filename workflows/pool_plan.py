@@ -51,6 +51,8 @@ START_BATCH = 50
 ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
 SCALED_DOWN = "scaled down"
 MAX_LIFETIME = "max lifetime"
+# The reason of a rotation for an exit another member uses (and how one is recognised).
+SHARED_EXIT = "exit shared:"
 
 
 class MemberPhase(StrEnum):
@@ -106,6 +108,9 @@ class Member:
     served: bool = False
     # The last rotation that ended: why, the generations, and when.
     last_rotation: str | None = None
+    # Where its confirmed instance's traffic leaves from ("" unknown): the
+    # pool's own check (activities/exit_echo.py) or the provider's word.
+    exit_address: str = ""
 
     def take(self, report: MemberReport) -> bool:
         """Apply the member's own report; True when it is its first Ready."""
@@ -116,7 +121,7 @@ class Member:
         self.ready_since = report.ready_since
         self.last_error = report.last_error
         if report.state != ProxyState.READY:
-            self.verified = ""  # its instance may be gone: nothing to route to
+            self.verified = self.exit_address = ""  # its instance may be gone
             return False
         first = not self.served
         self.served = True
@@ -129,7 +134,7 @@ class Member:
             if self.banned is not None:
                 # The banned instance must not come back while the new one
                 # is checked: out of `endpoints` until then.
-                self.verified = ""
+                self.verified = self.exit_address = ""
             self.banned = None
         return first
 
@@ -250,6 +255,8 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         due = rotate_at(member)
         if due is not None and due <= now:
             member.queue(MAX_LIFETIME)
+    if inp.distinct_exits:
+        _queue_shared_exits(members)
     removals = _scale_down(members, situation.replicas, drain_seconds(inp))
     starts: list[Start] = []
     start_after = situation.start_after
@@ -379,6 +386,27 @@ def _rotate(members: list[Member], replicas: int, max_surge: int) -> list[Rotati
         member.start_rotation()
         rotations.append(Rotation(member.member, member.reason or "rotate"))
     return rotations
+
+
+def _queue_shared_exits(members: list[Member]) -> None:
+    """Queue a rotation of every serving member whose exit an older one uses already.
+
+    Once in a row per member: a member whose last rotation was for a shared
+    exit keeps the exit it got (all instances behind one NAT would otherwise
+    be replaced for ever); `status` counts the distinct exits either way.
+    """
+    first_user: dict[str, Member] = {}
+    for member in sorted(_live(members), key=lambda m: m.index):
+        if not member.exit_address or not is_serving(member):
+            continue
+        older = first_user.setdefault(member.exit_address, member)
+        if older is not member and not (member.last_rotation or "").startswith(SHARED_EXIT):
+            member.queue(f"{SHARED_EXIT} {member.exit_address} with {older.member}")
+
+
+def distinct_exits(members: Sequence[Member]) -> int:
+    """How many different exit addresses the serving members have (unknown ones not counted)."""
+    return len({m.exit_address for m in _live(members) if m.exit_address and is_serving(m)})
 
 
 def next_wake(situation: Situation) -> Wake | None:

@@ -87,6 +87,7 @@ def worst_member(index: int) -> Member:
         banned=ban,
         served=True,
         last_rotation=f"ban: {longest(-index, MAX_REASON)} (generation 1 to 2, {T0})",
+        exit_address=f"2001:db8:ffff:ffff:ffff:ffff:ffff:{index:04x}",  # an IPv6 at its longest
     )
 
 
@@ -149,6 +150,7 @@ def typical_state() -> PoolCarried:
         ProxyState.READY, "127.0.0.1:4000", "127.0.0.1:4000", 2,
         T0.isoformat(), None, T0.isoformat(), 7, served=True,
         last_rotation="max lifetime (generation 1 to 2, 2026-01-01T00:00:00Z)",
+        exit_address="203.0.113.7",
     )  # fmt: skip
     queued = dataclasses.replace(ready, member=f"{POOL}/1", index=1, endpoint="[::1]:5")
     queued.queue("rotate all")

@@ -34,6 +34,7 @@ from workflows.pool_plan import (
     Step,
     after_failure,
     ban_refusal,
+    distinct_exits,
     is_serving,
     jittered_lifetime,
     legacy_carried,
@@ -578,3 +579,30 @@ def test_a_banned_member_stays_out_until_its_new_endpoint_is_confirmed() -> None
     assert member.banned is None
     assert not is_serving(member), "the banned endpoint came back while the new one is checked"
     assert member.ban_changes_nothing(f"127.0.0.1:{4000}"), "a repeat of the ban, seen on it"
+
+
+def test_distinct_exits_replace_the_younger_members_that_share_an_exit_once_in_a_row() -> None:
+    members = (
+        ready(0, exit_address="203.0.113.1"),
+        ready(1, exit_address="203.0.113.1"),
+        ready(2, exit_address="203.0.113.2"),
+        ready(3, exit_address="203.0.113.1"),
+        ready(4),  # its exit unknown: nothing to compare
+    )
+    inp = pool_input(distinct_exits=True, max_surge=5)
+
+    step = plan(situation(*members), inp, POOL, T0)
+
+    shared = f"exit shared: 203.0.113.1 with {POOL}/0"
+    assert [(r.member, r.reason) for r in step.rotations] == [
+        (f"{POOL}/1", shared),
+        (f"{POOL}/3", shared),
+    ]
+    assert distinct_exits(step.members) == 2
+    # A member whose new instance lands on a shared exit again keeps it (a NAT
+    # in front of every instance would otherwise replace for ever).
+    again = ready(1, generation=1, exit_address="203.0.113.1", last_rotation=f"{shared} (...)")
+    later = plan(situation(members[0], again), inp, POOL, T0)
+    assert not later.rotations
+    # Without distinct_exits, shared exits are only counted.
+    assert not plan(situation(*members), pool_input(max_surge=5), POOL, T0).rotations
