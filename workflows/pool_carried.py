@@ -40,7 +40,7 @@ SCHEMA = 2
 # Bytes (as JSON) all carried texts may take together: with the rows of
 # 1,000 members at their largest, the payload stays under Temporal's 512 KiB
 # warning.
-TEXT_BUDGET = 128 * 1024
+TEXT_BUDGET = 96 * 1024
 # A text is never cut below this, however many there are.
 MIN_TEXT = 16
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -79,6 +79,7 @@ class PoolCarried:
     # Oldest first, REMEMBERED_UPDATES at most (a list: JSON objects' keys
     # come back sorted, not in the order they were added).
     applied_updates: list[AppliedUpdate] = field(default_factory=list)
+    rotations_abandoned: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class CompactCarried:
     vacancies: list[int] = field(default_factory=list)
     # [key, result with member ids relative to the pool]
     applied_updates: list[list[Any]] = field(default_factory=list)
+    rotations_abandoned: int = 0
 
 
 # A member row's columns, in order. Text columns name a position in
@@ -146,6 +148,8 @@ _ROW = (
     "verified",
     "member",
     "lifetime",
+    "rotation_started",
+    "retry_at",
 )
 _PHASES = {
     MemberPhase.ACTIVE: "a",
@@ -190,6 +194,8 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
                 names.ref(m.verified),
                 None if derived_id else names.ref(m.member),
                 _lifetime_column(m, lifetimes),
+                _micros(m.rotation_started),
+                _micros(m.retry_at),
             ]
         )
     prefix = f"{pool_id}/"
@@ -215,6 +221,7 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
         bans=[t for t in (_micros(b) for b in carried.bans) if t is not None],
         last_reconcile=_micros(carried.last_reconcile),
         rejected_reports=carried.rejected_reports,
+        rotations_abandoned=carried.rotations_abandoned,
         vacancies=vacancies,
         applied_updates=[
             [a.key, _map_strings(a.result, lambda s: _relative(s, prefix))]
@@ -271,6 +278,8 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
                 banned=text(c["banned"]),
                 served=bool(c["served"]),
                 last_rotation=text(c["last_rotation"]),
+                rotation_started=_iso(c["rotation_started"]),
+                retry_at=_iso(c["retry_at"]),
             )
         )
     prefix = f"{pool_id}/"
@@ -286,6 +295,7 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
         last_reconcile=_iso(compact.last_reconcile),
         terminate_reason=text(compact.terminate_reason),
         rejected_reports=compact.rejected_reports,
+        rotations_abandoned=compact.rotations_abandoned,
         last_rejected=text(compact.last_rejected),
         vacancies=[texts[v] for v in compact.vacancies],
         applied_updates=[
