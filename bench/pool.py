@@ -46,7 +46,7 @@ from worker import build_worker
 from workflows.pool_input import MAX_REPLICAS
 
 PASSWORD = "bench-pool-password-2f9c1e"
-POLL = 2.0
+POLL = 5.0
 
 
 async def main() -> None:

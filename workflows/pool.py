@@ -114,6 +114,9 @@ MAX_REPORT_SKEW = timedelta(minutes=5)
 SETTLE = timedelta(seconds=30)
 MIN_ALARM = timedelta(seconds=1)
 MAX_HOLD = timedelta(seconds=60)
+# A paced pool continues as new past either (`_time_to_continue`).
+POOL_EVENT_BUDGET = 2_000
+POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
@@ -225,6 +228,24 @@ class ProxyPool:
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
 
+    def _time_to_continue(self) -> bool:
+        """Continue as new when the server suggests it or, paced, past the pool's own budget.
+
+        A pool of 1,000 members plans over all of them at each workflow task,
+        so a worker that must replay its history (after a restart, an
+        eviction or a timed-out task) pays that for every task in it: the
+        budget keeps that replay short enough to finish within the server's
+        10 s task timeout on a busy worker.
+        """
+        info = workflow.info()
+        return info.is_continue_as_new_suggested() or (
+            self._paced
+            and (
+                info.get_current_history_length() >= POOL_EVENT_BUDGET
+                or info.get_current_history_size() >= POOL_HISTORY_BUDGET
+            )
+        )
+
     # ---- the contract: run, signals, queries, updates -------------------------------
 
     @workflow.run
@@ -248,7 +269,7 @@ class ProxyPool:
         try:
             while self._terminate_reason is None:
                 self._dirty = False
-                suggested = workflow.info().is_continue_as_new_suggested()
+                suggested = self._time_to_continue()
                 if suggested and self._paced and self._hold_since is None:
                     self._hold_since = workflow.now()
                 holding = self._hold_since is not None and (

@@ -132,6 +132,9 @@ async def test_a_percentage_surge_rotates_that_many_members_at_once_and_no_more(
     members = [stack.client.get_workflow_handle(f"{handle.id}/{n}") for n in range(6)]
 
     async def all_rotated() -> bool:
+        status = await handle.query("status")  # (members exist before their histories are read)
+        if len(status["members"]) < 6 or any(m["generation"] < 1 for m in status["members"]):
+            return False
         return all([await _rotations(member) for member in members])
 
     await wait_for(all_rotated, "every member rotated once", deadline=180)
