@@ -58,6 +58,8 @@ COMMAND_BATCH = 50
 ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
 SCALED_DOWN = "scaled down"
 MAX_LIFETIME = "max lifetime"
+# How `Member.last_rotation` of an abandoned rotation begins.
+ABANDONED = "abandoned"
 
 
 class MemberPhase(StrEnum):
@@ -194,7 +196,7 @@ class Member:
         counting it against `max_surge`, so one slow member holds no other.
         """
         self.last_rotation = (
-            f"abandoned: {self.reason or 'rotate'} not Ready within {deadline}s "
+            f"{ABANDONED}: {self.reason or 'rotate'} not Ready within {deadline}s "
             f"(generation {self.rotating_from}, {now.isoformat(timespec='seconds')})"
         )
         self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None

@@ -47,6 +47,7 @@ from workflows.pool_plan import (
     rotate_at,
     waiting_for,
 )
+from workflows.pool_view import last_change
 
 POOL = "pool-a"
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -460,6 +461,7 @@ def test_an_abandoned_rotation_frees_its_slot_and_is_retried_a_deadline_later() 
     assert abandoned is MemberPhase.ACTIVE, "not queued again at once"
     member = step.members[0]
     assert member.last_rotation is not None and member.last_rotation.startswith("abandoned")
+    assert last_change(member).startswith("rotation abandoned: rotate not Ready within 900s")
     assert rotate_at(member) == now + timedelta(seconds=900)
 
 
