@@ -86,6 +86,8 @@ def worst_member(index: int) -> Member:
         banned=ban,
         served=True,
         last_rotation=f"ban: {longest(-index, MAX_REASON)} (generation 1 to 2, {T0})",
+        rotation_started=(T0 + timedelta(microseconds=111111)).isoformat(),
+        retry_at=(T0 + timedelta(microseconds=222222)).isoformat(),
     )
 
 
