@@ -4,9 +4,12 @@
 
 1. A pool of `--members` on the in-memory provider, every instance served by
    one of `--squids` real local Squids (probes are real): time from start to
-   all Ready; then, with nothing to scale or rotate, the pool's history events
-   over `--steady-minutes`, scaled to a pool-hour, and the CPU the process
-   (worker and this script) used meanwhile.
+   all Ready, and the pool's workflow tasks on the way (the longest, how many
+   took over a second, how many the server timed out, the largest event and
+   history before a continue-as-new, read from its histories); then, with
+   nothing to scale or rotate, the pool's history events over
+   `--steady-minutes`, scaled to a pool-hour, and the CPU the process (worker
+   and this script) used meanwhile.
 2. A pool of `--real` real local Squids: time to all Ready, then `rotate
    {"all": true}` to every member on a new instance, one surge at a time.
 
@@ -21,9 +24,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 
 from activities.provider import ProviderActivities
 from bench.fleet.parameters import INSTALLATION
@@ -36,9 +43,10 @@ from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from worker import build_worker
+from workflows.pool_input import MAX_REPLICAS
 
 PASSWORD = "bench-pool-password-2f9c1e"
-POLL = 0.5
+POLL = 5.0
 
 
 async def main() -> None:
@@ -48,6 +56,8 @@ async def main() -> None:
     parser.add_argument("--steady-minutes", type=float, default=3.0)
     parser.add_argument("--real", type=int, default=20)
     args = parser.parse_args()
+    if args.members > MAX_REPLICAS:
+        parser.error(f"--members: a pool holds at most {MAX_REPLICAS} (workflows/pool_input.py)")
     env = await start_dev_server()
     try:
         with serve_tls_origin() as origin, local_state_dir() as state_dir:
@@ -55,7 +65,8 @@ async def main() -> None:
             config = _config(origin, local_entry(state_dir))
             try:
                 await _memory_pool(env.client, origin, local, config, args)
-                await _real_pool(env.client, origin, local, config, args.real)
+                if args.real:
+                    await _real_pool(env.client, origin, local, config, args.real)
             finally:
                 await delete_squids(local)
     finally:
@@ -77,6 +88,7 @@ async def _memory_pool(
     async with _worker(client, {"memory": provider}, config, origin) as task_queue:
         template = {"provider": "memory", "health": {"target": origin.url}}
         handle, ready_s = await _start_until_ready(client, task_queue, args.members, template)
+        tasks = await _task_figures(client, handle)
         # Let the last reports and the first reconcile settle, then watch.
         await asyncio.sleep(15)
         events_before = await _events(handle)
@@ -91,6 +103,12 @@ async def _memory_pool(
     print(f"\nPool of {args.members} on the memory provider ({args.squids} real Squids behind)")
     print("| what | figure |\n| --- | --- |")
     print(f"| start to all {args.members} Ready | {ready_s:.1f} s |")
+    print(f"| pool runs (continue-as-new) until all Ready | {tasks.runs} |")
+    print(f"| longest pool workflow task | {tasks.longest_s:.2f} s |")
+    print(f"| pool workflow tasks over 1 s | {tasks.over_1s} of {tasks.tasks} |")
+    print(f"| pool workflow tasks timed out / failed | {tasks.timed_out} / {tasks.failed} |")
+    print(f"| largest pool history event (a payload) | {tasks.largest_event / 1024:.0f} KiB |")
+    print(f"| largest pool history (one run) | {tasks.largest_history / 1024:.0f} KiB |")
     print(f"| pool history events in {wall / 60:.1f} min of steady state | {events} |")
     print(f"| pool history events per pool-hour (scaled) | {per_hour:.0f} |")
     print(
@@ -166,8 +184,63 @@ async def _start_until_ready(
 
 
 async def _until(check: Callable[[], Awaitable[bool]]) -> None:
-    while not await check():
+    """Poll `check` until true; a query the busy worker did not answer in time is asked again."""
+    while True:
+        try:
+            if await check():
+                return
+        except RPCError as err:
+            print(f"(query not answered, asked again: {err})")
         await asyncio.sleep(POLL)
+
+
+@dataclass
+class _TaskFigures:
+    runs: int = 0
+    tasks: int = 0
+    longest_s: float = 0.0
+    over_1s: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    largest_event: int = 0
+    largest_history: int = 0
+
+
+async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _TaskFigures:
+    """The pool's workflow tasks in every run so far, from its histories.
+
+    A task lasts from its WorkflowTaskStarted to its Completed (server time,
+    which includes the worker's wait for activations, as the server's task
+    timeout does).
+    """
+    figures = _TaskFigures()
+    run_id: str | None = handle.first_execution_run_id or handle.result_run_id
+    while run_id:
+        figures.runs += 1
+        run = client.get_workflow_handle(handle.id, run_id=run_id)
+        started: dict[int, datetime] = {}
+        run_id = None
+        async for event in run.fetch_history_events():
+            figures.largest_event = max(figures.largest_event, event.ByteSize())
+            when = event.event_time.ToDatetime()
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+                started[event.event_id] = when
+                size = event.workflow_task_started_event_attributes.history_size_bytes
+                figures.largest_history = max(figures.largest_history, size)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                attributes = event.workflow_task_completed_event_attributes
+                took = (when - started[attributes.started_event_id]).total_seconds()
+                figures.tasks += 1
+                figures.longest_s = max(figures.longest_s, took)
+                figures.over_1s += took > 1
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
+                figures.timed_out += 1
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                figures.failed += 1
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+                attributes_can = event.workflow_execution_continued_as_new_event_attributes
+                run_id = attributes_can.new_execution_run_id
+    return figures
 
 
 async def _events(handle: WorkflowHandle[Any, Any]) -> int:

@@ -95,6 +95,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.target_check import check_target, target_input
 
 MEMBER_DRAIN_PATCH = "member-drain"
+# Pools recorded before bring-up was paced and commands batched
+# (pool_plan.Situation.paced) issued each step's commands all at once.
+PACED_PATCH = "paced-commands"
 # Pools recorded before endpoints were verified took a report's endpoint as it came.
 VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
 # Updates applied lately, by id, with their results: Temporal refuses a
@@ -111,6 +114,10 @@ MAX_REPORT_SKEW = timedelta(minutes=5)
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
 MIN_ALARM = timedelta(seconds=1)
+MAX_HOLD = timedelta(seconds=60)
+# A paced pool continues as new past either (`_time_to_continue`).
+POOL_EVENT_BUDGET = 2_000
+POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
@@ -171,6 +178,8 @@ class PoolStatus:
     distinct_exits: int = 0
     # Why the last exit check through the echo service gave no address.
     last_exit_problem: str | None = None
+    # Rotations whose new instance was not Ready within `rotation_deadline_seconds`.
+    rotations_abandoned: int = 0
 
 
 @dataclass(frozen=True)
@@ -231,11 +240,36 @@ class ProxyPool:
         self._autoscale: pool_autoscale.Books | None = None
         self._scaling_why: str | None = None
         self._usage = pool_autoscale.Usage()
+        self._paced = False
+        # When a paced pool began holding new commands back to continue as new.
+        self._hold_since: datetime | None = None
+        self._rotations_abandoned = 0
+
+    def _time_to_continue(self) -> bool:
+        """Continue as new when the server suggests it or, paced, past the pool's own budget.
+
+        A pool of 1,000 members plans over all of them at each workflow task,
+        so a worker that must replay its history (after a restart, an
+        eviction or a timed-out task) pays that for every task in it: the
+        budget keeps that replay short enough to finish within the server's
+        10 s task timeout on a busy worker.
+        """
+        info = workflow.info()
+        return info.is_continue_as_new_suggested() or (
+            self._paced
+            and (
+                info.get_current_history_length() >= POOL_EVENT_BUDGET
+                or info.get_current_history_size() >= POOL_HISTORY_BUDGET
+            )
+        )
 
     # ---- the contract: run, signals, queries, updates -------------------------------
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
+        # Decided before the first await: the input check's local activity
+        # resolves in another activation on replay than when first run.
+        self._paced = workflow.patched(PACED_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -254,23 +288,38 @@ class ProxyPool:
         try:
             while self._terminate_reason is None:
                 self._dirty = False
+                suggested = self._time_to_continue()
+                if suggested and self._paced and self._hold_since is None:
+                    self._hold_since = workflow.now()
+                holding = self._hold_since is not None and (
+                    workflow.now() - self._hold_since < MAX_HOLD
+                )
+                more = False
                 self._usage = pool_autoscale.counted(
                     self._usage, len(self._members), workflow.now()
                 )
-                self._autoscale_step()
-                self._apply(
-                    pool_plan.plan(
-                        self._situation(), inp, workflow.info().workflow_id, workflow.now()
-                    )
-                )
+                if not holding:
+                    self._autoscale_step()
+                    step = pool_plan.plan(self._situation(), inp, pool_id, workflow.now())
+                    self._apply(step)
+                    self._verify_endpoints()
+                    more = step.more
+                # else: a paced pool issues nothing new once continue-as-new is
+                # suggested, so the commands in flight end and it can hand over
+                # (a pool bringing up 1,000 members always has some in flight);
+                # for MAX_HOLD at most, as a long drain may be among them.
                 self._usage.members = len(self._members)
-                self._verify_endpoints()
                 self._publish()
-                if workflow.info().is_continue_as_new_suggested() and not self._tasks:
+                if suggested and not self._tasks:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
-                self._arm(self._next_wake())
+                wake = self._next_wake()
+                if more:
+                    wake = Wake(workflow.now(), "start the next batch of removals and rotations")
+                if holding and self._hold_since is not None:
+                    wake = Wake(self._hold_since + MAX_HOLD, "stop waiting to continue as new")
+                self._arm(wake)
                 await workflow.wait_condition(
                     lambda: self._dirty or self._terminate_reason is not None
                 )
@@ -345,6 +394,7 @@ class ProxyPool:
             ),
             distinct_exits=pool_plan.distinct_exits(situation.members),
             last_exit_problem=self._last_exit_problem,
+            rotations_abandoned=self._rotations_abandoned,
         )
 
     @workflow.query(name="endpoints")
@@ -616,6 +666,7 @@ class ProxyPool:
             starting=len(self._starting),
             ending=self._terminate_reason is not None,
             vacancies=tuple(self._vacancies),
+            paced=self._paced,
         )
 
     def _autoscale_step(self) -> None:
@@ -644,7 +695,7 @@ class ProxyPool:
 
     def _next_wake(self) -> Wake | None:
         """The plan's next wake, or an autoscale decision falling due, whichever is first."""
-        wake = pool_plan.next_wake(self._situation())
+        wake = pool_plan.next_wake(self._situation(), self._inp)
         bounds = self._inp.autoscale if self._inp is not None else None
         if bounds is None or self._autoscale is None:
             return wake
@@ -659,6 +710,11 @@ class ProxyPool:
         self._next_index = step.next_index
         self._start_after = step.start_after
         self._vacancies = list(step.vacancies)
+        if step.abandoned:
+            self._rotations_abandoned += len(step.abandoned)
+            self._last_error = (
+                f"rotation abandoned, not Ready within the deadline: {', '.join(step.abandoned)}"
+            )[:MAX_ERROR_LENGTH]
         for removal in step.removals:
             self._spawn(self._drain_then_terminate(removal.member, removal.reason, removal.drain))
         for start in step.starts:
@@ -675,6 +731,8 @@ class ProxyPool:
     def _verify_endpoints(self) -> None:
         """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
         for member_id in sorted(self._unverified - self._verifying):
+            if self._paced and len(self._verifying) >= pool_plan.COMMAND_BATCH:
+                break  # the rest when these answer
             member = self._members.get(member_id)
             if member is None or member.state != ProxyState.READY or not member.endpoint:
                 self._unverified.discard(member_id)
@@ -871,7 +929,10 @@ class ProxyPool:
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"
         for member in list(self._members.values()):
-            if member.phase is not MemberPhase.REMOVING:
+            if self._paced:
+                # A batch of signals per workflow task, not a thousand at once.
+                await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
+            if member.phase is not MemberPhase.REMOVING and member.member in self._members:
                 member.remove(reason)
                 self._spawn(self._drain_then_terminate(member.member, reason, 0))
         self._publish()
@@ -916,6 +977,7 @@ class ProxyPool:
             applied_updates=[AppliedUpdate(k, r) for k, r in self._applied_updates.items()],
             autoscale=self._autoscale,
             usage=self._usage,
+            rotations_abandoned=self._rotations_abandoned,
         )
 
     def _restore(self, carried: PoolCarried) -> None:
@@ -948,6 +1010,7 @@ class ProxyPool:
         self._vacancies = carried.vacancies
         self._autoscale = carried.autoscale
         self._usage = carried.usage
+        self._rotations_abandoned = carried.rotations_abandoned
 
     # ---- views ----------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ SCHEMA = 2
 # Bytes (as JSON) all carried texts may take together: with the rows of
 # 1,000 members at their largest, the payload stays under Temporal's 512 KiB
 # warning.
-TEXT_BUDGET = 80 * 1024
+TEXT_BUDGET = 64 * 1024
 # A text is never cut below this, however many there are.
 MIN_TEXT = 16
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -83,6 +83,7 @@ class PoolCarried:
     # An autoscaled pool's books (bounded: MAX_GATEWAYS reports), and its cost so far.
     autoscale: Books | None = None
     usage: Usage = field(default_factory=Usage)
+    rotations_abandoned: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class CompactCarried:
     applied_updates: list[list[Any]] = field(default_factory=list)
     autoscale: Books | None = None
     usage: Usage = field(default_factory=Usage)
+    rotations_abandoned: int = 0
 
 
 # A member row's columns, in order. Text columns name a position in
@@ -153,6 +155,8 @@ _ROW = (
     "member",
     "lifetime",
     "exit_address",
+    "rotation_started",
+    "retry_at",
 )
 _PHASES = {
     MemberPhase.ACTIVE: "a",
@@ -198,6 +202,8 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
                 None if derived_id else names.ref(m.member),
                 _lifetime_column(m, lifetimes),
                 names.ref(m.exit_address),
+                _micros(m.rotation_started),
+                _micros(m.retry_at),
             ]
         )
     prefix = f"{pool_id}/"
@@ -223,6 +229,7 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
         bans=[t for t in (_micros(b) for b in carried.bans) if t is not None],
         last_reconcile=_micros(carried.last_reconcile),
         rejected_reports=carried.rejected_reports,
+        rotations_abandoned=carried.rotations_abandoned,
         vacancies=vacancies,
         applied_updates=[
             [a.key, _map_strings(a.result, lambda s: _relative(s, prefix))]
@@ -282,6 +289,8 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
                 served=bool(c["served"]),
                 last_rotation=text(c["last_rotation"]),
                 exit_address=names[c["exit_address"]],
+                rotation_started=_iso(c["rotation_started"]),
+                retry_at=_iso(c["retry_at"]),
             )
         )
     prefix = f"{pool_id}/"
@@ -297,6 +306,7 @@ def decode(raw: Any, pool_id: str) -> PoolCarried:
         last_reconcile=_iso(compact.last_reconcile),
         terminate_reason=text(compact.terminate_reason),
         rejected_reports=compact.rejected_reports,
+        rotations_abandoned=compact.rotations_abandoned,
         last_rejected=text(compact.last_rejected),
         vacancies=[texts[v] for v in compact.vacancies],
         applied_updates=[

@@ -8,10 +8,11 @@ ProxyLifecycle input, validated as one: its errors read `template.<field>`.
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from workflows.inputs import HttpsUrl, PlacementInput, ProxyInput, StrictInput
 
@@ -21,6 +22,10 @@ MAX_REPLICAS = 1000
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 
 Replicas = Annotated[int, Field(ge=0, le=MAX_REPLICAS)]
+# A share of the replicas, as Kubernetes' rolling updates take one: "10%".
+PERCENTAGE = re.compile(r"^(100|[1-9]?[0-9])%$")
+# A rotation whose new instance is not Ready by then is abandoned.
+DEFAULT_ROTATION_DEADLINE = 900
 Text = Annotated[str, Field(max_length=500)]
 
 
@@ -71,8 +76,16 @@ class PoolInput(StrictInput):
     replicas: Replicas
     template: ProxyInput
     spread: Annotated[list[SpreadEntry], Field(min_length=1, max_length=100)] | None = None
-    # Rotations (each an extra instance while it lasts) under way at once.
-    max_surge: Annotated[int, Field(ge=1, le=100)] = 1
+    # Rotations (each an extra instance while it lasts) under way at once: a
+    # count, or a percentage of `replicas` rounded up (`surge`).
+    max_surge: int | str = 1
+    # Members that may be short of serving (starting, failing, banned) while
+    # the pool still starts lifetime rotations: a count, or a percentage of
+    # `replicas` rounded down (`unavailable`). Bans rotate regardless.
+    max_unavailable: int | str = "10%"
+    # A rotation whose new instance is not Ready this long after its `rotate`
+    # is abandoned (counted in `status`), and retried that long later.
+    rotation_deadline_seconds: Annotated[int, Field(ge=60, le=86400)] = DEFAULT_ROTATION_DEADLINE
     # Member n's lifetime is max_lifetime * (1 - lifetime_jitter * u(n)),
     # u(n) in [0, 1) spread evenly (workflows/pool_plan.py, `jittered_lifetime`).
     lifetime_jitter: Annotated[float, Field(ge=0, le=0.9)] = 0.2
@@ -97,6 +110,35 @@ class PoolInput(StrictInput):
                 f"autoscale.max_replicas ({bounds.max_replicas})"
             )
         return self
+
+    @field_validator("max_surge", "max_unavailable", mode="before")
+    @classmethod
+    def _count_or_percentage(cls, value: Any, info: ValidationInfo) -> Any:
+        # No surge would rotate nothing; no unavailability is allowed.
+        least = 1 if info.field_name == "max_surge" else 0
+        if isinstance(value, bool) or not (
+            (isinstance(value, int) and least <= value <= MAX_REPLICAS)
+            or (isinstance(value, str) and PERCENTAGE.match(value) and int(value[:-1]) >= least)
+        ):
+            raise ValueError(
+                f'must be a count from {least} to {MAX_REPLICAS} or a percentage from "{least}%" '
+                f'to "100%", got {str(value)[:40]!r}'
+            )
+        return value
+
+    def surge(self, replicas: int) -> int:
+        """Rotations under way at once: `max_surge` of `replicas`, rounded up, at least 1."""
+        return max(1, _share(self.max_surge, replicas, math.ceil))
+
+    def unavailable(self, replicas: int) -> int:
+        """Members that may be short of serving while lifetime rotations start (rounded down)."""
+        return _share(self.max_unavailable, replicas, math.floor)
+
+
+def _share(budget: int | str, replicas: int, rounding: Any) -> int:
+    if isinstance(budget, int):
+        return budget
+    return int(rounding(replicas * int(budget.removesuffix("%")) / 100))
 
 
 class ScaleRequest(StrictInput):

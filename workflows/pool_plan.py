@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -46,13 +46,22 @@ RECONCILE_EVERY = timedelta(minutes=10)
 RECONCILE_IDLE = timedelta(hours=1)
 RECONCILE_BUSY = timedelta(seconds=30)
 # Member starts in flight at once: a pool of hundreds starts in batches, so
-# no one workflow task carries hundreds of commands.
+# no one workflow task carries hundreds of commands. A paced pool
+# (`Situation.paced`) also counts the members it started that have not been
+# Ready yet: the worker that runs them then brings up a bounded number at a
+# time, instead of a thousand first workflow tasks queueing behind each
+# other past the server's 10 s task timeout (docs/benchmarks.md).
 START_BATCH = 50
+# Removals and rotations one step (one workflow task) starts at most; the
+# rest follow a second later (`Step.more`).
+COMMAND_BATCH = 50
 ENDED = (ProxyState.TERMINATED, ProxyState.FAILED)
 SCALED_DOWN = "scaled down"
 MAX_LIFETIME = "max lifetime"
 # The reason of a rotation for an exit another member uses (and how one is recognised).
 SHARED_EXIT = "exit shared:"
+# How `Member.last_rotation` of an abandoned rotation begins.
+ABANDONED = "abandoned"
 
 
 class MemberPhase(StrEnum):
@@ -111,6 +120,10 @@ class Member:
     # Where its confirmed instance's traffic leaves from ("" unknown): the
     # pool's own check (activities/exit_echo.py) or the provider's word.
     exit_address: str = ""
+    # ROTATING (paced pools): when the `rotate` went out, for its deadline.
+    rotation_started: str | None = None
+    # After an abandoned rotation: its lifetime rotation waits until then.
+    retry_at: str | None = None
 
     def take(self, report: MemberReport) -> bool:
         """Apply the member's own report; True when it is its first Ready."""
@@ -131,12 +144,23 @@ class Member:
                 f"{report.generation}, {report.at[:19]}Z)"
             )
             self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None
+            self.rotation_started = None
             if self.banned is not None:
                 # The banned instance must not come back while the new one
                 # is checked: out of `endpoints` until then.
                 self.verified = self.exit_address = ""
             self.banned = None
         return first
+
+    def copy(self) -> Member:
+        """A copy a plan may change (shallow: `placement` is never changed in place).
+
+        Built without `dataclasses.replace`, which re-runs `__init__` and took
+        most of a 1,000-member plan's time.
+        """
+        clone = object.__new__(Member)
+        clone.__dict__.update(self.__dict__)
+        return clone
 
     def queue(self, reason: str) -> bool:
         """Queue a rotation unless one is queued or under way already."""
@@ -160,9 +184,29 @@ class Member:
         self.reason = f"{reason}, draining {drain}s" if drain else reason
         self.rotating_from = None
 
-    def start_rotation(self) -> None:
-        """Sent `rotate`: the rotation lasts until a generation after this one is Ready."""
+    def start_rotation(self, now: datetime | None = None) -> None:
+        """Sent `rotate`: the rotation lasts until a generation after this one is Ready.
+
+        `now` (paced pools) starts its deadline.
+        """
         self.phase, self.rotating_from = MemberPhase.ROTATING, self.generation
+        self.rotation_started = now.isoformat() if now is not None else None
+        self.retry_at = None
+
+    def abandon_rotation(self, now: datetime, deadline: int) -> None:
+        """Its new instance was not Ready in time: the old one keeps serving, retried later.
+
+        The member's own lifecycle goes on with the rotation it was sent (a
+        later Ready on a new generation is taken as ever); the pool stops
+        counting it against `max_surge`, so one slow member holds no other.
+        """
+        self.last_rotation = (
+            f"{ABANDONED}: {self.reason or 'rotate'} not Ready within {deadline}s "
+            f"(generation {self.rotating_from}, {now.isoformat(timespec='seconds')})"
+        )
+        self.phase, self.reason, self.rotating_from = MemberPhase.ACTIVE, None, None
+        self.rotation_started = None
+        self.retry_at = (now + timedelta(seconds=deadline)).isoformat()
 
 
 @dataclass(frozen=True)
@@ -182,6 +226,9 @@ class Situation:
     # Member starts not answered yet.
     starting: int = 0
     ending: bool = False
+    # Bring-up counted in START_BATCH and commands in batches of
+    # COMMAND_BATCH (a pool started on a build before that was not).
+    paced: bool = False
     # Why members the pool did not remove are gone, oldest first: the causes
     # of the starts that replace them (`Start.cause`).
     vacancies: tuple[str, ...] = ()
@@ -226,6 +273,10 @@ class Step:
     starts: tuple[Start, ...] = ()
     rotations: tuple[Rotation, ...] = ()
     reconcile: bool = False
+    # A batch was full: the pool takes its next step soon, on its own.
+    more: bool = False
+    # Members whose rotation this step abandoned (past the rotation deadline).
+    abandoned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,20 +301,22 @@ class Failure:
 
 def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> Step:
     """What the pool does now. Pure: `situation`'s members are copied, never changed."""
-    members = [dataclasses.replace(m) for m in situation.members]
+    members = [m.copy() for m in situation.members]
+    abandoned = _abandon_late_rotations(members, inp, now) if situation.paced else []
     for member in members:
         due = rotate_at(member)
         if due is not None and due <= now:
             member.queue(MAX_LIFETIME)
     if inp.distinct_exits:
         _queue_shared_exits(members)
-    removals = _scale_down(members, situation.replicas, drain_seconds(inp))
+    batch = COMMAND_BATCH if situation.paced else None
+    removals = _scale_down(members, situation.replicas, drain_seconds(inp), batch)
     starts: list[Start] = []
     start_after = situation.start_after
     vacancies: tuple[str, ...] = ()  # a scale-down leaves none to fill
     if not removals:
         starts, start_after, vacancies = _scale_up(members, situation, inp, pool_id, now)
-    rotations = _rotate(members, situation.replicas, inp.max_surge)
+    rotations = _rotate(members, situation, inp, now)
     after = dataclasses.replace(situation, members=tuple(members))
     every = RECONCILE_EVERY if calm(after) else RECONCILE_BUSY
     reconcile = not situation.reconciling and (
@@ -278,13 +331,17 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         starts=tuple(starts),
         rotations=tuple(rotations),
         reconcile=reconcile,
+        more=batch is not None and batch in (len(removals), len(rotations)),
+        abandoned=tuple(abandoned),
     )
 
 
-def _scale_down(members: list[Member], replicas: int, drain: int) -> list[Removal]:
-    """Members not serving go first, then the oldest instances."""
+def _scale_down(
+    members: list[Member], replicas: int, drain: int, batch: int | None
+) -> list[Removal]:
+    """Members not serving go first, then the oldest instances; `batch` at most."""
     live = _live(members)
-    excess = len(live) - replicas
+    excess = min(len(live) - replicas, len(live) if batch is None else batch)
     if excess <= 0:
         return []
     victims = sorted(live, key=lambda m: (is_serving(m), m.ready_since or "", m.index))
@@ -306,8 +363,12 @@ def _scale_up(
     ):
         return [], situation.start_after, situation.vacancies
     starts = []
-    # A bounded batch per workflow task: the next starts when these answer.
-    for n in range(min(missing, max(0, START_BATCH - situation.starting))):
+    # A bounded batch per workflow task: the next starts when these answer
+    # (paced: when these are Ready).
+    busy = situation.starting
+    if situation.paced:
+        busy = len([m for m in _live(members) if not m.served])
+    for n in range(min(missing, max(0, START_BATCH - busy))):
         member = _new_member(members, inp, pool_id, situation.next_index + n, now)
         members.append(member)
         starts.append(Start(member, member_body(inp, member), _cause(situation, n)))
@@ -368,22 +429,42 @@ def _placement(members: list[Member], inp: PoolInput) -> tuple[int | None, str, 
     return best, entry.provider, entry.placement.as_dict()
 
 
-def _rotate(members: list[Member], replicas: int, max_surge: int) -> list[Rotation]:
-    """Queued rotations to start now: bans first, up to `max_surge` under way at once."""
+def _rotate(
+    members: list[Member], situation: Situation, inp: PoolInput, now: datetime
+) -> list[Rotation]:
+    """Queued rotations to start now, bans first, up to the surge under way at once.
+
+    Paced pools (today's) take `max_surge` of the replicas, the most overdue
+    member first, start lifetime rotations while at most `max_unavailable`
+    members are short of serving, and at most COMMAND_BATCH per step. Pools
+    started before took `max_surge` as a count, by member index, only at
+    full size, all at once.
+    """
+    replicas = situation.replicas
     live = _live(members)
     rotating = [m for m in live if m.phase is MemberPhase.ROTATING]
     queued = [m for m in live if m.phase is MemberPhase.QUEUED]
-    queued.sort(key=lambda m: (m.banned is None, m.index))
-    # Other rotations only while the pool is at size, so a rolling rotation
-    # never eats into the members a scale-up is waiting for.
-    at_size = len([m for m in live if is_serving(m)]) >= replicas
-    rotations = []
-    for member in queued[: max(0, max_surge - len(rotating))]:
-        if member.banned is None and not at_size:
+    serving = len([m for m in live if is_serving(m)])
+    if situation.paced:
+        surge, batch = inp.surge(replicas), COMMAND_BATCH
+        queued.sort(key=lambda m: (m.banned is None, _overdue_key(m), m.index))
+        # A rotation is make before break: it takes nothing out of service.
+        available = serving >= replicas - inp.unavailable(replicas)
+    else:
+        surge, batch = _legacy_surge(inp.max_surge), len(queued)
+        queued.sort(key=lambda m: (m.banned is None, m.index))
+        # Other rotations only while the pool is at size, so a rolling rotation
+        # never eats into the members a scale-up is waiting for.
+        available = serving >= replicas
+    rotations: list[Rotation] = []
+    for member in queued[: max(0, surge - len(rotating))]:
+        if member.banned is None and not available:
             break
         if member.state != ProxyState.READY:
             continue  # it is getting a new instance anyway
-        member.start_rotation()
+        if len(rotations) == batch:
+            break
+        member.start_rotation(now if situation.paced else None)
         rotations.append(Rotation(member.member, member.reason or "rotate"))
     return rotations
 
@@ -409,13 +490,55 @@ def distinct_exits(members: Sequence[Member]) -> int:
     return len({m.exit_address for m in _live(members) if m.exit_address and is_serving(m)})
 
 
-def next_wake(situation: Situation) -> Wake | None:
-    """The earliest thing the pool must do on its own: a lifetime, a backoff's end, a reconcile."""
-    wakes = [
-        Wake(due, f"rotate {m.member}, its lifetime is up")
+def _legacy_surge(max_surge: int | str) -> int:
+    """`max_surge` as pools before percentages read it: a count (no percentage then)."""
+    return max_surge if isinstance(max_surge, int) else 1
+
+
+def _overdue_key(member: Member) -> datetime:
+    """The most overdue first; a member queued without a lifetime due comes after."""
+    due = rotate_at(member)
+    return due if due is not None else datetime.max.replace(tzinfo=UTC)
+
+
+def _abandon_late_rotations(members: list[Member], inp: PoolInput, now: datetime) -> list[str]:
+    """Rotations whose new instance is not Ready within the deadline, abandoned."""
+    deadline = inp.rotation_deadline_seconds
+    late = [
+        m
+        for m in members
+        if m.phase is MemberPhase.ROTATING
+        and m.rotation_started is not None
+        and now - datetime.fromisoformat(m.rotation_started) >= timedelta(seconds=deadline)
+    ]
+    for member in late:
+        member.abandon_rotation(now, deadline)
+    return [m.member for m in late]
+
+
+def next_wake(situation: Situation, inp: PoolInput | None = None) -> Wake | None:
+    """The earliest thing the pool must do on its own: a lifetime, a rotation's deadline
+    (given `inp`), a backoff's end, a reconcile."""
+    lifetimes = [
+        (due, m.index)
         for m in situation.members
         if m.phase is MemberPhase.ACTIVE and (due := rotate_at(m)) is not None
     ]
+    wakes = []
+    if lifetimes:
+        # Worded for the earliest only: a pool of 1,000 wakes for one at a time.
+        due, index = min(lifetimes)
+        member = next(m for m in situation.members if m.index == index)
+        wakes.append(Wake(due, f"rotate {member.member}, its lifetime is up"))
+    started = [
+        (datetime.fromisoformat(m.rotation_started), m.member)
+        for m in situation.members
+        if m.phase is MemberPhase.ROTATING and m.rotation_started is not None
+    ]
+    if started and inp is not None:
+        at, member_id = min(started)
+        deadline = timedelta(seconds=inp.rotation_deadline_seconds)
+        wakes.append(Wake(at + deadline, f"abandon the rotation of {member_id} if still not Ready"))
     if situation.start_after is not None and situation.stopped is None:
         wakes.append(Wake(situation.start_after, "start a replacement, the backoff is over"))
     if situation.last_reconcile is not None and not situation.reconciling:
@@ -490,7 +613,10 @@ def rotate_at(member: Member) -> datetime | None:
         return None
     if member.phase is MemberPhase.ROTATING:
         return None
-    return datetime.fromisoformat(member.ready_since) + timedelta(seconds=member.lifetime_seconds)
+    due = datetime.fromisoformat(member.ready_since) + timedelta(seconds=member.lifetime_seconds)
+    if member.retry_at is not None:
+        due = max(due, datetime.fromisoformat(member.retry_at))
+    return due
 
 
 def is_serving(member: Member) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from contract import PoolState
-from workflows.pool_plan import Member, MemberPhase
+from workflows.pool_plan import ABANDONED, Member, MemberPhase
 
 # Member rows in the current details; the rest are counted, and listed by `status`.
 DETAIL_ROWS = 20
@@ -79,6 +79,8 @@ def last_change(member: Member) -> str:
         return f"banned: {member.banned}"
     if member.phase is not MemberPhase.ACTIVE:
         return f"{member.phase}: {member.reason or 'rotate'}"
+    if member.last_rotation is not None and member.last_rotation.startswith(ABANDONED):
+        return f"rotation {member.last_rotation}"
     if member.last_rotation is not None:
         return f"rotated: {member.last_rotation}"
     return ""

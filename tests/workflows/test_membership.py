@@ -80,6 +80,21 @@ def test_huge_strings_are_capped_at_the_edge() -> None:
     assert report.last_error is not None and len(report.last_error) == MAX_ERROR_LENGTH
 
 
+@pytest.mark.parametrize(
+    "endpoint", ["10.0.0.1:3128 ", "\U0001f525:1", 'a"b:1', "host:1/path", "a\\b:1", "x y:1"]
+)
+def test_an_endpoint_that_is_no_address_and_port_is_refused(endpoint: str) -> None:
+    """Every character of it may reach the pool's carried state: only an address's are taken."""
+    report, problem = parse_report(GOOD | {"endpoint": endpoint})
+    assert report is None and problem == "endpoint: not an address and port"
+
+
+def test_addresses_of_every_shape_a_provider_reports_are_taken() -> None:
+    for endpoint in ("10.0.0.1:3128", "[fd00::1]:3128", "[fe80::1%eth0]:3128", ""):
+        report, problem = parse_report(GOOD | {"endpoint": endpoint})
+        assert problem is None and report is not None and report.endpoint == endpoint
+
+
 def test_unknown_keys_are_ignored() -> None:
     report, problem = parse_report(GOOD | {"owner": "someone else", "password": "x"})
     assert problem is None and report == MemberReport(**GOOD)

@@ -238,7 +238,7 @@ async def test_a_member_reported_again_while_banned_is_a_no_op(stack: Stack) -> 
         ),
         (
             {"replicas": 2, "template": {"provider": "nowhere"}, "max_surge": 0},
-            ["max_surge: input should be greater", "template.provider: unknown provider"],
+            ["max_surge: must be a count from 1", "template.provider: unknown provider"],
         ),
         (
             {

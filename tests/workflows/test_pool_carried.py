@@ -88,6 +88,8 @@ def worst_member(index: int) -> Member:
         served=True,
         last_rotation=f"ban: {longest(-index, MAX_REASON)} (generation 1 to 2, {T0})",
         exit_address=f"2001:db8:ffff:ffff:ffff:ffff:ffff:{index:04x}",  # an IPv6 at its longest
+        rotation_started=(T0 + timedelta(microseconds=111111)).isoformat(),
+        retry_at=(T0 + timedelta(microseconds=222222)).isoformat(),
     )
 
 

@@ -79,24 +79,10 @@ async def test_twenty_members_never_rotate_together(
     one_squid: OneSquid,
     tls_origin: TlsOrigin,
 ) -> None:
-    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
-    stack = await provider_stack_on(temporal_env, {"memory": one_squid}, config)
-    pool_id = f"pool-{uuid.uuid4().hex[:8]}"
-    template = stack.proxy_input(
-        "memory",
-        max_lifetime_seconds=20,
-        # Twenty members probe one Squid: not every second on a busy machine.
-        health={"target": tls_origin.url, "interval_seconds": 5, "failure_threshold": 3},
+    stack, handle = await _short_lived_pool(
+        temporal_env, provider_stack_on, one_squid, tls_origin, replicas=20, lifetime_jitter=0.5
     )
-    handle = await stack.client.start_workflow(
-        "ProxyPool",
-        {"replicas": 20, "template": template, "lifetime_jitter": 0.5},
-        id=pool_id,
-        task_queue=stack.task_queue,
-    )
-    stack.handles.append(handle)
-
-    members = [f"{pool_id}/{n}" for n in range(20)]
+    members = [f"{handle.id}/{n}" for n in range(20)]
 
     async def all_rotated() -> bool:
         status = await handle.query("status")
@@ -125,6 +111,66 @@ async def test_twenty_members_never_rotate_together(
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
     assert one_squid.ids() == set()
+
+
+async def test_a_percentage_surge_rotates_that_many_members_at_once_and_no_more(
+    temporal_env: WorkflowEnvironment,
+    provider_stack_on: StackFactory,
+    one_squid: OneSquid,
+    tls_origin: TlsOrigin,
+) -> None:
+    """Six members falling due together, `max_surge: "50%"`: three rotate at once, never four."""
+    stack, handle = await _short_lived_pool(
+        temporal_env,
+        provider_stack_on,
+        one_squid,
+        tls_origin,
+        replicas=6,
+        lifetime_jitter=0,
+        max_surge="50%",
+    )
+    members = [stack.client.get_workflow_handle(f"{handle.id}/{n}") for n in range(6)]
+
+    async def all_rotated() -> bool:
+        status = await handle.query("status")  # (members exist before their histories are read)
+        if len(status["members"]) < 6 or any(m["generation"] < 1 for m in status["members"]):
+            return False
+        return all([await _rotations(member) for member in members])
+
+    await wait_for(all_rotated, "every member rotated once", deadline=180)
+    spans = [span for member in members for span in await _rotations(member)]
+    most = max(len([s for s in spans if s[0] <= at < s[1]]) for at, _ in spans)
+    assert 2 <= most <= 3, f"{most} rotations at once: {sorted(spans)}"
+    status = await handle.query("status")
+    assert status["rotations_abandoned"] == 0
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+
+
+async def _short_lived_pool(
+    env: WorkflowEnvironment,
+    provider_stack_on: StackFactory,
+    squid: OneSquid,
+    tls_origin: TlsOrigin,
+    **pool_fields: Any,
+) -> tuple[Stack, WorkflowHandle[Any, Any]]:
+    """A pool of members on one Squid that live 20 s each, started with `pool_fields`."""
+    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
+    stack = await provider_stack_on(env, {"memory": squid}, config)
+    template = stack.proxy_input(
+        "memory",
+        max_lifetime_seconds=20,
+        # Many members probe one Squid: not every second on a busy machine.
+        health={"target": tls_origin.url, "interval_seconds": 5, "failure_threshold": 3},
+    )
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"template": template, **pool_fields},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+    stack.handles.append(handle)
+    return stack, handle
 
 
 async def _rotations(member: WorkflowHandle[Any, Any]) -> list[tuple[datetime, datetime]]:

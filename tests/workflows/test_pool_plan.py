@@ -20,10 +20,12 @@ import pytest
 from temporalio.converter import default, value_to_type
 
 from contract import PoolState, ProxyState
+from workflows.inputs import parse_model
 from workflows.membership import MemberReport
 from workflows.pool import PoolCarried
 from workflows.pool_input import PoolInput
 from workflows.pool_plan import (
+    COMMAND_BATCH,
     RECONCILE_BUSY,
     RECONCILE_EVERY,
     RECONCILE_IDLE,
@@ -32,6 +34,7 @@ from workflows.pool_plan import (
     MemberPhase,
     Situation,
     Step,
+    Wake,
     after_failure,
     ban_refusal,
     distinct_exits,
@@ -42,8 +45,10 @@ from workflows.pool_plan import (
     plan,
     pool_state,
     recent_bans,
+    rotate_at,
     waiting_for,
 )
+from workflows.pool_view import last_change
 
 POOL = "pool-a"
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -145,6 +150,43 @@ def test_a_large_scale_up_starts_in_batches_counting_starts_in_flight() -> None:
     assert len(plan(situation(replicas=500), pool_input(), POOL, T0).starts) == START_BATCH
     busy = situation(replicas=500, starting=START_BATCH - 10)
     assert len(plan(busy, pool_input(), POOL, T0).starts) == 10
+
+
+def test_a_paced_pool_brings_up_a_bounded_number_of_members_at_a_time() -> None:
+    """Started but never Ready counts against the batch, not just starts in flight."""
+    inp = pool_input()
+    first = plan(situation(replicas=1000, paced=True), inp, POOL, T0)
+    assert len(first.starts) == START_BATCH
+    started = situation(*first.members, replicas=1000, paced=True)
+    assert plan(started, inp, POOL, T0).starts == (), "none Ready yet: nothing more"
+    members = [m.copy() for m in first.members]
+    for member in members[:10]:
+        serves(member, report(member, ProxyState.READY, 0, T0))
+    ten_ready = situation(*members, replicas=1000, paced=True)
+    assert len(plan(ten_ready, inp, POOL, T0).starts) == 10
+
+
+def test_a_paced_pool_removes_and_rotates_in_batches_and_says_there_is_more() -> None:
+    members = [ready(n) for n in range(300)]
+    step = plan(situation(*members, replicas=0, paced=True), pool_input(), POOL, T0)
+    assert len(step.removals) == COMMAND_BATCH and step.more
+    left = situation(*step.members, replicas=0, paced=True)
+    assert len(plan(left, pool_input(), POOL, T0).removals) == COMMAND_BATCH
+    unpaced = plan(situation(*members, replicas=0), pool_input(), POOL, T0)
+    assert len(unpaced.removals) == 300 and not unpaced.more
+
+    for member in members:
+        member.queue("rotate all")
+    rotating = plan(situation(*members, paced=True), pool_input(max_surge=100), POOL, T0)
+    assert len(rotating.rotations) == COMMAND_BATCH and rotating.more
+    calm = plan(situation(*(ready(n) for n in range(300)), paced=True), pool_input(), POOL, T0)
+    assert not calm.more
+
+
+def test_a_plan_of_a_thousand_members_copies_each_member_once_and_changes_none() -> None:
+    members = tuple(ready(n) for n in range(1000))
+    step = plan(situation(*members), pool_input(), POOL, T0)
+    assert all(a is not b and a == b for a, b in zip(step.members, members, strict=True))
 
 
 def test_plan_leaves_the_situation_it_read_unchanged() -> None:
@@ -312,14 +354,20 @@ def test_twenty_members_over_two_lifetimes_never_rotate_together() -> None:
 
 
 def simulate(
-    inp: PoolInput, *, until: datetime, rotation_takes: timedelta
+    inp: PoolInput,
+    *,
+    until: datetime,
+    rotation_takes: timedelta,
+    paced: bool = False,
+    never_ready: frozenset[str] = frozenset(),
 ) -> list[tuple[str, datetime, datetime]]:
-    """Run a pool on plans alone; members start at once and rotate in `rotation_takes`.
+    """Run a pool on plans alone; members start at once and rotate in `rotation_takes`,
+    except those in `never_ready`, whose new instance never serves.
 
     Returns each rotation as (member, rotate sent, new generation Ready).
     """
     now = T0
-    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0)
+    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0, paced=paced)
     members: dict[str, Member] = {}
     pending: list[tuple[datetime, str]] = []  # (when, member) a rotation completes
     sent: dict[str, datetime] = {}
@@ -331,15 +379,18 @@ def simulate(
             serves(start.member, report(start.member, ProxyState.READY, 0, now))
         for rotation in step.rotations:
             sent[rotation.member] = now
-            heapq.heappush(pending, (now + rotation_takes, rotation.member))
+            if rotation.member not in never_ready:
+                heapq.heappush(pending, (now + rotation_takes, rotation.member))
         books = dataclasses.replace(
             books,
             members=tuple(members.values()),
             next_index=step.next_index,
             last_reconcile=now if step.reconcile else books.last_reconcile,
         )
-        wake = next_wake(books)
+        wake = next_wake(books, inp)
         candidates = [until] + ([wake.at] if wake else []) + ([pending[0][0]] if pending else [])
+        if step.more:
+            candidates.append(now)
         # As the workflow's timer: never less than a second ahead.
         now = max(min(candidates), now + timedelta(seconds=1))
         while pending and pending[0][0] <= now:
@@ -347,7 +398,120 @@ def simulate(
             member = members[done]
             serves(member, report(member, ProxyState.READY, member.generation + 1, now))
             spans.append((done, sent.pop(done), now))
+        # A member starting (its ready report) so the paced pool starts the next.
+        books = dataclasses.replace(books, members=tuple(members.values()))
     return spans
+
+
+def rotations_in(spans: list[tuple[str, datetime, datetime]], start: datetime) -> int:
+    """Rotations that ended in the hour from `start`."""
+    return len([end for _, _, end in spans if start <= end < start + timedelta(hours=1)])
+
+
+def test_a_percentage_surge_keeps_up_with_hour_lifetimes_where_one_at_a_time_cannot() -> None:
+    """200 members, 1 h lifetimes, 75 s to serve a new instance (a Compute Engine boot).
+
+    They need 200 * 75 / 3600 = 4.2 rotations under way at once on average:
+    "3%" is 6 (docs/operations.md, Rotation throughput).
+    """
+    lifetime = {"max_lifetime_seconds": 3600}
+    boot = timedelta(seconds=75)
+    until = T0 + timedelta(hours=3)
+    fast = pool_input(replicas=200, max_surge="3%", template=lifetime)
+    spans = simulate(fast, until=until, rotation_takes=boot, paced=True)
+    assert rotations_in(spans, T0 + timedelta(hours=2)) >= 200, "every member an hour"
+
+    slow = pool_input(replicas=200, max_surge=1, template=lifetime)
+    one_at_a_time = simulate(slow, until=until, rotation_takes=boot, paced=True)
+    assert rotations_in(one_at_a_time, T0 + timedelta(hours=2)) <= 3600 / 75
+
+
+def test_a_rotation_past_its_deadline_is_abandoned_and_holds_no_other() -> None:
+    inp = pool_input(
+        replicas=10, rotation_deadline_seconds=900, template={"max_lifetime_seconds": 3600}
+    )
+    stuck = f"{POOL}/0"
+    spans = simulate(
+        inp,
+        until=T0 + timedelta(hours=3),
+        rotation_takes=timedelta(seconds=75),
+        paced=True,
+        never_ready=frozenset({stuck}),
+    )
+    others = {member for member, _, _ in spans}
+    assert others == {f"{POOL}/{n}" for n in range(1, 10)}, "all others rotated, with one surge"
+    assert rotations_in(spans, T0 + timedelta(hours=2)) >= 9
+
+
+def test_an_abandoned_rotation_frees_its_slot_and_is_retried_a_deadline_later() -> None:
+    inp = pool_input(max_surge=1, rotation_deadline_seconds=900)
+    late = ready(0, lifetime_seconds=600)
+    late.start_rotation(T0)
+    waiting = ready(1)
+    waiting.queue("rotate update")
+    now = T0 + timedelta(seconds=900)
+    books = situation(late, waiting, replicas=2, paced=True)
+    wake = next_wake(books, inp)
+    assert wake == Wake(now, f"abandon the rotation of {POOL}/0 if still not Ready")
+
+    step = plan(books, inp, POOL, now)
+
+    assert step.abandoned == (f"{POOL}/0",)
+    assert [r.member for r in step.rotations] == [f"{POOL}/1"], "the slot went to the next"
+    abandoned = phases(step)[f"{POOL}/0"]
+    assert abandoned is MemberPhase.ACTIVE, "not queued again at once"
+    member = step.members[0]
+    assert member.last_rotation is not None and member.last_rotation.startswith("abandoned")
+    assert last_change(member).startswith("rotation abandoned: rotate not Ready within 900s")
+    assert rotate_at(member) == now + timedelta(seconds=900)
+
+
+def test_rotations_go_most_overdue_first_not_by_index() -> None:
+    members = tuple(
+        ready(n, since=T0 - timedelta(minutes=n), lifetime_seconds=600) for n in range(4)
+    )
+    step = plan(
+        situation(*members, paced=True), pool_input(max_surge=2), POOL, T0 + timedelta(hours=1)
+    )
+    assert [r.member for r in step.rotations] == [f"{POOL}/3", f"{POOL}/2"]
+
+
+def test_lifetime_rotations_go_on_while_no_more_than_max_unavailable_are_short() -> None:
+    members = (*(ready(n, lifetime_seconds=600) for n in range(19)), starting(19))
+    later = T0 + timedelta(hours=1)
+    # 10% of 20: two may be short; one is.
+    assert plan(situation(*members, paced=True), pool_input(), POOL, later).rotations
+    strict = pool_input(max_unavailable=0)
+    assert not plan(situation(*members, paced=True), strict, POOL, later).rotations
+    assert not plan(situation(*members), pool_input(), POOL, later).rotations, "unpaced: at size"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_surge", 0),
+        ("max_surge", "0%"),
+        ("max_surge", "101%"),
+        ("max_surge", "ten"),
+        ("max_surge", True),
+        ("max_surge", 1.5),
+        ("max_unavailable", -1),
+        ("max_unavailable", "%"),
+        ("max_unavailable", 1001),
+        ("rotation_deadline_seconds", 0),
+    ],
+)
+def test_rotation_knobs_refuse_bad_values_naming_the_field(field: str, value: Any) -> None:
+    _, problems = parse_model(
+        PoolInput, {"replicas": 3, "template": {"provider": "local"}, field: value}, ""
+    )
+    assert problems and all(p.startswith(f"{field}: ") for p in problems), problems
+
+
+def test_surge_and_unavailable_are_counts_or_shares_of_the_replicas() -> None:
+    assert (pool_input(max_surge="3%").surge(1000), pool_input(max_surge="3%").surge(10)) == (30, 1)
+    assert pool_input(max_surge=7).surge(1000) == 7
+    assert (pool_input().unavailable(1000), pool_input().unavailable(9)) == (100, 0)
 
 
 # ---- failures ---------------------------------------------------------------------------
