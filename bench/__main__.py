@@ -14,6 +14,7 @@ BENCHMARKS = (
     "bench.gateway",
     "bench.pool",
     "bench.reconfigure",
+    "bench.autoscale",
 )
 
 for module in BENCHMARKS:

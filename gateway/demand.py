@@ -244,6 +244,11 @@ def usage_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def name_of(args: argparse.Namespace, listen: tuple[str, int]) -> str:
+    """This gateway's name in its reports and wakes: `--gateway-name`, or the default."""
+    return str(args.gateway_name) if args.gateway_name else gateway_name(listen)
+
+
 @contextlib.asynccontextmanager
 async def reporting(
     args: argparse.Namespace,
@@ -253,7 +258,7 @@ async def reporting(
     listen: tuple[str, int],
 ) -> AsyncIterator[None]:
     """Demand reports in the background while the gateway serves."""
-    reporter = DemandReporter(client, pool, meter, args.gateway_name or gateway_name(listen))
+    reporter = DemandReporter(client, pool, meter, name_of(args, listen))
     task = asyncio.create_task(reporter.run(args.report_interval))
     try:
         yield

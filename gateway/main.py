@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from temporalio.client import WorkflowQueryFailedError
+from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 import cli
 from cli import Health, connect, serve_metrics
-from gateway import demand, membership, metrics
+from gateway import demand, membership, metrics, wake
 from gateway.member_networks import (
     Gatekeeper,
     MemberNetworks,
@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a membership change must hold still before a reload (default %(default)s)",
     )
     demand.add_arguments(parser)
+    wake.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -128,7 +129,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
     except UsageError as err:
         problems.append(str(err))
         listen = ("", 0)
-    problems += demand.usage_problems(args)
+    problems += demand.usage_problems(args) + wake.usage_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
     return args.pool, listen
@@ -183,12 +184,25 @@ async def serve(
         raise GatewayError(f"cannot connect to Temporal: {err}") from err
     gatekeeper = Gatekeeper(allowed)
 
-    async def fetch() -> list[GatewayMember]:
+    async def pool_members() -> list[GatewayMember]:
         try:
             return gatekeeper.admit(await membership.query_members(client, pool))
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
 
+    name = demand.name_of(args, listen)
+    async with wake.holding(args, client, pool, name, pool_members) as fetch:
+        return await _serve_members(args, client, pool, listen, settings, fetch)
+
+
+async def _serve_members(
+    args: argparse.Namespace,
+    client: Client,
+    pool: str,
+    listen: tuple[str, int],
+    settings: ProxySettings,
+    fetch: membership.Fetch,
+) -> int:
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
@@ -204,7 +218,7 @@ async def serve(
         for back in squid.backs:
             follower.follow(back.access_log, lambda line: metrics.count_back_line(line, names))
         follower.start()
-        metrics.MEMBERS.set(len(members))
+        metrics.MEMBERS.set(len(wake.real(members)))
         health = Health()
         if args.metrics_address:
             serve_metrics(args.metrics_address, health)
@@ -238,7 +252,7 @@ async def _run(
             log.error("reload failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
-        metrics.MEMBERS.set(len(new))
+        metrics.MEMBERS.set(len(wake.real(new)))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
 

@@ -42,13 +42,9 @@ def request(
     Raises OSError (refused, reset, timed out, TLS failure): the caller
     counts that as a failed request too.
     """
-    host, port = target
-    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+    host = target[0]
     with socket.create_connection(proxy, timeout=timeout) as sock:
-        sock.sendall(
-            f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
-        )
+        sock.sendall(connect_request(username, password, target))
         head = read_head(sock)
         status = int(head.split(b" ", 2)[1]) if head.count(b" ") >= 2 else 0
         if status != 200:
@@ -60,3 +56,37 @@ def request(
                 reply += chunk
         origin = int(reply.split(b" ", 2)[1]) if reply.count(b" ") >= 2 else 0
         return Answer(status, origin)
+
+
+def hold_tunnel(
+    proxy: tuple[str, int],
+    target: tuple[str, int],
+    context: ssl.SSLContext,
+    credentials: tuple[str, str],
+    timeout: float = TIMEOUT,
+) -> ssl.SSLSocket:
+    """CONNECT to `target` through `proxy`, TLS up, and the tunnel left open: one unit of load.
+
+    Raises OSError, or AssertionError if the proxy does not answer 200.
+    """
+    host, port = target
+    sock = socket.create_connection(proxy, timeout=timeout)
+    try:
+        sock.sendall(connect_request(*credentials, target))
+        head = read_head(sock)
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise AssertionError(f"CONNECT {host}:{port} answered {head[:100]!r}")
+        return context.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def connect_request(username: str, password: str, target: tuple[str, int]) -> bytes:
+    """A CONNECT to `target` with basic auth, as a scraper sends it."""
+    host, port = target
+    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+    return (
+        f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Proxy-Authorization: Basic {credentials}\r\n\r\n"
+    ).encode()

@@ -9,12 +9,11 @@ socket table and reports them (gateway/demand.py).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import socket
 import ssl
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from tests.helpers.gateway import GatewayProcess, stack_gateway
 from tests.helpers.network import read_head
 from tests.helpers.stacks import Stack
 from tests.helpers.state_dir import local_state_dir
+from tests.helpers.tunnel import connect_request, hold_tunnel
 from tests.helpers.waiting import wait_for
 from workflows.pool_autoscale import MAX_TUNNELS
 
@@ -70,7 +70,7 @@ async def settled_at(handle: WorkflowHandle[Any, Any], size: int, what: str) -> 
 
 @contextlib.asynccontextmanager
 async def gateway_for(
-    env: WorkflowEnvironment, stack: Stack, pool: str
+    env: WorkflowEnvironment, stack: Stack, pool: str, extra_args: Sequence[str] = ()
 ) -> AsyncIterator[GatewayProcess]:
     with local_state_dir("proxy-operator-gateway-test-") as directory:
         process = stack_gateway(
@@ -78,7 +78,7 @@ async def gateway_for(
             stack,
             pool,
             directory,
-            ["--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test"],
+            ["--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test", *extra_args],
         )
         await asyncio.to_thread(process.start)
         try:
@@ -87,22 +87,17 @@ async def gateway_for(
             assert await asyncio.to_thread(process.stop) == 0, process.log()
 
 
-def open_tunnel(gateway: GatewayProcess, stack: Stack) -> ssl.SSLSocket:
-    """A CONNECT through the gateway to the origin, TLS up, held open (no request sent)."""
-    target = f"{stack.origin.host}:{stack.origin.port}"
-    credentials = base64.b64encode(f"{USERNAME}:{PASSWORD}".encode()).decode()
-    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
-    sock.sendall(
-        f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
-        f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
-    )
-    head = read_head(sock)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return stack.origin.client_ssl_context.wrap_socket(sock, server_hostname=stack.origin.host)
-
-
 def open_tunnels(gateway: GatewayProcess, stack: Stack, count: int) -> list[ssl.SSLSocket]:
-    return [open_tunnel(gateway, stack) for _ in range(count)]
+    origin = stack.origin
+    return [
+        hold_tunnel(
+            ("127.0.0.1", gateway.port),
+            (origin.host, origin.port),
+            origin.client_ssl_context,
+            (USERNAME, PASSWORD),
+        )
+        for _ in range(count)
+    ]
 
 
 async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
@@ -161,3 +156,62 @@ async def test_an_idle_pool_reaches_zero_and_forged_reports_stay_in_bounds(
     assert "scale up 0 -> 2" in status["scaling"]["last_decision"]
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+def request_through(gateway: GatewayProcess, stack: Stack, timeout: float) -> tuple[bytes, bool]:
+    """(the gateway's answer head to a CONNECT, whether a GET through the tunnel then got 200)."""
+    origin = stack.origin
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=timeout) as sock:
+        sock.sendall(connect_request(USERNAME, PASSWORD, (origin.host, origin.port)))
+        head = read_head(sock)
+        if not head.startswith(b"HTTP/1.1 200"):
+            return head, False
+        with origin.client_ssl_context.wrap_socket(sock, server_hostname=origin.host) as tls:
+            tls.sendall(
+                f"GET / HTTP/1.1\r\nHost: {origin.host}\r\nConnection: close\r\n\r\n".encode()
+            )
+            return head, read_head(tls).startswith(b"HTTP/1.1 200")
+
+
+async def test_a_connect_at_zero_wakes_the_pool_and_is_tunnelled_once_a_member_serves(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(stack, 0, max_replicas=2, scale_down_after_seconds=3600)
+    # Generous: a member's Squid starts in seconds, slower on a loaded machine.
+    wake_timeout = 180
+    async with gateway_for(
+        temporal_env, stack, handle.id, ["--wake-timeout", str(wake_timeout)]
+    ) as gateway:
+        assert not stack.instances()
+        head, served = await asyncio.to_thread(request_through, gateway, stack, wake_timeout + 30)
+        assert head.startswith(b"HTTP/1.1 200") and served, head
+        status = await handle.query("status")
+        assert status["replicas"] == 1
+        assert status["scaling"]["last_decision"] == "woken by gateway gw-test: 0 -> 1"
+        assert (
+            gateway.metrics()[
+                ("proxy_operator_gateway_held_connects_total", (("outcome", "served"),))
+            ]
+            >= 1
+        )
+        # Once the backs have the member, CONNECTs go to it directly.
+        await settled_at(handle, 1, "the woken member serving")
+        head, served = await asyncio.to_thread(request_through, gateway, stack, 60)
+        assert served, head
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+async def test_a_pool_that_cannot_wake_answers_503_with_retry_after_past_the_wake_timeout(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(stack, 0, max_replicas=0)
+    async with gateway_for(temporal_env, stack, handle.id, ["--wake-timeout", "2"]) as gateway:
+        head, served = await asyncio.to_thread(request_through, gateway, stack, 60)
+        held = gateway.metrics()
+    assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 2\r\n" in head, head
+    assert not served
+    # Held once: Squid passed the answer on rather than trying the holder again.
+    timed_out = ("proxy_operator_gateway_held_connects_total", (("outcome", "timed_out"),))
+    assert held[timed_out] == 1
+    await handle.signal("terminate")
