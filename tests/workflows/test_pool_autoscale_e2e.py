@@ -173,31 +173,40 @@ def request_through(gateway: GatewayProcess, stack: Stack, timeout: float) -> tu
             return head, read_head(tls).startswith(b"HTTP/1.1 200")
 
 
-async def test_a_connect_at_zero_wakes_the_pool_and_is_tunnelled_once_a_member_serves(
+async def test_connects_at_zero_on_two_gateways_wake_one_member_and_are_tunnelled(
     temporal_env: WorkflowEnvironment, stack: Stack
 ) -> None:
     handle = await start_pool(stack, 0, max_replicas=2, scale_down_after_seconds=3600)
     # Generous: a member's Squid starts in seconds, slower on a loaded machine.
-    wake_timeout = 180
-    async with gateway_for(
-        temporal_env, stack, handle.id, ["--wake-timeout", str(wake_timeout)]
-    ) as gateway:
+    wake = ["--wake-timeout", "180"]
+    async with (
+        gateway_for(temporal_env, stack, handle.id, wake) as first,
+        gateway_for(temporal_env, stack, handle.id, [*wake, "--gateway-name", "gw-2"]) as second,
+    ):
         assert not stack.instances()
-        head, served = await asyncio.to_thread(request_through, gateway, stack, wake_timeout + 30)
-        assert head.startswith(b"HTTP/1.1 200") and served, head
-        status = await handle.query("status")
-        assert status["replicas"] == 1
-        assert status["scaling"]["last_decision"] == "woken by gateway gw-test: 0 -> 1"
-        assert (
-            gateway.metrics()[
-                ("proxy_operator_gateway_held_connects_total", (("outcome", "served"),))
-            ]
-            >= 1
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(request_through, g, stack, 210) for g in (first, second))
         )
+        for head, served in answers:
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+        status = await handle.query("status")
+        # Both gateways held a client and woke the pool: one member started.
+        assert status["replicas"] == 1 and len(status["members"]) == 1
+        assert status["members"][0]["member"] == f"{handle.id}/0"
+        assert status["scaling"]["last_decision"].startswith("woken by gateway gw-")
+        served_metric = ("proxy_operator_gateway_held_connects_total", (("outcome", "served"),))
+        assert all(g.metrics()[served_metric] == 1 for g in (first, second))
         # Once the backs have the member, CONNECTs go to it directly.
         await settled_at(handle, 1, "the woken member serving")
-        head, served = await asyncio.to_thread(request_through, gateway, stack, 60)
+
+        async def member_in_backs() -> bool:
+            found = await asyncio.to_thread(first.metrics)
+            return found[("proxy_operator_gateway_members", ())] == 1
+
+        await wait_for(member_in_backs, "the gateway's backs on the member", deadline=DEADLINE)
+        head, served = await asyncio.to_thread(request_through, first, stack, 60)
         assert served, head
+        assert first.metrics()[served_metric] == 1
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
 
