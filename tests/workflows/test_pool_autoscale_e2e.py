@@ -154,6 +154,21 @@ async def test_an_idle_pool_reaches_zero_and_forged_reports_stay_in_bounds(
     assert "open_tunnels: input should be less" in str(refused.value.cause)
     status = await settled_at(handle, 2, "the forged demand's pool at max_replicas")
     assert "scale up 0 -> 2" in status["scaling"]["last_decision"]
+    # `scale` on an autoscaled pool changes its bounds, at once.
+    for body, problem in (
+        ({"replicas": 2}, "this pool is autoscaled: give min_replicas"),
+        ({"min_replicas": 3}, "min_replicas (3) must not exceed max_replicas (2)"),
+    ):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update("scale", body)
+        assert problem in str(refused.value.cause)
+    assert await handle.execute_update("scale", {"max_replicas": 1}) == {
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "previous": [0, 2],
+    }
+    status = await settled_at(handle, 1, "the pool within its new bound")
+    assert status["scaling"]["last_decision"].startswith("bounds are now 0..1: 2 -> 1")
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
 
