@@ -35,7 +35,7 @@ from bench.stats import percentile
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.network import read_head
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
-from tests.helpers.tunnel import connect_request, hold_tunnel
+from tests.helpers.tunnel import HeldTunnels, connect_request
 
 WAKE_TIMEOUT = 120
 SAMPLE_SECONDS = 1.0
@@ -97,28 +97,20 @@ async def load_step(
             scaling = found["scaling"]
             row = (found["replicas"], found["ready"], scaling["open_tunnels"])
             if not trace or trace[-1][1:4] != row:
-                trace.append((time.monotonic() - start, *row, scaling["why"][:60]))
+                trace.append((time.monotonic() - start, *row, scaling["why"][:100]))
             await asyncio.sleep(SAMPLE_SECONDS)
 
-    target = (origin.host, origin.port)
-
-    def open_all() -> list[Any]:
-        return [
-            hold_tunnel(
-                ("127.0.0.1", port),
-                target,
-                origin.client_ssl_context,
-                (USERNAME, PASSWORD),
-                timeout=WAKE_TIMEOUT + 30,
-            )
-            for _ in range(args.tunnels)
-        ]
-
-    held = await asyncio.to_thread(open_all)
+    held = HeldTunnels(
+        ("127.0.0.1", port),
+        (origin.host, origin.port),
+        origin.client_ssl_context,
+        (USERNAME, PASSWORD),
+        timeout=WAKE_TIMEOUT + 30,
+    )
+    await asyncio.to_thread(held.open, args.tunnels)
     opened = time.monotonic() - start
     await sample(time.monotonic() + args.hold)
-    for tunnel in held:
-        tunnel.close()
+    await asyncio.to_thread(held.close)
     closed = time.monotonic() - start
     await sample(time.monotonic() + args.after)
     print(

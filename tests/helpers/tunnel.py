@@ -8,13 +8,17 @@ origin through the tunnel.
 from __future__ import annotations
 
 import base64
+import re
 import socket
 import ssl
+import threading
 from dataclasses import dataclass
 
 from tests.helpers.network import read_head
 
 TIMEOUT = 10.0
+# How often a held tunnel sends a request: well inside the origin's idle timeout.
+KEEP_BUSY = 3.0
 
 
 @dataclass(frozen=True)
@@ -90,3 +94,52 @@ def connect_request(username: str, password: str, target: tuple[str, int]) -> by
         f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Proxy-Authorization: Basic {credentials}\r\n\r\n"
     ).encode()
+
+
+class HeldTunnels:
+    """`count` tunnels held open through a proxy, each kept busy: a steady load of open tunnels.
+
+    Each tunnel sends a request every KEEP_BUSY seconds (an idle one would be
+    closed by the origin's timeout, tests/helpers/tls_origin.py) from a
+    thread of its own, until `close`.
+    """
+
+    def __init__(
+        self,
+        proxy: tuple[str, int],
+        target: tuple[str, int],
+        context: ssl.SSLContext,
+        credentials: tuple[str, str],
+        timeout: float = TIMEOUT,
+    ) -> None:
+        self._args = (proxy, target, context, credentials, timeout)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.failures = 0
+
+    def open(self, count: int) -> HeldTunnels:
+        """Opens `count` tunnels (raising as `hold_tunnel` does), each then kept busy."""
+        for _ in range(count):
+            tunnel = hold_tunnel(*self._args)
+            thread = threading.Thread(target=self._keep_busy, args=(tunnel,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _keep_busy(self, tunnel: ssl.SSLSocket) -> None:
+        host = self._args[1][0]
+        with tunnel:
+            while not self._stop.wait(KEEP_BUSY):
+                try:
+                    tunnel.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                    head = read_head(tunnel)
+                    length = re.search(rb"(?i)content-length: *(\d+)", head)
+                    tunnel.recv(int(length.group(1)) if length else 0)
+                except OSError:
+                    self.failures += 1
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()

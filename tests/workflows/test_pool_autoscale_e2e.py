@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import ssl
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -25,7 +24,7 @@ from tests.helpers.gateway import GatewayProcess, stack_gateway
 from tests.helpers.network import read_head
 from tests.helpers.stacks import Stack
 from tests.helpers.state_dir import local_state_dir
-from tests.helpers.tunnel import connect_request, hold_tunnel
+from tests.helpers.tunnel import HeldTunnels, connect_request
 from tests.helpers.waiting import wait_for
 from workflows.pool_autoscale import MAX_TUNNELS
 
@@ -87,17 +86,14 @@ async def gateway_for(
             assert await asyncio.to_thread(process.stop) == 0, process.log()
 
 
-def open_tunnels(gateway: GatewayProcess, stack: Stack, count: int) -> list[ssl.SSLSocket]:
+def held_tunnels(gateway: GatewayProcess, stack: Stack) -> HeldTunnels:
     origin = stack.origin
-    return [
-        hold_tunnel(
-            ("127.0.0.1", gateway.port),
-            (origin.host, origin.port),
-            origin.client_ssl_context,
-            (USERNAME, PASSWORD),
-        )
-        for _ in range(count)
-    ]
+    return HeldTunnels(
+        ("127.0.0.1", gateway.port),
+        (origin.host, origin.port),
+        origin.client_ssl_context,
+        (USERNAME, PASSWORD),
+    )
 
 
 async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
@@ -116,16 +112,17 @@ async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
     async with gateway_for(temporal_env, stack, handle.id) as gateway:
         # 10 tunnels want 5 members: the pool stops at its bound, 3. Opened
         # off the event loop: the worker in this process serves the pool.
-        held = await asyncio.to_thread(open_tunnels, gateway, stack, 10)
+        held = held_tunnels(gateway, stack)
         try:
+            await asyncio.to_thread(held.open, 10)
             status = await settled_at(handle, 3, "the pool scaled up to max_replicas")
             scaling = status["scaling"]
             assert scaling["mode"] == "autoscaled"
             assert scaling["open_tunnels"] >= 10
             assert scaling["last_decision"].startswith("scale up 1 -> 3")
+            assert held.failures == 0
         finally:
-            for tunnel in held:
-                tunnel.close()
+            await asyncio.to_thread(held.close)
         status = await settled_at(handle, 1, "the pool back at min_replicas after the load")
     scaling = status["scaling"]
     assert scaling["last_decision"].startswith("scale down 2 -> 1")
