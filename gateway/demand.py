@@ -33,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
@@ -187,7 +191,7 @@ class DemandReporter:
             metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_REFUSED).inc()
             log.warning("demand report refused: %s", cause or err)
             return True
-        except RPCError as err:
+        except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
             metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_FAILED).inc()
             log.warning("demand report failed: %s", err)
             return True

@@ -39,7 +39,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.service import RPCError
 
 from gateway import metrics
@@ -220,7 +225,11 @@ class Holder:
             answer: Any = await self.client.get_workflow_handle(self.pool).execute_update(
                 WAKE_UPDATE, {"gateway": self.gateway}
             )
-        except (WorkflowUpdateFailedError, RPCError) as err:
+        except (
+            WorkflowUpdateFailedError,
+            WorkflowUpdateRPCTimeoutOrCancelledError,
+            RPCError,
+        ) as err:
             log.warning("wake refused or failed: %s", getattr(err, "cause", None) or err)
             return
         log.info("woke pool %s: %s", self.pool, answer)
