@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from temporalio.client import Client, WorkflowQueryFailedError
+from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 import cli
@@ -190,19 +190,11 @@ async def serve(
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
 
-    name = demand.name_of(args, listen)
-    async with wake.holding(args, client, pool, name, pool_members) as fetch:
-        return await _serve_members(args, client, pool, listen, settings, fetch)
-
-
-async def _serve_members(
-    args: argparse.Namespace,
-    client: Client,
-    pool: str,
-    listen: tuple[str, int],
-    settings: ProxySettings,
-    fetch: membership.Fetch,
-) -> int:
+    # An autoscaled pool's backs get the wake holder while it has no member.
+    holding = contextlib.AsyncExitStack()
+    fetch = await holding.enter_async_context(
+        wake.holding(args, client, pool, demand.name_of(args, listen), pool_members)
+    )
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
@@ -230,6 +222,7 @@ async def _serve_members(
             return await _run(args, squid, names, fetch, members)
     finally:
         await asyncio.to_thread(squid.stop)
+        await holding.aclose()
         follower.stop()
         if private:
             shutil.rmtree(state_dir, ignore_errors=True)
