@@ -16,6 +16,7 @@ BENCHMARKS = (
     "bench.pool",
     "bench.reconfigure",
     "bench.cost",
+    "bench.autoscale",
 )
 
 for module in BENCHMARKS:

@@ -35,11 +35,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
-from temporalio.client import Client
-
-from activities.provider import ProviderActivities
+from bench.local_pool import LocalStack, local_stack
 from bench.stats import percentile
 from gateway.squid import GatewaySquid
 from providers.base import CreateRequest
@@ -47,15 +44,12 @@ from providers.config import Config
 from providers.local import METADATA_FILE, LocalProvider
 from providers.naming import owner_tags
 from providers.squid import GatewayMember
-from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config, raw_config
-from tests.helpers.gateway import GatewayProcess
+from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import free_port
 from tests.helpers.procfs import cpu_seconds
 from tests.helpers.state_dir import local_state_dir
-from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from tests.helpers.tunnel import request
-from worker import build_worker
 
 Target = tuple[str, int]
 RELOAD_GAP = 1.0
@@ -248,33 +242,12 @@ def _throughput(args: argparse.Namespace, origin: TlsOrigin, rate: float | None)
 
 
 async def rotation(args: argparse.Namespace, origin: TlsOrigin) -> None:
-    env = await start_dev_server()
-    try:
-        with (
-            local_state_dir("proxy-operator-bench-") as state_dir,
-            local_state_dir("proxy-operator-bench-gateway-") as gateway_dir,
-        ):
-            config = proxy_config(origin.port, local_entry(state_dir))
-            await _rotate(args, env.client, config, state_dir, gateway_dir, origin)
-    finally:
-        await env.shutdown()
+    async with local_stack(origin) as stack:
+        await _rotate(args, stack, origin)
 
 
-async def _rotate(
-    args: argparse.Namespace,
-    client: Client,
-    config: Config,
-    state_dir: Path,
-    gateway_dir: Path,
-    origin: TlsOrigin,
-) -> None:
-    provider = LocalProvider.from_config(config.providers[0], config)
-    activities = ProviderActivities(
-        {"local": provider}, config, ssl_context=origin.client_ssl_context
-    )
-    task_queue = f"bench-{uuid.uuid4().hex[:8]}"
-    worker = build_worker(client, activities, task_queue=task_queue)
-    run = asyncio.create_task(worker.run())
+async def _rotate(args: argparse.Namespace, stack: LocalStack, origin: TlsOrigin) -> None:
+    client, task_queue = stack.client, stack.task_queue
     template = {
         "provider": "local",
         "health": {"target": origin.url, "interval_seconds": 10, "failure_threshold": 3},
@@ -290,13 +263,7 @@ async def _rotate(
     async def endpoints() -> set[str]:
         return {e["endpoint"] for e in await pool.query("endpoints")}
 
-    gateway = GatewayProcess(
-        pool=pool.id,
-        raw_config=raw_config(local_entry(state_dir), connect_ports=[443, origin.port]),
-        temporal_address=client.service_client.config.target_host,
-        namespace=client.namespace,
-        directory=gateway_dir,
-    )
+    gateway = stack.gateway(pool.id)
     try:
         while len(await endpoints()) < args.replicas:
             await asyncio.sleep(0.5)
@@ -319,11 +286,6 @@ async def _rotate(
     finally:
         gateway.stop()
         await pool.signal("terminate")
-        while provider.list_by_tag("managed-by", "proxy-operator"):
-            await asyncio.sleep(0.5)
-        await worker.shutdown()
-        await run
-        activities.close()
     made = sum(load.outcomes.values())
     print(f"\nFull rotation of a {args.replicas}-member pool through the gateway")
     print(f"requests made {made}, lost {made - load.outcomes['ok']} ({dict(load.outcomes)})")

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
@@ -187,7 +191,7 @@ class DemandReporter:
             metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_REFUSED).inc()
             log.warning("demand report refused: %s", cause or err)
             return True
-        except RPCError as err:
+        except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
             metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_FAILED).inc()
             log.warning("demand report failed: %s", err)
             return True
@@ -244,6 +248,11 @@ def usage_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def name_of(args: argparse.Namespace, listen: tuple[str, int]) -> str:
+    """This gateway's name in its reports and wakes: `--gateway-name`, or the default."""
+    return str(args.gateway_name) if args.gateway_name else gateway_name(listen)
+
+
 @contextlib.asynccontextmanager
 async def reporting(
     args: argparse.Namespace,
@@ -253,7 +262,7 @@ async def reporting(
     listen: tuple[str, int],
 ) -> AsyncIterator[None]:
     """Demand reports in the background while the gateway serves."""
-    reporter = DemandReporter(client, pool, meter, args.gateway_name or gateway_name(listen))
+    reporter = DemandReporter(client, pool, meter, name_of(args, listen))
     task = asyncio.create_task(reporter.run(args.report_interval))
     try:
         yield

@@ -32,7 +32,7 @@ from temporalio.service import RPCError
 
 import cli
 from cli import Health, connect, serve_metrics
-from gateway import api_settings, demand, membership, metrics
+from gateway import api_settings, demand, membership, metrics, wake
 from gateway.api import ControlApi
 from gateway.api_pool import PoolControl
 from gateway.member_networks import (
@@ -108,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     demand.add_arguments(parser)
     api_settings.add_arguments(parser)
+    wake.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -133,7 +134,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
     except UsageError as err:
         problems.append(str(err))
         listen = ("", 0)
-    problems += demand.usage_problems(args)
+    problems += demand.usage_problems(args) + wake.usage_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
     return args.pool, listen
@@ -190,12 +191,17 @@ async def serve(
         raise GatewayError(f"cannot connect to Temporal: {err}") from err
     gatekeeper = Gatekeeper(allowed)
 
-    async def fetch() -> list[GatewayMember]:
+    async def pool_members() -> list[GatewayMember]:
         try:
             return gatekeeper.admit(await membership.query_members(client, pool))
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
 
+    # An autoscaled pool's backs get the wake holder while it has no member.
+    holding = contextlib.AsyncExitStack()
+    fetch = await holding.enter_async_context(
+        wake.holding(args, client, pool, demand.name_of(args, listen), pool_members)
+    )
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
@@ -218,13 +224,13 @@ async def serve(
         for back in squid.backs:
             follower.follow(back.access_log, on_back_line)
         follower.start()
-        metrics.set_members(members)
+        metrics.set_members(wake.real(members))
         health = Health()
         if args.metrics_address:
             serve_metrics(args.metrics_address, health)
         if api is not None:
             pool_control = PoolControl(
-                client, pool, settings.username, sessions, lambda: squid.members
+                client, pool, settings.username, sessions, lambda: wake.real(squid.members)
             )
             control = ControlApi(
                 pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
@@ -242,6 +248,7 @@ async def serve(
         if control is not None:
             await control.close()
         await asyncio.to_thread(squid.stop)
+        await holding.aclose()
         follower.stop()
         if private:
             shutil.rmtree(state_dir, ignore_errors=True)
@@ -265,7 +272,7 @@ async def _run(
             log.error("reload failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
-        metrics.set_members(new)
+        metrics.set_members(wake.real(new))
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
 

@@ -99,6 +99,16 @@ POOL_MEMBER_SECONDS = Gauge(
     "proxy_operator_gateway_pool_member_seconds",
     "Instance time the pool has cost since it started (member-seconds), as of its last answer",
 )
+# The `outcome` label of WAKES.
+WAKE_SERVED = "served"
+WAKE_TIMED_OUT = "timed_out"
+WAKE_RETRY_REFUSED = "retry_refused"
+WAKES = Counter(
+    "proxy_operator_gateway_held_connects",
+    "CONNECTs held while the pool had no member: tunnelled once one served, answered "
+    "503 with Retry-After past the wake timeout, or (Squid's retry of one) answered 503 at once",
+    ["outcome"],
+)
 
 POLL_SECONDS = 0.2
 

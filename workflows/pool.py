@@ -442,14 +442,14 @@ class ProxyPool:
         if self._autoscale is None:
             if req.replicas is None:
                 raise invalid_input(
-                    "invalid scale request: replicas: required (this pool has no autoscale; "
-                    "min_replicas/max_replicas are for autoscaled pools)"
+                    "invalid scale request: replicas: field required (this pool is not "
+                    "autoscaled: min_replicas/max_replicas are for autoscaled pools)"
                 )
             return req
-        if req.replicas is not None:
+        if req.replicas is not None or req.min_replicas is req.max_replicas is None:
             raise invalid_input(
-                "invalid scale request: replicas: this pool is autoscaled; give "
-                "min_replicas and/or max_replicas (its bounds) instead"
+                "invalid scale request: this pool is autoscaled: give min_replicas "
+                "and/or max_replicas (its bounds), not replicas"
             )
         _, problem = pool_autoscale.rebound(self._autoscale, req.min_replicas, req.max_replicas)
         if problem is not None:

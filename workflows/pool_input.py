@@ -151,10 +151,10 @@ class ScaleRequest(StrictInput):
     @model_validator(mode="after")
     def _size_or_bounds(self) -> ScaleRequest:
         bounds = self.min_replicas is not None or self.max_replicas is not None
-        if (self.replicas is None) != bounds:
+        if self.replicas is not None and bounds:
             raise ValueError(
                 'give either "replicas" (a fixed pool) or "min_replicas"/"max_replicas" '
-                "(an autoscaled pool)"
+                "(an autoscaled pool), not both"
             )
         return self
 

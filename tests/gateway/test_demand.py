@@ -1,4 +1,4 @@
-"""What the gateway measures and reports as demand (gateway/demand.py), without a pool.
+"""The gateway's demand (gateway/demand.py) and its autoscaling flags, without a pool.
 
 Open tunnels are read from the kernel's socket table, so these tests hold
 real connections to a real listener; the reports themselves are tested
@@ -81,6 +81,8 @@ def test_the_default_name_is_the_host_and_the_listen_port() -> None:
         (["--gateway-name", "gw\n"], "--gateway-name"),
         (["--report-interval", "1"], "--report-interval: 1.0 is not between 5 and 300"),
         (["--report-interval", "nan"], "--report-interval: nan is not between"),
+        (["--wake-timeout", "-1"], "--wake-timeout: -1.0 is not between 0 and 600 seconds"),
+        (["--wake-timeout", "inf"], "--wake-timeout: inf is not between"),
     ],
 )
 def test_bad_reporting_flags_are_named(

@@ -286,6 +286,10 @@ async def test_updates_reject_bad_requests_before_acceptance(pool: PoolCli, stac
         ("report_ban", {"member": f"{pool.id}/9"}, "no member"),
         ("report_ban", {"reason": "x"}, "member: field required"),
         ("report_ban", {"member": f"{pool.id}/0", "reason": "x" * 600}, "reason:"),
+        # A fixed pool takes no bounds, demand or wake (test_pool_autoscale_e2e.py).
+        ("scale", {"max_replicas": 3}, "replicas: field required (this pool is not autoscaled"),
+        ("report_demand", {"gateway": "gw", "open_tunnels": 5}, "this pool is not autoscaled"),
+        ("wake", {"gateway": "gw"}, "this pool is not autoscaled"),
     ]
     for name, body, fragment in rejected:
         code, out = await pool.update(name, body)

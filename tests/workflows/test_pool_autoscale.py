@@ -268,9 +268,8 @@ def test_bad_autoscale_input_names_the_field(
 def test_scale_takes_a_size_or_bounds_never_both() -> None:
     assert ScaleRequest.model_validate({"max_replicas": 3}).max_replicas == 3
     assert ScaleRequest.model_validate({"replicas": 3}).replicas == 3
-    for body in ({}, {"replicas": 1, "min_replicas": 1}):
-        with pytest.raises(ValidationError, match='give either "replicas"'):
-            ScaleRequest.model_validate(body)
+    with pytest.raises(ValidationError, match='give either "replicas"'):
+        ScaleRequest.model_validate({"replicas": 1, "min_replicas": 1})
 
 
 def member(index: int, *, started: int, **fields: Any) -> Member:

@@ -9,11 +9,10 @@ socket table and reports them (gateway/demand.py).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import socket
-import ssl
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway
 from tests.helpers.network import read_head
 from tests.helpers.stacks import Stack
+from tests.helpers.tunnel import HeldTunnels, connect_request
 from tests.helpers.waiting import wait_for
 from workflows.pool_autoscale import MAX_TUNNELS
 
@@ -67,29 +67,21 @@ async def settled_at(handle: WorkflowHandle[Any, Any], size: int, what: str) -> 
 
 
 def gateway_for(
-    env: WorkflowEnvironment, stack: Stack, pool: str
+    env: WorkflowEnvironment, stack: Stack, pool: str, extra_args: Sequence[str] = ()
 ) -> contextlib.AbstractAsyncContextManager[GatewayProcess]:
     """A gateway over `pool` that reports demand every REPORT_SECONDS."""
-    flags = ("--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test")
+    flags = ("--report-interval", str(REPORT_SECONDS), "--gateway-name", "gw-test", *extra_args)
     return pool_gateway(env, stack, pool, lambda _directory: flags)
 
 
-def open_tunnel(gateway: GatewayProcess, stack: Stack) -> ssl.SSLSocket:
-    """A CONNECT through the gateway to the origin, TLS up, held open (no request sent)."""
-    target = f"{stack.origin.host}:{stack.origin.port}"
-    credentials = base64.b64encode(f"{USERNAME}:{PASSWORD}".encode()).decode()
-    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
-    sock.sendall(
-        f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
-        f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+def held_tunnels(gateway: GatewayProcess, stack: Stack) -> HeldTunnels:
+    origin = stack.origin
+    return HeldTunnels(
+        ("127.0.0.1", gateway.port),
+        (origin.host, origin.port),
+        origin.client_ssl_context,
+        (USERNAME, PASSWORD),
     )
-    head = read_head(sock)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return stack.origin.client_ssl_context.wrap_socket(sock, server_hostname=stack.origin.host)
-
-
-def open_tunnels(gateway: GatewayProcess, stack: Stack, count: int) -> list[ssl.SSLSocket]:
-    return [open_tunnel(gateway, stack) for _ in range(count)]
 
 
 async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
@@ -108,16 +100,17 @@ async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(
     async with gateway_for(temporal_env, stack, handle.id) as gateway:
         # 10 tunnels want 5 members: the pool stops at its bound, 3. Opened
         # off the event loop: the worker in this process serves the pool.
-        held = await asyncio.to_thread(open_tunnels, gateway, stack, 10)
+        held = held_tunnels(gateway, stack)
         try:
+            await asyncio.to_thread(held.open, 10)
             status = await settled_at(handle, 3, "the pool scaled up to max_replicas")
             scaling = status["scaling"]
             assert scaling["mode"] == "autoscaled"
             assert scaling["open_tunnels"] >= 10
             assert scaling["last_decision"].startswith("scale up 1 -> 3")
+            assert held.failures == 0
         finally:
-            for tunnel in held:
-                tunnel.close()
+            await asyncio.to_thread(held.close)
         status = await settled_at(handle, 1, "the pool back at min_replicas after the load")
     scaling = status["scaling"]
     assert scaling["last_decision"].startswith("scale down 2 -> 1")
@@ -146,5 +139,88 @@ async def test_an_idle_pool_reaches_zero_and_forged_reports_stay_in_bounds(
     assert "open_tunnels: input should be less" in str(refused.value.cause)
     status = await settled_at(handle, 2, "the forged demand's pool at max_replicas")
     assert "scale up 0 -> 2" in status["scaling"]["last_decision"]
+    # `scale` on an autoscaled pool changes its bounds, at once.
+    for body, problem in (
+        ({"replicas": 2}, "this pool is autoscaled: give min_replicas"),
+        ({"min_replicas": 3}, "min_replicas (3) must not exceed max_replicas (2)"),
+    ):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update("scale", body)
+        assert problem in str(refused.value.cause)
+    assert await handle.execute_update("scale", {"max_replicas": 1}) == {
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "previous": [0, 2],
+    }
+    status = await settled_at(handle, 1, "the pool within its new bound")
+    assert status["scaling"]["last_decision"].startswith("bounds are now 0..1: 2 -> 1")
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+def request_through(gateway: GatewayProcess, stack: Stack, timeout: float) -> tuple[bytes, bool]:
+    """(the gateway's answer head to a CONNECT, whether a GET through the tunnel then got 200)."""
+    origin = stack.origin
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=timeout) as sock:
+        sock.sendall(connect_request(USERNAME, PASSWORD, (origin.host, origin.port)))
+        head = read_head(sock)
+        if not head.startswith(b"HTTP/1.1 200"):
+            return head, False
+        with origin.client_ssl_context.wrap_socket(sock, server_hostname=origin.host) as tls:
+            tls.sendall(
+                f"GET / HTTP/1.1\r\nHost: {origin.host}\r\nConnection: close\r\n\r\n".encode()
+            )
+            return head, read_head(tls).startswith(b"HTTP/1.1 200")
+
+
+async def test_connects_at_zero_on_two_gateways_wake_one_member_and_are_tunnelled(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(stack, 0, max_replicas=2, scale_down_after_seconds=3600)
+    # Generous: a member's Squid starts in seconds, slower on a loaded machine.
+    wake = ["--wake-timeout", "180"]
+    async with (
+        gateway_for(temporal_env, stack, handle.id, wake) as first,
+        gateway_for(temporal_env, stack, handle.id, [*wake, "--gateway-name", "gw-2"]) as second,
+    ):
+        assert not stack.instances()
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(request_through, g, stack, 210) for g in (first, second))
+        )
+        for head, served in answers:
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+        status = await handle.query("status")
+        # Both gateways held a client and woke the pool: one member started.
+        assert status["replicas"] == 1 and len(status["members"]) == 1
+        assert status["members"][0]["member"] == f"{handle.id}/0"
+        assert status["scaling"]["last_decision"].startswith("woken by gateway gw-")
+        served_metric = ("proxy_operator_gateway_held_connects_total", (("outcome", "served"),))
+        assert all(g.metrics()[served_metric] == 1 for g in (first, second))
+        # Once the backs have the member, CONNECTs go to it directly.
+        await settled_at(handle, 1, "the woken member serving")
+
+        async def member_in_backs() -> bool:
+            found = await asyncio.to_thread(first.metrics)
+            return found[("proxy_operator_gateway_members", ())] == 1
+
+        await wait_for(member_in_backs, "the gateway's backs on the member", deadline=DEADLINE)
+        head, served = await asyncio.to_thread(request_through, first, stack, 60)
+        assert served, head
+        assert first.metrics()[served_metric] == 1
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+async def test_a_pool_that_cannot_wake_answers_503_with_retry_after_past_the_wake_timeout(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(stack, 0, max_replicas=0)
+    async with gateway_for(temporal_env, stack, handle.id, ["--wake-timeout", "2"]) as gateway:
+        head, served = await asyncio.to_thread(request_through, gateway, stack, 60)
+        held = gateway.metrics()
+    assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 2\r\n" in head, head
+    assert not served
+    # Held once: Squid passed the answer on rather than trying the holder again.
+    timed_out = ("proxy_operator_gateway_held_connects_total", (("outcome", "timed_out"),))
+    assert held[timed_out] == 1
+    await handle.signal("terminate")

@@ -1,0 +1,77 @@
+"""A Temporal dev server and a worker with the local provider, for the pool benchmarks.
+
+What bench.gateway's rotation and bench.autoscale share: the server, real
+local Squids as members, a worker on a queue of its own, a gateway over a
+pool, and a teardown that waits until every member's Squid is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from temporalio.client import Client
+
+from activities.provider import ProviderActivities
+from providers.local import LocalProvider
+from tests.helpers.config import local_entry, proxy_config, raw_config
+from tests.helpers.gateway import GatewayProcess
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.temporal import start_dev_server
+from tests.helpers.tls_origin import TlsOrigin
+from worker import build_worker
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    client: Client
+    task_queue: str
+    state_dir: Path
+    gateway_dir: Path
+    origin: TlsOrigin
+
+    def gateway(self, pool: str, extra_args: Sequence[str] = ()) -> GatewayProcess:
+        """A gateway (not started) over `pool`."""
+        return GatewayProcess(
+            pool=pool,
+            raw_config=raw_config(
+                local_entry(self.state_dir), connect_ports=[443, self.origin.port]
+            ),
+            temporal_address=self.client.service_client.config.target_host,
+            namespace=self.client.namespace,
+            directory=self.gateway_dir,
+            extra_args=extra_args,
+        )
+
+
+@asynccontextmanager
+async def local_stack(origin: TlsOrigin) -> AsyncIterator[LocalStack]:
+    """The server and the worker; on exit, waits for every local instance to be gone."""
+    env = await start_dev_server()
+    try:
+        with (
+            local_state_dir("proxy-operator-bench-") as state_dir,
+            local_state_dir("proxy-operator-bench-gateway-") as gateway_dir,
+        ):
+            config = proxy_config(origin.port, local_entry(state_dir))
+            provider = LocalProvider.from_config(config.providers[0], config)
+            activities = ProviderActivities(
+                {"local": provider}, config, ssl_context=origin.client_ssl_context
+            )
+            task_queue = f"bench-{uuid.uuid4().hex[:8]}"
+            worker = build_worker(env.client, activities, task_queue=task_queue)
+            run = asyncio.create_task(worker.run())
+            try:
+                yield LocalStack(env.client, task_queue, state_dir, gateway_dir, origin)
+            finally:
+                while provider.list_by_tag("managed-by", "proxy-operator"):
+                    await asyncio.sleep(0.5)
+                await worker.shutdown()
+                await run
+                activities.close()
+    finally:
+        await env.shutdown()

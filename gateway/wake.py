@@ -1,0 +1,317 @@
+"""Scale to zero, the gateway's half: hold a client while the pool wakes, then tunnel it.
+
+A pool at zero lists no member, and a gateway with no parent answers every
+CONNECT 503 at once. For an autoscaled pool the gateway instead gives its
+back workers one stand-in parent while the pool lists no member: the
+`Holder`, a listener on loopback in the gateway's own process
+(`HOLD_MEMBER`, rendered like any member, so Squid 5.7 needs no config of
+its own for it: the backs check the client's credentials as usual and send
+the CONNECT on with the fleet's, as to a member). For each CONNECT it gets,
+the holder
+
+1. asks the pool to `wake` (at most one update in flight, and one per
+   WAKE_RESEND: the pool's handler starts one member for any number of
+   wakes, so several gateways waking together start one member);
+2. polls the pool's `endpoints` until a member is listed, for up to the
+   wake timeout (`--wake-timeout`, default 30 s);
+3. then opens the tunnel through that member itself (the CONNECT as the
+   back sent it, fleet credentials included) and relays the member's answer
+   and the bytes both ways; or, past the timeout, answers 503 with
+   `Retry-After`, which Squid passes on to the client. Squid first tries
+   the CONNECT again on its other back worker, so for RETRY_GRACE after a
+   timeout the holder answers 503 at once: the client waits one timeout,
+   not two.
+
+Meanwhile the gateway's membership follower sees the member too and reloads
+the backs onto it, but only once no hold is waiting for a member's answer
+(`quiet`): a back reloaded while its CONNECT to a parent is under way may
+lose that parent (gateway/squid.py). Tunnels already relayed by the holder
+carry on; new CONNECTs go to the member directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from temporalio.client import (
+    Client,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
+from temporalio.service import RPCError
+
+from gateway import metrics
+from providers.squid import GatewayMember
+from workflows.pool_autoscale import AUTOSCALED
+
+log = logging.getLogger("proxy_operator.gateway")
+
+WAKE_UPDATE = "wake"
+DEFAULT_WAKE_TIMEOUT = 30.0
+MAX_WAKE_TIMEOUT = 600.0
+# Between wakes of one gateway: a pool still starting its member need not
+# be asked again on every held CONNECT (each is an action).
+WAKE_RESEND = 10.0
+POLL_SECONDS = 0.5
+# After a hold timed out, CONNECTs are refused at once for this long: Squid
+# retries a refused CONNECT on its other back worker at once.
+RETRY_GRACE = 5.0
+# A stand-in member id no pool member can have (theirs are `<pool>/<n>`).
+HOLD_MEMBER = "wake-hold"
+MAX_HEAD = 16384
+RELAY_CHUNK = 65536
+CONNECT_TIMEOUT = 10.0
+
+Fetch = Callable[[], Awaitable[list[GatewayMember]]]
+
+
+class Holder:
+    """The stand-in parent: holds CONNECTs while the pool has no member."""
+
+    def __init__(
+        self, client: Client, pool: str, gateway: str, fetch: Fetch, timeout: float
+    ) -> None:
+        self.client = client
+        self.pool = pool
+        self.gateway = gateway
+        self.fetch = fetch
+        self.timeout = timeout
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._waiting = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._wake: asyncio.Task[None] | None = None
+        self._woken_at = -WAKE_RESEND
+        # Until then, a CONNECT is answered 503 at once: a retry of one that timed out.
+        self._gave_up_until = 0.0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    def stand_in(self) -> GatewayMember:
+        return GatewayMember(HOLD_MEMBER, "127.0.0.1", self.port)
+
+    async def quiet(self) -> None:
+        """Until no held CONNECT waits for a member's answer (bounded by the wake timeout)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), self.timeout + CONNECT_TIMEOUT)
+
+    # ---- one held CONNECT -----------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await _read_head(reader)
+            if head is None or not head.startswith(b"CONNECT "):
+                return  # Squid's probe of its parent, or not a tunnel
+            if time.monotonic() < self._gave_up_until:
+                # Squid tries a CONNECT its parent answered 503 again, on the
+                # other back: answered at once, the client waits one timeout.
+                upstream = None
+                metrics.WAKES.labels(outcome=metrics.WAKE_RETRY_REFUSED).inc()
+            else:
+                upstream = await self._held(head, writer)
+            if upstream is None:
+                retry = max(1, round(self.timeout))
+                writer.write(
+                    f"HTTP/1.1 503 Service Unavailable\r\nRetry-After: {retry}\r\n"
+                    f"Content-Length: 0\r\nConnection: close\r\n\r\n".encode()
+                )
+                await writer.drain()
+                return
+            metrics.WAKES.labels(outcome=metrics.WAKE_SERVED).inc()
+            await _relay(reader, writer, *upstream)
+        except (OSError, asyncio.IncompleteReadError) as err:
+            log.info("held CONNECT ended: %s", err)
+        finally:
+            writer.close()
+
+    async def _held(
+        self, head: bytes, client: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """`_tunnel`, counted as a hold: the backs are not reloaded while one waits."""
+        self._waiting += 1
+        self._quiet.clear()
+        try:
+            upstream = await self._tunnel(head, client)
+        finally:
+            self._waiting -= 1
+            if not self._waiting:
+                self._quiet.set()
+        if upstream is None:
+            metrics.WAKES.labels(outcome=metrics.WAKE_TIMED_OUT).inc()
+            self._gave_up_until = time.monotonic() + RETRY_GRACE
+        return upstream
+
+    async def _tunnel(
+        self, head: bytes, client: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A member's connection with `head` sent and its answer relayed; None past the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            members = await self._members()
+            if members:
+                return await self._through(members[0], head, client)
+            self._wake_pool()
+            await asyncio.sleep(POLL_SECONDS)
+        return None
+
+    def serving(self) -> Fetch:
+        """The membership the backs get: the pool's members, or the holder while there are none.
+
+        A change from the holder to members is returned only once no hold
+        waits for a member's answer, so the backs are not reloaded under one.
+        """
+
+        async def fetch() -> list[GatewayMember]:
+            members = await self.fetch()
+            if not members:
+                return [self.stand_in()]
+            await self.quiet()
+            return members
+
+        return fetch
+
+    async def _members(self) -> list[GatewayMember]:
+        try:
+            return await self.fetch()
+        except Exception as err:  # a failed poll is a poll with no member yet
+            log.warning("endpoints query failed while holding a client: %s", err)
+            return []
+
+    async def _through(
+        self, member: GatewayMember, head: bytes, client: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """`head` sent to `member`, and its answer relayed to `client`: the tunnel is open."""
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(member.host, member.port), CONNECT_TIMEOUT
+        )
+        try:
+            writer.write(head)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+            client.write(answer)
+            await client.drain()
+        except BaseException:
+            writer.close()
+            raise
+        log.info("held CONNECT sent to %s: %s", member.member, answer.split(b"\r\n", 1)[0])
+        return reader, writer
+
+    def _wake_pool(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            return
+        if time.monotonic() - self._woken_at < WAKE_RESEND:
+            return
+        self._woken_at = time.monotonic()
+        self._wake = asyncio.create_task(self._send_wake())
+
+    async def _send_wake(self) -> None:
+        try:
+            answer: Any = await self.client.get_workflow_handle(self.pool).execute_update(
+                WAKE_UPDATE, {"gateway": self.gateway}
+            )
+        except (
+            WorkflowUpdateFailedError,
+            WorkflowUpdateRPCTimeoutOrCancelledError,
+            RPCError,
+        ) as err:
+            log.warning("wake refused or failed: %s", getattr(err, "cause", None) or err)
+            return
+        log.info("woke pool %s: %s", self.pool, answer)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+    """A request head through its blank line; None if the peer closed or sent too much."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        return None
+    return head if len(head) <= MAX_HEAD else None
+
+
+async def _relay(
+    client_reader: asyncio.StreamReader,
+    client_writer: asyncio.StreamWriter,
+    member_reader: asyncio.StreamReader,
+    member_writer: asyncio.StreamWriter,
+) -> None:
+    """Bytes both ways (the member's answer to the CONNECT first) until either side closes."""
+
+    async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := await source.read(RELAY_CHUNK):
+                sink.write(chunk)
+                await sink.drain()
+        with contextlib.suppress(OSError):
+            sink.write_eof()
+
+    try:
+        await asyncio.gather(pipe(member_reader, client_writer), pipe(client_reader, member_writer))
+    finally:
+        member_writer.close()
+
+
+def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:
+    """The pool's members among what the backs have: not the holder."""
+    return [m for m in members if m.member != HOLD_MEMBER]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wake-timeout",
+        type=float,
+        default=DEFAULT_WAKE_TIMEOUT,
+        help="seconds a client waits at an autoscaled pool with no member while it wakes, "
+        "then 503 with Retry-After (default %(default)s; 0 answers 503 at once)",
+    )
+
+
+def usage_problems(args: argparse.Namespace) -> list[str]:
+    if 0 <= args.wake_timeout <= MAX_WAKE_TIMEOUT:
+        return []
+    return [
+        f"--wake-timeout: {args.wake_timeout} is not between 0 and {MAX_WAKE_TIMEOUT:g} seconds"
+    ]
+
+
+async def autoscaled(client: Client, pool: str) -> bool:
+    """Whether the pool says it is autoscaled (`status.scaling.mode`)."""
+    try:
+        status = await client.get_workflow_handle(pool).query("status")
+    except (RPCError, WorkflowQueryFailedError) as err:
+        log.warning("cannot tell whether pool %s is autoscaled: %s", pool, err)
+        return False
+    scaling = status.get("scaling") if isinstance(status, dict) else None
+    return isinstance(scaling, dict) and scaling.get("mode") == AUTOSCALED
+
+
+@contextlib.asynccontextmanager
+async def holding(
+    args: argparse.Namespace, client: Client, pool: str, gateway: str, fetch: Fetch
+) -> AsyncIterator[Fetch]:
+    """The membership to serve: `fetch`, or for an autoscaled pool, held by a `Holder`."""
+    if not args.wake_timeout or not await autoscaled(client, pool):
+        yield fetch
+        return
+    holder = Holder(client, pool, gateway, fetch, args.wake_timeout)
+    await holder.start()
+    log.info("holding clients up to %gs while pool %s has no member", args.wake_timeout, pool)
+    try:
+        yield holder.serving()
+    finally:
+        await holder.stop()
