@@ -15,7 +15,6 @@ IP address (plain text, or JSON with `ip` or `origin`), and at most
 from __future__ import annotations
 
 import asyncio
-import base64
 import ipaddress
 import json
 import ssl
@@ -23,9 +22,9 @@ import ssl
 from activities.probe import (
     MAX_HEAD_BYTES,
     ProbeFailed,
-    host_port,
     parse_https_target,
     read_status,
+    send_connect,
 )
 
 # An address is a few dozen bytes; an echo service's answer is read no further.
@@ -54,12 +53,7 @@ async def observe_exit(
             reader, writer = await asyncio.open_connection(
                 proxy_host, proxy_port, limit=MAX_HEAD_BYTES
             )
-            credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
-            authority = host_port(host, port)
-            writer.write(
-                f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
-                f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
-            )
+            authority = send_connect(writer, host, port, username, password)
             status = await read_status(reader, "proxy")
             if status != 200:
                 raise EchoFailed(f"the proxy answered CONNECT {authority} with {status}")

@@ -121,12 +121,7 @@ async def probe_connect(
             timings["connect_ms"] = elapsed_ms(start)
 
             sent = time.monotonic()
-            credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
-            authority = host_port(host, port)
-            writer.write(
-                f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
-                f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
-            )
+            authority = send_connect(writer, host, port, username, password)
             status_code = await read_status(reader, "proxy")
             timings["connect_reply_ms"] = elapsed_ms(sent)
             if status_code != 200:
@@ -189,6 +184,19 @@ def parse_https_target(target_url: str) -> tuple[str, int, str]:
     if parts.query:
         path += f"?{parts.query}"
     return parts.hostname, port, path
+
+
+def send_connect(
+    writer: asyncio.StreamWriter, host: str, port: int, username: str, password: str
+) -> str:
+    """Ask the proxy for a tunnel to host:port with Basic credentials; returns host:port."""
+    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+    authority = host_port(host, port)
+    writer.write(
+        f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+        f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+    )
+    return authority
 
 
 def host_port(host: str, port: int) -> str:
