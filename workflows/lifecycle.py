@@ -216,7 +216,10 @@ class ProxyLifecycle:
             await self._terminating(lifecycle)
             self._raise_if_delete_refused()
             raise
-        if not lifecycle.done():
+        # Also when the lifecycle has ended already: a terminate that came
+        # before its first step ends it at once (_raise_if_stopping), and
+        # must still end the proxy Terminated, not Cancelled.
+        if not lifecycle.done() or self._terminate_reason is not None:
             await self._terminating(lifecycle)
             self._raise_if_delete_refused()
             return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")

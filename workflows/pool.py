@@ -350,12 +350,12 @@ class ProxyPool:
         ]
 
     @workflow.update(name="scale")
-    def scale(self, request: Any) -> dict[str, Any]:
+    def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Keep `replicas` members; also resumes replacing after the failure budget ran out."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(ScaleRequest, request, "scale")
+        req = self._request(ScaleRequest, request, "scale", extra)
         previous, self._replicas = self._replicas, req.replicas
         self._stopped = None
         self._failures_in_a_row = 0
@@ -364,17 +364,17 @@ class ProxyPool:
         return self._remember({"replicas": req.replicas, "previous": previous})
 
     @scale.validator
-    def _validate_scale(self, request: Any) -> None:
+    def _validate_scale(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is None:
-            self._request(ScaleRequest, request, "scale")
+            self._request(ScaleRequest, request, "scale", extra)
 
     @workflow.update(name="rotate")
-    def rotate(self, request: Any) -> dict[str, Any]:
+    def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(RotateRequest, request, "rotate")
+        req = self._request(RotateRequest, request, "rotate", extra)
         # All: every member that has served; one still starting is new already.
         targets = (
             [m for m in self._live() if m.served] if req.all else [self._members[str(req.member)]]
@@ -385,20 +385,20 @@ class ProxyPool:
         return self._remember({"queued": queued})
 
     @rotate.validator
-    def _validate_rotate(self, request: Any) -> None:
+    def _validate_rotate(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is not None:
             return
-        req = self._request(RotateRequest, request, "rotate")
+        req = self._request(RotateRequest, request, "rotate", extra)
         if req.member is not None:
             self._live_member(req.member)
 
     @workflow.update(name="report_ban")
-    def report_ban(self, request: Any) -> dict[str, Any]:
+    def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(BanRequest, request, "report_ban")
+        req = self._request(BanRequest, request, "report_ban", extra)
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
@@ -410,10 +410,10 @@ class ProxyPool:
         return self._remember({"member": member.member, "banned": True, "already": False})
 
     @report_ban.validator
-    def _validate_report_ban(self, request: Any) -> None:
+    def _validate_report_ban(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is not None:
             return  # a retry of one applied before a continue-as-new: its result again
-        req = self._request(BanRequest, request, "report_ban")
+        req = self._request(BanRequest, request, "report_ban", extra)
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
             return  # idempotent: accepted, changes nothing
@@ -488,13 +488,19 @@ class ProxyPool:
             del self._applied_updates[next(iter(self._applied_updates))]
         return result
 
-    def _request(self, model: Any, raw: Any, what: str) -> Any:
-        """An update's request, or a rejection naming every bad field."""
+    def _request(self, model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
+        """An update's request, or a rejection naming every bad field.
+
+        Handlers take any arguments, untyped, so that none fails in the SDK
+        before this: no argument, extra ones and undecodable JSON are refused
+        here (or by workflows/payloads.py) as InvalidInput, naming the argument.
+        """
         if self._inp is None or self._terminate_reason is not None:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )
         req, problems = parse_model(model, raw, f"(the {what} request)")
+        problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
         if problems or req is None:
             raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
         return req

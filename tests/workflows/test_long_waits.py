@@ -15,12 +15,11 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
+from tests.helpers.run_chain import run_histories
 from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.waiting import status_of, wait_for, wait_status
@@ -36,27 +35,6 @@ RETRY_AFTER = timedelta(hours=1)
 # 30 s deadline for one skip.
 STEP = timedelta(hours=6)
 MAX_EVENTS_PER_RUN = 10_000
-
-
-async def run_lengths(client: Client, workflow_id: str, first_run_id: str) -> list[int]:
-    """The number of history events of every run, following continue-as-new from the first."""
-    lengths: list[int] = []
-    run_id: str | None = first_run_id
-    while run_id is not None:
-        events = [
-            e
-            async for e in client.get_workflow_handle(
-                workflow_id, run_id=run_id
-            ).fetch_history_events()
-        ]
-        lengths.append(len(events))
-        last = events[-1]
-        run_id = (
-            last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-            if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
-            else None
-        )
-    return lengths
 
 
 @pytest.mark.timeout(900)  # minutes of real time even on an idle machine
@@ -89,7 +67,7 @@ async def test_a_month_of_quota_continues_as_new_and_ends_ready(
         # The same wait, however many runs it took.
         assert f"(since {since}," in (status.waiting_for or ""), status
 
-    lengths = await run_lengths(stack.client, handle.id, first_run_id)
+    lengths = [len(run) async for run in run_histories(stack.client, handle.id, first_run_id)]
     assert len(lengths) > 1, f"never continued as new: {lengths} events"
     assert max(lengths) < MAX_EVENTS_PER_RUN, lengths
     assert stack.provider.calls["create"] >= WAIT / RETRY_AFTER
