@@ -397,7 +397,7 @@ class LocalProvider:
                     entry.unlink()
             (directory / TAGS_FILE).unlink(missing_ok=True)
             directory.rmdir()
-        remove_shm(service_name(name))
+        remove_shm(self._service(name))
 
     # -- starting --------------------------------------------------------------
 
@@ -453,7 +453,7 @@ class LocalProvider:
         # can run from a directory made just now.
         if not fresh:
             self._stop(name, None)
-        service = service_name(name)
+        service = self._service(name)
         remove_shm(service)
         created_at = previous.created_at if previous else datetime.now(UTC)
         starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
@@ -532,8 +532,16 @@ class LocalProvider:
         """
         _reap()
         if meta.pid is None:
-            return _unrecorded_squid(self._dir(name) / CONF_FILE, service_name(name))
+            return _unrecorded_squid(self._dir(name) / CONF_FILE, self._service(name))
         return (meta.pid, meta.started or "") if start_time(meta.pid) == meta.started else None
+
+    def _service(self, name: str) -> str:
+        """The Squid service name (and /dev/shm prefix) of instance `name` of this installation.
+
+        Squids started before the installation was hashed in keep their old
+        segments until they stop (Squid removes them on a clean exit).
+        """
+        return service_name(name, scope=self._installation)
 
     def _stop(self, name: str, meta: _Metadata | None) -> None:
         """SIGTERM, SIGKILL after a bound, then make sure no helper outlives Squid.

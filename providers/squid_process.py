@@ -183,13 +183,18 @@ def excerpt(text: str) -> str:
     return " | ".join((bad or lines)[-3:]) or "no output"
 
 
-def service_name(name: str) -> str:
+def service_name(name: str, scope: str | None = None) -> str:
     """Squid's `-n` service name for `name`; it also prefixes Squid's /dev/shm segments.
 
     Squid accepts at most 32 alphanumeric characters, so the hyphens go and a
-    short hash keeps apart names that differ only in their hyphens.
+    short hash keeps apart names that differ only in their hyphens. Service
+    names and /dev/shm are machine-wide: `scope` (the local provider's
+    installation) goes into the hash, so two installations on one machine
+    with an instance of the same name never share, nor remove, each other's
+    segments.
     """
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    hashed = name if scope is None else f"{scope}\x00{name}"
+    digest = hashlib.sha256(hashed.encode()).hexdigest()[:8]
     return re.sub(r"[^a-z0-9]", "", name)[:24] + digest
 
 

@@ -119,6 +119,11 @@ DELETE_REFUSED_PATCH = "delete-refused-for-good"
 # Since, a run also hands over in the middle of a long wait (quota, a
 # provider outage, a deletion waiting out either), once its history is long.
 WAIT_HANDOVER_PATCH = "hand-over-long-waits"
+# Histories recorded before this patch waited out quota or an outage on a
+# terminate's deletes in one run, however long; replaying them still does.
+# Since, a Terminating run hands over as the other waits do, and the next run
+# goes straight back to Terminating (CarriedState.terminating).
+TERMINATING_HANDOVER_PATCH = "hand-over-terminating-waits"
 
 # Histories recorded before this patch cancelled the old instance's monitor
 # as a rotation began; replaying them still does. Since, the old instance is
@@ -198,6 +203,9 @@ class ProxyLifecycle:
             self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
         if state is not None:
             self._restore(state)
+            # Handed over while Terminating: terminate again, deleting what is still owned.
+            self._terminate_reason = state.terminating
+            self._delete_refused = state.delete_refused
         # A continued run was validated when it first started; checking the
         # worker's config again could fail it while it still owns instances.
         inp = await self._validated(raw, problems, against_worker=state is None)
@@ -216,7 +224,10 @@ class ProxyLifecycle:
             await self._terminating(lifecycle)
             self._raise_if_delete_refused()
             raise
-        if not lifecycle.done():
+        # Also when the lifecycle has ended already: a terminate that came
+        # before its first step ends it at once (_raise_if_stopping), and
+        # must still end the proxy Terminated, not Cancelled.
+        if not lifecycle.done() or self._terminate_reason is not None:
             await self._terminating(lifecycle)
             self._raise_if_delete_refused()
             return self._result(ProxyState.TERMINATED, self._terminate_reason or "terminated")
@@ -343,7 +354,8 @@ class ProxyLifecycle:
 
     async def _terminating(self, lifecycle: asyncio.Task[None]) -> None:
         """Terminating, then Terminated: stop the lifecycle, delete everything, record why."""
-        self._set_state(ProxyState.TERMINATING)
+        if self._carried.state != ProxyState.TERMINATING:  # else a run handed over in it
+            self._set_state(ProxyState.TERMINATING)
         lifecycle.cancel()
         if self._patched():
             # Deleting the instances at once is what ends the activities still
@@ -939,6 +951,8 @@ class ProxyLifecycle:
                 )
                 if carried:
                     await self._hand_over_if_long()
+                elif self._carried.state == ProxyState.TERMINATING:
+                    await self._hand_over_terminating_if_long()
 
     async def _cleanup_call(
         self,
@@ -1069,11 +1083,7 @@ class ProxyLifecycle:
         in flight; the next run resumes the bring-up where this one was
         (`CarriedState.bringing_up`, `CarriedState.provider_wait`).
         """
-        info = workflow.info()
-        long = (
-            info.is_continue_as_new_suggested() or info.get_current_history_length() >= EVENT_BUDGET
-        )
-        if not long or self._in_flight or self._terminate_reason is not None:
+        if not _history_long() or self._in_flight or self._terminate_reason is not None:
             return
         monitor = self._retired_monitor
         if (monitor is not None and not monitor.done()) or not workflow.patched(
@@ -1091,6 +1101,28 @@ class ProxyLifecycle:
         await self._publisher.delivered()
         if self._terminate_reason is None:
             await self._continue_as_new()
+
+    async def _hand_over_terminating_if_long(self) -> None:
+        """Terminating, a delete waiting out quota or an outage: continue as new once long.
+
+        As `_hand_over_if_long`, between two calls with none in flight; the
+        next run restarts every deletion still owed (`_restore`) and goes
+        straight back to Terminating with the same reason.
+        """
+        if not _history_long() or self._in_flight:
+            return
+        monitor = self._retired_monitor
+        if (monitor is not None and not monitor.done()) or not workflow.patched(
+            TERMINATING_HANDOVER_PATCH
+        ):
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._publisher.delivered()
+        if self._in_flight:
+            return  # another deletion called its provider meanwhile: at its next wait
+        self._carried.terminating = self._terminate_reason
+        self._carried.delete_refused = self._delete_refused
+        await self._continue_as_new()
 
     async def _continue_as_new(self) -> None:
         """Hand over to a new run, carrying the state as it is now."""
@@ -1185,3 +1217,9 @@ class ProxyLifecycle:
             waiting_for=next(reversed(self._waits.values()), None),
             terminate_reason=self._terminate_reason,
         )
+
+
+def _history_long() -> bool:
+    """Whether this run's history is long enough to hand over (server's word or EVENT_BUDGET)."""
+    info = workflow.info()
+    return info.is_continue_as_new_suggested() or info.get_current_history_length() >= EVENT_BUDGET

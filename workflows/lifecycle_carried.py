@@ -61,9 +61,10 @@ class CarriedState:
     """Everything a lifecycle knows that outlives a run; continue-as-new carries it whole.
 
     Older releases also carried `terminate_reason` (always None: a run with a
-    terminate pending never continues) and `waiting_for_quota` (read by
-    none); decoding ignores keys a dataclass does not have, so their payloads
-    still decode, as do those `from_older_release` lifts.
+    terminate pending never continued; one that hands over while Terminating
+    carries `terminating`) and `waiting_for_quota` (read by none); decoding
+    ignores keys a dataclass does not have, so their payloads still decode,
+    as do those `from_older_release` lifts.
     """
 
     state: ProxyState = INITIAL
@@ -95,6 +96,11 @@ class CarriedState:
     bringing_up: int | None = None
     # The lifecycle's wait for quota or its provider, while one lasts.
     provider_wait: ProviderWait | None = None
+    # Set by a run that handed over while Terminating: the terminate's
+    # reason, which the next run goes on with, and a delete refused for good
+    # on the way (the proxy then ends Failed, naming it).
+    terminating: str | None = None
+    delete_refused: str | None = None
 
     def own(self, ref: InstanceRef) -> None:
         """Remember an instance until it is gone; a newer view of one replaces it in place."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from contract import ProxyState
@@ -35,6 +35,12 @@ MAX_PROVIDER_LENGTH = 63
 MAX_ERROR_LENGTH = 500
 MAX_TIMESTAMP_LENGTH = 64
 MAX_COUNTER = 2**62
+# No member reports a time before this. The pool adds lifetimes to reported
+# times, so a report may not reach the ends of what a datetime holds: with
+# `ready_since` no later than `at`, which the pool refuses far in its future,
+# a forged "9999-12-31" can no longer overflow the pool's arithmetic (it
+# failed every workflow task of the pool from then on).
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,9 @@ def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:
         if parsed.tzinfo is None:
             problems.append(f"{key}: has no time zone")
             return None
+        if parsed < EARLIEST:
+            problems.append(f"{key}: before {EARLIEST.year}")
+            return None
         return value
 
     endpoint = text("endpoint", MAX_ENDPOINT_LENGTH) or ""
@@ -141,6 +150,9 @@ def parse_report(raw: Any) -> tuple[MemberReport | None, str | None]:
         seq=count("seq"),
         last_error=text("last_error", MAX_ERROR_LENGTH, optional=True),
     )
+    since, at = report.ready_since, report.at
+    if since and at and datetime.fromisoformat(since) > datetime.fromisoformat(at):
+        problems.append("ready_since: later than at")
     if problems:
         return None, "; ".join(problems)
     return report, None

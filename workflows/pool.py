@@ -406,13 +406,13 @@ class ProxyPool:
         ]
 
     @workflow.update(name="scale")
-    def scale(self, request: Any) -> dict[str, Any]:
+    def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Keep `replicas` members, or (autoscaled) new bounds; also resumes replacing
         after the failure budget ran out."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._scale_request(request)
+        req = self._scale_request(request, extra)
         self._stopped = None
         self._failures_in_a_row = 0
         self._start_after = None
@@ -432,13 +432,13 @@ class ProxyPool:
         return self._remember({"replicas": req.replicas, "previous": previous})
 
     @scale.validator
-    def _validate_scale(self, request: Any) -> None:
+    def _validate_scale(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is None:
-            self._scale_request(request)
+            self._scale_request(request, extra)
 
-    def _scale_request(self, request: Any) -> ScaleRequest:
+    def _scale_request(self, request: Any, extra: tuple[Any, ...]) -> ScaleRequest:
         """A `scale` request that fits the pool's mode, or a rejection naming the field."""
-        req: ScaleRequest = self._request(ScaleRequest, request, "scale")
+        req: ScaleRequest = self._request(ScaleRequest, request, "scale", extra)
         if self._autoscale is None:
             if req.replicas is None:
                 raise invalid_input(
@@ -457,21 +457,21 @@ class ProxyPool:
         return req
 
     @workflow.update(name="report_demand")
-    def report_demand(self, request: Any) -> dict[str, Any]:
+    def report_demand(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """A gateway's demand (workflows/pool_autoscale.py): untrusted, rate-limited, bounded."""
-        report = self._demand_report(request)
+        report = self._demand_report(request, extra)
         assert self._autoscale is not None  # _demand_report refuses a fixed pool
         self._autoscale = pool_autoscale.take(self._autoscale, report, workflow.now())
         self._dirty = True
         return self._scaling_answer()
 
     @report_demand.validator
-    def _validate_report_demand(self, request: Any) -> None:
-        self._demand_report(request)
+    def _validate_report_demand(self, request: Any = None, *extra: Any) -> None:
+        self._demand_report(request, extra)
 
-    def _demand_report(self, request: Any) -> pool_autoscale.Report:
+    def _demand_report(self, request: Any, extra: tuple[Any, ...]) -> pool_autoscale.Report:
         report: pool_autoscale.Report = self._request(
-            pool_autoscale.Report, request, "report_demand"
+            pool_autoscale.Report, request, "report_demand", extra
         )
         books = self._autoscaled_books("report_demand")
         refusal = pool_autoscale.report_refusal(books, report, workflow.now())
@@ -480,9 +480,11 @@ class ProxyPool:
         return report
 
     @workflow.update(name="wake")
-    def wake(self, request: Any) -> dict[str, Any]:
+    def wake(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """A gateway holds a client and sees no member: start one, unless the pool has some."""
-        req: pool_autoscale.WakeRequest = self._request(pool_autoscale.WakeRequest, request, "wake")
+        req: pool_autoscale.WakeRequest = self._request(
+            pool_autoscale.WakeRequest, request, "wake", extra
+        )
         books = self._autoscaled_books("wake")
         decision = pool_autoscale.wake(books, self._replicas, req.gateway, workflow.now())
         if decision.changed:
@@ -491,8 +493,8 @@ class ProxyPool:
         return {**self._scaling_answer(), "woken": decision.changed}
 
     @wake.validator
-    def _validate_wake(self, request: Any) -> None:
-        self._request(pool_autoscale.WakeRequest, request, "wake")
+    def _validate_wake(self, request: Any = None, *extra: Any) -> None:
+        self._request(pool_autoscale.WakeRequest, request, "wake", extra)
         self._autoscaled_books("wake")
 
     def _autoscaled_books(self, what: str) -> pool_autoscale.Books:
@@ -514,12 +516,12 @@ class ProxyPool:
         }
 
     @workflow.update(name="rotate")
-    def rotate(self, request: Any) -> dict[str, Any]:
+    def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(RotateRequest, request, "rotate")
+        req = self._request(RotateRequest, request, "rotate", extra)
         # All: every member that has served; one still starting is new already.
         targets = (
             [m for m in self._live() if m.served] if req.all else [self._members[str(req.member)]]
@@ -530,20 +532,20 @@ class ProxyPool:
         return self._remember({"queued": queued})
 
     @rotate.validator
-    def _validate_rotate(self, request: Any) -> None:
+    def _validate_rotate(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is not None:
             return
-        req = self._request(RotateRequest, request, "rotate")
+        req = self._request(RotateRequest, request, "rotate", extra)
         if req.member is not None:
             self._live_member(req.member)
 
     @workflow.update(name="report_ban")
-    def report_ban(self, request: Any) -> dict[str, Any]:
+    def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(BanRequest, request, "report_ban")
+        req = self._request(BanRequest, request, "report_ban", extra)
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
@@ -555,10 +557,10 @@ class ProxyPool:
         return self._remember({"member": member.member, "banned": True, "already": False})
 
     @report_ban.validator
-    def _validate_report_ban(self, request: Any) -> None:
+    def _validate_report_ban(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is not None:
             return  # a retry of one applied before a continue-as-new: its result again
-        req = self._request(BanRequest, request, "report_ban")
+        req = self._request(BanRequest, request, "report_ban", extra)
         member = self._live_member(req.member)
         if member.ban_changes_nothing(req.endpoint):
             return  # idempotent: accepted, changes nothing
@@ -633,13 +635,19 @@ class ProxyPool:
             del self._applied_updates[next(iter(self._applied_updates))]
         return result
 
-    def _request(self, model: Any, raw: Any, what: str) -> Any:
-        """An update's request, or a rejection naming every bad field."""
+    def _request(self, model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
+        """An update's request, or a rejection naming every bad field.
+
+        Handlers take any arguments, untyped, so that none fails in the SDK
+        before this: no argument, extra ones and undecodable JSON are refused
+        here (or by workflows/payloads.py) as InvalidInput, naming the argument.
+        """
         if self._inp is None or self._terminate_reason is not None:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )
         req, problems = parse_model(model, raw, f"(the {what} request)")
+        problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
         if problems or req is None:
             raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
         return req

@@ -59,6 +59,15 @@ class Stack:
             task_queue=self.task_queue,
         )
 
+    async def start_pool(self, replicas: int) -> WorkflowHandle[Any, Any]:
+        """A ProxyPool of `replicas` members, each a `proxy_input()` proxy."""
+        return await self.client.start_workflow(
+            "ProxyPool",
+            {"replicas": replicas, "template": self.proxy_input()},
+            id=f"pool-{uuid.uuid4().hex[:8]}",
+            task_queue=self.task_queue,
+        )
+
     def instances(self) -> list[str]:
         """Names of the instance directories that still exist."""
         return sorted(p.name for p in self.state_dir.iterdir() if p.is_dir())

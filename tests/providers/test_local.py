@@ -191,8 +191,8 @@ async def probe_origin(instance: Instance, origin: TlsOrigin) -> ProbeResult:
     )
 
 
-def shm_segments(name: str) -> list[Path]:
-    return list(SHM_DIR.glob(f"{service_name(name)}-*"))
+def shm_segments(name: str, installation: str = INSTALLATION) -> list[Path]:
+    return list(SHM_DIR.glob(f"{service_name(name, scope=installation)}-*"))
 
 
 def process_exists(pid: int) -> bool:
@@ -591,6 +591,40 @@ def test_instances_of_another_installation_are_never_deleted_or_adopted(
     assert json.loads((state_dir / "proxy-shared-name" / TAGS_FILE).read_text()) == ours_tagged.tags
     ours.delete(created.provider_id)
     assert_removed(state_dir / "proxy-shared-name")
+
+
+async def test_two_installations_on_one_machine_serve_a_proxy_of_the_same_name(
+    state_dir: Path, tls_origin: TlsOrigin
+) -> None:
+    """Service names and /dev/shm are machine-wide: each installation's are its own.
+
+    The same instance name in two installations' state directories (a
+    lifecycle started before installations were hashed into names, or two
+    installations given the same owner id) used to share Squid's service
+    name: each start removed the other's shm segments, and so did each delete.
+    """
+    name = "proxy-same-name"
+    with fresh_state_dir() as other_dir:
+        ours, theirs = provider_for(state_dir), provider_for(other_dir, installation="staging")
+        created = [
+            ours.create(request(name, tls_origin)),
+            theirs.create(request(name, tls_origin, tags=owner_tags("staging", OWNER, 0))),
+        ]
+        for provider, instance in zip((ours, theirs), created, strict=True):
+            running = wait_for_state(provider, instance.provider_id, InstanceState.RUNNING)
+            result = await probe_origin(running, tls_origin)
+            assert result.ok, result
+        our_segments, their_segments = shm_segments(name), shm_segments(name, "staging")
+        assert our_segments and their_segments
+        assert not set(our_segments) & set(their_segments)
+
+        ours.delete(created[0].provider_id)
+        assert_removed(state_dir / name)
+        assert shm_segments(name, "staging") == their_segments  # theirs kept
+        result = await probe_origin(theirs.get(created[1].provider_id), tls_origin)
+        assert result.ok, result
+        theirs.delete(created[1].provider_id)
+        assert shm_segments(name, "staging") == []
 
 
 def test_a_directory_made_by_hand_is_not_deleted(state_dir: Path) -> None:

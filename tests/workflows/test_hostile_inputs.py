@@ -1,10 +1,14 @@
 """No input wedges a workflow: hundreds of hostile starts, through the client, on one worker.
 
+ProxyLifecycle, ProxyPool and OrphanGC alike; hostile signals and updates to
+running workflows are tests/workflows/test_hostile_handlers.py's.
+
 Each case replaces one path of a valid input (or a whole argument, or adds
 one) with a hostile value: huge and negative numbers, NaN and Infinity,
 deep nesting, wrong types, long strings, unicode, extra positional arguments,
 and payloads the SDK cannot decode at all. Every workflow must either run
-(schedule its first activity) or fail as InvalidInput, and no history may
+(schedule its first activity; a pool: mark itself a pool) or fail as InvalidInput, having
+created nothing, and no history may
 contain a WorkflowTaskFailed event: a failed workflow task is retried
 forever, and such a workflow can no longer be terminated cleanly. Cases are
 generated deterministically; the ones that run are terminated.
@@ -25,6 +29,7 @@ from typing import Any
 import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
@@ -33,7 +38,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.gc import GcActivities
 from activities.provider import ProviderActivities
-from contract import ORPHAN_GC, PROXY_LIFECYCLE, ErrorType
+from contract import ORPHAN_GC, POOL, PROXY_LIFECYCLE, PROXY_POOL, ErrorType
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config
 from tests.helpers.waiting import wait_for
@@ -73,10 +78,36 @@ NUMBERS = {
     "grace_period_seconds",
     "max_delete_share",
     "max_delete_unchecked",
+    "replicas",
+    "max_surge",
+    "lifetime_jitter",
+    "failure_budget",
+    "bans.max",
+    "bans.window_seconds",
+    "spread.0.weight",
 }
 # Out of every numeric field's range: `max_lifetime_seconds: 10**20` used to
 # pass validation and raise OverflowError in workflow code once Ready.
 OUT_OF_RANGE = [10**20, -(10**20), 2**63, 1e308, float("nan"), float("inf"), float("-inf")]
+# No members: a pool that runs starts nothing, so the cases stay cheap.
+POOL_INPUT: dict[str, Any] = {"replicas": 0, "template": LIFECYCLE_INPUT}
+POOL_PATHS = [
+    ("replicas",),
+    ("template",),
+    ("template", "provider"),
+    ("template", "health", "target"),
+    ("spread",),
+    ("spread", 0),
+    ("spread", 0, "provider"),
+    ("spread", 0, "weight"),
+    ("max_surge",),
+    ("lifetime_jitter",),
+    ("failure_budget",),
+    ("bans",),
+    ("bans", "max"),
+    ("bans", "window_seconds"),
+    ("colour",),
+]
 GC_INPUT: dict[str, Any] = {"dry_run": True, "grace_period_seconds": 0}
 GC_PATHS = [
     ("dry_run",),
@@ -136,6 +167,27 @@ UNDECODABLE = [
 ]
 
 
+def runs(event: HistoryEvent) -> bool:
+    """A lifecycle or GC sweep runs once it schedules an activity; a pool (with no
+    members) once it has marked itself a pool (`ProxyPool`), after its validation.
+
+    Not any search-attribute upsert: `workflow.patched` upserts one of its own
+    (TemporalChangeVersion) before validation, in a task of its own when the
+    validating local activity outlasts the first one on a busy machine.
+    """
+    if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+        return True
+    upserted = event.upsert_workflow_search_attributes_event_attributes.search_attributes
+    return POOL.name in upserted.indexed_fields
+
+
+# What a workflow that failed its validation must not have done.
+CREATING_EVENTS = {
+    EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+    EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED,
+}
+
+
 @dataclass(frozen=True)
 class Case:
     workflow: str
@@ -165,6 +217,7 @@ def shown(value: Any) -> str:
 def cases() -> Iterator[Case]:
     for workflow, base, paths in (
         (PROXY_LIFECYCLE, LIFECYCLE_INPUT, LIFECYCLE_PATHS),
+        (PROXY_POOL, POOL_INPUT, POOL_PATHS),
         (ORPHAN_GC, GC_INPUT, GC_PATHS),
     ):
         for path in paths:
@@ -224,10 +277,7 @@ async def settle(client: Client, task_queue: str, case: Case) -> Outcome:
             outcome.failure = err.cause
             return True
         except TimeoutError:
-            outcome.ran = any(
-                e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-                for e in (await handle.fetch_history()).events
-            )
+            outcome.ran = any(map(runs, (await handle.fetch_history()).events))
             return outcome.ran
         outcome.ran = True  # completed: an OrphanGC dry run over an empty provider
         return True
@@ -252,19 +302,26 @@ async def test_no_hostile_input_wedges_a_workflow(
             return await settle(client, worker_queue, case)
 
     outcomes = await asyncio.gather(*(one(c) for c in all_cases))
-    running: list[WorkflowHandle[Any, Any]] = []
+    # Ended however the test goes: a worker does not stop while they run.
+    running = [o.handle for o in outcomes if o.ran and o.case.workflow != ORPHAN_GC]
     try:
-        for outcome in outcomes:
-            if outcome.failure is not None:
-                what = outcome.case.what
-                assert outcome.failure.type == ErrorType.INVALID_INPUT, what
-                assert outcome.failure.message.startswith("invalid input: "), what
-                assert outcome.case.must_name in outcome.failure.message, what
-            else:
-                assert not outcome.case.must_name, f"{outcome.case.what} was accepted"
-        # The proxies that run get hostile signals, then one `terminate` with
-        # more arguments than it takes, which must still end them cleanly.
-        running += [o.handle for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE]
+        wrong = [
+            f"{o.case.what}: {o.failure}" if o.failure else f"{o.case.what}: accepted"
+            for o in outcomes
+            if (o.failure is None and o.case.must_name)
+            or (
+                o.failure is not None
+                and (
+                    o.failure.type != ErrorType.INVALID_INPUT
+                    or not o.failure.message.startswith("invalid input: ")
+                    or o.case.must_name not in o.failure.message
+                )
+            )
+        ]
+        assert not wrong, "\n".join(wrong)
+        # The proxies and pools that run get hostile signals, then one
+        # `terminate` with more arguments than it takes, which must still end
+        # them cleanly.
         for handle in running:
             await handle.signal("no-such-signal", args=[{"x": 1}])
             await handle.signal("terminate", args=[UNDECODABLE[0]])  # dropped: undecodable
@@ -279,12 +336,15 @@ async def test_no_hostile_input_wedges_a_workflow(
     async def task_failures(outcome: Outcome) -> list[str]:
         async with slots:
             history = await outcome.handle.fetch_history()
+        what = f"{outcome.case.workflow} with {outcome.case.what}: "
+        created = outcome.failure is not None and any(
+            e.event_type in CREATING_EVENTS for e in history.events
+        )
         return [
-            f"{outcome.case.workflow} with {outcome.case.what}: "
-            + json.dumps(str(e.workflow_task_failed_event_attributes.failure.message))
+            what + json.dumps(str(e.workflow_task_failed_event_attributes.failure.message))
             for e in history.events
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
-        ]
+        ] + ([what + "refused, yet started something"] if created else [])
 
     failed_tasks = [
         f for found in await asyncio.gather(*map(task_failures, outcomes)) for f in found
@@ -293,3 +353,5 @@ async def test_no_hostile_input_wedges_a_workflow(
     ran = {o.case.what for o in outcomes if o.ran and o.case.workflow == PROXY_LIFECYCLE}
     # The valid variants ran, so the cases were not all rejected for one reason.
     assert {"health = {}", "labels = {}", "port = None", "argument 2 = None"} <= ran
+    pools_ran = {o.case.what for o in outcomes if o.ran and o.case.workflow == PROXY_POOL}
+    assert {"replicas = 0", "bans = {}", "spread = None", "argument 2 = None"} <= pools_ran

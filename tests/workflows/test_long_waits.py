@@ -1,5 +1,8 @@
 """Long waits for quota: history stays small, and what serves meanwhile stays watched.
 
+Also a terminate whose delete waits out quota for a month: the Terminating
+runs hand over the same way, and the proxy ends Terminated once quota returns.
+
 On the time-skipping test server: the provider answers every create with
 QuotaExceeded for 30 simulated days, asking for a retry every hour (720
 calls, about 8,000 history events in all, twice the lifecycle's own budget
@@ -11,19 +14,21 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
+from tests.helpers.run_chain import run_histories
 from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.time_skipping import skip_past_pending_timer
-from tests.helpers.waiting import status_of, wait_for, wait_status
+from tests.helpers.waiting import pending_activities, status_of, wait_for, wait_status
+from workflows.lifecycle_carried import ProxyStatus
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +43,45 @@ STEP = timedelta(hours=6)
 MAX_EVENTS_PER_RUN = 10_000
 
 
-async def run_lengths(client: Client, workflow_id: str, first_run_id: str) -> list[int]:
-    """The number of history events of every run, following continue-as-new from the first."""
-    lengths: list[int] = []
-    run_id: str | None = first_run_id
-    while run_id is not None:
-        events = [
-            e
-            async for e in client.get_workflow_handle(
-                workflow_id, run_id=run_id
-            ).fetch_history_events()
-        ]
-        lengths.append(len(events))
-        last = events[-1]
-        run_id = (
-            last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-            if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
-            else None
-        )
-    return lengths
+# The monitor heartbeats every 30 s; a busy machine takes longer.
+DEADLINE_MONITOR = 180
+
+
+async def pending_activities_none(handle: WorkflowHandle[Any, Any]) -> bool:
+    return await pending_activities(handle) == []
+
+
+def quota_every_hour(stack: Stack, operation: str) -> None:
+    """Every `operation` refused for quota (retry after RETRY_AFTER) until recovered."""
+    retry_after = int(RETRY_AFTER.total_seconds())
+    error = QuotaExceeded("Quota 'CPUS' exceeded in europe-west1", retry_after_seconds=retry_after)
+    stack.provider.fail_until_recovered(operation, error)
+
+
+async def through_the_month(
+    env: WorkflowEnvironment, handle: WorkflowHandle[Any, Any], check: Callable[[ProxyStatus], None]
+) -> None:
+    """Skip WAIT in STEPs, checking the status after each."""
+    wait_ends = await env.get_current_time() + WAIT
+    while (now := await env.get_current_time()) < wait_ends:
+        await env.sleep(min(STEP, wait_ends - now))
+        check(await status_of(handle))
+
+
+async def handed_over_then_recovered(
+    env: WorkflowEnvironment,
+    stack: Stack,
+    handle: WorkflowHandle[Any, Any],
+    first_run_id: str,
+    operation: str,
+) -> None:
+    """The wait took several runs, each under MAX_EVENTS_PER_RUN; then quota returns."""
+    lengths = [len(run) async for run in run_histories(stack.client, handle.id, first_run_id)]
+    assert len(lengths) > 1, f"never continued as new: {lengths} events"
+    assert max(lengths) < MAX_EVENTS_PER_RUN, lengths
+    assert stack.provider.calls[operation] >= WAIT / RETRY_AFTER
+    stack.provider.recover(operation)
+    await skip_past_pending_timer(env, handle)
 
 
 @pytest.mark.timeout(900)  # minutes of real time even on an idle machine
@@ -65,13 +90,7 @@ async def test_a_month_of_quota_continues_as_new_and_ends_ready(
 ) -> None:
     env = time_skipping_env
     stack = await stack_on(env)
-    stack.provider.fail_until_recovered(
-        "create",
-        QuotaExceeded(
-            "Quota 'CPUS' exceeded in europe-west1",
-            retry_after_seconds=int(RETRY_AFTER.total_seconds()),
-        ),
-    )
+    quota_every_hour(stack, "create")
     handle = await stack.start()
     first_run_id = handle.first_execution_run_id or handle.result_run_id
     assert first_run_id is not None
@@ -80,22 +99,14 @@ async def test_a_month_of_quota_continues_as_new_and_ends_ready(
     )
     since = (first.waiting_for or "").split("(since ")[1].split(",")[0]
 
-    wait_ends = await env.get_current_time() + WAIT
-    while (now := await env.get_current_time()) < wait_ends:
-        await env.sleep(min(STEP, wait_ends - now))
-        status = await status_of(handle)
+    def still_waiting(status: ProxyStatus) -> None:
         assert status.state == "Provisioning" and status.generation == 0, status
         assert status.failures_in_a_row == 0, "waiting for quota spent the crash budget"
         # The same wait, however many runs it took.
         assert f"(since {since}," in (status.waiting_for or ""), status
 
-    lengths = await run_lengths(stack.client, handle.id, first_run_id)
-    assert len(lengths) > 1, f"never continued as new: {lengths} events"
-    assert max(lengths) < MAX_EVENTS_PER_RUN, lengths
-    assert stack.provider.calls["create"] >= WAIT / RETRY_AFTER
-
-    stack.provider.recover("create")
-    await skip_past_pending_timer(env, handle)
+    await through_the_month(env, handle, still_waiting)
+    await handed_over_then_recovered(env, stack, handle, first_run_id, "create")
     ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready once quota returns")
     assert (ready.generation, ready.replacements, ready.waiting_for) == (0, 0, None), ready
     assert stack.instances() == [ready.instance]
@@ -105,6 +116,45 @@ async def test_a_month_of_quota_continues_as_new_and_ends_ready(
     assert result["state"] == "Terminated", result
     assert stack.instances() == []
     await record_history(handle, "month_of_quota_then_ready")
+
+
+@pytest.mark.timeout(900)
+async def test_a_month_of_quota_on_terminate_continues_as_new_and_ends_terminated(
+    time_skipping_env: WorkflowEnvironment, stack_on: StackOn
+) -> None:
+    """Terminating, its delete refused for quota for a month: still Terminating, history bounded."""
+    env = time_skipping_env
+    stack = await stack_on(env)
+    handle = await stack.start()
+    first_run_id = handle.first_execution_run_id or handle.result_run_id
+    assert first_run_id is not None
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    quota_every_hour(stack, "delete")
+    await handle.signal("terminate", "a month of quota")
+    await wait_status(
+        handle,
+        lambda s: s.state == "Terminating" and "waiting for quota" in (s.waiting_for or ""),
+        "the delete's quota wait",
+    )
+    # The monitor ends at its next heartbeat (it learns of the cancel then);
+    # until it has, virtual time runs at wall-clock pace
+    # (tests/helpers/time_skipping.py).
+    await wait_for(
+        lambda: pending_activities_none(handle), "the monitor's end", deadline=DEADLINE_MONITOR
+    )
+
+    def still_terminating(status: ProxyStatus) -> None:
+        assert status.state == "Terminating", status
+        assert status.terminate_reason == "a month of quota", status
+        # Still owned, still being deleted, however many runs it took.
+        assert stack.instances() == [ready.instance]
+
+    await through_the_month(env, handle, still_terminating)
+    await handed_over_then_recovered(env, stack, handle, first_run_id, "delete")
+    result: dict[str, Any] = await handle.result()
+    assert (result["state"], result["reason"]) == ("Terminated", "a month of quota"), result
+    assert stack.instances() == []
+    await record_history(handle, "month_of_quota_on_terminate")
 
 
 async def test_old_instance_stays_monitored_while_its_rotation_waits_for_quota(

@@ -42,6 +42,11 @@ def test_a_lifecycles_report_parses_to_the_same_report() -> None:
         ({"at": "2099-01-01T00:00:00"}, "at: has no time zone"),
         ({"at": None}, "at"),
         ({"ready_since": 12}, "ready_since"),
+        # A pool adds a lifetime to it: at the end of the calendar that overflowed.
+        ({"ready_since": "9999-12-31T23:59:59+00:00"}, "ready_since: later than at"),
+        ({"ready_since": "2026-12-01T10:00:02+00:00"}, "ready_since: later than at"),
+        ({"ready_since": "0001-01-01T00:00:00+14:00"}, "ready_since: before 2000"),
+        ({"at": "1969-12-31T23:59:59+00:00"}, "at: before 2000"),
         ({"state": "Owned"}, "state"),
         ({"state": ["Ready"]}, "state"),
         ({"member": None}, "member"),

@@ -194,12 +194,7 @@ async def test_a_member_reported_again_while_banned_is_a_no_op(stack: Stack) -> 
     the ban limit of a 2-member pool is 1, so a second ban that counted would
     be refused.
     """
-    pool = await stack.client.start_workflow(
-        "ProxyPool",
-        {"replicas": 2, "template": stack.proxy_input()},
-        id=f"pool-{uuid.uuid4().hex[:8]}",
-        task_queue=stack.task_queue,
-    )
+    pool = await stack.start_pool(2)
 
     async def ready() -> bool:
         return bool((await pool.query("status"))["ready"] == 2)
