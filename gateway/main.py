@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,6 +43,8 @@ from gateway.member_networks import (
 )
 from gateway.sessions import SessionMap, record_back_line
 from gateway.squid import GatewayError, GatewaySquid
+from gateway.users import UsersFileError
+from gateway.users_follow import UsersFollower, load_users
 from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 
@@ -105,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_DEBOUNCE_SECONDS,
         help="seconds a membership change must hold still before a reload (default %(default)s)",
     )
+    cli.env_argument(
+        parser,
+        "--users-file",
+        "PROXY_OPERATOR_GATEWAY_USERS_FILE",
+        "more client credentials, `name:hash` a line (python -m gateway.users hash NAME); "
+        "followed as it changes",
+    )
     api_settings.add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -158,11 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.providers_config)
         allowed = member_networks(args, config)
         api = api_settings.api_settings(args)
+        users = (
+            load_users(Path(args.users_file), config.proxy_settings().username)
+            if args.users_file
+            else None
+        )
+    except UsersFileError as err:
+        print(f"error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE): {err}", file=sys.stderr)
+        return 2
     except (UsageError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api))
+        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api, users))
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
@@ -180,6 +197,7 @@ async def serve(
     settings: ProxySettings,
     allowed: MemberNetworks,
     api: api_settings.ApiSettings | None = None,
+    users: str | None = None,
 ) -> int:
     try:
         client = await connect()
@@ -196,13 +214,15 @@ async def serve(
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
-    squid = GatewaySquid(settings, state_dir / "squid", listen)
+    squid = GatewaySquid(settings, state_dir / "squid", listen, users=users)
     names = metrics.MemberNames()
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
     sessions = SessionMap()
     control: ControlApi | None = None
+    following_users: asyncio.Task[None] | None = None
+    on_sighup: list[Callable[[], None]] = []  # files read again: tokens, users
 
     def on_back_line(line: str) -> None:
         metrics.count_back_line(line, names)
@@ -226,13 +246,25 @@ async def serve(
                 pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
             )
             await control.start(*api.listen)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, control.reload_tokens)
+            on_sighup.append(control.reload_tokens)
+        if users is not None:
+            users_follower = UsersFollower(Path(args.users_file), settings.username, squid)
+            following_users = asyncio.create_task(users_follower.follow())
+            on_sighup.append(users_follower.reload)
+
+        def reread() -> None:
+            for reload in on_sighup:
+                reload()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread)
         health.ready = True
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
         )
         return await _run(args, squid, names, fetch, members)
     finally:
+        if following_users is not None:
+            following_users.cancel()
         if control is not None:
             await control.close()
         await asyncio.to_thread(squid.stop)
