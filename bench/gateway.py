@@ -39,7 +39,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from activities.provider import ProviderActivities
+from bench.local_worker import local_worker
 from bench.stats import percentile
 from gateway.squid import GatewaySquid
 from providers.base import CreateRequest
@@ -55,7 +55,6 @@ from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from tests.helpers.tunnel import request
-from worker import build_worker
 
 Target = tuple[str, int]
 RELOAD_GAP = 1.0
@@ -268,13 +267,24 @@ async def _rotate(
     gateway_dir: Path,
     origin: TlsOrigin,
 ) -> None:
-    provider = LocalProvider.from_config(config.providers[0], config)
-    activities = ProviderActivities(
-        {"local": provider}, config, ssl_context=origin.client_ssl_context
-    )
-    task_queue = f"bench-{uuid.uuid4().hex[:8]}"
-    worker = build_worker(client, activities, task_queue=task_queue)
-    run = asyncio.create_task(worker.run())
+    async with local_worker(client, config, origin) as task_queue:
+        rotated, reloads, load = await _rotate_pool(
+            args, client, task_queue, state_dir, gateway_dir, origin
+        )
+    made = sum(load.outcomes.values())
+    print(f"\nFull rotation of a {args.replicas}-member pool through the gateway")
+    print(f"requests made {made}, lost {made - load.outcomes['ok']} ({dict(load.outcomes)})")
+    print(f"every member on a new instance after {rotated:.1f} s; gateway reloads {reloads:.0f}")
+
+
+async def _rotate_pool(
+    args: argparse.Namespace,
+    client: Client,
+    task_queue: str,
+    state_dir: Path,
+    gateway_dir: Path,
+    origin: TlsOrigin,
+) -> tuple[float, float, Load]:
     template = {
         "provider": "local",
         "health": {"target": origin.url, "interval_seconds": 10, "failure_threshold": 3},
@@ -319,15 +329,7 @@ async def _rotate(
     finally:
         gateway.stop()
         await pool.signal("terminate")
-        while provider.list_by_tag("managed-by", "proxy-operator"):
-            await asyncio.sleep(0.5)
-        await worker.shutdown()
-        await run
-        activities.close()
-    made = sum(load.outcomes.values())
-    print(f"\nFull rotation of a {args.replicas}-member pool through the gateway")
-    print(f"requests made {made}, lost {made - load.outcomes['ok']} ({dict(load.outcomes)})")
-    print(f"every member on a new instance after {rotated:.1f} s; gateway reloads {reloads:.0f}")
+    return rotated, reloads, load
 
 
 def main() -> None:
