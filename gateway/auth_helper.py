@@ -29,7 +29,7 @@ from urllib.parse import unquote
 # Run by Squid as a script: the repository (or site-packages) root holds providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.users import UsersFileError, read_users, verify
+from gateway.users import User, UsersFileError, read_users, verify
 from providers.squid import gateway_account, parse_gateway_username
 
 # Checks remembered per (user, password digest) until the file changes: a
@@ -44,7 +44,7 @@ class Users:
     def __init__(self, path: str, fleet_user: str) -> None:
         self._path, self._fleet = path, fleet_user
         self._signature: tuple[int, int, int, int] | None = None
-        self._hashes: dict[str, str] = {}
+        self._users: dict[str, User] = {}
         self._checked: dict[tuple[str, bytes], bool] = {}
 
     def _follow(self) -> None:
@@ -56,7 +56,7 @@ class Users:
         if signature == self._signature:
             return
         try:
-            self._hashes = read_users(self._path, self._fleet)
+            self._users = read_users(self._path, self._fleet)
         except UsersFileError as err:
             print(f"auth_helper: keeping the users read before: {err}", file=sys.stderr)
             return
@@ -67,14 +67,17 @@ class Users:
         """The answer for a username of the file's users, or None if it is none of theirs."""
         self._follow()
         account = username.partition("-")[0]
-        encoded = self._hashes.get(account)
-        if encoded is None or parse_gateway_username(username, account) is None:
+        user = self._users.get(account)
+        parsed = parse_gateway_username(username, account) if user else None
+        if user is None or parsed is None:
             return None
+        if user.zones is not None and parsed.filters.get("zone") not in user.zones:
+            return "ERR this user must name one of its zones (-zone-<zone>)"
         key = (account, hashlib.sha256(password.encode()).digest())
         if key not in self._checked:
             if len(self._checked) >= MAX_REMEMBERED:
                 self._checked.clear()
-            self._checked[key] = verify(password, encoded)
+            self._checked[key] = verify(password, user.hash)
         return "OK" if self._checked[key] else "ERR wrong password"
 
 

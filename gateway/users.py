@@ -1,7 +1,9 @@
 """The gateway's client credentials beyond the fleet's own: a users file of hashed passwords.
 
-    # one user a line: name:hash (from `python -m gateway.users hash NAME`)
+    # one user a line: name:hash (from `python -m gateway.users hash NAME`),
+    # then optional limits: zones=<zone>,<zone> (each username must name one)
     alice:scrypt$16384$8$1$<salt, hex>$<key, hex>
+    carol:scrypt$16384$8$1$<salt, hex>$<key, hex> zones=europe-west1-b
 
 A name is 1 to 64 of `A-Z a-z 0-9 . _` (no `-`: the routing grammar's
 separator) and not the fleet's own username, which keeps working beside
@@ -24,6 +26,7 @@ import hmac
 import re
 import secrets
 import sys
+from dataclasses import dataclass
 
 SCHEME = "scrypt"
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
@@ -33,6 +36,7 @@ MAX_N, MIN_N = 2**17, 2**10
 SALT_BYTES = 16
 KEY_BYTES = 32
 NAME = re.compile(r"^[A-Za-z0-9._]{1,64}$")
+ZONE = re.compile(r"^[A-Za-z0-9._~+=-]{1,64}$")
 MAX_PASSWORD = 1024
 MAX_USERS_BYTES = 4 << 20
 
@@ -79,19 +83,31 @@ def verify(password: str, encoded: str) -> bool:
     return hmac.compare_digest(_scrypt(password, salt, n, r, p), key)
 
 
-def parse_users(text: str, source: str, fleet_user: str) -> dict[str, str]:
-    """Name -> hash for each line of a users file; UsersFileError naming each bad line.
+@dataclass(frozen=True)
+class User:
+    """One line of the users file: the password's hash, and the zones the user may use
+    (None: any; else every username of theirs must name one, `-zone-<zone>`)."""
+
+    hash: str
+    zones: frozenset[str] | None = None
+
+
+def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:
+    """Name -> User for each line of a users file; UsersFileError naming each bad line.
 
     A bad line is named by its number only: it may hold a hash, or a
     password typed where a hash belongs.
     """
-    users: dict[str, str] = {}
+    users: dict[str, User] = {}
     problems: list[str] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, encoded = line.partition(":")
+        name, sep, rest = line.partition(":")
+        words = rest.split()
+        encoded, limits = (words[0] if words else ""), words[1:]
+        zones, bad_limit = _zones(limits)
         if not sep or not NAME.fullmatch(name):
             problems.append(f"line {number}: not `name:hash` with a name of A-Z a-z 0-9 . _")
         elif name in (fleet_user, fleet_user.partition("-")[0]):
@@ -103,14 +119,33 @@ def parse_users(text: str, source: str, fleet_user: str) -> dict[str, str]:
             problems.append(
                 f"line {number}: the hash is not one `python -m gateway.users hash` makes"
             )
+        elif bad_limit:
+            problems.append(f"line {number}: {bad_limit}")
         else:
-            users[name] = encoded
+            users[name] = User(encoded, zones)
     if problems:
         raise UsersFileError(f"{source}: {'; '.join(problems)}")
     return users
 
 
-def read_users(path: str, fleet_user: str) -> dict[str, str]:
+def _zones(limits: list[str]) -> tuple[frozenset[str] | None, str]:
+    """The `zones=a,b` limit of a line's words after the hash, and what is wrong with them."""
+    zones: frozenset[str] | None = None
+    for limit in limits:
+        key, _, value = limit.partition("=")
+        if key != "zones":
+            return None, f"{key[:20]!r} is not a limit (zones=<zone>,<zone>)"
+        names = value.split(",")
+        if not all(ZONE.fullmatch(zone) for zone in names):
+            return (
+                None,
+                "zones= takes zone names (1 to 64 of A-Z a-z 0-9 . _ ~ + = -), commas between",
+            )
+        zones = frozenset(names)
+    return zones, ""
+
+
+def read_users(path: str, fleet_user: str) -> dict[str, User]:
     """The users of the file at `path`; UsersFileError naming what is wrong."""
     return parse_users(read_users_text(path), path, fleet_user)
 

@@ -689,7 +689,10 @@ def test_users_file_changes_take_effect_without_dropping_an_open_tunnel(
         config.proxy_settings(),
         state_dir / ".users",
         ("127.0.0.1", free_port()),
-        users=f"# the crawlers\n{alice[0]}:{hash_password(alice[1])}\n",
+        users=(
+            f"# the crawlers\n{alice[0]}:{hash_password(alice[1])}\n"
+            f"carol:{hash_password('carol-pw')} zones=europe-west1-b\n"
+        ),
     )
     try:
         squid.start(list(members.by_member.values()))
@@ -701,6 +704,12 @@ def test_users_file_changes_take_effect_without_dropping_an_open_tunnel(
         assert through(squid, tls_origin, alice[0], PASSWORD).connect_status == 407
         assert through(squid, tls_origin, USERNAME, alice[1]).connect_status == 407
         assert through(squid, tls_origin, *bob).connect_status == 407
+        # A user limited to zones must name one: refused otherwise, routed (here to
+        # nothing: these members have no zone) when it does.
+        for refused in ("carol", "carol-zone-us-east1-b", "carol-session-k"):
+            assert through(squid, tls_origin, refused, "carol-pw").connect_status == 407
+        carol = through(squid, tls_origin, "carol-zone-europe-west1-b", "carol-pw")
+        assert carol.connect_status == 503
 
         with open_tunnel(squid, tls_origin, *alice) as tunnel:
             squid.install_users(f"{bob[0]}:{hash_password(bob[1])}\n")

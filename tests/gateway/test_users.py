@@ -11,6 +11,7 @@ import pytest
 from gateway.users import UsersFileError, hash_password, parse_users, verify
 
 ROOT = Path(__file__).resolve().parents[2]
+HASH = hash_password("pw")
 
 
 def test_the_cli_prints_a_line_whose_hash_verifies_the_password() -> None:
@@ -26,9 +27,10 @@ def test_the_cli_prints_a_line_whose_hash_verifies_the_password() -> None:
     line = result.stdout.strip()
     assert "s3cret" not in line
     users = parse_users(line, "users", "proxy")
-    assert verify("s3cret pass", users["alice"])
-    assert not verify("s3cret pass ", users["alice"])
-    assert not verify("", users["alice"])
+    assert verify("s3cret pass", users["alice"].hash)
+    assert not verify("s3cret pass ", users["alice"].hash)
+    assert not verify("", users["alice"].hash)
+    assert users["alice"].zones is None
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,10 @@ def test_two_hashes_of_one_password_differ() -> None:
         ("al-ice:x\n", "line 1: not `name:hash`"),
         ("proxy:" + "x" * 10 + "\n", "line 1: 'proxy' is (the start of) the fleet's username"),
         ("alice:plain-password\n", "line 1: the hash is not one"),
+        ("alice:\n", "line 1: the hash is not one"),
+        (f"alice:{HASH} country=fr\n", "line 1: 'country' is not a limit"),
+        (f"alice:{HASH} zones=\n", "line 1: zones= takes zone names"),
+        (f"alice:{HASH} zones=a,,b\n", "line 1: zones= takes zone names"),
         ("alice:scrypt$1073741824$8$1$00112233445566778899aabbccddeeff$" + "00" * 32, "line 1"),
     ],
 )
@@ -78,3 +84,8 @@ def test_a_repeated_name_is_named() -> None:
     line = f"alice:{hash_password('pw')}"
     with pytest.raises(UsersFileError, match="line 2: 'alice' again"):
         parse_users(f"{line}\n{line}\n", "users", "proxy")
+
+
+def test_a_zones_limit_is_read() -> None:
+    users = parse_users(f"alice:{HASH}  zones=europe-west1-b,us-east1-c\n", "users", "proxy")
+    assert users["alice"].zones == {"europe-west1-b", "us-east1-c"}
