@@ -135,6 +135,13 @@ async def test_tokens_are_checked_and_nothing_is_revealed_without_one(
         raw, port, b"GET /v1/members HTTP/1.1\r\nX-Pad: " + b"x" * 70_000 + b"\r\n\r\n"
     )
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    # A client that never finishes its head is cut after the head deadline, answered
+    # nothing, while others are served.
+    slow = asyncio.create_task(
+        asyncio.to_thread(raw, port, b"GET /v1/members HTTP/1.1\r\nAuthorization: Bearer ")
+    )
+    assert (await asyncio.to_thread(call, port, "GET", "/healthz")).status == 200
+    assert await slow == b""
     # The token's scheme is case-insensitive (RFC 7235), surrounding spaces are not the token's.
     lower = await asyncio.to_thread(
         call, port, "GET", "/v1/members", headers={"Authorization": f"bearer {other}"}
