@@ -3,9 +3,12 @@
     proxy-operator-gateway --pool web --listen 0.0.0.0:8888 --providers-config providers.yaml
 
 Clients authenticate with the proxies' username and password (from the same
-providers config and PROXY_PASSWORD as the worker) and pick a member by
-username: `USER` rotates per CONNECT, `USER-session-<key>` sticks to one
-member per key, `USER-proxy-<member>` pins one member. The members are the
+providers config and PROXY_PASSWORD as the worker), or a users file's
+(`--users-file`, gateway/users.py), and pick a member by username: `USER`
+rotates per CONNECT, `USER-session-<key>` sticks to one member per key,
+`USER-proxy-<member>` pins one member, and `-zone-`, `-region-` and
+`-provider-` filters narrow any of them (docs/operations.md). A control API
+(`--api-listen`, gateway/api.py) names a session's member and takes bans. The members are the
 pool's `endpoints`, followed by polling, less any outside `--member-networks`
 (gateway/member_networks.py); Temporal is reached with the
 worker's connection settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API
