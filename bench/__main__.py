@@ -13,6 +13,7 @@ BENCHMARKS = (
     "bench.orphan_gc",
     "bench.fleet",
     "bench.gateway",
+    "bench.ban_loop",
     "bench.pool",
     "bench.reconfigure",
     "bench.cost",

@@ -189,6 +189,8 @@ class ControlApi:
             return HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, _json(error), JSON_TYPE, {}
         except asyncio.IncompleteReadError as err:
             raise OSError("the client closed the connection") from err
+        except OSError:  # TimeoutError among them: a client too slow, or gone
+            raise
         except Exception:  # a handler's bug: a 500 and a log line, never a traceback to the client
             log.exception("control API request failed")
             error = {"error": "internal error (logged by the gateway)"}

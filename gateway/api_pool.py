@@ -132,7 +132,10 @@ class PoolControl:
         """
         carrier = self._sessions.get(key)
         username = carrier.username if carrier else f"{self._user}{SESSION_INFIX}{key}"
-        parsed = parse_gateway_username(username, self._user)
+        # The fleet's user, or a users-file user's (a name without a dash).
+        parsed = parse_gateway_username(username, self._user) or parse_gateway_username(
+            username, username.partition("-")[0]
+        )
         if parsed is None:
             return None, None
         # The members its filters admit: the backs' ACLs leave Squid no others.

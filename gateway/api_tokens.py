@@ -23,6 +23,8 @@ import re
 import time
 from pathlib import Path
 
+from gateway.users import read_small_text
+
 log = logging.getLogger("proxy_operator.gateway")
 
 # A token's alphabet (RFC 6750, b64token) and length: shorter ones are guessable.
@@ -64,16 +66,9 @@ def parse_tokens(text: str, source: str) -> frozenset[bytes]:
 
 def _read(path: Path) -> str:
     try:
-        with path.open("rb") as file:
-            data = file.read(MAX_FILE_BYTES + 1)
-    except OSError as err:
-        raise TokenFileError(f"{path}: {err.strerror or err}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise TokenFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        raise TokenFileError(f"{path}: not UTF-8 text") from None
+        return read_small_text(str(path), MAX_FILE_BYTES)
+    except ValueError as err:
+        raise TokenFileError(str(err)) from None
 
 
 class TokenStore:

@@ -1,19 +1,26 @@
-"""Squid's basic-auth helper for the gateway: every username form checks USER's password.
+"""Squid's basic-auth helper for the gateway: every username form checks its account's password.
 
-    auth_param basic program <python> auth_helper.py USER /usr/lib/squid/basic_ncsa_auth HTPASSWD
+    auth_param basic program <python> auth_helper.py USER [--users FILE] \\
+        /usr/lib/squid/basic_ncsa_auth HTPASSWD
 
 Squid writes one `username password` line per check, both %-encoded, and
 reads one answer line (`OK` or `ERR ...`). Every form of
-`providers.squid.parse_gateway_username` (`USER`, with routing filters, a
-session or a pin) is passed on to the wrapped helper as `USER password`,
-so the password is verified by Squid's own `basic_ncsa_auth` against the
-htpasswd the renderer wrote, whatever hash it uses; any other username is
-refused without asking it. Squid keeps the full username for its ACLs: that
-is what routes the request.
+`providers.squid.parse_gateway_username` for the fleet's `USER` (`USER`,
+with routing filters, a session or a pin) is passed on to the wrapped helper
+as `USER password`, so the password is verified by Squid's own
+`basic_ncsa_auth` against the htpasswd the renderer wrote. With `--users`,
+the same forms for each user of that file (gateway/users.py) are checked
+against the user's scrypt hash here; the file is read again whenever it
+changes (the gateway replaces it atomically), so a removed user is refused
+and a new one accepted from the next check on, without a reload. Any other
+username is refused without asking anyone. Squid keeps the full username
+for its ACLs: that is what routes the request.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,25 +29,82 @@ from urllib.parse import unquote
 # Run by Squid as a script: the repository (or site-packages) root holds providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from providers.squid import gateway_account
+from gateway.users import User, UsersFileError, read_users, verify
+from providers.squid import gateway_account, parse_gateway_username
+
+# Checks remembered per (user, password digest) until the file changes: a
+# scrypt check costs tens of milliseconds, and every session key is a
+# username of its own that Squid checks again each credentials TTL.
+MAX_REMEMBERED = 10_000
+
+
+class Users:
+    """The users file's accounts, followed as it changes, with checks remembered."""
+
+    def __init__(self, path: str, fleet_user: str) -> None:
+        self._path, self._fleet = path, fleet_user
+        self._signature: tuple[int, int, int, int] | None = None
+        self._users: dict[str, User] = {}
+        self._checked: dict[tuple[str, bytes], bool] = {}
+
+    def _follow(self) -> None:
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return  # keep what was read: the gateway replaces the file, never removes it
+        signature = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
+        if signature == self._signature:
+            return
+        try:
+            self._users = read_users(self._path, self._fleet)
+        except UsersFileError as err:
+            print(f"auth_helper: keeping the users read before: {err}", file=sys.stderr)
+            return
+        self._signature = signature
+        self._checked.clear()
+
+    def check(self, username: str, password: str) -> str | None:
+        """The answer for a username of the file's users, or None if it is none of theirs."""
+        self._follow()
+        account = username.partition("-")[0]
+        user = self._users.get(account)
+        parsed = parse_gateway_username(username, account) if user else None
+        if user is None or parsed is None:
+            return None
+        if user.zones is not None and parsed.filters.get("zone") not in user.zones:
+            return "ERR this user must name one of its zones (-zone-<zone>)"
+        key = (account, hashlib.sha256(password.encode()).digest())
+        if key not in self._checked:
+            if len(self._checked) >= MAX_REMEMBERED:
+                self._checked.clear()
+            self._checked[key] = verify(password, user.hash)
+        return "OK" if self._checked[key] else "ERR wrong password"
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3:
-        print("usage: auth_helper.py USER HELPER [ARGS...]", file=sys.stderr)
+    args = argv[1:]
+    if args[1:2] == ["--users"]:
+        user, users_path, wrapped = args[0], args[2] if len(args) > 2 else "", args[3:]
+    else:
+        user, users_path, wrapped = (args[0] if args else ""), "", args[1:]
+    if not user or not wrapped:
+        print("usage: auth_helper.py USER [--users FILE] HELPER [ARGS...]", file=sys.stderr)
         return 2
-    user, wrapped = argv[1], argv[2:]
+    users = Users(users_path, user) if users_path else None
     checker = subprocess.Popen(
         wrapped, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
     )
     assert checker.stdin is not None and checker.stdout is not None
     for line in sys.stdin:
         username, _, password = line.rstrip("\n").partition(" ")
-        account = gateway_account(unquote(username), user)
-        if account is None or not password:
+        name = unquote(username)
+        theirs = users.check(name, unquote(password)) if users and password else None
+        if theirs is not None:
+            answer = theirs
+        elif gateway_account(name, user) is None or not password:
             answer = "ERR unknown user"
         else:
-            checker.stdin.write(f"{account} {password}\n")
+            checker.stdin.write(f"{user} {password}\n")
             answer = checker.stdout.readline().rstrip("\n")
             if not answer:
                 return 1  # the wrapped helper died: Squid starts a new one of us

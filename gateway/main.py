@@ -3,9 +3,12 @@
     proxy-operator-gateway --pool web --listen 0.0.0.0:8888 --providers-config providers.yaml
 
 Clients authenticate with the proxies' username and password (from the same
-providers config and PROXY_PASSWORD as the worker) and pick a member by
-username: `USER` rotates per CONNECT, `USER-session-<key>` sticks to one
-member per key, `USER-proxy-<member>` pins one member. The members are the
+providers config and PROXY_PASSWORD as the worker), or a users file's
+(`--users-file`, gateway/users.py), and pick a member by username: `USER`
+rotates per CONNECT, `USER-session-<key>` sticks to one member per key,
+`USER-proxy-<member>` pins one member, and `-zone-`, `-region-` and
+`-provider-` filters narrow any of them (docs/operations.md). A control API
+(`--api-listen`, gateway/api.py) names a session's member and takes bans. The members are the
 pool's `endpoints`, followed by polling, less any outside `--member-networks`
 (gateway/member_networks.py); Temporal is reached with the
 worker's connection settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API
@@ -23,7 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,6 +46,8 @@ from gateway.member_networks import (
 )
 from gateway.sessions import SessionMap, record_back_line
 from gateway.squid import GatewayError, GatewaySquid
+from gateway.users import UsersFileError
+from gateway.users_follow import UsersFollower, load_users
 from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 
@@ -107,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a membership change must hold still before a reload (default %(default)s)",
     )
     demand.add_arguments(parser)
+    cli.env_argument(
+        parser,
+        "--users-file",
+        "PROXY_OPERATOR_GATEWAY_USERS_FILE",
+        "more client credentials, `name:hash` a line (python -m gateway.users hash NAME); "
+        "followed as it changes",
+    )
     api_settings.add_arguments(parser)
     wake.add_arguments(parser)
     return parser.parse_args(argv)
@@ -162,11 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.providers_config)
         allowed = member_networks(args, config)
         api = api_settings.api_settings(args)
+        users = (
+            load_users(Path(args.users_file), config.proxy_settings().username)
+            if args.users_file
+            else None
+        )
+    except UsersFileError as err:
+        print(f"error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE): {err}", file=sys.stderr)
+        return 2
     except (UsageError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api))
+        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api, users))
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
@@ -184,6 +204,7 @@ async def serve(
     settings: ProxySettings,
     allowed: MemberNetworks,
     api: api_settings.ApiSettings | None = None,
+    users: str | None = None,
 ) -> int:
     try:
         client = await connect()
@@ -205,7 +226,7 @@ async def serve(
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
-    squid = GatewaySquid(settings, state_dir / "squid", listen)
+    squid = GatewaySquid(settings, state_dir / "squid", listen, users=users)
     names = metrics.MemberNames()
     for member in members:
         names.add(member.member)
@@ -213,6 +234,8 @@ async def serve(
     meter = demand.DemandMeter(listen[1])
     sessions = SessionMap()
     control: ControlApi | None = None
+    following_users: asyncio.Task[None] | None = None
+    on_sighup: list[Callable[[], None]] = []  # files read again: tokens, users
 
     def on_back_line(line: str) -> None:
         metrics.count_back_line(line, names)
@@ -236,7 +259,17 @@ async def serve(
                 pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
             )
             await control.start(*api.listen)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, control.reload_tokens)
+            on_sighup.append(control.reload_tokens)
+        if users is not None:
+            users_follower = UsersFollower(Path(args.users_file), settings.username, squid)
+            following_users = asyncio.create_task(users_follower.follow())
+            on_sighup.append(users_follower.reload)
+
+        def reread() -> None:
+            for reload in on_sighup:
+                reload()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread)
         health.ready = True
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
@@ -245,6 +278,8 @@ async def serve(
         async with demand.reporting(args, client, pool, meter, listen):
             return await _run(args, squid, names, fetch, gate, members)
     finally:
+        if following_users is not None:
+            following_users.cancel()
         if control is not None:
             await control.close()
         await asyncio.to_thread(squid.stop)

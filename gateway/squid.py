@@ -98,6 +98,8 @@ log = logging.getLogger("proxy_operator.gateway")
 HELPER_SOURCES = {
     Path("gateway/auth_helper.py"): Path(__file__).resolve().with_name("auth_helper.py"),
     Path("providers/__init__.py"): None,  # the helper imports providers.squid alone
+    Path("gateway/__init__.py"): None,  # and gateway.users
+    Path("gateway/users.py"): Path(__file__).resolve().with_name("users.py"),
     Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
 }
 HELPER_DIR = "helper"
@@ -117,6 +119,9 @@ IPC_DIR = Path("/var/run/squid")
 # Squid's own error page templates (Debian's --datadir): the backs' error_directory
 # holds copies of them next to the gateway's page for a username no member admits.
 SQUID_ERROR_TEMPLATES = Path("/usr/share/squid/errors/templates")
+# How long Squid trusts a checked username when a users file is in use: a
+# user taken out of the file is refused from its next check on.
+USERS_CREDENTIALS_TTL = "20 seconds"
 # What the workers log (cache.log, "kid<n>| ..."): taking connections again,
 # the start of a reload, and, at the level their debug_options ask for, a
 # probe of a peer that answered or did not.
@@ -151,8 +156,12 @@ class GatewaySquid:
         state_dir: Path,
         listen: tuple[str, int],
         squid_binary: str = "squid",
+        users: str | None = None,
     ) -> None:
+        """`users` is a users file's text (gateway/users.py), checked; None: the fleet's
+        credential alone."""
         self._settings = settings
+        self._users = users
         try:
             self._binary = find_binary(squid_binary)
             self._account = squid_account()
@@ -206,6 +215,8 @@ class GatewaySquid:
         self._make_dir(self.directory)
         self._python = self._install_helper()
         self._install_error_pages()
+        if self._users is not None:
+            self.install_users(self._users)
         if not IPC_DIR.is_dir():
             # Squid would start, its workers would never listen, and it would log nothing.
             raise GatewayError(
@@ -330,6 +341,21 @@ class GatewaySquid:
         )
 
     @property
+    def _users_copy(self) -> Path:
+        """The users file as the auth helper reads it (Squid's user may not reach the original)."""
+        return self.directory / "users"
+
+    def install_users(self, text: str) -> None:
+        """Replace the users the auth helper checks (atomically: it reads the file as it changes).
+
+        Takes effect at each username's next check, at most USERS_CREDENTIALS_TTL
+        away; nothing reloads, and open tunnels are not touched.
+        """
+        candidate = self._users_copy.with_name("users.new")
+        self._write(candidate, text)
+        candidate.replace(self._users_copy)
+
+    @property
     def _errors(self) -> Path:
         """The backs' error_directory: Squid's templates, and the gateway's own."""
         return self.directory / "errors"
@@ -357,10 +383,14 @@ class GatewaySquid:
         assert self._python is not None, "start() installs the helper first"
         helper = self.directory / HELPER_DIR / "gateway" / "auth_helper.py"
         wrapper = [self._python, str(helper), self._settings.username]
+        ttl = "1 hour"
+        if self._users is not None:
+            wrapper += ["--users", str(self._users_copy)]
+            ttl = USERS_CREDENTIALS_TTL  # a removed user's next check comes this soon
         for back in self.backs:
             settings = replace(self._settings, port=back.port)
             rendered = render_gateway_back(
-                settings, self._paths(back), self.members, wrapper, str(self._errors)
+                settings, self._paths(back), self.members, wrapper, str(self._errors), ttl
             )
             self._write(self.directory / "htpasswd", rendered.htpasswd)
             self._write_checked(back.conf, rendered.squid_conf)

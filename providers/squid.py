@@ -103,6 +103,7 @@ def render(
     routing: Sequence[str] = (),
     authenticate: bool = True,
     access: Sequence[str] = (),
+    credentials_ttl: str = "1 hour",
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
@@ -111,7 +112,8 @@ def render(
     `auth_wrapper` is a helper command `basic_ncsa_auth` runs under,
     `log_format` a logformat definition for the access log, `routing` the
     lines that send requests to parents, `access` lines that deny more just
-    before rule 5 allows. `authenticate=False` drops rule 5
+    before rule 5 allows, `credentials_ttl` how long Squid trusts a checked
+    username and password before it asks its helper again. `authenticate=False` drops rule 5
     for the gateway's front, which passes credentials on to back workers
     that check them; it is refused unless `routing` forbids going direct.
 
@@ -150,7 +152,7 @@ def render(
         f"auth_param basic program {' '.join([*auth_wrapper, NCSA_AUTH_HELPER, paths.htpasswd])}",
         "auth_param basic children 5 startup=1 idle=1",
         "auth_param basic realm proxy-operator",
-        "auth_param basic credentialsttl 1 hour",
+        f"auth_param basic credentialsttl {credentials_ttl}",
         # Squid lowercases usernames before its helper sees them unless told
         # not to: `Proxy` in the htpasswd would then never match.
         "auth_param basic casesensitive on",
@@ -376,6 +378,7 @@ def render_gateway_back(
     members: Sequence[GatewayMember],
     auth_wrapper: Sequence[str],
     error_directory: str,
+    credentials_ttl: str = "1 hour",
 ) -> RenderedSquid:
     """The back workers' config: they route by username to the pool's members.
 
@@ -398,7 +401,9 @@ def render_gateway_back(
     copies of Squid's own templates. The front relays the status and Squid's
     `X-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0` header, not the page.
     """
-    user = _ere(settings.username)
+    # The fleet's user, or a users-file user (gateway/users.py: no dash in the
+    # name); which account, and its password, the auth helper checked.
+    user = f"({_ere(settings.username)}|[A-Za-z0-9._]+)"
     # Every username some member admits; the rest are answered NO_MEMBER_STATUS.
     access = [f"acl {UNROUTABLE} src 127.0.0.1/32"]  # always true: the backs admit no other
     lines = [
@@ -446,7 +451,9 @@ def render_gateway_back(
         f"deny_info {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} {UNROUTABLE}",
     ]
     loopback = replace(settings, allowed_cidrs=("127.0.0.1/32",))
-    return _render_gateway_squid(loopback, paths, lines, auth_wrapper, access=access)
+    return _render_gateway_squid(
+        loopback, paths, lines, auth_wrapper, access=access, credentials_ttl=credentials_ttl
+    )
 
 
 def render_gateway_front(
@@ -487,6 +494,7 @@ def _render_gateway_squid(
     auth_wrapper: Sequence[str] = (),
     authenticate: bool = True,
     access: Sequence[str] = (),
+    credentials_ttl: str = "1 hour",
 ) -> RenderedSquid:
     """A gateway worker's config: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
     return render(
@@ -497,6 +505,7 @@ def _render_gateway_squid(
         routing=[*routing, ""],
         authenticate=authenticate,
         access=access,
+        credentials_ttl=credentials_ttl,
     )
 
 

@@ -170,3 +170,16 @@ def test_a_bad_member_network_is_reported_before_connecting(tmp_path: Path) -> N
         "bad CIDR '10.0.0.1/8'"
     ) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_users_file_is_named_before_connecting(tmp_path: Path) -> None:
+    users = tmp_path / "users"
+    users.write_text("alice:my-plain-password\n")
+    result = run_gateway(
+        tmp_path, {PASSWORD_ENV: PASSWORD}, "--pool", "web", "--users-file", str(users)
+    )
+    assert result.returncode == 2, result.stderr
+    assert "error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE)" in result.stderr
+    assert "line 1: the hash is not one" in result.stderr
+    assert "my-plain-password" not in result.stderr and "Traceback" not in result.stderr

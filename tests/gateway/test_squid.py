@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,6 +29,7 @@ import pytest
 
 from gateway.sessions import userhash_member
 from gateway.squid import GatewayError, GatewaySquid
+from gateway.users import hash_password
 from providers.base import CreateRequest
 from providers.config import Config
 from providers.local import LocalProvider
@@ -35,7 +38,7 @@ from providers.procfs import group_members
 from providers.squid import GatewayMember
 from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
-from tests.helpers.network import accepts_connections, free_port
+from tests.helpers.network import accepts_connections, free_port, read_head
 from tests.helpers.squid_upstream import requires_squid
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.tunnel import Answer, request
@@ -676,3 +679,83 @@ def test_a_gateway_without_members_answers_that_no_member_matches(
         assert reply.startswith(b"HTTP/1.1 503 "), (username, reply[:100])
     gateway.apply(list(members.by_member.values()))
     assert through(gateway, tls_origin, USERNAME).ok
+
+
+def test_users_file_changes_take_effect_without_dropping_an_open_tunnel(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    alice, bob = ("alice", "alice-password-1"), ("bob.2", "bob password 2")
+    squid = GatewaySquid(
+        config.proxy_settings(),
+        state_dir / ".users",
+        ("127.0.0.1", free_port()),
+        users=(
+            f"# the crawlers\n{alice[0]}:{hash_password(alice[1])}\n"
+            f"carol:{hash_password('carol-pw')} zones=europe-west1-b\n"
+        ),
+    )
+    try:
+        squid.start(list(members.by_member.values()))
+        assert through(squid, tls_origin, USERNAME).ok, "the fleet's credential still works"
+        assert through(squid, tls_origin, *alice).ok
+        assert through(squid, tls_origin, f"{alice[0]}-session-cart-1", alice[1]).ok
+        assert through(squid, tls_origin, f"{alice[0]}-provider-x", alice[1]).connect_status == 503
+        assert through(squid, tls_origin, alice[0], "wrong").connect_status == 407
+        assert through(squid, tls_origin, alice[0], PASSWORD).connect_status == 407
+        assert through(squid, tls_origin, USERNAME, alice[1]).connect_status == 407
+        assert through(squid, tls_origin, *bob).connect_status == 407
+        # A user limited to zones must name one: refused otherwise, routed (here to
+        # nothing: these members have no zone) when it does.
+        for refused in ("carol", "carol-zone-us-east1-b", "carol-session-k"):
+            assert through(squid, tls_origin, refused, "carol-pw").connect_status == 407
+        carol = through(squid, tls_origin, "carol-zone-europe-west1-b", "carol-pw")
+        assert carol.connect_status == 503
+
+        with open_tunnel(squid, tls_origin, *alice) as tunnel:
+            squid.install_users(f"{bob[0]}:{hash_password(bob[1])}\n")
+
+            def swapped() -> bool:
+                # Used all along (the origin closes a connection idle for 10 s).
+                assert tunnel_get(tunnel) == 200, "the tunnel opened before the change works"
+                return (
+                    through(squid, tls_origin, *bob).ok
+                    and through(squid, tls_origin, *alice).connect_status == 407
+                )
+
+            wait_until(swapped, 120, "bob accepted and alice refused", interval=0.5)
+            assert tunnel_get(tunnel) == 200
+        assert through(squid, tls_origin, USERNAME).ok
+    finally:
+        squid.stop()
+
+
+@contextlib.contextmanager
+def open_tunnel(
+    gateway: GatewaySquid, origin: TlsOrigin, username: str, password: str
+) -> Iterator[ssl.SSLSocket]:
+    """A CONNECT tunnel through the gateway, TLS to the origin, one GET done; kept open."""
+    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
+    target = f"{origin.host}:{origin.port}"
+    sock = socket.create_connection(("127.0.0.1", gateway.front.port), timeout=10)
+    try:
+        sock.sendall(
+            f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+            f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+        )
+        assert read_head(sock).startswith(b"HTTP/1.1 200")
+        with origin.client_ssl_context.wrap_socket(sock, server_hostname=origin.host) as tls:
+            assert tunnel_get(tls) == 200
+            yield tls
+    finally:
+        sock.close()
+
+
+def tunnel_get(tls: ssl.SSLSocket) -> int:
+    """GET / over an open tunnel, keeping the connection: the origin's status."""
+    tls.sendall(b"GET / HTTP/1.1\r\nHost: origin\r\n\r\n")
+    reply = b""
+    while not reply.endswith(b"\r\n\r\nok"):  # the origin answers "ok" to every request
+        chunk = tls.recv(4096)
+        assert chunk, f"the tunnel closed after {reply!r}"
+        reply += chunk
+    return int(reply.split(b" ", 2)[1])

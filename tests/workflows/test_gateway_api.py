@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from gateway.users import hash_password
 from tests.docs.markdown import examples
 from tests.helpers.api import call, raw
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, USERNAME
@@ -36,6 +37,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 API_DOC = "docs/gateway-api.md"
 CURL = re.compile(r"^\s*curl\s", re.MULTILINE)
+ALICE = ("alice", "alice-password-1")
+BOB = ("bob", "bob-password-2")
 # Enough for the test's own requests with one token; the other is drained.
 RATE = "0.2"
 BURST = 80
@@ -49,6 +52,7 @@ class ApiGateway:
     port: int
     tokens_file: Path
     tokens: tuple[str, str]
+    users_file: Path
 
 
 @pytest.fixture
@@ -62,16 +66,17 @@ async def api_gateway(
     files: list[Path] = []
 
     def flags(directory: Path) -> tuple[str, ...]:
-        tokens_file = directory / "tokens"
+        tokens_file, users_file = directory / "tokens", directory / "users"
         tokens_file.write_text(f"# the crawlers\n{tokens[0]}\n\n  {tokens[1]}  \n")
-        files.append(tokens_file)
+        users_file.write_text(f"{ALICE[0]}:{hash_password(ALICE[1])}\n")
+        files.extend([tokens_file, users_file])
         return (
             *("--api-listen", f"127.0.0.1:{port}", "--api-tokens-file", str(tokens_file)),
-            *("--api-rate", RATE, "--api-burst", str(BURST)),
+            *("--api-rate", RATE, "--api-burst", str(BURST), "--users-file", str(users_file)),
         )
 
     async with pool_gateway(temporal_env, stack, pool.handle.id, flags) as process:
-        yield ApiGateway(process, port, files[0], tokens)
+        yield ApiGateway(process, port, files[0], tokens, files[1])
 
 
 async def api(port: int, method: str, path: str, **kwargs: object) -> tuple[int, object]:
@@ -130,6 +135,13 @@ async def test_tokens_are_checked_and_nothing_is_revealed_without_one(
         raw, port, b"GET /v1/members HTTP/1.1\r\nX-Pad: " + b"x" * 70_000 + b"\r\n\r\n"
     )
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    # A client that never finishes its head is cut after the head deadline, answered
+    # nothing, while others are served.
+    slow = asyncio.create_task(
+        asyncio.to_thread(raw, port, b"GET /v1/members HTTP/1.1\r\nAuthorization: Bearer ")
+    )
+    assert (await asyncio.to_thread(call, port, "GET", "/healthz")).status == 200
+    assert await slow == b""
     # The token's scheme is case-insensitive (RFC 7235), surrounding spaces are not the token's.
     lower = await asyncio.to_thread(
         call, port, "GET", "/v1/members", headers={"Authorization": f"bearer {other}"}
@@ -311,3 +323,41 @@ async def test_the_api_doc_runs_as_written(
             check=False,
         )
         assert run.returncode == 0, f"{example.source}:\n{script}{run.stdout}{run.stderr}"
+
+
+async def test_the_running_gateway_follows_its_users_file(
+    stack: Stack,
+    pool: Pool,  # noqa: F811
+    api_gateway: ApiGateway,
+) -> None:
+    gateway, port, token = api_gateway.process, api_gateway.port, api_gateway.tokens[0]
+    assert (await asyncio.to_thread(through, gateway, stack, *ALICE)).ok
+    assert (await asyncio.to_thread(through, gateway, stack, *BOB)).connect_status == 407
+
+    # A users-file user's session: the API names its member once the gateway has
+    # seen the username (a session key alone is taken for the fleet user's).
+    endpoints = await pool.endpoints()
+    before = pool.tunnels()
+    username = f"{ALICE[0]}-session-a1"
+    assert (await asyncio.to_thread(through, gateway, stack, username, ALICE[1])).ok
+    instance_of = pool.instance_by_endpoint()
+    member_of = {instance_of[endpoint]: member for member, endpoint in endpoints.items()}
+    (carried,) = (member_of[i] for i in pool.tunnels() - before)
+
+    async def named() -> bool:
+        return await api(port, "GET", "/v1/sessions/a1", token=token) == (
+            200,
+            {"session": "a1", "member": carried},
+        )
+
+    await wait_for(named, "the API naming the member that carried alice's session")
+
+    api_gateway.users_file.write_text(f"# alice left\n{BOB[0]}:{hash_password(BOB[1])}\n")
+
+    async def swapped() -> bool:
+        bob = await asyncio.to_thread(through, gateway, stack, *BOB)
+        alice = await asyncio.to_thread(through, gateway, stack, *ALICE)
+        return bob.ok and alice.connect_status == 407
+
+    await wait_for(swapped, "bob accepted and alice refused", deadline=120)
+    assert (await asyncio.to_thread(through, gateway, stack, USERNAME)).ok

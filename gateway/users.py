@@ -1,0 +1,204 @@
+"""The gateway's client credentials beyond the fleet's own: a users file of hashed passwords.
+
+    # one user a line: name:hash (from `python -m gateway.users hash NAME`),
+    # then optional limits: zones=<zone>,<zone> (each username must name one)
+    alice:scrypt$16384$8$1$<salt, hex>$<key, hex>
+    carol:scrypt$16384$8$1$<salt, hex>$<key, hex> zones=europe-west1-b
+
+A name is 1 to 64 of `A-Z a-z 0-9 . _` (no `-`: the routing grammar's
+separator) and not the fleet's own username, which keeps working beside
+them. Each user's username forms are the fleet user's (`alice`,
+`alice-session-<key>`, `alice-zone-<zone>-proxy-<member>`, ...), checked
+against alice's hash. Passwords are hashed with scrypt (hashlib, a salt of
+SALT_BYTES per user, SCRYPT_N/R/P); a check compares in constant time.
+
+The gateway reads the file at start and follows it (its copy in the state
+directory is what Squid's auth helper reads); see gateway/auth_helper.py.
+Standard library only: the helper imports this module under Squid's user,
+with whatever python3 the system has.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import hmac
+import re
+import secrets
+import sys
+from dataclasses import dataclass
+
+SCHEME = "scrypt"
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
+# The bounds a hash in the file may ask for: a line must not make a check cost
+# more than this (memory is 128 * N * R bytes) nor be too weak to mean anything.
+MAX_N, MIN_N = 2**17, 2**10
+SALT_BYTES = 16
+KEY_BYTES = 32
+NAME = re.compile(r"^[A-Za-z0-9._]{1,64}$")
+ZONE = re.compile(r"^[A-Za-z0-9._~+=-]{1,64}$")
+MAX_PASSWORD = 1024
+MAX_USERS_BYTES = 4 << 20
+
+
+class UsersFileError(Exception):
+    """The users file cannot be read, or a line is not `name:hash` (named by number)."""
+
+
+def hash_password(password: str) -> str:
+    """A users-file hash of `password`, with a fresh salt."""
+    salt = secrets.token_bytes(SALT_BYTES)
+    key = _scrypt(password, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
+    return f"{SCHEME}${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${key.hex()}"
+
+
+def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(
+        password.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * n * r, dklen=KEY_BYTES
+    )
+
+
+def _parts(encoded: str) -> tuple[int, int, int, bytes, bytes] | None:
+    fields = encoded.split("$")
+    if len(fields) != 6 or fields[0] != SCHEME:
+        return None
+    try:
+        n, r, p = int(fields[1]), int(fields[2]), int(fields[3])
+        salt, key = bytes.fromhex(fields[4]), bytes.fromhex(fields[5])
+    except ValueError:
+        return None
+    if n & (n - 1) or not MIN_N <= n <= MAX_N or not 1 <= r <= 16 or not 1 <= p <= 4:
+        return None
+    if len(salt) < 8 or len(key) != KEY_BYTES:
+        return None
+    return n, r, p, salt, key
+
+
+def verify(password: str, encoded: str) -> bool:
+    """Whether `password` is the one `encoded` was made from (constant-time compare)."""
+    parts = _parts(encoded)
+    if parts is None or len(password) > MAX_PASSWORD:
+        return False
+    n, r, p, salt, key = parts
+    return hmac.compare_digest(_scrypt(password, salt, n, r, p), key)
+
+
+@dataclass(frozen=True)
+class User:
+    """One line of the users file: the password's hash, and the zones the user may use
+    (None: any; else every username of theirs must name one, `-zone-<zone>`)."""
+
+    hash: str
+    zones: frozenset[str] | None = None
+
+
+def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:
+    """Name -> User for each line of a users file; UsersFileError naming each bad line.
+
+    A bad line is named by its number only: it may hold a hash, or a
+    password typed where a hash belongs.
+    """
+    users: dict[str, User] = {}
+    problems: list[str] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, rest = line.partition(":")
+        words = rest.split()
+        encoded, limits = (words[0] if words else ""), words[1:]
+        zones, bad_limit = _zones(limits)
+        if not sep or not NAME.fullmatch(name):
+            problems.append(f"line {number}: not `name:hash` with a name of A-Z a-z 0-9 . _")
+        elif name in (fleet_user, fleet_user.partition("-")[0]):
+            # The fleet's `my-proxy-...` usernames would read as a user `my`'s.
+            problems.append(f"line {number}: {name!r} is (the start of) the fleet's username")
+        elif name in users:
+            problems.append(f"line {number}: {name!r} again")
+        elif _parts(encoded) is None:
+            problems.append(
+                f"line {number}: the hash is not one `python -m gateway.users hash` makes"
+            )
+        elif bad_limit:
+            problems.append(f"line {number}: {bad_limit}")
+        else:
+            users[name] = User(encoded, zones)
+    if problems:
+        raise UsersFileError(f"{source}: {'; '.join(problems)}")
+    return users
+
+
+def _zones(limits: list[str]) -> tuple[frozenset[str] | None, str]:
+    """The `zones=a,b` limit of a line's words after the hash, and what is wrong with them."""
+    zones: frozenset[str] | None = None
+    for limit in limits:
+        key, _, value = limit.partition("=")
+        if key != "zones":
+            return None, f"{key[:20]!r} is not a limit (zones=<zone>,<zone>)"
+        names = value.split(",")
+        if not all(ZONE.fullmatch(zone) for zone in names):
+            return (
+                None,
+                "zones= takes zone names (1 to 64 of A-Z a-z 0-9 . _ ~ + = -), commas between",
+            )
+        zones = frozenset(names)
+    return zones, ""
+
+
+def read_users(path: str, fleet_user: str) -> dict[str, User]:
+    """The users of the file at `path`; UsersFileError naming what is wrong."""
+    return parse_users(read_users_text(path), path, fleet_user)
+
+
+def read_users_text(path: str) -> str:
+    try:
+        return read_small_text(path, MAX_USERS_BYTES)
+    except ValueError as err:
+        raise UsersFileError(str(err)) from None
+
+
+def read_small_text(path: str, limit: int) -> str:
+    """A UTF-8 file of at most `limit` bytes (the gateway's tokens and users files);
+    ValueError saying why not, with its path."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(limit + 1)
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from None
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m gateway.users hash NAME`: the users-file line for NAME.
+
+    The password comes from standard input (its first line), or is asked
+    for twice at a terminal; it is never an argument (which `ps` would show).
+    """
+    if len(argv) != 3 or argv[1] != "hash":
+        print("usage: python -m gateway.users hash NAME  (password on stdin)", file=sys.stderr)
+        return 2
+    name = argv[2]
+    if not NAME.fullmatch(name):
+        print(f"error: NAME: {name!r} is not 1 to 64 of A-Z a-z 0-9 . _", file=sys.stderr)
+        return 2
+    if sys.stdin.isatty():
+        password = getpass.getpass(f"password for {name}: ")
+        if getpass.getpass("again: ") != password:
+            print("error: the two passwords differ", file=sys.stderr)
+            return 2
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if not password or len(password) > MAX_PASSWORD:
+        print(f"error: the password must be 1 to {MAX_PASSWORD} characters", file=sys.stderr)
+        return 2
+    print(f"{name}:{hash_password(password)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

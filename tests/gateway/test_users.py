@@ -1,0 +1,91 @@
+"""The users file and `python -m gateway.users hash`: hashes that verify, bad lines named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.users import UsersFileError, hash_password, parse_users, verify
+
+ROOT = Path(__file__).resolve().parents[2]
+HASH = hash_password("pw")
+
+
+def test_the_cli_prints_a_line_whose_hash_verifies_the_password() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.users", "hash", "alice"],
+        input="s3cret pass\n",
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    line = result.stdout.strip()
+    assert "s3cret" not in line
+    users = parse_users(line, "users", "proxy")
+    assert verify("s3cret pass", users["alice"].hash)
+    assert not verify("s3cret pass ", users["alice"].hash)
+    assert not verify("", users["alice"].hash)
+    assert users["alice"].zones is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdin", "expected"),
+    [
+        (["hash"], "", "usage"),
+        (["hash", "al-ice"], "pw\n", "NAME: 'al-ice'"),
+        (["hash", "alice"], "\n", "the password must be 1 to"),
+    ],
+)
+def test_the_cli_names_what_is_wrong(argv: list[str], stdin: str, expected: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.users", *argv],
+        input=stdin,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2 and expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_two_hashes_of_one_password_differ() -> None:
+    assert hash_password("pw") != hash_password("pw")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("alice\n", "line 1: not `name:hash`"),
+        ("al-ice:x\n", "line 1: not `name:hash`"),
+        ("proxy:" + "x" * 10 + "\n", "line 1: 'proxy' is (the start of) the fleet's username"),
+        ("alice:plain-password\n", "line 1: the hash is not one"),
+        ("alice:\n", "line 1: the hash is not one"),
+        (f"alice:{HASH} country=fr\n", "line 1: 'country' is not a limit"),
+        (f"alice:{HASH} zones=\n", "line 1: zones= takes zone names"),
+        (f"alice:{HASH} zones=a,,b\n", "line 1: zones= takes zone names"),
+        ("alice:scrypt$1073741824$8$1$00112233445566778899aabbccddeeff$" + "00" * 32, "line 1"),
+    ],
+)
+def test_bad_lines_are_named_without_their_text(text: str, expected: str) -> None:
+    with pytest.raises(UsersFileError) as caught:
+        parse_users(f"# ok\n\n{text}".replace("line 1", "line 3"), "users", "proxy")
+    assert expected.replace("line 1", "line 3") in str(caught.value)
+    assert "plain-password" not in str(caught.value)
+
+
+def test_a_repeated_name_is_named() -> None:
+    line = f"alice:{hash_password('pw')}"
+    with pytest.raises(UsersFileError, match="line 2: 'alice' again"):
+        parse_users(f"{line}\n{line}\n", "users", "proxy")
+
+
+def test_a_zones_limit_is_read() -> None:
+    users = parse_users(f"alice:{HASH}  zones=europe-west1-b,us-east1-c\n", "users", "proxy")
+    assert users["alice"].zones == {"europe-west1-b", "us-east1-c"}
