@@ -7,8 +7,6 @@ pool, and a teardown that waits until every member's Squid is gone.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,14 +14,12 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from activities.provider import ProviderActivities
-from providers.local import LocalProvider
+from bench.local_worker import local_worker
 from tests.helpers.config import local_entry, proxy_config, raw_config
 from tests.helpers.gateway import GatewayProcess
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
-from worker import build_worker
 
 
 @dataclass(frozen=True)
@@ -58,20 +54,7 @@ async def local_stack(origin: TlsOrigin) -> AsyncIterator[LocalStack]:
             local_state_dir("proxy-operator-bench-gateway-") as gateway_dir,
         ):
             config = proxy_config(origin.port, local_entry(state_dir))
-            provider = LocalProvider.from_config(config.providers[0], config)
-            activities = ProviderActivities(
-                {"local": provider}, config, ssl_context=origin.client_ssl_context
-            )
-            task_queue = f"bench-{uuid.uuid4().hex[:8]}"
-            worker = build_worker(env.client, activities, task_queue=task_queue)
-            run = asyncio.create_task(worker.run())
-            try:
+            async with local_worker(env.client, config, origin) as task_queue:
                 yield LocalStack(env.client, task_queue, state_dir, gateway_dir, origin)
-            finally:
-                while provider.list_by_tag("managed-by", "proxy-operator"):
-                    await asyncio.sleep(0.5)
-                await worker.shutdown()
-                await run
-                activities.close()
     finally:
         await env.shutdown()
