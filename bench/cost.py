@@ -1,6 +1,6 @@
 """What the fleet costs in Temporal Cloud actions (docs/cost.md), counted as the server counts them.
 
-    python -m bench.cost [--proxies 10] [--minutes 3] [--large 0] [--gateway-minutes 1]
+    python -m bench.cost [--proxies 10] [--minutes 7] [--large 0] [--gateway-minutes 6]
 
 The dev server runs with `--metrics-port`; its `/metrics` `action` counter
 (labelled `action_type`) is what Temporal documents for estimating Cloud
@@ -220,6 +220,8 @@ class Bench:
             )
         )
         try:
+            # Past its start-up: the first poll queries, as it must (nothing seen yet).
+            await asyncio.sleep(3 * GATEWAY_POLL_SECONDS)
             counts, seconds = await self.actions.over(self.args.gateway_minutes * 60)
         finally:
             following.cancel()
@@ -363,7 +365,10 @@ async def run(
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--proxies", type=int, default=10)
-    parser.add_argument("--minutes", type=float, default=3.0)
-    parser.add_argument("--gateway-minutes", type=float, default=1.0)
+    # Two heartbeat periods at least (210 s each), or the window sees some
+    # monitors beat once and others twice.
+    parser.add_argument("--minutes", type=float, default=7.0)
+    # Longer than the gateway's refresh (5 minutes), to count one.
+    parser.add_argument("--gateway-minutes", type=float, default=6.0)
     parser.add_argument("--large", type=int, default=0, help="also a pool of this many members")
     asyncio.run(main(parser.parse_args()))

@@ -42,6 +42,7 @@ from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
     worker_process,
     write_worker_config,
 )
+from workflows import policies
 
 INSTALLATION = "worker-test"
 DEPLOYMENT_NAME_ENV = "PROXY_OPERATOR_DEPLOYMENT_NAME"
@@ -150,7 +151,14 @@ async def test_killed_workers_lose_nothing(
         second.wait()
         third = worker_process(config, task_queue, env)
         await handle.signal("terminate")
-        result = await asyncio.wait_for(handle.result(), timeout=120)
+        # The instance is deleted at once; the workflow closes once its
+        # monitor has ended, which, its worker dead, the server decides at the
+        # monitor's heartbeat timeout.
+        await wait_for(lambda: squid_pids(state_dir) == [], "the instance deleted", 60)
+        assert policies.MONITOR.heartbeat is not None
+        result = await asyncio.wait_for(
+            handle.result(), timeout=policies.MONITOR.heartbeat.total_seconds() + 120
+        )
         assert result["state"] == "Terminated"
         assert squid_pids(state_dir) == []
         assert (await status_of(handle)).state == "Terminated"

@@ -29,13 +29,6 @@ from contract import (
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
-# Histories recorded before this patch told the pool again when only a
-# Provisioning or Replacing member's instance endpoint changed, which the
-# report does not carry (it names an endpoint only while Ready): a second,
-# identical signal per start and replacement. Since, such a change is not
-# reported; replaying them still reports it.
-REPORT_WHAT_CHANGED_PATCH = "member-reports-only-what-changed"
-
 
 class StatusPublisher:
     """What one run has published, so it publishes only what changed."""
@@ -45,8 +38,6 @@ class StatusPublisher:
         # What the pool (if this is a pool member) was last told, and the
         # signals telling it that are still in flight.
         self._reported: tuple[str, str, int, str | None] | None = None
-        # The same, as reported: the endpoint only while Ready.
-        self._reported_as: tuple[str, str, int, str | None] | None = None
         self._reports: list[asyncio.Task[None]] = []
         self._report_seq = 0
 
@@ -101,18 +92,13 @@ class StatusPublisher:
         """
         parent = workflow.info().parent
         now = (status.state, status.endpoint, status.generation, status.ready_since)
-        endpoint = status.endpoint if status.state == ProxyState.READY else ""
-        now_as = (status.state, endpoint, status.generation, status.ready_since)
         if parent is None or now == self._reported:
             return
         self._reported = now
-        if now_as == self._reported_as and workflow.patched(REPORT_WHAT_CHANGED_PATCH):
-            return  # the pool would read the same report again
-        self._reported_as = now_as
         report = MemberReport(
             member=workflow.info().workflow_id,
             state=status.state,
-            endpoint=endpoint,
+            endpoint=status.endpoint if status.state == ProxyState.READY else "",
             provider=status.provider,
             generation=status.generation,
             ready_since=status.ready_since,
