@@ -52,7 +52,8 @@ SPOT_WATCH_FILE = "spot_watch.sh.tmpl"
 # Read once, at import: a wheel without the template fails at once, not at the first create.
 TEMPLATE = load_template(Path(__file__).with_name(TEMPLATE_FILE))
 SPOT_WATCH = load_template(Path(__file__).with_name(SPOT_WATCH_FILE)).substitute(
-    INTERRUPTED=STARTUP_INTERRUPTED, SPOT_POLL_SECONDS=str(SPOT_POLL_SECONDS)
+    INTERRUPTED=STARTUP_INTERRUPTED,
+    SPOT_POLL_SECONDS=str(SPOT_POLL_SECONDS),
 )
 
 __all__ = [

@@ -670,7 +670,12 @@ def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
     stub.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "systemctl.log"}\n')
     stub.chmod(0o755)
     console = tmp_path / "console"
-    script = f'report() {{ echo "$1" >> {console}; }}\n{SPOT_WATCH}\nwait\n'
+    # The user data's own lines, but for the unit systemd-run starts: the
+    # same command, run here in the foreground.
+    watcher = SPOT_WATCH.split("systemd-run", 1)[0]
+    launch = '/bin/bash -c "$(declare -f report watch_spot_notice); watch_spot_notice"'
+    assert launch in SPOT_WATCH
+    script = f'report() {{ echo "$1" >> {console}; }}\n{watcher}\n{launch}\n'
     env = {
         **os.environ,
         "PATH": f"{stub.parent}:{os.environ['PATH']}",
