@@ -7,6 +7,7 @@ group, and the error edge.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -30,7 +31,7 @@ from providers.aws.instances import (
 )
 from providers.aws.security_group import InstallationGroup, group_name
 from providers.aws.settings import AwsConfig, config_problems
-from providers.aws.user_data import STARTUP_READY, console_state, user_data
+from providers.aws.user_data import STARTUP_READY, console_state, interruption_notice, user_data
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
@@ -86,8 +87,9 @@ class AwsProvider:
             installation=installation,
         )
         self._lock = threading.Lock()
-        # Console state per instance id: "ready" is kept for good; anything
-        # else with when it was read, to pace the queries.
+        # Console state per instance id: "ready" is kept for good on an
+        # on-demand instance; anything else (and a spot instance's "ready",
+        # which a notice may follow) with when it was read, to pace the queries.
         self._console: dict[str, tuple[str, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
@@ -224,7 +226,7 @@ class AwsProvider:
             "InstanceType": s.instance_type,
             "MinCount": 1,
             "MaxCount": 1,
-            "UserData": user_data(req.proxy),
+            "UserData": user_data(req.proxy, spot=s.market == "spot"),
             "NetworkInterfaces": [
                 {
                     "DeviceIndex": 0,
@@ -346,15 +348,24 @@ class AwsProvider:
         if instance.state is not InstanceState.RUNNING:
             return instance
         report = self._console_state(instance.provider_id)
+        notice = interruption_notice(report)
+        if notice is not None:
+            # TERMINATED, not STOPPED or PROVISIONING: the monitor's check
+            # after a failed probe (the script stops Squid on the notice) then
+            # returns `gone` at once instead of after failure_threshold
+            # probes, and the lifecycle retires it and brings up the next
+            # generation, up to two minutes before EC2 reclaims it.
+            return dataclasses.replace(
+                instance, state=InstanceState.TERMINATED, ip="", exit_address=None, reason=notice
+            )
         return with_report(instance, report, script="user data", machine="instance")
 
     def _console_state(self, instance_id: str) -> str:
         """The user data's last report on the serial console, paced per instance."""
         with self._lock:
             known = self._console.get(instance_id)
-        if known is not None and (
-            known[0] == STARTUP_READY or time.monotonic() - known[1] < self._console_interval
-        ):
+        final = known is not None and known[0] == STARTUP_READY and self._settings.market != "spot"
+        if known is not None and (final or time.monotonic() - known[1] < self._console_interval):
             return known[0]
         # Latest: the console as it is now (Nitro instances), not the buffer
         # EC2 posts at state transitions only.

@@ -15,8 +15,11 @@ the metadata address (docs/providers.md, "AWS EC2").
 Progress goes to the serial console, one line per step, starting with
 STATE_MARKER: `installing`, then `ready` once Squid listens, or
 `failed: <why>` from whichever step failed, which ends the instance with that
-reason. The provider reads it with GetConsoleOutput (`Latest`), which needs
-no credentials on the instance: a proxy VM has no IAM role to steal.
+reason. A spot instance's script then watches for EC2's interruption notice
+(`spot_watch.sh.tmpl`) and reports `interrupted <action> <time>` when it
+comes: that report is final, whatever the console shows after it. The
+provider reads it with GetConsoleOutput (`Latest`), which needs no
+credentials on the instance: a proxy VM has no IAM role to steal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from providers.boot_script import (
+    MAX_REASON_CHARS,
     SQUID_CONF,
     STARTUP_FAILED_PREFIX,
     STARTUP_READY,
@@ -37,17 +41,46 @@ STATE_MARKER = "proxy-operator-state:"
 # What the state is before the script's first report.
 STARTUP_BOOTING = "booting"
 
+# The report of a spot interruption notice: `interrupted <action> <time>`.
+STARTUP_INTERRUPTED = "interrupted"
+# How often the spot watcher asks IMDS; AWS suggests every 5 seconds.
+SPOT_POLL_SECONDS = 5
+
 TEMPLATE_FILE = "user_data.sh.tmpl"
+SPOT_WATCH_FILE = "spot_watch.sh.tmpl"
 
 # Read once, at import: a wheel without the template fails at once, not at the first create.
 TEMPLATE = load_template(Path(__file__).with_name(TEMPLATE_FILE))
+SPOT_WATCH = load_template(Path(__file__).with_name(SPOT_WATCH_FILE)).substitute(
+    INTERRUPTED=STARTUP_INTERRUPTED,
+    SPOT_POLL_SECONDS=str(SPOT_POLL_SECONDS),
+)
 
-__all__ = ["SQUID_CONF", "STARTUP_FAILED_PREFIX", "STARTUP_READY", "console_state", "user_data"]
+__all__ = [
+    "SQUID_CONF",
+    "STARTUP_FAILED_PREFIX",
+    "STARTUP_INTERRUPTED",
+    "STARTUP_READY",
+    "console_state",
+    "interruption_notice",
+    "user_data",
+]
 
 
-def user_data(proxy: ProxySettings) -> str:
-    """The boot script for an instance serving `proxy` (see the module docstring)."""
-    return fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER)
+def user_data(proxy: ProxySettings, *, spot: bool) -> str:
+    """The boot script for an instance serving `proxy`; a `spot` one watches for its notice."""
+    return fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER, SPOT_WATCH=SPOT_WATCH if spot else "")
+
+
+def interruption_notice(report: str) -> str | None:
+    """The reason a console report of a spot interruption notice gives, else None."""
+    words = report.split()
+    if not words or words[0] != STARTUP_INTERRUPTED:
+        return None
+    action, when = [*words[1:], "unknown", "unknown"][:2]
+    said = f"spot interruption notice: {action} at {when}"[:MAX_REASON_CHARS]
+    # Written by the instance: shown to users, so printable only.
+    return "".join(c if c.isprintable() else "?" for c in said)
 
 
 def console_state(output: str | None) -> str:
@@ -55,11 +88,15 @@ def console_state(output: str | None) -> str:
 
     botocore has already decoded the base64 the API sends. The console holds
     the last 64 KB only; the script's latest line is the one that counts, so
-    the last marker wins.
+    the last marker wins, but for a spot interruption notice: the instance
+    goes whatever follows it, so the latest notice wins over any later line.
     """
     states = [
         line.split(STATE_MARKER, 1)[1].strip()
         for line in (output or "").splitlines()
         if STATE_MARKER in line
     ]
+    notices = [state for state in states if interruption_notice(state) is not None]
+    if notices:
+        return notices[-1]
     return states[-1] if states else STARTUP_BOOTING

@@ -18,6 +18,10 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
   as EC2 answers them (error code, message, HTTP status).
 - Spot interruption (`interrupt_spot(instance_id)`): the instance goes to
   shutting-down or terminated with state reason Server.SpotInstanceTermination.
+- Spot interruption notice (`notify_spot_interruption(instance_id)`): EC2
+  tells a spot instance two minutes ahead, only inside it (IMDS
+  `spot/instance-action`, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html);
+  the fake plays the user data's watcher and writes its console line.
 - `auto_start_ip`: every instance's public IP is this address (127.0.0.1
   in front of a local Squid), as a real one has its own.
 
@@ -55,7 +59,7 @@ from moto.ec2.models.instances import StateReason
 from moto.server import ThreadedMotoServer
 
 from providers.aws.settings import DEBIAN_OWNER
-from providers.aws.user_data import STARTUP_READY, STATE_MARKER
+from providers.aws.user_data import STARTUP_INTERRUPTED, STARTUP_READY, STATE_MARKER
 from tests.helpers.network import free_port
 
 REGION = "eu-west-1"
@@ -275,6 +279,18 @@ class FakeEc2:
         instance._state.name = state
         instance._state.code = 32 if state == "shutting-down" else 48
         instance.state_reason = SPOT_TERMINATION
+
+    def notify_spot_interruption(
+        self, instance_id: str, action: str = "terminate", *, when: str = "2026-12-02T18:30:00Z"
+    ) -> None:
+        """EC2's two-minute notice, as the user data's watcher reports it on the console.
+
+        The instance keeps running until `interrupt_spot`, as a real one does
+        for two minutes; only spot instances get a notice (ValueError otherwise).
+        """
+        if self._backend().get_instance(instance_id).lifecycle != "spot":
+            raise ValueError(f"{instance_id} is not a spot instance")
+        self.report(instance_id, f"{STARTUP_INTERRUPTED} {action} {when}")
 
     def open_by_hand(self, group_name: str, port: int, cidr: str) -> None:
         """An ingress rule somebody adds to the group, unseen by `calls` (straight to moto)."""

@@ -7,8 +7,12 @@ comes from the layer in front of it, tests/fakes/ec2.py (docs/fakes.md).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -16,6 +20,7 @@ import pytest
 
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
+from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice
 from providers.base import CreateRequest, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
@@ -317,6 +322,72 @@ def test_a_spot_interruption_ends_the_instance_as_lost(fake_ec2: FakeEc2) -> Non
         provider.get(created.provider_id)
 
 
+def test_a_spot_interruption_notice_ends_the_instance_before_ec2_does(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot")
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+    fake_ec2.notify_spot_interruption(created.provider_id, when="2026-12-02T18:30:00Z")
+    noticed = provider.get(created.provider_id)
+    # A line the instance writes after it hides nothing: the notice is final.
+    fake_ec2.console_write(created.provider_id, "\x00\x1b[2J garbage \ufffd")
+    fake_ec2.report(created.provider_id, "\x07\x01 not a state")
+    fake_ec2.report(created.provider_id, "ready")
+    still = provider.get(created.provider_id)
+
+    for lost in (noticed, still):
+        assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
+        assert lost.exit_address is None
+        assert lost.reason == "spot interruption notice: terminate at 2026-12-02T18:30:00Z"
+    assert fake_ec2.instance(created.provider_id).state == "running"  # EC2 has not acted yet
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (
+            "interrupted stop 2026-12-02T18:30:00Z",
+            "spot interruption notice: stop at 2026-12-02T18:30:00Z",
+        ),
+        ("interrupted", "spot interruption notice: unknown at unknown"),
+        ("interrupted \x1b[31m x", "spot interruption notice: ?[31m at x"),
+        ("ready", None),
+        ("failed: interrupted", None),
+        ("interruptedly", None),
+    ],
+)
+def test_the_notice_line_is_parsed_strictly(line: str, reason: str | None) -> None:
+    assert interruption_notice(line) == reason
+
+
+def test_the_latest_notice_wins_over_any_line_after_it() -> None:
+    console = "\n".join(
+        [
+            f"{STATE_MARKER} installing",
+            f"{STATE_MARKER} ready",
+            f"{STATE_MARKER} interrupted terminate 2026-12-02T18:30:00Z",
+            "[  12.3] kernel: garbage",
+            f"{STATE_MARKER} ready",
+            f"{STATE_MARKER} \x00",
+        ]
+    )
+    assert console_state(console) == "interrupted terminate 2026-12-02T18:30:00Z"
+    assert console_state(f"{STATE_MARKER} ready\n{STATE_MARKER} installing") == "installing"
+
+
+def test_an_on_demand_instance_gets_no_notice_and_no_watcher(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+
+    with pytest.raises(ValueError, match="not a spot instance"):
+        fake_ec2.notify_spot_interruption(created.provider_id)
+    assert "spot/instance-action" not in fake_ec2.user_data(created.provider_id)
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+
 def test_only_a_spot_instance_is_interrupted(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
     created = provider.create(make_request())
     with pytest.raises(ValueError, match="not a spot instance"):
@@ -533,3 +604,94 @@ def test_a_good_config_builds_a_provider_on_the_default_chain() -> None:
     provider = PROVIDER_TYPE.build(config.provider("ec2"), config)
     assert isinstance(provider, AwsProvider)
     assert settings.placement_problems({"subnet": "subnet-0123456789abcdef0"}) == []
+
+
+# -- the spot watcher in the user data ------------------------------------------------
+
+
+def test_only_a_spot_instance_s_user_data_watches_for_the_notice(fake_ec2: FakeEc2) -> None:
+    spot = make_provider(fake_ec2, market="spot").create(make_request())
+    script = fake_ec2.user_data(spot.provider_id)
+    bash = shutil.which("bash") or "/bin/bash"
+
+    subprocess.run([bash, "-n"], input=script, text=True, check=True)
+
+    assert SPOT_WATCH in script and "latest/meta-data/spot/instance-action" in script
+    assert script.index(SPOT_WATCH) > script.index("report ready")  # once Squid serves
+    assert "@" not in SPOT_WATCH  # every placeholder filled
+
+
+class FakeImds(BaseHTTPRequestHandler):
+    """IMDSv2 as the docs describe it: a PUT for a token, then GETs carrying it.
+
+    `spot/instance-action` is 404 for the first `quiet` asks, then the notice.
+    """
+
+    token = "imds-token"
+    quiet = 1
+    asks = 0
+
+    def do_PUT(self) -> None:
+        if self.path != "/latest/api/token" or not self.headers.get(
+            "X-aws-ec2-metadata-token-ttl-seconds"
+        ):
+            self._answer(400, b"")
+            return
+        self._answer(200, self.token.encode())
+
+    def do_GET(self) -> None:
+        if self.headers.get("X-aws-ec2-metadata-token") != self.token:
+            self._answer(401, b"")
+        elif self.path != "/latest/meta-data/spot/instance-action":
+            self._answer(404, b"")
+        else:
+            type(self).asks += 1
+            if type(self).asks <= self.quiet:
+                self._answer(404, b"")
+            else:
+                self._answer(200, b'{"action": "stop", "time": "2026-12-02T18:30:00Z"}')
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
+    imds = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
+    threading.Thread(target=imds.serve_forever, daemon=True).start()
+    # systemctl played by a stub on PATH: the test never touches this machine's services.
+    stub = tmp_path / "bin" / "systemctl"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "systemctl.log"}\n')
+    stub.chmod(0o755)
+    console = tmp_path / "console"
+    # The user data's own lines, but for the unit systemd-run starts: the
+    # same command, run here in the foreground.
+    watcher = SPOT_WATCH.split("systemd-run", 1)[0]
+    launch = '/bin/bash -c "$(declare -f report watch_spot_notice); watch_spot_notice"'
+    assert launch in SPOT_WATCH
+    script = f'report() {{ echo "$1" >> {console}; }}\n{watcher}\n{launch}\n'
+    env = {
+        **os.environ,
+        "PATH": f"{stub.parent}:{os.environ['PATH']}",
+        "PROXY_OPERATOR_IMDS_URL": f"http://127.0.0.1:{imds.server_address[1]}",
+    }
+    try:
+        subprocess.run(
+            [shutil.which("bash") or "/bin/bash", "-c", script], env=env, check=True, timeout=120
+        )
+    finally:
+        imds.shutdown()
+
+    assert console.read_text().splitlines() == ["interrupted stop 2026-12-02T18:30:00Z"]
+    assert (tmp_path / "systemctl.log").read_text().split() == [
+        "--no-ask-password",
+        "stop",
+        "squid",
+    ]
+    assert FakeImds.asks == 2  # asked again after the 404, stopped after the notice

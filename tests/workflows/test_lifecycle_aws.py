@@ -9,7 +9,8 @@ provider shipped.
 
 A capacity error makes the workflow wait minutes on a workflow timer, on the
 time-skipping test server (tests/helpers/time_skipping.py); a spot
-interruption ends the instance as lost, and the workflow replaces it.
+interruption ends the instance as lost, and the workflow replaces it; so
+does a spot interruption notice, before EC2 reclaims the instance.
 """
 
 from __future__ import annotations
@@ -149,3 +150,39 @@ async def test_capacity_wait_then_a_spot_interruption_is_replaced_then_terminate
     result: dict[str, Any] = await handle.result()
     assert (result["state"], result["reason"]) == ("Terminated", "test done")
     assert [i for i in fake.instances() if i.state != "terminated"] == []
+
+
+async def test_a_spot_interruption_notice_replaces_the_proxy_before_ec2_reclaims_it(
+    stack: ProviderStack, fake: FakeEc2, squid_upstreams: SquidUpstreams
+) -> None:
+    handle = await stack.start(PROVIDER, port=free_port())
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
+    first_id, first_squid = await serve(fake, squid_upstreams, handle, first)
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+
+    # The two-minute notice, as the user data's watcher handles it: the
+    # console line, then Squid stopped. EC2 has not touched the instance.
+    fake.notify_spot_interruption(first_id, when="2026-12-02T18:30:00Z")
+    await first_squid.terminate()
+    noticed = await wait_status(
+        handle, lambda s: "spot interruption notice" in (s.last_error or ""), "the notice seen"
+    )
+    assert noticed.last_error is not None
+    assert (
+        f"{first} is TERMINATED: spot interruption notice: terminate at 2026-12-02T18:30:00Z"
+        in noticed.last_error
+    )
+    assert "Server.SpotInstanceTermination" not in noticed.last_error  # ahead of EC2
+
+    second_id, second_squid = await serve(fake, squid_upstreams, handle, second)
+    again = await wait_status(handle, lambda s: s.state == "Ready", "the replacement Ready")
+    assert (again.provider_id, again.generation) == (second_id, 1)
+    # The lifecycle deleted the noticed instance itself, not EC2.
+    await wait_for(lambda: live_instance(fake, first) is None, "the noticed instance deleted")
+    assert fake.instance(first_id).state_reason.code == "Client.UserInitiatedShutdown"
+
+    await handle.signal("terminate", {"reason": "test done"})
+    await wait_for(lambda: live_instance(fake, second) is None, "the instance terminated")
+    await second_squid.terminate()
+    result: dict[str, Any] = await handle.result()
+    assert (result["state"], result["reason"]) == ("Terminated", "test done")
