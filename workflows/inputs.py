@@ -62,8 +62,12 @@ class HealthInput(StrictInput):
 
 
 class PlacementInput(StrictInput):
+    """Where an instance goes; the worker checks which keys its provider takes."""
+
     zone: Annotated[str, Field(pattern=r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")] | None = None
     namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")] | None = None
+    # An EC2 subnet id (the format providers/aws/settings.py checks the config's by).
+    subnet: Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8}([0-9a-f]{9})?$")] | None = None
 
     def as_dict(self) -> dict[str, str]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

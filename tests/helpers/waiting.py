@@ -9,9 +9,15 @@ from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHandle
 
+from workflows import policies
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 
 DEADLINE = 60.0
+# A monitor learns of its cancel only at its next heartbeat, which comes as
+# rarely as its heartbeat timeout allows (docs/cost.md): a workflow that must
+# see its monitor end (an instance that outlives a terminate, say) waits that
+# long, plus a busy machine's margin.
+MONITOR_CANCEL_DEADLINE = policies.MONITOR.heartbeat.total_seconds() + DEADLINE
 T = TypeVar("T")
 
 

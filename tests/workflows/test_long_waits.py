@@ -27,7 +27,13 @@ from tests.helpers.histories import record_history
 from tests.helpers.run_chain import run_histories
 from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.time_skipping import skip_past_pending_timer
-from tests.helpers.waiting import pending_activities, status_of, wait_for, wait_status
+from tests.helpers.waiting import (
+    MONITOR_CANCEL_DEADLINE,
+    pending_activities,
+    status_of,
+    wait_for,
+    wait_status,
+)
 from workflows.lifecycle_carried import ProxyStatus
 
 pytestmark = pytest.mark.slow
@@ -41,10 +47,6 @@ RETRY_AFTER = timedelta(hours=1)
 # 30 s deadline for one skip.
 STEP = timedelta(hours=6)
 MAX_EVENTS_PER_RUN = 10_000
-
-
-# The monitor heartbeats every 30 s; a busy machine takes longer.
-DEADLINE_MONITOR = 180
 
 
 async def pending_activities_none(handle: WorkflowHandle[Any, Any]) -> bool:
@@ -140,7 +142,9 @@ async def test_a_month_of_quota_on_terminate_continues_as_new_and_ends_terminate
     # until it has, virtual time runs at wall-clock pace
     # (tests/helpers/time_skipping.py).
     await wait_for(
-        lambda: pending_activities_none(handle), "the monitor's end", deadline=DEADLINE_MONITOR
+        lambda: pending_activities_none(handle),
+        "the monitor's end",
+        deadline=MONITOR_CANCEL_DEADLINE,
     )
 
     def still_terminating(status: ProxyStatus) -> None:
