@@ -72,9 +72,9 @@ CREATE_HEARTBEAT_SECONDS = 5.0
 # billable action in Temporal Cloud (docs/cost.md), so it beats as rarely as
 # its timeout allows: MONITOR_HEARTBEAT_SLACK before the timeout (a busy
 # event loop's margin), or at half the timeout for a timeout under twice
-# that. For the monitor's 270 s timeout (workflows/policies.py) that is every
-# 210 s, 17 an hour; the SDK sends each at once (it holds back only
-# heartbeats closer together than 80% of the timeout, capped at 60 s).
+# that. For the monitor's 60 s timeout (workflows/policies.py) that is every
+# 30 s, of which the SDK sends one every 48 s (80% of the timeout); a 270 s
+# timeout would beat every 210 s, 17 an hour.
 MONITOR_HEARTBEAT_SLACK = timedelta(seconds=60)
 # A monitor scheduled without a heartbeat timeout beats as if it had this one:
 # its heartbeats still carry the last probe and bring a cancel.

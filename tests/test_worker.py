@@ -217,8 +217,8 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
         await handle.signal("terminate")
         # A deleted instance stops serving; a memory one only claims the
         # upstream's address, which would go on answering, so the monitor
-        # would hear of the terminate only with its next heartbeat (every
-        # 210 s). The upstream stops as the instance's deletion would stop it.
+        # would hear of the terminate only with its next heartbeat. The
+        # upstream stops as the instance's deletion would stop it.
         await asyncio.to_thread(upstream.delete, squid.provider_id)
         result = await asyncio.wait_for(handle.result(), timeout=60)
         assert result["state"] == "Terminated"

@@ -105,12 +105,14 @@ WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=ti
 # each report-back is a new activity (a billable schedule, a first heartbeat,
 # a timer), so a long period keeps steady state cheap (docs/cost.md).
 MONITOR_PERIOD = timedelta(hours=2)
-# The monitor heartbeats a minute before this timeout, whatever its probe
-# interval (activities/provider.py): 17 heartbeats an hour, each a billable
-# action in Temporal Cloud. A worker lost mid-monitor is noticed within the
-# timeout, and the retry probes from another worker well within 5 minutes.
+# The monitor heartbeats at half this timeout, whatever its probe interval
+# (activities/provider.py), and the SDK sends one every 48 s at most: about
+# 75 billable actions an hour. A longer timeout is cheaper (270 s: 17 an
+# hour) but a monitor learns of its cancel only at a heartbeat, and every
+# terminate, scale-down and pool end waits for its monitors to end: at 270 s
+# that was up to 3.5 minutes each (docs/cost.md, "What is not met").
 MONITOR = ActivityProfile(
-    start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=270)
+    start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=60)
 )
 
 
