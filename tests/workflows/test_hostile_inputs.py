@@ -289,6 +289,9 @@ async def settle(client: Client, task_queue: str, case: Case) -> Outcome:
     return outcome
 
 
+# About 2 minutes idle; several times that with both cores loaded (each run
+# case keeps its proxies or members busy on the one worker until the end).
+@pytest.mark.timeout(900)
 async def test_no_hostile_input_wedges_a_workflow(
     temporal_env: WorkflowEnvironment, worker_queue: str
 ) -> None:

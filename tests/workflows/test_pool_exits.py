@@ -18,7 +18,7 @@ from tests.helpers.stacks import Stack
 from tests.helpers.tls_origin import ECHO_PATH
 from tests.helpers.waiting import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LOOPBACK = "127.0.0.1"
 
@@ -50,7 +50,7 @@ async def test_members_report_their_exit_and_shared_exits_are_replaced_once(stac
             )
         )
 
-    await wait_for(settled, "both younger members replaced once for their shared exit", 180)
+    await wait_for(settled, "both younger members replaced once for their shared exit", 300)
     status = await pool.query("status")
     assert status["distinct_exits"] == 1
     assert status["last_exit_problem"] is None

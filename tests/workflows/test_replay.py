@@ -55,5 +55,8 @@ async def test_replays_without_nondeterminism(release: str, name: str, registrat
     # Histories recorded before the namespace was stored come from the test
     # servers' default namespace.
     namespace = recorded.get("namespace", "default")
-    replayer = Replayer(workflows=REGISTRATIONS[registration], namespace=namespace)
+    # debug_mode: no deadlock detector. A replay is pure CPU, and on a busy
+    # CI machine a workflow task of a long history can take over its 2 s
+    # without any deadlock; nondeterminism is what this test is for.
+    replayer = Replayer(workflows=REGISTRATIONS[registration], namespace=namespace, debug_mode=True)
     await replayer.replay_workflow(history)
