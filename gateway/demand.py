@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import re
 import socket
@@ -58,8 +59,14 @@ TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 ESTABLISHED = "01"
 
 
-def open_connections(port: int, tables: Iterable[Path] = TCP_TABLES) -> int:
-    """ESTABLISHED sockets whose local port is `port`: the clients a listener holds."""
+def open_connections(port: int, host: str = "", tables: Iterable[Path] = TCP_TABLES) -> int:
+    """ESTABLISHED sockets whose local end is `host`:`port`: the clients a listener holds.
+
+    Any local address when `host` is empty or a wildcard. With a specific
+    IPv4 `host`, a socket of another process that has the same port number
+    on another local address (an outgoing connection, say) is not counted.
+    """
+    wanted = _kernel_address(host)
     count = 0
     for table in tables:
         try:
@@ -69,10 +76,24 @@ def open_connections(port: int, tables: Iterable[Path] = TCP_TABLES) -> int:
         for line in lines:
             fields = line.split()
             if len(fields) > 3 and fields[3] == ESTABLISHED:
-                _, _, local_port = fields[1].rpartition(":")
-                if int(local_port, 16) == port:
+                address, _, local_port = fields[1].rpartition(":")
+                if int(local_port, 16) == port and (
+                    wanted is None or address.upper().endswith(wanted)
+                ):
                     count += 1
     return count
+
+
+def _kernel_address(host: str) -> str | None:
+    """`host` as /proc/net/tcp writes it (the suffix of its tcp6 v4-mapped form too),
+    or None to match any address: no host, a wildcard, or not an IPv4 address."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.version != 4 or address.is_unspecified:
+        return None
+    return address.packed[::-1].hex().upper()
 
 
 def gateway_name(listen: tuple[str, int]) -> str:
@@ -102,14 +123,14 @@ def moved(last: Sample | None, now: Sample) -> bool:
 class DemandMeter:
     """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, host: str = "") -> None:
+        self.port, self.host = port, host
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
 
     def sample(self) -> int:
-        now = open_connections(self.port)
+        now = open_connections(self.port, self.host)
         with self._lock:
             self._peak = max(self._peak, now)
         return now

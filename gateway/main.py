@@ -231,7 +231,7 @@ async def serve(
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
-    meter = demand.DemandMeter(listen[1])
+    meter = demand.DemandMeter(listen[1], listen[0])
     sessions = SessionMap()
     control: ControlApi | None = None
     following_users: asyncio.Task[None] | None = None

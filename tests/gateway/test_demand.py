@@ -18,15 +18,15 @@ from gateway.main import UsageError, checked, parse_args
 
 
 @contextlib.contextmanager
-def listener_with_clients(count: int) -> Iterator[int]:
-    """A listening socket on loopback holding `count` accepted client connections."""
+def listener_with_clients(count: int, host: str = "127.0.0.1", port: int = 0) -> Iterator[int]:
+    """A listening socket on `host` holding `count` accepted client connections."""
     with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
+        server.bind((host, port))
         server.listen()
         port = server.getsockname()[1]
         with contextlib.ExitStack() as stack:
             for _ in range(count):
-                stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+                stack.enter_context(socket.create_connection((host, port)))
                 stack.enter_context(server.accept()[0])
             yield port
 
@@ -34,14 +34,19 @@ def listener_with_clients(count: int) -> Iterator[int]:
 def test_open_connections_counts_the_clients_a_listener_holds_not_its_own_dials() -> None:
     with listener_with_clients(3) as port:
         # The three clients' own sockets have the port as their *remote* port.
-        assert open_connections(port) == 3
+        assert open_connections(port, "127.0.0.1") == 3
+        # Another address with the same port number (another process's
+        # socket, say) is not this listener's: counted only without a host.
+        with listener_with_clients(2, "127.0.0.2", port):
+            assert open_connections(port, "127.0.0.1") == 3
+            assert open_connections(port, "0.0.0.0") == open_connections(port) == 5
     with listener_with_clients(0) as port:
-        assert open_connections(port) == 0
+        assert open_connections(port, "127.0.0.1") == 0
 
 
 def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
     with listener_with_clients(2) as port:
-        meter = DemandMeter(port)
+        meter = DemandMeter(port, "127.0.0.1")
         assert meter.sample() == 2
         count = meter.counting(lambda line: None)
         for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):
