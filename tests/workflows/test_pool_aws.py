@@ -9,7 +9,6 @@ data, serves both; each member's own console line says when it is ready.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,22 +22,18 @@ from tests.helpers.squid_upstream import SquidUpstreams, requires_squid, script_
 from tests.helpers.stacks import StackFactory
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import wait_for
+from tests.workflows.test_lifecycle_aws import (  # noqa: F401 (the fake EC2's fixture)
+    PASSWORD,
+    PROVIDER,
+    VM_IP,
+    fake,
+)
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
-PROVIDER = "aws-test"
-PASSWORD = "aws-pool-password1"
-VM_IP = "127.0.0.1"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeEc2]:
-    with FakeEc2(auto_start_ip=VM_IP) as server:
-        yield server
-
 
 async def test_a_pool_spread_over_two_zones_puts_a_member_in_each(
-    fake: FakeEc2,
+    fake: FakeEc2,  # noqa: F811 (the fixture imported above)
     tls_origin: TlsOrigin,
     provider_stack_on: StackFactory,
     temporal_env: WorkflowEnvironment,
