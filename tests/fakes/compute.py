@@ -62,13 +62,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, TypedDict
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
+
+from tests.fakes.served import ServedFake
 
 DEFAULT_PROJECT = "test-project"
 DEFAULT_ZONES = ("europe-west1-b", "europe-west1-c", "europe-west1-d", "us-central1-a")
@@ -283,7 +285,7 @@ class _Route:
     handler: Callable[..., tuple[int, Any]] = field(repr=False)
 
 
-class FakeCompute:
+class FakeCompute(ServedFake):
     """The fake server and its state; every public method is thread-safe."""
 
     def __init__(
@@ -311,39 +313,13 @@ class FakeCompute:
         self._lingering: dict[tuple[str, str], int] = {}
         self._guest: dict[tuple[str, str], dict[str, str]] = {}
         self._ids = itertools.count(1000)
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
         self._routes = self._build_routes()
 
     # -- lifecycle ------------------------------------------------------------
 
     def start(self, port: int = 0) -> FakeCompute:
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
-        self._server.daemon_threads = True
-        # A short poll interval makes stop() prompt: shutdown waits for a poll.
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(0.01,), name="fake-compute", daemon=True
-        )
-        self._thread.start()
+        self._serve_http(self._handler_class(), "fake-compute", port)
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> FakeCompute:
-        return self.start()
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
 
     def clients(self) -> ComputeClients:
         return make_clients(self.url)

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 from xml.sax.saxutils import escape
@@ -60,6 +60,7 @@ from moto.server import ThreadedMotoServer
 
 from providers.aws.settings import DEBIAN_OWNER
 from providers.aws.user_data import STARTUP_INTERRUPTED, STARTUP_READY, STATE_MARKER
+from tests.fakes.served import ServedFake
 from tests.helpers.network import free_port
 
 REGION = "eu-west-1"
@@ -179,7 +180,7 @@ def make_client(url: str) -> Any:
     )
 
 
-class FakeEc2:
+class FakeEc2(ServedFake):
     """moto's EC2 behind the fault and fidelity layer; every public method is thread-safe."""
 
     def __init__(
@@ -189,7 +190,6 @@ class FakeEc2:
         self.ready_after_polls = ready_after_polls
         self._lock = threading.Lock()
         self._moto_port = 0
-        self._server: ThreadingHTTPServer | None = None
         self._errors: list[_Injection] = []
         self._calls: list[Call] = []
         # client token -> (the request's other parameters, the answer, instance id)
@@ -206,30 +206,8 @@ class FakeEc2:
         self._moto_port = _moto_port()
         self._forward_raw("POST", "/moto-api/reset", b"", {})
         self._add_debian_images()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        threading.Thread(
-            target=self._server.serve_forever, args=(0.01,), name="fake-ec2", daemon=True
-        ).start()
+        self._serve_http(self._handler_class(), "fake-ec2")
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> FakeEc2:
-        return self.start()
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
 
     def client(self) -> Any:
         return make_client(self.url)
