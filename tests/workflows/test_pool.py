@@ -247,6 +247,20 @@ async def test_a_member_reported_again_while_banned_is_a_no_op(stack: Stack) -> 
             {"replicas": 2, "template": {"provider": "local"}, "lifetime_jitter": 2, "colour": 1},
             ["lifetime_jitter: input should be less", "colour: unknown field"],
         ),
+        (
+            {
+                "replicas": 2,
+                "template": {"provider": "local", "placement": {"subnet": "subnet-../x"}},
+                "exit_echo_url": "http://checkip.example/",
+                "distinct_exits": "yes",
+            },
+            [
+                "exit_echo_url:",
+                "must be an https:// URL",
+                "distinct_exits:",
+                "template.placement.subnet:",
+            ],
+        ),
         ([1, 2], ["input: expected a JSON object"]),
     ],
 )
