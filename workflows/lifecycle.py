@@ -72,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
+    from workflows.early_signals import EarlySignals
     from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
@@ -189,6 +190,7 @@ class ProxyLifecycle:
         # only when none is, so none reports to a closed run.
         self._in_flight = 0
         self._publisher = StatusPublisher()
+        self._early = EarlySignals()
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -201,11 +203,13 @@ class ProxyLifecycle:
             # after the validation's local-activity marker, did not replay
             # ("patch marker encountered ... no corresponding change command").
             self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
+        self._early.decide(continued=state is not None)
         if state is not None:
             self._restore(state)
             # Handed over while Terminating: terminate again, deleting what is still owned.
             self._terminate_reason = state.terminating
             self._delete_refused = state.delete_refused
+        self._early.took_over()
         # A continued run was validated when it first started; checking the
         # worker's config again could fail it while it still owns instances.
         inp = await self._validated(raw, problems, against_worker=state is None)
@@ -247,6 +251,7 @@ class ProxyLifecycle:
         be terminated cleanly.
         """
         self._terminate_reason = signal_reason(request, "terminate signal")
+        self._early.hold(lambda: self.terminate(request))
 
     @workflow.signal(name=ROTATE_SIGNAL)
     def rotate(self, request: Any = None, *_extra: Any) -> None:
@@ -256,6 +261,7 @@ class ProxyLifecycle:
         Rotates sent while a rotation is under way are absorbed by it.
         """
         self._carried.rotate_reason = signal_reason(request, "rotate signal")
+        self._early.hold(lambda: self.rotate(request))
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:

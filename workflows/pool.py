@@ -67,6 +67,7 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
     )
     from workflows import policies, pool_autoscale, pool_carried, pool_plan, pool_view
+    from workflows.early_signals import EarlySignals
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
         continued_state,
@@ -244,6 +245,7 @@ class ProxyPool:
         # When a paced pool began holding new commands back to continue as new.
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
+        self._early = EarlySignals()
 
     def _time_to_continue(self) -> bool:
         """Continue as new when the server suggests it or, paced, past the pool's own budget.
@@ -275,6 +277,7 @@ class ProxyPool:
         state, argument_problems = continued_state(
             PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
         )
+        self._early.decide(continued=state is not None)
         inp = await self._validated(raw, argument_problems, continued=state is not None)
         self._inp = inp
         if state is not None:
@@ -282,6 +285,7 @@ class ProxyPool:
         else:
             self._replicas = inp.replicas
             self._last_reconcile = workflow.now()
+        self._early.took_over()
         if inp.autoscale is not None and self._autoscale is None:
             self._autoscale = pool_autoscale.new_books(inp.autoscale)
         workflow.upsert_search_attributes([POOL.value_set(workflow.info().workflow_id)])
@@ -337,6 +341,7 @@ class ProxyPool:
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         """
         self._terminate_reason = signal_reason(request, "terminate signal")
+        self._early.hold(lambda: self.terminate(request))
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
     def member_changed(self, raw: Any = None, *_extra: Any) -> None:
@@ -347,6 +352,7 @@ class ProxyPool:
         is used only once the member's provider confirms it
         (`_verify_endpoints`). Refused reports are counted in `status`.
         """
+        self._early.hold(lambda: self.member_changed(raw))
         report, problem = parse_report(raw)
         if report is None:
             self._reject(f"malformed report: {problem}")

@@ -1,0 +1,73 @@
+"""A signal that reaches a pool as it continues as new is not lost (workflows/early_signals.py).
+
+On the dev server of test_continue_as_new, which suggests continue-as-new
+after a few dozen events, a pool of two members continues as new within
+about a second of its start. The server then holds the new run's first
+workflow task back until a second after the old run began
+(`history.continueAsNewMinInterval`), so a signal sent as soon as the new
+run exists usually reaches it before that task, while the run has not yet
+taken over its carried state. A `terminate` sent then used to be lost: the
+pool ran on. Each attempt checks in the new run's history whether its
+signal came that early; the test needs one that did.
+
+A member's `Ready` report lost the same way is test_pool_lifetimes'
+`test_members_live_on_across_the_pools_continue_as_new`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import DEADLINE, wait_for
+from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+ATTEMPTS = 8
+REASON = "sent between runs"
+
+
+async def _signal_as_it_continues(pool: WorkflowHandle[Any, Any]) -> None:
+    """Send `terminate` as soon as the pool's second run exists: polled, not waited on."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + DEADLINE
+    while (await pool.describe()).run_id == pool.result_run_id:
+        if loop.time() > until:
+            raise AssertionError(f"the pool did not continue as new in {DEADLINE:.0f}s")
+        await asyncio.sleep(0.01)
+    await pool.signal("terminate", {"reason": REASON})
+
+
+async def _signals_before_first_task(pool: WorkflowHandle[Any, Any]) -> list[str]:
+    """The signals the pool's latest run received before its first workflow task started."""
+    signals: list[str] = []
+    async for event in pool.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            break
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            signals.append(event.workflow_execution_signaled_event_attributes.signal_name)
+    return signals
+
+
+async def test_a_terminate_sent_as_a_pool_continues_as_new_ends_it(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Any,
+) -> None:
+    stack: Stack = await stack_on(eager_can_env)
+    for _ in range(ATTEMPTS):
+        pool = await stack.start_pool(replicas=2)
+        await _signal_as_it_continues(pool)
+        # Lost, the terminate would leave the pool running and this would time out.
+        result = await asyncio.wait_for(pool.result(), DEADLINE)
+        assert (result["state"], result["reason"]) == ("Terminated", REASON)
+        await wait_for(lambda: stack.instances() == [], "the members' instances deleted")
+        if await _signals_before_first_task(pool) == ["terminate"]:
+            return
+    raise AssertionError(f"in {ATTEMPTS} pools, no terminate came before a new run's first task")
