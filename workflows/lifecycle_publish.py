@@ -29,6 +29,11 @@ from contract import (
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
+# Members recorded before this patch told their pool again when a new
+# instance got its endpoint before it was Ready: a report the pool could not
+# tell from the one before (it takes an endpoint only from a Ready report).
+FEWER_REPORTS_PATCH = "no-report-of-unready-endpoints"
+
 
 class StatusPublisher:
     """What one run has published, so it publishes only what changed."""
@@ -38,6 +43,10 @@ class StatusPublisher:
         # What the pool (if this is a pool member) was last told, and the
         # signals telling it that are still in flight.
         self._reported: tuple[str, str, int, str | None] | None = None
+        # The same with the endpoint in any state, as runs before
+        # FEWER_REPORTS_PATCH compared it (they reported a Provisioning
+        # member's new instance, which the pool does not use, again).
+        self._reported_before: tuple[str, str, int, str | None] | None = None
         self._reports: list[asyncio.Task[None]] = []
         self._report_seq = 0
 
@@ -91,14 +100,19 @@ class StatusPublisher:
         current run after the pool continued as new.
         """
         parent = workflow.info().parent
-        now = (status.state, status.endpoint, status.generation, status.ready_since)
-        if parent is None or now == self._reported:
+        endpoint = status.endpoint if status.state == ProxyState.READY else ""
+        now = (status.state, endpoint, status.generation, status.ready_since)
+        before = (status.state, status.endpoint, status.generation, status.ready_since)
+        if parent is None or (
+            now == self._reported
+            and (before == self._reported_before or workflow.patched(FEWER_REPORTS_PATCH))
+        ):
             return
-        self._reported = now
+        self._reported, self._reported_before = now, before
         report = MemberReport(
             member=workflow.info().workflow_id,
             state=status.state,
-            endpoint=status.endpoint if status.state == ProxyState.READY else "",
+            endpoint=endpoint,
             provider=status.provider,
             generation=status.generation,
             ready_since=status.ready_since,
