@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import os
 import signal
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -41,15 +40,13 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowHandle
 
 from bench.fleet.control import bounded, start_fleet
-from bench.fleet.parameters import FLEET_PROVIDER, INTERVAL, SQUID_PROVIDER, config_for
-from bench.fleet.squids import create_squids, delete_squids
-from bench.fleet.worker_process import WorkerProcess
+from bench.fleet.parameters import FLEET_PROVIDER, INTERVAL
+from bench.fleet.squids import SquidGround, create_squids, squid_ground
+from bench.fleet.worker_process import WorkerProcess, worker_spec
 from gateway import membership
-from providers.local import LocalConfig, LocalProvider
 from tests.helpers.network import free_port
-from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
-from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
+from tests.helpers.tls_origin import TlsOrigin
 
 SQUIDS = 4
 POLL = 1.0
@@ -302,17 +299,8 @@ async def main(args: argparse.Namespace) -> None:
     env = await start_dev_server("--metrics-port", str(metrics_port))
     actions = Actions(f"http://127.0.0.1:{metrics_port}/metrics", env.client.namespace)
     try:
-        with (
-            serve_tls_origin() as origin,
-            local_state_dir("proxy-operator-cost-") as state_dir,
-            tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp,
-        ):
-            config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
-            squids = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
-            try:
-                await run(args, env.client, actions, origin, squids, config, Path(tmp))
-            finally:
-                await delete_squids(squids)
+        async with squid_ground("cost") as ground:
+            await run(args, env.client, actions, ground)
     finally:
         await env.shutdown()
 
@@ -321,27 +309,14 @@ async def run(
     args: argparse.Namespace,
     client: Client,
     actions: Actions,
-    origin: TlsOrigin,
-    squids: LocalProvider,
-    config: Any,
-    workdir: Path,
+    ground: SquidGround,
 ) -> None:
-    endpoints = await create_squids(squids, config, SQUIDS)
-    ca_file = workdir / "ca.pem"
-    origin.ca.cert_pem.write_to_path(str(ca_file))
-    spec = {
-        "target_host": client.service_client.config.target_host,
-        "namespace": client.namespace,
-        "task_queue": f"bench-cost-{uuid.uuid4().hex[:8]}",
-        "endpoints": endpoints,
-        "origin_port": origin.port,
-        "ca_file": str(ca_file),
-        "state_dir": str(workdir / "unused"),
-        "parent_pid": os.getpid(),
-    }
+    endpoints = await create_squids(ground.squids, ground.config, SQUIDS)
+    workdir = ground.workdir
+    spec = worker_spec(client, ground.origin, endpoints, workdir, "cost")
     (workdir / "a").mkdir()
     worker = WorkerProcess(workdir / "a", spec)
-    bench = Bench(args, client, actions, origin)
+    bench = Bench(args, client, actions, ground.origin)
     try:
         await worker.wait_ready()
         task_queue = spec["task_queue"]

@@ -47,6 +47,7 @@ from typing import Any
 
 from pydantic import ValidationInfo, field_validator
 
+from providers import squid_process
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, ProviderSettings
@@ -54,23 +55,6 @@ from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, 
 from providers.naming import adoption_mismatch, ownership_mismatch
 from providers.procfs import command_lines, processes_under, start_time
 from providers.squid import SQUID_USER, SquidPaths, render
-from providers.squid_process import (
-    SquidError,
-    SquidExited,
-    accepts,
-    await_ready,
-    bindable,
-    find_binary,
-    launch,
-    parse_errors,
-    remove_shm,
-    service_name,
-    squid_account,
-    squid_dir,
-    stop,
-    wait_until,
-    write_file,
-)
 
 
 class LocalConfig(ProviderSettings):
@@ -199,7 +183,7 @@ class LocalProvider:
         # user must reach it, so one it cannot (a checkout under /root, run
         # as root) is swapped for a directory of the system's, the same for
         # every worker configured alike.
-        self._state_dir = squid_dir(Path(settings.state_dir), _account_or_none())
+        self._state_dir = squid_process.squid_dir(Path(settings.state_dir), _account_or_none())
         self._bind = settings.bind_address
 
     @classmethod
@@ -314,7 +298,7 @@ class LocalProvider:
         tags = _read_tags(self._dir(name))
         if self._squid(name, meta) is None:
             state, ip = InstanceState.TERMINATED, ""
-        elif accepts(self._client_ip, meta.port):
+        elif squid_process.accepts(self._client_ip, meta.port):
             state, ip = InstanceState.RUNNING, self._client_ip
         else:
             state, ip = InstanceState.PROVISIONING, ""
@@ -365,7 +349,9 @@ class LocalProvider:
             return False
         if meta.pid is None:
             pid, started = squid
-            write_file(self._dir(name) / METADATA_FILE, _recorded(meta, pid, started).to_json())
+            squid_process.write_file(
+                self._dir(name) / METADATA_FILE, _recorded(meta, pid, started).to_json()
+            )
         return True
 
     def _record(self, name: str, process: subprocess.Popen[bytes]) -> None:
@@ -375,7 +361,7 @@ class LocalProvider:
         if meta is None or started is None:
             raise Transient(f"squid for {name} was stopped while it started")
         if meta.pid is None:
-            write_file(
+            squid_process.write_file(
                 self._dir(name) / METADATA_FILE, _recorded(meta, process.pid, started).to_json()
             )
 
@@ -397,14 +383,14 @@ class LocalProvider:
                     entry.unlink()
             (directory / TAGS_FILE).unlink(missing_ok=True)
             directory.rmdir()
-        remove_shm(self._service(name))
+        squid_process.remove_shm(self._service(name))
 
     # -- starting --------------------------------------------------------------
 
     def _squid_binary(self) -> str:
         try:
-            return find_binary(self._settings.squid_binary)
-        except SquidError as err:
+            return squid_process.find_binary(self._settings.squid_binary)
+        except squid_process.SquidError as err:
             raise Permanent(f"{err} or set local.squid_binary") from err
 
     def _start(
@@ -441,10 +427,10 @@ class LocalProvider:
         except ValueError as exc:  # settings that could open the proxy: retrying cannot help
             raise Permanent(f"cannot render squid.conf for {name}: {exc}", cause=exc) from exc
         conf = directory / CONF_FILE
-        write_file(conf, rendered.squid_conf, 0o640, group)
+        squid_process.write_file(conf, rendered.squid_conf, 0o640, group)
         # Squid's auth helper reads the hash as `proxy`: group-readable, never world.
-        write_file(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
-        rejected = parse_errors(binary, conf)
+        squid_process.write_file(directory / HTPASSWD_FILE, rendered.htpasswd, 0o640, group)
+        rejected = squid_process.parse_errors(binary, conf)
         if rejected is not None:  # retrying cannot help
             raise Permanent(f"squid rejected {conf}: {rejected}")
 
@@ -454,12 +440,12 @@ class LocalProvider:
         if not fresh:
             self._stop(name, None)
         service = self._service(name)
-        remove_shm(service)
+        squid_process.remove_shm(service)
         created_at = previous.created_at if previous else datetime.now(UTC)
         starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
-        write_file(directory / METADATA_FILE, starting.to_json())
+        squid_process.write_file(directory / METADATA_FILE, starting.to_json())
         # In a session of its own, Squid outlives a crashed or killed worker.
-        process = launch(
+        process = squid_process.launch(
             [binary, "-N", "-f", str(conf), "-n", service], directory, directory / SQUID_OUT
         )
         with _CHILDREN_LOCK:
@@ -478,7 +464,9 @@ class LocalProvider:
         staging.chmod(0o770)  # mkdir's mode is narrowed by the umask
         if group is not None:
             os.chown(staging, -1, group)
-        write_file(staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n")
+        squid_process.write_file(
+            staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n"
+        )
         staging.rename(self._dir(name))
 
     def _allocate_port(self, name: str, preferred: int | None) -> int:
@@ -495,7 +483,7 @@ class LocalProvider:
         first, last = self._settings.first_port, self._settings.last_port
         candidates = ([preferred] if preferred else []) + list(range(first, last + 1))
         for port in candidates:
-            if port not in taken and bindable(self._bind, port):
+            if port not in taken and squid_process.bindable(self._bind, port):
                 return port
         raise QuotaExceeded(
             f"no free port for a local proxy in {first}..{last} on {self._bind} "
@@ -510,13 +498,13 @@ class LocalProvider:
         """
         directory = self._dir(name)
         try:
-            await_ready(
+            squid_process.await_ready(
                 process,
-                partial(accepts, self._client_ip, port),
+                partial(squid_process.accepts, self._client_ip, port),
                 START_GRACE_SECONDS,
                 (directory / SQUID_OUT, directory / CACHE_LOG),
             )
-        except SquidExited as exited:
+        except squid_process.SquidExited as exited:
             raise Transient(f"squid for {name} exited while starting: {exited.excerpt}") from None
 
     # -- processes ---------------------------------------------------------
@@ -541,7 +529,7 @@ class LocalProvider:
         Squids started before the installation was hashed in keep their old
         segments until they stop (Squid removes them on a clean exit).
         """
-        return service_name(name, scope=self._installation)
+        return squid_process.service_name(name, scope=self._installation)
 
     def _stop(self, name: str, meta: _Metadata | None) -> None:
         """SIGTERM, SIGKILL after a bound, then make sure no helper outlives Squid.
@@ -553,19 +541,19 @@ class LocalProvider:
         if squid is not None:
             pid, started = squid
             try:
-                stop(pid, lambda: not _runs(pid, started), STOP_GRACE_SECONDS)
-            except SquidError as err:
+                squid_process.stop(pid, lambda: not _runs(pid, started), STOP_GRACE_SECONDS)
+            except squid_process.SquidError as err:
                 raise Transient(f"squid of local instance {name}: {err}") from err
         # Squid puts each helper in a session of its own, so no process-group
         # signal reaches them; they are found by the instance files they name.
         # They exit once Squid closes their pipes: only a stuck one is killed.
         directory = self._dir(name)
-        if wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
+        if squid_process.wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
             return
         for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if not wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
+        if not squid_process.wait_until(lambda: not processes_under(directory), STOP_GRACE_SECONDS):
             raise Transient(f"processes of local instance {name} survive SIGKILL")
 
 
@@ -632,15 +620,15 @@ def _edge(action: str) -> Iterator[None]:
 def _account() -> tuple[int, int] | None:
     """Squid's user's (uid, gid) when it drops to that user; Permanent if it is missing."""
     try:
-        return squid_account()
-    except SquidError as err:
+        return squid_process.squid_account()
+    except squid_process.SquidError as err:
         raise Permanent(str(err)) from err
 
 
 def _account_or_none() -> tuple[int, int] | None:
     """The same, or None where it is missing: then create says so, not the constructor."""
-    with contextlib.suppress(SquidError):
-        return squid_account()
+    with contextlib.suppress(squid_process.SquidError):
+        return squid_process.squid_account()
     return None
 
 

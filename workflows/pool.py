@@ -551,8 +551,7 @@ class ProxyPool:
         applied = self._applied()
         if applied is not None:
             return applied
-        req = self._request(BanRequest, request, "report_ban", extra)
-        member = self._live_member(req.member)
+        req, member = self._ban_request(request, extra)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
         assert self._inp is not None  # _request refuses updates before the input is known
@@ -566,8 +565,7 @@ class ProxyPool:
     def _validate_report_ban(self, request: Any = None, *extra: Any) -> None:
         if self._applied() is not None:
             return  # a retry of one applied before a continue-as-new: its result again
-        req = self._request(BanRequest, request, "report_ban", extra)
-        member = self._live_member(req.member)
+        req, member = self._ban_request(request, extra)
         if member.ban_changes_nothing(req.endpoint):
             return  # idempotent: accepted, changes nothing
         if not pool_plan.is_serving(member):
@@ -576,6 +574,11 @@ class ProxyPool:
         refusal = pool_plan.ban_refusal(self._bans, self._inp.bans, self._replicas, workflow.now())
         if refusal is not None:
             raise invalid_input(refusal)
+
+    def _ban_request(self, request: Any, extra: tuple[Any, ...]) -> tuple[BanRequest, Member]:
+        """A `report_ban` request and the live member it names, or a rejection naming the field."""
+        req: BanRequest = self._request(BanRequest, request, "report_ban", extra)
+        return req, self._live_member(req.member)
 
     # ---- validation -----------------------------------------------------------------
 

@@ -5,43 +5,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from temporalio.client import Client
 
 from bench.fleet import __doc__ as description
 from bench.fleet.control import hard_terminate, start_fleet, terminate_fleet, wait_all_ready
-from bench.fleet.parameters import SETTLE_SECONDS, SQUID_PROVIDER, config_for
+from bench.fleet.parameters import SETTLE_SECONDS
 from bench.fleet.report import Run, analyse, print_report
 from bench.fleet.sampling import cpu_snapshot, memory_at_end, rss_kib
-from bench.fleet.squids import create_squids, delete_squids, squid_capacity
-from bench.fleet.worker_process import WorkerProcess
-from providers.config import Config
-from providers.local import LocalConfig, LocalProvider
-from tests.helpers.state_dir import local_state_dir
+from bench.fleet.squids import SquidGround, create_squids, squid_capacity, squid_ground
+from bench.fleet.worker_process import WorkerProcess, worker_spec
 from tests.helpers.temporal import start_dev_server
-from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 
 
 async def main(args: argparse.Namespace) -> None:
     env = await start_dev_server()
     try:
-        with (
-            serve_tls_origin() as origin,
-            local_state_dir("proxy-operator-fleet-") as state_dir,
-            tempfile.TemporaryDirectory(prefix="bench-fleet-") as workdir,
-        ):
-            config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
-            squids = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
-            try:
-                await run_fleet(args, env.client, origin, squids, config, Path(workdir))
-            finally:
-                await delete_squids(squids)
+        async with squid_ground("fleet") as ground:
+            await run_fleet(args, env.client, ground)
     finally:
         await env.shutdown()
 
@@ -49,29 +33,14 @@ async def main(args: argparse.Namespace) -> None:
 async def run_fleet(
     args: argparse.Namespace,
     client: Client,
-    origin: TlsOrigin,
-    squids: LocalProvider,
-    config: Config,
-    workdir: Path,
+    ground: SquidGround,
 ) -> None:
-    endpoints = await create_squids(squids, config, args.squids)
+    origin = ground.origin
+    endpoints = await create_squids(ground.squids, ground.config, args.squids)
     capacity = await squid_capacity(endpoints, origin)
-    ca_file = workdir / "ca.pem"
-    origin.ca.cert_pem.write_to_path(str(ca_file))
-    task_queue = f"bench-fleet-{uuid.uuid4().hex[:8]}"
-    worker = WorkerProcess(
-        workdir,
-        {
-            "target_host": client.service_client.config.target_host,
-            "namespace": client.namespace,
-            "task_queue": task_queue,
-            "endpoints": endpoints,
-            "origin_port": origin.port,
-            "ca_file": str(ca_file),
-            "state_dir": str(workdir / "unused"),
-            "parent_pid": os.getpid(),
-        },
-    )
+    spec = worker_spec(client, origin, endpoints, ground.workdir, "fleet")
+    task_queue = spec["task_queue"]
+    worker = WorkerProcess(ground.workdir, spec)
     run_id = uuid.uuid4().hex[:6]
     ids = [f"fleet-{run_id}-{i}" for i in range(args.proxies)]
     terminated = False

@@ -3,16 +3,58 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from activities.probe import probe_connect
-from bench.fleet.parameters import CAPACITY_CONCURRENCY, CAPACITY_SECONDS, INSTALLATION, PASSWORD
+from bench.fleet.parameters import (
+    CAPACITY_CONCURRENCY,
+    CAPACITY_SECONDS,
+    INSTALLATION,
+    PASSWORD,
+    SQUID_PROVIDER,
+    config_for,
+)
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.config import Config
-from providers.local import LocalProvider
+from providers.local import LocalConfig, LocalProvider
 from providers.naming import instance_name, owner_tags
-from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.state_dir import local_state_dir
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
+
+
+@dataclass(frozen=True)
+class SquidGround:
+    """What a benchmark over real local Squids stands on (`squid_ground`)."""
+
+    origin: TlsOrigin
+    config: Config
+    squids: LocalProvider
+    workdir: Path
+
+
+@contextlib.asynccontextmanager
+async def squid_ground(name: str) -> AsyncIterator[SquidGround]:
+    """A TLS origin, the config of a local provider for it, that provider and a scratch directory.
+
+    Every Squid the provider made is deleted at the end, however the benchmark
+    ends; `name` tells the benchmark's directories apart.
+    """
+    with (
+        serve_tls_origin() as origin,
+        local_state_dir(f"proxy-operator-{name}-") as state_dir,
+        tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir,
+    ):
+        config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
+        squids = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
+        try:
+            yield SquidGround(origin, config, squids, Path(workdir))
+        finally:
+            await delete_squids(squids)
 
 
 async def create_squids(

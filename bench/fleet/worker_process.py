@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
+import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from bench.fleet.parameters import (
 from providers.base import CreateRequest
 from providers.memory import MemoryProvider
 from providers.naming import OWNER_KEY
+from tests.helpers.tls_origin import TlsOrigin
 from worker import build_worker
 
 
@@ -208,6 +210,31 @@ async def serve_worker(spec: dict[str, Any]) -> None:
     lag.cancel()
     watch.cancel()
     activities.close()
+
+
+def worker_spec(
+    client: Client,
+    origin: TlsOrigin,
+    endpoints: Sequence[tuple[str, int]],
+    workdir: Path,
+    name: str,
+) -> dict[str, Any]:
+    """What `serve_worker` needs: the dev server, a fresh task queue, the Squids and the origin.
+
+    The origin's CA is written under `workdir` for the worker's probes to trust.
+    """
+    ca_file = workdir / "ca.pem"
+    origin.ca.cert_pem.write_to_path(str(ca_file))
+    return {
+        "target_host": client.service_client.config.target_host,
+        "namespace": client.namespace,
+        "task_queue": f"bench-{name}-{uuid.uuid4().hex[:8]}",
+        "endpoints": endpoints,
+        "origin_port": origin.port,
+        "ca_file": str(ca_file),
+        "state_dir": str(workdir / "unused"),
+        "parent_pid": os.getpid(),
+    }
 
 
 def worker_main(spec_path: str) -> None:

@@ -13,15 +13,7 @@ import contextlib
 
 from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
-from providers.errors import (
-    NotFound,
-    Permanent,
-    ProviderError,
-    QuotaExceeded,
-    Transient,
-    classify,
-    translated,
-)
+from providers import errors as taxonomy
 
 # No capacity for the type in that availability zone: another zone may have
 # some (the provider tries its next subnet), or this one minutes later.
@@ -60,7 +52,7 @@ IDEMPOTENT_MISMATCH = "IdempotentParameterMismatch"
 
 def edge() -> contextlib.AbstractContextManager[None]:
     """Every public operation runs in here: nothing but the taxonomy escapes."""
-    return translated(normalise)
+    return taxonomy.translated(normalise)
 
 
 def code(exc: BaseException) -> str:
@@ -70,7 +62,7 @@ def code(exc: BaseException) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-def normalise(exc: BaseException) -> ProviderError:
+def normalise(exc: BaseException) -> taxonomy.ProviderError:
     """The one translation of EC2 failures into the taxonomy.
 
     UnauthorizedOperation and AuthFailure (a missing IAM permission, bad
@@ -81,19 +73,19 @@ def normalise(exc: BaseException) -> ProviderError:
     """
     if isinstance(exc, NoCredentialsError | PartialCredentialsError):
         # The default chain found nothing usable: no retry brings credentials.
-        return Permanent(f"AWS credentials: {exc}", cause=exc)
+        return taxonomy.Permanent(f"AWS credentials: {exc}", cause=exc)
     if not isinstance(exc, ClientError):
-        return classify(exc)
+        return taxonomy.classify(exc)
     found = code(exc)
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    kind: type[ProviderError]
+    kind: type[taxonomy.ProviderError]
     if found in _QUOTA_CODES:
-        kind = QuotaExceeded
+        kind = taxonomy.QuotaExceeded
     elif found in _TRANSIENT_CODES or status >= 500 or status in (0, 429):
-        kind = Transient
+        kind = taxonomy.Transient
     elif found == INSTANCE_NOT_FOUND:
-        kind = NotFound
+        kind = taxonomy.NotFound
     else:
-        kind = Permanent
+        kind = taxonomy.Permanent
     message = exc.response.get("Error", {}).get("Message", "")
     return kind(f"EC2: {found or status}: {message}", cause=exc)

@@ -14,15 +14,7 @@ from typing import cast
 from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
-from providers.errors import (
-    NotFound,
-    Permanent,
-    ProviderError,
-    QuotaExceeded,
-    Transient,
-    classify,
-    translated,
-)
+from providers import errors as taxonomy
 
 # Compute Engine counts API rate quotas per minute (compute/docs/api-quota):
 # a rate limit is over within one, unlike a resource quota.
@@ -47,10 +39,12 @@ _RETRYABLE_STATUS = frozenset({408, 409, 429})
 
 def edge() -> contextlib.AbstractContextManager[None]:
     """Every public operation runs in here: nothing but the taxonomy escapes."""
-    return translated(normalise)
+    return taxonomy.translated(normalise)
 
 
-def normalise(exc: BaseException, *, missing: type[ProviderError] = NotFound) -> ProviderError:
+def normalise(
+    exc: BaseException, *, missing: type[taxonomy.ProviderError] = taxonomy.NotFound
+) -> taxonomy.ProviderError:
     """The one translation of Compute Engine failures into the taxonomy.
 
     Reasons beat status codes: Compute Engine reports quota and rate limits
@@ -58,22 +52,22 @@ def normalise(exc: BaseException, *, missing: type[ProviderError] = NotFound) ->
     404 means to the caller (NotFound, or Permanent on insert).
     """
     if not isinstance(exc, api_exceptions.GoogleAPICallError):
-        return classify(exc)  # connection errors, timeouts, unknowns: Transient
+        return taxonomy.classify(exc)  # connection errors, timeouts, unknowns: Transient
     found = reasons(exc)
     code = exc.code or 0
-    kind: type[ProviderError]
+    kind: type[taxonomy.ProviderError]
     if found & _QUOTA_REASONS:
-        kind = QuotaExceeded
+        kind = taxonomy.QuotaExceeded
     elif found & _PERMANENT_REASONS:
-        kind = Permanent
+        kind = taxonomy.Permanent
     elif found & _RETRYABLE_REASONS:
-        kind = Transient
+        kind = taxonomy.Transient
     elif code == 404:
         kind = missing
     elif code in _RETRYABLE_STATUS or not 400 <= code < 500:
-        kind = Transient
+        kind = taxonomy.Transient
     else:
-        kind = Permanent  # bad request, permission denied, invalid image or machine type
+        kind = taxonomy.Permanent  # bad request, permission denied, invalid image or machine type
     retry_after = _retry_after(exc)
     if retry_after is None and found & _RATE_LIMIT_REASONS:
         retry_after = RATE_LIMIT_RETRY_SECONDS
