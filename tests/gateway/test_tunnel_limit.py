@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,16 @@ def test_a_user_holds_at_most_its_tunnels_and_a_closed_one_frees_its_slot(
         second = held.open(f"{ALICE[0]}-session-cart1", ALICE[1])
         assert refusal(gateway, tls_origin, *ALICE) == at_limit
         assert refusal(gateway, tls_origin, f"{ALICE[0]}-session-k2", ALICE[1]) == at_limit
+        # What docs/operations.md says curl prints.
+        proxy, origin = f"127.0.0.1:{gateway.front.port}", f"{tls_origin.host}:{tls_origin.port}"
+        curl = subprocess.run(
+            ["curl", "-sS", "-k", "-x", proxy, "-U", ":".join(ALICE), f"https://{origin}/"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert "CONNECT tunnel failed, response 429" in curl.stderr, curl.stderr
 
         # Nobody else is held to alice's limit: bob has none, nor has the fleet's user.
         for _ in range(3):
