@@ -32,17 +32,50 @@ def established(tables: Iterable[Path] = TCP_TABLES) -> Iterator[Connection]:
     are both ends of its connection, so one connection reads the same from
     either table. A table that cannot be read (no IPv6 here, say) is skipped.
     """
+    for local_field, remote_field in _rows(tables):
+        local, remote = _end(local_field), _end(remote_field)
+        if local is not None and remote is not None:
+            yield (*local, *remote)
+
+
+def established_as_written(tables: Iterable[Path] = TCP_TABLES) -> set[tuple[str, str]]:
+    """Every ESTABLISHED connection's (local, remote) ends as the kernel writes them:
+    what `as_written` forms are looked up in, without decoding each row (a helper
+    that asks at every CONNECT reads a table of thousands)."""
+    return set(_rows(tables))
+
+
+def as_written(connection: Connection) -> list[tuple[str, str]]:
+    """The (local, remote) ends the kernel may write for `connection`: an IPv4 one's as an
+    IPv4 socket's, and as an IPv6 socket's (v4-mapped)."""
+    local, local_port, remote, remote_port = connection
+    forms = [(_written(local, local_port), _written(remote, remote_port))]
+    if isinstance(local, ipaddress.IPv4Address) and isinstance(remote, ipaddress.IPv4Address):
+        mapped = [ipaddress.IPv6Address(f"::ffff:{a}") for a in (local, remote)]
+        forms.append((_written(mapped[0], local_port), _written(mapped[1], remote_port)))
+    return forms
+
+
+def _rows(tables: Iterable[Path]) -> Iterator[tuple[str, str]]:
     for table in tables:
         try:
             lines = table.read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            fields = line.split()
+            fields = line.split(maxsplit=4)
             if len(fields) > 3 and fields[3] == ESTABLISHED:
-                local, remote = _end(fields[1]), _end(fields[2])
-                if local is not None and remote is not None:
-                    yield (*local, *remote)
+                yield fields[1], fields[2]
+
+
+def _written(address: Address, port: int) -> str:
+    return f"{_host_order(address.packed).hex().upper()}:{port:04X}"
+
+
+def _host_order(packed: bytes) -> bytes:
+    """Each 32-bit word of `packed` swapped on a little-endian host (its own inverse)."""
+    words = [packed[i : i + 4] for i in range(0, len(packed), 4)]
+    return b"".join(w[::-1] if sys.byteorder == "little" else w for w in words)
 
 
 def _end(field: str) -> tuple[Address, int] | None:
@@ -55,10 +88,7 @@ def _end(field: str) -> tuple[Address, int] | None:
         return None
     if len(raw) not in (4, 16):
         return None
-    # Each 32-bit word is in host order: swap it on a little-endian host.
-    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
-    packed = b"".join(w[::-1] if sys.byteorder == "little" else w for w in words)
-    return unmapped(ipaddress.ip_address(packed)), number
+    return unmapped(ipaddress.ip_address(_host_order(raw))), number
 
 
 def unmapped(address: Address) -> Address:

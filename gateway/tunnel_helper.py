@@ -40,7 +40,13 @@ from urllib.parse import unquote
 # Run by Squid as a script: the gateway's helper directory holds gateway/ and providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.socket_table import TCP_TABLES, Connection, established, unmapped
+from gateway.socket_table import (
+    TCP_TABLES,
+    Connection,
+    as_written,
+    established_as_written,
+    unmapped,
+)
 from gateway.users import FollowedUsers
 from providers.squid import TUNNEL_REFUSED_NOTE
 
@@ -60,10 +66,14 @@ class Ledger:
         holds fewer than `limit` open ones; else how many it holds (nothing recorded)."""
         with self._locked() as fd:
             entries = _parse(os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace"))
-            live = set(established())
+            live = established_as_written()
             # A connection carries one tunnel: an entry of the same connection is a
             # closed one whose ports the kernel gave again, or this same request.
-            kept = [(a, c) for a, c in entries if c in live and c != connection]
+            kept = [
+                (a, c)
+                for a, c in entries
+                if c != connection and any(form in live for form in as_written(c))
+            ]
             held = sum(1 for a, _ in kept if a == account)
             admitted = held < limit
             if admitted:

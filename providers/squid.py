@@ -282,7 +282,11 @@ TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
 # The helper's input: the username, the client's (the front's) end of the
 # connection and the back's; asked at every CONNECT (no cached answers).
 TUNNEL_HELPER_FORMAT = "%ul %>a %>p %>la %>lp"
-TUNNEL_HELPER_OPTIONS = "ttl=0 negative_ttl=0 children-max=5 children-startup=1 children-idle=1"
+# A burst of CONNECTs waits in a long queue: past queue-size, "the acl is
+# ignored" (squid.conf.documented, external_acl_type), not what a limit wants.
+TUNNEL_HELPER_OPTIONS = (
+    "ttl=0 negative_ttl=0 children-max=5 children-startup=1 children-idle=1 queue-size=1024"
+)
 
 
 class Route(StrEnum):

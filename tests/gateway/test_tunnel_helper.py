@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.socket_table import Connection, established
+from gateway.socket_table import Connection, as_written, established, established_as_written
 from gateway.tunnel_helper import Ledger, answer
 from gateway.users import FollowedUsers, hash_password
 from tests.helpers.waiting import DEADLINE, wait_until
@@ -61,6 +61,21 @@ def test_the_socket_table_gives_both_ends_of_a_connection(listener: Listener) ->
     assert (remote, remote_port, local, port) in table  # the client's
 
 
+def test_a_connection_is_found_as_the_kernel_writes_it(listener: Listener) -> None:
+    connection, client = listener.connect()
+    local, port, remote, remote_port = connection
+    assert any(form in established_as_written() for form in as_written(connection))
+    assert any(
+        form in established_as_written() for form in as_written((remote, remote_port, local, port))
+    ), "the client's end"
+    client.close()
+    wait_until(
+        lambda: not any(form in established_as_written() for form in as_written(connection)),
+        DEADLINE,
+        "the closed connection gone from the table",
+    )
+
+
 def test_ipv6_connections_are_read_too() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
@@ -71,6 +86,7 @@ def test_ipv6_connections_are_read_too() -> None:
             pytest.skip("no ::1 here")
         connection, _ = listener.connect()
         assert connection in set(established())
+        assert any(form in established_as_written() for form in as_written(connection))
 
 
 def test_a_user_gets_its_limit_across_ledgers_and_a_closed_tunnel_frees_its_slot(
