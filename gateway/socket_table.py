@@ -39,21 +39,16 @@ def established(tables: Iterable[Path] = TCP_TABLES) -> Iterator[Connection]:
 
 
 def established_as_written(tables: Iterable[Path] = TCP_TABLES) -> set[tuple[str, str]]:
-    """Every ESTABLISHED connection's (local, remote) ends as the kernel writes them:
-    what `as_written` forms are looked up in, without decoding each row (a helper
-    that asks at every CONNECT reads a table of thousands)."""
-    return set(_rows(tables))
+    """Every ESTABLISHED connection's (local, remote) ends as the kernel writes them (an
+    IPv4 client of an IPv6 socket as an IPv4 socket's would be): what `as_written` is
+    looked up in, without decoding each row (a helper asks at every CONNECT)."""
+    return {(_as_ipv4(local), _as_ipv4(remote)) for local, remote in _rows(tables)}
 
 
-def as_written(connection: Connection) -> list[tuple[str, str]]:
-    """The (local, remote) ends the kernel may write for `connection`: an IPv4 one's as an
-    IPv4 socket's, and as an IPv6 socket's (v4-mapped)."""
+def as_written(connection: Connection) -> tuple[str, str]:
+    """`connection`'s (local, remote) ends as `established_as_written` gives them."""
     local, local_port, remote, remote_port = connection
-    forms = [(_written(local, local_port), _written(remote, remote_port))]
-    if isinstance(local, ipaddress.IPv4Address) and isinstance(remote, ipaddress.IPv4Address):
-        mapped = [ipaddress.IPv6Address(f"::ffff:{a}") for a in (local, remote)]
-        forms.append((_written(mapped[0], local_port), _written(mapped[1], remote_port)))
-    return forms
+    return _written(local, local_port), _written(remote, remote_port)
 
 
 def _rows(tables: Iterable[Path]) -> Iterator[tuple[str, str]]:
@@ -66,6 +61,15 @@ def _rows(tables: Iterable[Path]) -> Iterator[tuple[str, str]]:
             fields = line.split(maxsplit=4)
             if len(fields) > 3 and fields[3] == ESTABLISHED:
                 yield fields[1], fields[2]
+
+
+def _as_ipv4(end: str) -> str:
+    """A v4-mapped IPv6 end as an IPv4 socket's (its last word is the IPv4 address, as
+    written for IPv4); any other as it is."""
+    address, _, port = end.rpartition(":")
+    if len(address) == 32 and address.startswith(_MAPPED_PREFIX):
+        return f"{address[24:]}:{port}"
+    return end
 
 
 def _written(address: Address, port: int) -> str:
@@ -106,3 +110,7 @@ def local_address(host: str) -> Address | None:
     except ValueError:
         return None
     return None if address.is_unspecified else address
+
+
+# The first three words of a v4-mapped IPv6 address as the kernel writes them.
+_MAPPED_PREFIX = _host_order(ipaddress.IPv6Address("::ffff:0.0.0.0").packed).hex().upper()[:24]

@@ -13,8 +13,8 @@ the back carries exactly one tunnel and lives as long as it. The helper
 answers `OK` (a slot: the tunnel is recorded) or `ERR message=...` (the user
 holds N tunnels already; the back answers TUNNEL_LIMIT_STATUS).
 
-What it admitted is kept in LEDGER, `account local-address local-port
-client-address client-port` a line, shared by the helpers of both backs
+What it admitted is kept in LEDGER, `account local-end remote-end` a line
+(each end as the kernel's socket table writes it), shared by the helpers of both backs
 under an exclusive lock (flock) and kept across a back's reload (which
 restarts its helpers). A tunnel holds its slot while its connection is
 ESTABLISHED in the kernel's socket table (gateway/socket_table.py); at each
@@ -50,8 +50,9 @@ from gateway.socket_table import (
 from gateway.users import FollowedUsers
 from providers.squid import TUNNEL_REFUSED_NOTE
 
-# An admitted tunnel: the account and its connection (as the back sees it).
-Entry = tuple[str, Connection]
+# An admitted tunnel: the account, and its connection's (local, remote) ends as
+# the kernel's socket table writes them (gateway/socket_table.as_written).
+Entry = tuple[str, tuple[str, str]]
 FIELDS = 5  # %ul %>a %>p %>la %>lp
 
 
@@ -61,27 +62,23 @@ class Ledger:
     def __init__(self, path: str) -> None:
         self._path = path
 
-    def admit(self, account: str, connection: Connection, limit: int) -> int | None:
-        """Record `connection` as one of `account`'s tunnels and return None if the account
-        holds fewer than `limit` open ones; else how many it holds (nothing recorded)."""
+    def admit(self, account: str, connection: tuple[str, str], limit: int) -> int | None:
+        """Record `connection` (as written) as one of `account`'s tunnels and return None
+        if the account holds fewer than `limit` open ones; else how many (nothing recorded)."""
         with self._locked() as fd:
             entries = _parse(os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace"))
             live = established_as_written()
             # A connection carries one tunnel: an entry of the same connection is a
             # closed one whose ports the kernel gave again, or this same request.
-            kept = [
-                (a, c)
-                for a, c in entries
-                if c != connection and any(form in live for form in as_written(c))
-            ]
+            kept = [(a, c) for a, c in entries if c in live and c != connection]
             held = sum(1 for a, _ in kept if a == account)
             admitted = held < limit
             if admitted:
                 kept.append((account, connection))
             if kept != entries:
-                text = "".join(_line(entry) for entry in kept).encode()
+                text = "".join(f"{a} {local} {remote}\n" for a, (local, remote) in kept)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, text, 0)
+                os.pwrite(fd, text.encode(), 0)
         return None if admitted else held
 
     @contextlib.contextmanager
@@ -94,19 +91,14 @@ class Ledger:
             os.close(fd)  # and the lock with it
 
 
-def _line(entry: Entry) -> str:
-    account, (local, local_port, remote, remote_port) = entry
-    return f"{account} {local} {local_port} {remote} {remote_port}\n"
-
-
 def _parse(text: str) -> list[Entry]:
-    """The ledger's entries; a line a killed helper left half written is dropped."""
+    """The ledger's entries; a line a killed helper left half written is dropped (and
+    one that is no connection is never found open, so goes at the next write)."""
     entries = []
     for line in text.splitlines():
         fields = line.split()
-        connection = _connection(fields[1:]) if len(fields) == FIELDS else None
-        if connection is not None:
-            entries.append((fields[0], connection))
+        if len(fields) == 3:
+            entries.append((fields[0], (fields[1], fields[2])))
     return entries
 
 
@@ -116,6 +108,8 @@ def _connection(fields: list[str]) -> Connection | None:
         local, remote = (unmapped(ipaddress.ip_address(fields[i])) for i in (0, 2))
         local_port, remote_port = int(fields[1]), int(fields[3])
     except ValueError:
+        return None
+    if not (0 < local_port < 65536 and 0 < remote_port < 65536):
         return None
     return local, local_port, remote, remote_port
 
@@ -135,7 +129,7 @@ def answer(line: str, users: FollowedUsers, ledger: Ledger) -> str:
     user = users.users.get(account)
     if user is None or user.tunnels is None:
         return "OK"  # no limit (any more)
-    held = ledger.admit(account, connection, user.tunnels)
+    held = ledger.admit(account, as_written(connection), user.tunnels)
     if held is None:
         return "OK"
     tunnels = "tunnel" if held == 1 else "tunnels"

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.socket_table import Connection, as_written, established, established_as_written
+from gateway.socket_table import (
+    Connection,
+    as_written,
+    established,
+    established_as_written,
+    unmapped,
+)
 from gateway.tunnel_helper import Ledger, answer
 from gateway.users import FollowedUsers, hash_password
 from tests.helpers.waiting import DEADLINE, wait_until
@@ -64,16 +70,42 @@ def test_the_socket_table_gives_both_ends_of_a_connection(listener: Listener) ->
 def test_a_connection_is_found_as_the_kernel_writes_it(listener: Listener) -> None:
     connection, client = listener.connect()
     local, port, remote, remote_port = connection
-    assert any(form in established_as_written() for form in as_written(connection))
-    assert any(
-        form in established_as_written() for form in as_written((remote, remote_port, local, port))
-    ), "the client's end"
+    assert as_written(connection) in established_as_written()
+    assert as_written((remote, remote_port, local, port)) in established_as_written()
     client.close()
     wait_until(
-        lambda: not any(form in established_as_written() for form in as_written(connection)),
+        lambda: as_written(connection) not in established_as_written(),
         DEADLINE,
         "the closed connection gone from the table",
     )
+
+
+def test_an_ipv4_client_of_an_ipv6_socket_is_found_as_ipv4() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket(socket.AF_INET6))
+        try:
+            server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            server.bind(("::", 0))
+        except OSError:
+            pytest.skip("no dual-stack sockets here")
+        server.listen()
+        client = stack.enter_context(
+            socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+        )
+        accepted = stack.enter_context(server.accept()[0])
+        here, there = accepted.getsockname(), accepted.getpeername()
+        assert here[0].startswith("::ffff:"), "the kernel gives it as v4-mapped"
+        connection = (
+            unmapped(ipaddress.ip_address(here[0])),
+            here[1],
+            unmapped(ipaddress.ip_address(there[0])),
+            there[1],
+        )
+        assert connection in set(established())
+        assert as_written(connection) in established_as_written()
+        assert client.getsockname()[1] == there[1]
 
 
 def test_ipv6_connections_are_read_too() -> None:
@@ -86,7 +118,7 @@ def test_ipv6_connections_are_read_too() -> None:
             pytest.skip("no ::1 here")
         connection, _ = listener.connect()
         assert connection in set(established())
-        assert any(form in established_as_written() for form in as_written(connection))
+        assert as_written(connection) in established_as_written()
 
 
 def test_a_user_gets_its_limit_across_ledgers_and_a_closed_tunnel_frees_its_slot(
@@ -94,7 +126,7 @@ def test_a_user_gets_its_limit_across_ledgers_and_a_closed_tunnel_frees_its_slot
 ) -> None:
     # The backs' helpers share one file: two Ledgers over it are two backs.
     back_a, back_b = Ledger(str(tmp_path / "tunnels")), Ledger(str(tmp_path / "tunnels"))
-    (first, first_client), (second, _), (third, _) = (listener.connect() for _ in range(3))
+    (first, first_client), (second, _), (third, _) = (written(listener) for _ in range(3))
 
     assert back_a.admit("alice", first, 2) is None
     assert back_b.admit("alice", second, 2) is None
@@ -108,18 +140,23 @@ def test_a_user_gets_its_limit_across_ledgers_and_a_closed_tunnel_frees_its_slot
         lambda: back_b.admit("alice", third, 2) is None, DEADLINE, "alice's closed tunnel freed"
     )
     # The third connection is alice's now, bob's entry of it gone with it.
-    fourth, _ = listener.connect()
+    fourth, _ = written(listener)
     assert back_a.admit("bob", fourth, 1) is None
     assert back_a.admit("alice", fourth, 2) == 2
 
 
 def test_a_ledger_line_left_half_written_is_dropped(listener: Listener, tmp_path: Path) -> None:
     path = tmp_path / "tunnels"
-    connection, _ = listener.connect()
-    path.write_text("alice 127.0.0.1 1\nbob ::x 1 ::1 2\n")
-    assert Ledger(str(path)).admit("alice", connection, 1) is None
-    local, port, remote, remote_port = connection
-    assert path.read_text() == f"alice {local} {port} {remote} {remote_port}\n"
+    (local, remote), _ = written(listener)
+    path.write_text("alice 0100007F:0001\nbob 0100007F:0001 0100007F:0002 x\ncarol x y\n")
+    assert Ledger(str(path)).admit("alice", (local, remote), 1) is None
+    assert path.read_text() == f"alice {local} {remote}\n"
+
+
+def written(listener: Listener) -> tuple[tuple[str, str], socket.socket]:
+    """A new connection to `listener`, as the ledger keeps it, and its client's socket."""
+    connection, client = listener.connect()
+    return as_written(connection), client
 
 
 def users_file(tmp_path: Path, text: str) -> FollowedUsers:
