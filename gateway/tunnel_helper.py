@@ -14,9 +14,9 @@ answers `OK` (a slot: the tunnel is recorded) or `ERR message=...` (the user
 holds N tunnels already; the back answers TUNNEL_LIMIT_STATUS).
 
 What it admitted is kept in LEDGER, `account local-end remote-end` a line
-(each end as the kernel's socket table writes it), shared by the helpers of both backs
-under an exclusive lock (flock) and kept across a back's reload (which
-restarts its helpers). A tunnel holds its slot while its connection is
+(each end as the kernel's socket table writes it), shared by the helpers of
+both backs under an exclusive lock (flock) and kept across a back's reload
+(which restarts its helpers). A tunnel holds its slot while its connection is
 ESTABLISHED in the kernel's socket table (gateway/socket_table.py); at each
 check, those that closed are dropped. The limit is read from the users file
 as it is at each check, so a lowered limit refuses new tunnels at once and
