@@ -20,7 +20,6 @@ for its ACLs: that is what routes the request.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +28,8 @@ from urllib.parse import unquote
 # Run by Squid as a script: the repository (or site-packages) root holds providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.users import User, UsersFileError, read_users, verify
-from providers.squid import gateway_account, parse_gateway_username
+from gateway.users import FollowedUsers, verify
+from providers.squid import TUNNEL_LIMIT_NOTE, gateway_account, parse_gateway_username
 
 # Checks remembered per (user, password digest) until the file changes: a
 # scrypt check costs tens of milliseconds, and every session key is a
@@ -42,32 +41,15 @@ class Users:
     """The users file's accounts, followed as it changes, with checks remembered."""
 
     def __init__(self, path: str, fleet_user: str) -> None:
-        self._path, self._fleet = path, fleet_user
-        self._signature: tuple[int, int, int, int] | None = None
-        self._users: dict[str, User] = {}
+        self._file = FollowedUsers(path, fleet_user, "auth_helper")
         self._checked: dict[tuple[str, bytes], bool] = {}
-
-    def _follow(self) -> None:
-        try:
-            st = os.stat(self._path)
-        except OSError:
-            return  # keep what was read: the gateway replaces the file, never removes it
-        signature = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
-        if signature == self._signature:
-            return
-        try:
-            self._users = read_users(self._path, self._fleet)
-        except UsersFileError as err:
-            print(f"auth_helper: keeping the users read before: {err}", file=sys.stderr)
-            return
-        self._signature = signature
-        self._checked.clear()
 
     def check(self, username: str, password: str) -> str | None:
         """The answer for a username of the file's users, or None if it is none of theirs."""
-        self._follow()
+        if self._file.refresh():
+            self._checked.clear()
         account = username.partition("-")[0]
-        user = self._users.get(account)
+        user = self._file.users.get(account)
         parsed = parse_gateway_username(username, account) if user else None
         if user is None or parsed is None:
             return None
@@ -78,7 +60,10 @@ class Users:
             if len(self._checked) >= MAX_REMEMBERED:
                 self._checked.clear()
             self._checked[key] = verify(password, user.hash)
-        return "OK" if self._checked[key] else "ERR wrong password"
+        if not self._checked[key]:
+            return "ERR wrong password"
+        # Marks the user's requests for the tunnel helper (gateway/tunnel_helper.py).
+        return "OK" if user.tunnels is None else f"OK {TUNNEL_LIMIT_NOTE}={user.tunnels}"
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 import socket
@@ -44,6 +43,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
+from gateway.socket_table import TCP_TABLES, established, local_address
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -55,45 +55,21 @@ HEARTBEAT = 300.0
 # A change of open tunnels smaller than this share (and than one) is not
 # worth a report.
 MOVED_SHARE = 0.1
-TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
-ESTABLISHED = "01"
 
 
 def open_connections(port: int, host: str = "", tables: Iterable[Path] = TCP_TABLES) -> int:
     """ESTABLISHED sockets whose local end is `host`:`port`: the clients a listener holds.
 
     Any local address when `host` is empty or a wildcard. With a specific
-    IPv4 `host`, a socket of another process that has the same port number
-    on another local address (an outgoing connection, say) is not counted.
+    `host`, a socket of another process that has the same port number on
+    another local address (an outgoing connection, say) is not counted.
     """
-    wanted = _kernel_address(host)
-    count = 0
-    for table in tables:
-        try:
-            lines = table.read_text().splitlines()[1:]
-        except OSError:
-            continue  # no IPv6 here, say
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 3 and fields[3] == ESTABLISHED:
-                address, _, local_port = fields[1].rpartition(":")
-                if int(local_port, 16) == port and (
-                    wanted is None or address.upper().endswith(wanted)
-                ):
-                    count += 1
-    return count
-
-
-def _kernel_address(host: str) -> str | None:
-    """`host` as /proc/net/tcp writes it (the suffix of its tcp6 v4-mapped form too),
-    or None to match any address: no host, a wildcard, or not an IPv4 address."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if address.version != 4 or address.is_unspecified:
-        return None
-    return address.packed[::-1].hex().upper()
+    wanted = local_address(host)
+    return sum(
+        1
+        for address, local_port, _, _ in established(tables)
+        if local_port == port and wanted in (None, address)
+    )
 
 
 def gateway_name(listen: tuple[str, int]) -> str:

@@ -116,8 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser,
         "--users-file",
         "PROXY_OPERATOR_GATEWAY_USERS_FILE",
-        "more client credentials, `name:hash` a line (python -m gateway.users hash NAME); "
-        "followed as it changes",
+        "more client credentials, `name:hash` a line (python -m gateway.users hash NAME), "
+        "optionally limited (zones=, tunnels=); followed as it changes",
     )
     api_settings.add_arguments(parser)
     wake.add_arguments(parser)

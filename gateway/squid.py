@@ -64,6 +64,8 @@ from providers.squid import (
     NO_MEMBER_PAGE,
     NO_MEMBER_TEMPLATE,
     SQUID_USER,
+    TUNNEL_LIMIT_PAGE,
+    TUNNEL_LIMIT_TEMPLATE,
     GatewayMember,
     ProxySettings,
     SquidPaths,
@@ -92,14 +94,18 @@ from providers.squid_process import (
 
 log = logging.getLogger("proxy_operator.gateway")
 
-# The auth helper and the one module it imports, copied into the gateway's
-# directory at start: Squid runs the helper as its own user, which may not
+# The auth and tunnel helpers and the modules they import, copied into the
+# gateway's directory at start: Squid runs them as its own user, which may not
 # reach the installed files (a checkout or virtualenv under /root).
+AUTH_HELPER = Path("gateway/auth_helper.py")
+TUNNEL_HELPER = Path("gateway/tunnel_helper.py")
 HELPER_SOURCES = {
-    Path("gateway/auth_helper.py"): Path(__file__).resolve().with_name("auth_helper.py"),
-    Path("providers/__init__.py"): None,  # the helper imports providers.squid alone
-    Path("gateway/__init__.py"): None,  # and gateway.users
+    AUTH_HELPER: Path(__file__).resolve().with_name("auth_helper.py"),
+    Path("providers/__init__.py"): None,  # the helpers import providers.squid alone
+    Path("gateway/__init__.py"): None,  # and gateway.users, gateway.socket_table
     Path("gateway/users.py"): Path(__file__).resolve().with_name("users.py"),
+    TUNNEL_HELPER: Path(__file__).resolve().with_name("tunnel_helper.py"),
+    Path("gateway/socket_table.py"): Path(__file__).resolve().with_name("socket_table.py"),
     Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
 }
 HELPER_DIR = "helper"
@@ -372,6 +378,7 @@ class GatewaySquid:
             if template.is_file():
                 self._write(self._errors / template.name, template.read_text(errors="replace"))
         self._write(self._errors / NO_MEMBER_TEMPLATE, NO_MEMBER_PAGE)
+        self._write(self._errors / TUNNEL_LIMIT_TEMPLATE, TUNNEL_LIMIT_PAGE)
 
     def _front_conf(self) -> str:
         settings = replace(self._settings, port=self.front.port)
@@ -381,16 +388,16 @@ class GatewaySquid:
     def _write_backs(self) -> None:
         """Render both backs' configs onto `members` (the htpasswd too); reload nothing."""
         assert self._python is not None, "start() installs the helper first"
-        helper = self.directory / HELPER_DIR / "gateway" / "auth_helper.py"
-        wrapper = [self._python, str(helper), self._settings.username]
-        ttl = "1 hour"
+        wrapper = [self._python, *self._helper_command(AUTH_HELPER)]
+        ttl, tunnels = "1 hour", []
         if self._users is not None:
             wrapper += ["--users", str(self._users_copy)]
             ttl = USERS_CREDENTIALS_TTL  # a removed user's next check comes this soon
+            tunnels = [self._python, *self._helper_command(TUNNEL_HELPER)]
         for back in self.backs:
             settings = replace(self._settings, port=back.port)
             rendered = render_gateway_back(
-                settings, self._paths(back), self.members, wrapper, str(self._errors), ttl
+                settings, self._paths(back), self.members, wrapper, str(self._errors), ttl, tunnels
             )
             self._write(self.directory / "htpasswd", rendered.htpasswd)
             self._write_checked(back.conf, rendered.squid_conf)
@@ -424,10 +431,10 @@ class GatewaySquid:
         path.chmod(0o770)
 
     def _install_helper(self) -> str:
-        """Copy the auth helper where Squid's user reads it; return an interpreter that runs it.
+        """Copy the helpers where Squid's user reads them; return an interpreter that runs them.
 
-        The interpreter is this one if Squid's user can run the helper with
-        it, else the system's python3 (the helper needs the standard library
+        The interpreter is this one if Squid's user can run the helpers with
+        it, else the system's python3 (they need the standard library
         alone). Tried for real, as that user, so a helper that could not run
         fails the start instead of every client's first request.
         """
@@ -437,26 +444,42 @@ class GatewaySquid:
             target = root / relative
             self._make_dir(target.parent)
             self._write(target, "" if source is None else source.read_text())
-        helper = root / "gateway" / "auth_helper.py"
+        # Each helper checks nothing and exits at the end of its input.
+        checks = [[*self._helper_command(AUTH_HELPER), "true"]]
+        if self._users is not None:
+            self._tunnels_ledger.unlink(missing_ok=True)  # a previous run's tunnels are gone
+            checks.append(self._helper_command(TUNNEL_HELPER))
         system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
         failures = []
         for python in dict.fromkeys([sys.executable, *([system] if system else [])]):
-            failure = self._helper_fails(python, helper)
+            failure = next(filter(None, (self._helper_fails([python, *c]) for c in checks)), None)
             if failure is None:
                 return python
             failures.append(f"{python}: {failure}")
         raise GatewayError(
-            f"user {SQUID_USER!r} cannot run the gateway's auth helper with "
-            f"{' nor '.join(failures)}; install python3 (3.11 or newer) for it"
+            f"user {SQUID_USER!r} cannot run the gateway's helpers with "
+            f"{' nor '.join(failures)}; install python3 (3.11 or newer) for them"
         )
 
-    def _helper_fails(self, python: str, helper: Path) -> str | None:
-        """Why `python` cannot run the helper as Squid's user, or None if it can."""
+    def _helper_command(self, helper: Path) -> list[str]:
+        """How Squid runs `helper` (AUTH_HELPER or TUNNEL_HELPER), but for the interpreter."""
+        script = str(self.directory / HELPER_DIR / helper)
+        if helper == TUNNEL_HELPER:
+            users, ledger = str(self._users_copy), str(self._tunnels_ledger)
+            return [script, self._settings.username, users, ledger]
+        return [script, self._settings.username]
+
+    @property
+    def _tunnels_ledger(self) -> Path:
+        """The tunnels the tunnel helper admitted (it creates and keeps the file)."""
+        return self.directory / "tunnels"
+
+    def _helper_fails(self, command: list[str]) -> str | None:
+        """Why Squid's user cannot run `command`, or None if it can."""
         uid, gid = self._account if self._account is not None else (None, None)
         try:
-            # The helper checks nothing and exits at the end of its input.
             result = subprocess.run(
-                [python, str(helper), self._settings.username, "true"],
+                command,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,

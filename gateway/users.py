@@ -1,9 +1,10 @@
 """The gateway's client credentials beyond the fleet's own: a users file of hashed passwords.
 
     # one user a line: name:hash (from `python -m gateway.users hash NAME`),
-    # then optional limits: zones=<zone>,<zone> (each username must name one)
+    # then optional limits: zones=<zone>,<zone> (each username must name one),
+    # tunnels=<n> (at most n tunnels open at once, gateway/tunnel_helper.py)
     alice:scrypt$16384$8$1$<salt, hex>$<key, hex>
-    carol:scrypt$16384$8$1$<salt, hex>$<key, hex> zones=europe-west1-b
+    carol:scrypt$16384$8$1$<salt, hex>$<key, hex> zones=europe-west1-b tunnels=20
 
 A name is 1 to 64 of `A-Z a-z 0-9 . _` (no `-`: the routing grammar's
 separator) and not the fleet's own username, which keeps working beside
@@ -23,6 +24,7 @@ from __future__ import annotations
 import getpass
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import sys
@@ -38,6 +40,10 @@ KEY_BYTES = 32
 NAME = re.compile(r"^[A-Za-z0-9._]{1,64}$")
 ZONE = re.compile(r"^[A-Za-z0-9._~+=-]{1,64}$")
 MAX_PASSWORD = 1024
+# The most tunnels= may allow: more than a gateway holds, less than would
+# make a typo (an extra digit or two) pass for a limit.
+MAX_TUNNELS = 100_000
+TUNNELS = re.compile(r"^[0-9]{1,6}$")
 MAX_USERS_BYTES = 4 << 20
 
 
@@ -85,11 +91,13 @@ def verify(password: str, encoded: str) -> bool:
 
 @dataclass(frozen=True)
 class User:
-    """One line of the users file: the password's hash, and the zones the user may use
-    (None: any; else every username of theirs must name one, `-zone-<zone>`)."""
+    """One line of the users file: the password's hash, the zones the user may use
+    (None: any; else every username of theirs must name one, `-zone-<zone>`), and
+    how many tunnels it may hold open at once (None: no limit)."""
 
     hash: str
     zones: frozenset[str] | None = None
+    tunnels: int | None = None
 
 
 def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:
@@ -107,7 +115,7 @@ def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:
         name, sep, rest = line.partition(":")
         words = rest.split()
         encoded, limits = (words[0] if words else ""), words[1:]
-        zones, bad_limit = _zones(limits)
+        zones, tunnels, bad_limit = _limits(limits)
         if not sep or not NAME.fullmatch(name):
             problems.append(f"line {number}: not `name:hash` with a name of A-Z a-z 0-9 . _")
         elif name in (fleet_user, fleet_user.partition("-")[0]):
@@ -122,32 +130,89 @@ def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:
         elif bad_limit:
             problems.append(f"line {number}: {bad_limit}")
         else:
-            users[name] = User(encoded, zones)
+            users[name] = User(encoded, zones, tunnels)
     if problems:
         raise UsersFileError(f"{source}: {'; '.join(problems)}")
     return users
 
 
-def _zones(limits: list[str]) -> tuple[frozenset[str] | None, str]:
-    """The `zones=a,b` limit of a line's words after the hash, and what is wrong with them."""
+def _limits(words: list[str]) -> tuple[frozenset[str] | None, int | None, str]:
+    """The zones= and tunnels= limits among a line's words after the hash, and what is
+    wrong with them (the first problem, naming its field; never the value)."""
     zones: frozenset[str] | None = None
-    for limit in limits:
-        key, _, value = limit.partition("=")
-        if key != "zones":
-            return None, f"{key[:20]!r} is not a limit (zones=<zone>,<zone>)"
-        names = value.split(",")
-        if not all(ZONE.fullmatch(zone) for zone in names):
-            return (
-                None,
-                "zones= takes zone names (1 to 64 of A-Z a-z 0-9 . _ ~ + = -), commas between",
-            )
-        zones = frozenset(names)
-    return zones, ""
+    tunnels: int | None = None
+    seen: set[str] = set()
+    for word in words:
+        key, _, value = word.partition("=")
+        if key not in LIMIT_PROBLEMS:
+            return None, None, f"{key[:20]!r} is not a limit (zones=<zone>,<zone>, tunnels=<n>)"
+        if key in seen:
+            return None, None, f"{key}= given twice"
+        seen.add(key)
+        if key == "zones":
+            zones = _zones(value)
+            bad = zones is None
+        else:
+            tunnels = _tunnels(value)
+            bad = tunnels is None
+        if bad:
+            return None, None, LIMIT_PROBLEMS[key]
+    return zones, tunnels, ""
+
+
+def _zones(value: str) -> frozenset[str] | None:
+    names = value.split(",")
+    return frozenset(names) if all(ZONE.fullmatch(zone) for zone in names) else None
+
+
+def _tunnels(value: str) -> int | None:
+    # Digits only: int() would also take "+3", " 3", "1_000" and other scripts' digits.
+    if not TUNNELS.fullmatch(value) or not 1 <= int(value) <= MAX_TUNNELS:
+        return None
+    return int(value)
+
+
+LIMIT_PROBLEMS = {
+    "zones": "zones= takes zone names (1 to 64 of A-Z a-z 0-9 . _ ~ + = -), commas between",
+    "tunnels": f"tunnels= takes a whole number of tunnels from 1 to {MAX_TUNNELS}",
+}
 
 
 def read_users(path: str, fleet_user: str) -> dict[str, User]:
     """The users of the file at `path`; UsersFileError naming what is wrong."""
     return parse_users(read_users_text(path), path, fleet_user)
+
+
+class FollowedUsers:
+    """The users of a file that Squid's helpers read as the gateway replaces it.
+
+    `refresh` reads it again when its inode, size or mtime changed (the
+    gateway replaces it atomically, never removes it); a version that does
+    not parse is reported on stderr (Squid's cache.log) and the users read
+    before stay.
+    """
+
+    def __init__(self, path: str, fleet_user: str, reader: str) -> None:
+        self._path, self._fleet, self._reader = path, fleet_user, reader
+        self._signature: tuple[int, int, int, int] | None = None
+        self.users: dict[str, User] = {}
+
+    def refresh(self) -> bool:
+        """Read the file again if it changed; whether `users` did."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return False  # keep what was read
+        signature = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
+        if signature == self._signature:
+            return False
+        try:
+            self.users = read_users(self._path, self._fleet)
+        except UsersFileError as err:
+            print(f"{self._reader}: keeping the users read before: {err}", file=sys.stderr)
+            return False
+        self._signature = signature
+        return True
 
 
 def read_users_text(path: str) -> str:

@@ -263,6 +263,31 @@ NO_MEMBER_PAGE = (
     "nowhere else.\n"
 )
 
+# A users-file user with `tunnels=N` (gateway/users.py): the auth helper
+# annotates its requests with TUNNEL_LIMIT_NOTE, and for those alone the backs
+# ask the tunnel helper (gateway/tunnel_helper.py) at each CONNECT; at the
+# limit, the CONNECT is answered TUNNEL_LIMIT_STATUS with TUNNEL_LIMIT_TEMPLATE.
+TUNNEL_LIMIT_NOTE = "gateway_tunnel_limit"
+TUNNEL_LIMIT_STATUS = 429
+TUNNEL_LIMIT_TEMPLATE = "ERR_GATEWAY_TUNNEL_LIMIT"
+TUNNEL_LIMIT_PAGE = (
+    "This user already holds as many open tunnels as its limit allows (%o). "
+    "The request was sent nowhere. Close a tunnel, or ask for a higher tunnels= "
+    "in the gateway's users file.\n"
+)
+# The helper's reason for a refusal, which the backs put in this header (the
+# front relays a refusal's status and headers, not its page).
+TUNNEL_REFUSED_NOTE = "gateway_refused"
+TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
+# The helper's input: the username, the client's (the front's) end of the
+# connection and the back's; asked at every CONNECT (no cached answers).
+TUNNEL_HELPER_FORMAT = "%ul %>a %>p %>la %>lp"
+# A burst of CONNECTs waits in a long queue: past queue-size, "the acl is
+# ignored" (squid.conf.documented, external_acl_type), not what a limit wants.
+TUNNEL_HELPER_OPTIONS = (
+    "ttl=0 negative_ttl=0 children-max=5 children-startup=1 children-idle=1 queue-size=1024"
+)
+
 
 class Route(StrEnum):
     """How a username picks a member; each member is one cache_peer per route."""
@@ -379,6 +404,7 @@ def render_gateway_back(
     auth_wrapper: Sequence[str],
     error_directory: str,
     credentials_ttl: str = "1 hour",
+    tunnel_helper: Sequence[str] = (),
 ) -> RenderedSquid:
     """The back workers' config: they route by username to the pool's members.
 
@@ -400,6 +426,9 @@ def render_gateway_back(
     the error page NO_MEMBER_TEMPLATE, which `error_directory` holds next to
     copies of Squid's own templates. The front relays the status and Squid's
     `X-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0` header, not the page.
+
+    With a `tunnel_helper` command, a CONNECT annotated TUNNEL_LIMIT_NOTE by
+    the auth helper is admitted only if that helper finds its user a slot.
     """
     # The fleet's user, or a users-file user (gateway/users.py: no dash in the
     # name); which account, and its password, the auth helper checked.
@@ -450,6 +479,21 @@ def render_gateway_back(
         f"error_directory {error_directory}",
         f"deny_info {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} {UNROUTABLE}",
     ]
+    if tunnel_helper:
+        access += [
+            f"external_acl_type gateway_tunnels {TUNNEL_HELPER_OPTIONS} {TUNNEL_HELPER_FORMAT} "
+            + " ".join(tunnel_helper),
+            f"acl gateway_tunnel_limited note {TUNNEL_LIMIT_NOTE}",
+            "acl gateway_tunnel_slot external gateway_tunnels",
+            # The note comes with the credentials: `authenticated` checks them first.
+            "http_access deny CONNECT authenticated gateway_tunnel_limited !gateway_tunnel_slot",
+            f"deny_info {TUNNEL_LIMIT_STATUS}:{TUNNEL_LIMIT_TEMPLATE} gateway_tunnel_slot",
+            # The front relays a back's refusal's status and headers, not its page:
+            # the helper's reason goes in a header too (raw: it is the helper's words).
+            f"acl gateway_tunnel_refused note {TUNNEL_REFUSED_NOTE}",
+            f'reply_header_add {TUNNEL_REFUSED_HEADER} "%\'{{{TUNNEL_REFUSED_NOTE}}}note" '
+            "gateway_tunnel_refused",
+        ]
     loopback = replace(settings, allowed_cidrs=("127.0.0.1/32",))
     return _render_gateway_squid(
         loopback, paths, lines, auth_wrapper, access=access, credentials_ttl=credentials_ttl

@@ -12,6 +12,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from gateway.main import UsageError, checked, parse_args
 from gateway.membership import parse_endpoints, split_endpoint
+from gateway.users import hash_password
 from providers.squid import GatewayMember, gateway_account
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 
@@ -173,13 +174,22 @@ def test_a_bad_member_network_is_reported_before_connecting(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_bad_users_file_is_named_before_connecting(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("alice:my-plain-password", "line 1: the hash is not one"),
+        (f"alice:{hash_password('pw')} tunnels=0", "line 1: tunnels= takes a whole number"),
+    ],
+)
+def test_a_bad_users_file_is_named_before_connecting(
+    tmp_path: Path, line: str, expected: str
+) -> None:
     users = tmp_path / "users"
-    users.write_text("alice:my-plain-password\n")
+    users.write_text(f"{line}\n")
     result = run_gateway(
         tmp_path, {PASSWORD_ENV: PASSWORD}, "--pool", "web", "--users-file", str(users)
     )
     assert result.returncode == 2, result.stderr
     assert "error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE)" in result.stderr
-    assert "line 1: the hash is not one" in result.stderr
+    assert expected in result.stderr
     assert "my-plain-password" not in result.stderr and "Traceback" not in result.stderr

@@ -654,9 +654,11 @@ def test_routing_filters_reach_only_the_members_they_name(
         squid.stop()
 
 
-def connect_reply(gateway: GatewaySquid, origin: TlsOrigin, username: str, port: int = 0) -> bytes:
+def connect_reply(
+    gateway: GatewaySquid, origin: TlsOrigin, username: str, port: int = 0, password: str = PASSWORD
+) -> bytes:
     """The gateway's whole answer to a CONNECT it refuses: status line, headers, page."""
-    credentials = base64.b64encode(f"{username}:{PASSWORD}".encode()).decode()
+    credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
     target = f"{origin.host}:{origin.port}"
     with socket.create_connection(("127.0.0.1", port or gateway.front.port), timeout=10) as sock:
         sock.sendall(

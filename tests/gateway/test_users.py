@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.users import UsersFileError, hash_password, parse_users, verify
+from gateway.users import MAX_TUNNELS, UsersFileError, hash_password, parse_users, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 HASH = hash_password("pw")
@@ -70,6 +70,17 @@ def test_two_hashes_of_one_password_differ() -> None:
         (f"alice:{HASH} country=fr\n", "line 1: 'country' is not a limit"),
         (f"alice:{HASH} zones=\n", "line 1: zones= takes zone names"),
         (f"alice:{HASH} zones=a,,b\n", "line 1: zones= takes zone names"),
+        (f"alice:{HASH} zones=a zones=b\n", "line 1: zones= given twice"),
+        *(
+            (f"alice:{HASH} tunnels={value}\n", "line 1: tunnels= takes a whole number")
+            # Nothing, zero, negative, signed, not whole, not decimal, over MAX_TUNNELS,
+            # huge, what int() alone would take (underscores, another script's digits).
+            for value in [
+                *("", "0", "-1", "+3", "1.5", "2e3", "0x10", "two", "100001"),
+                *("9" * 40, "1_000", "\u0663", "000000"),
+            ]
+        ),
+        (f"alice:{HASH} tunnels=2 tunnels=3\n", "line 1: tunnels= given twice"),
         ("alice:scrypt$1073741824$8$1$00112233445566778899aabbccddeeff$" + "00" * 32, "line 1"),
     ],
 )
@@ -89,3 +100,14 @@ def test_a_repeated_name_is_named() -> None:
 def test_a_zones_limit_is_read() -> None:
     users = parse_users(f"alice:{HASH}  zones=europe-west1-b,us-east1-c\n", "users", "proxy")
     assert users["alice"].zones == {"europe-west1-b", "us-east1-c"}
+
+
+def test_a_tunnels_limit_is_read_beside_zones() -> None:
+    users = parse_users(
+        f"alice:{HASH} tunnels=1 zones=eu-b\nbob:{HASH} tunnels={MAX_TUNNELS}\ncarol:{HASH}\n",
+        "users",
+        "proxy",
+    )
+    assert (users["alice"].tunnels, users["alice"].zones) == (1, {"eu-b"})
+    assert users["bob"].tunnels == MAX_TUNNELS
+    assert users["carol"].tunnels is None
