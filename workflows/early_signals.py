@@ -34,6 +34,11 @@ class EarlySignals:
         self._held: list[Callable[[], None]] | None = []
         self._apply_again = False
 
+    @property
+    def taken_over(self) -> bool:
+        """Whether the run has its state: what an update is checked against waits for it."""
+        return self._held is None
+
     def hold(self, again: Callable[[], None]) -> None:
         """Keep `again` (the handler, with the signal's arguments) until the takeover."""
         if self._held is not None:

@@ -893,7 +893,9 @@ class ProxyLifecycle:
                 activity, arg, profile, summary, interruptible=interruptible, wait=wait
             )
         finally:
-            # The wait is over, however it ended (a hand-over carried a copy).
+            # The wait is over, however it ended (a hand-over carried a copy);
+            # status shows it no more from the next publish on.
+            self._waits.pop(summary, None)
             if carried:
                 self._carried.provider_wait = None
 
@@ -913,6 +915,8 @@ class ProxyLifecycle:
         while True:
             if interruptible:
                 self._raise_if_stopping()
+            if wait.shown:  # a wait this run took over
+                self._show_calling_again(summary, wait)
             try:
                 self._in_flight += 1
                 try:
@@ -948,9 +952,13 @@ class ProxyLifecycle:
                 if carried:
                     self._carried.provider_wait = wait
                 self._note_error(failures.message(err))
-                await self._wait(
+                wait.shown = (
                     f"waiting for {waiting_for}: {failures.message(err)} "
-                    f"(since {wait.since}, {wait.failed_calls} failed calls)",
+                    f"(since {wait.since}, {wait.failed_calls} failed calls)"
+                )
+                self._show_calling_again(summary, wait)
+                await self._wait(
+                    wait.shown,
                     delay,
                     summary=f"waiting for {waiting_for} ({summary})",
                     interruptible=interruptible,
@@ -1191,6 +1199,17 @@ class ProxyLifecycle:
         self._waits.pop(key, None)  # re-inserted: the newest wait is the one shown
         self._waits[key] = waiting_for
         self._show_waits()
+
+    def _show_calling_again(self, summary: str, wait: ProviderWait) -> None:
+        """Keep the wait in status while the call is tried again, under the wait's own timer.
+
+        Between the timer and the call's answer the proxy is still waiting:
+        status says so instead of nothing. Not published here, which would
+        move the commands that publishing issues in recorded histories: the
+        timer's end publishes it, and `status` reads it anyway.
+        """
+        self._waits.pop(summary, None)
+        self._waits[summary] = f"{wait.shown}, calling again"
 
     def _end_wait(self, key: str) -> None:
         # Also called from `finally` blocks, which run when the worker evicts

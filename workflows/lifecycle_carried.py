@@ -54,6 +54,9 @@ class ProviderWait:
     provider_failures: int = 0
     # Calls that failed in all, quota included.
     failed_calls: int = 0
+    # What status says of the wait ("waiting for quota: ... (since ..., N
+    # failed calls)"), still said while the call is tried again.
+    shown: str = ""
 
 
 @dataclass

@@ -412,9 +412,10 @@ class ProxyPool:
         ]
 
     @workflow.update(name="scale")
-    def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    async def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Keep `replicas` members, or (autoscaled) new bounds; also resumes replacing
         after the failure budget ran out."""
+        await self._taken_over()
         applied = self._applied()
         if applied is not None:
             return applied
@@ -439,7 +440,7 @@ class ProxyPool:
 
     @scale.validator
     def _validate_scale(self, request: Any = None, *extra: Any) -> None:
-        if self._applied() is None:
+        if self._checkable(ScaleRequest, request, "scale", extra):
             self._scale_request(request, extra)
 
     def _scale_request(self, request: Any, extra: tuple[Any, ...]) -> ScaleRequest:
@@ -463,8 +464,9 @@ class ProxyPool:
         return req
 
     @workflow.update(name="report_demand")
-    def report_demand(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    async def report_demand(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """A gateway's demand (workflows/pool_autoscale.py): untrusted, rate-limited, bounded."""
+        await self._taken_over()
         report = self._demand_report(request, extra)
         assert self._autoscale is not None  # _demand_report refuses a fixed pool
         self._autoscale = pool_autoscale.take(self._autoscale, report, workflow.now())
@@ -473,7 +475,8 @@ class ProxyPool:
 
     @report_demand.validator
     def _validate_report_demand(self, request: Any = None, *extra: Any) -> None:
-        self._demand_report(request, extra)
+        if self._checkable(pool_autoscale.Report, request, "report_demand", extra):
+            self._demand_report(request, extra)
 
     def _demand_report(self, request: Any, extra: tuple[Any, ...]) -> pool_autoscale.Report:
         report: pool_autoscale.Report = self._request(
@@ -486,8 +489,9 @@ class ProxyPool:
         return report
 
     @workflow.update(name="wake")
-    def wake(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    async def wake(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """A gateway holds a client and sees no member: start one, unless the pool has some."""
+        await self._taken_over()
         req: pool_autoscale.WakeRequest = self._request(
             pool_autoscale.WakeRequest, request, "wake", extra
         )
@@ -500,8 +504,8 @@ class ProxyPool:
 
     @wake.validator
     def _validate_wake(self, request: Any = None, *extra: Any) -> None:
-        self._request(pool_autoscale.WakeRequest, request, "wake", extra)
-        self._autoscaled_books("wake")
+        if self._checkable(pool_autoscale.WakeRequest, request, "wake", extra):
+            self._autoscaled_books("wake")
 
     def _autoscaled_books(self, what: str) -> pool_autoscale.Books:
         if self._autoscale is None:
@@ -522,8 +526,9 @@ class ProxyPool:
         }
 
     @workflow.update(name="rotate")
-    def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    async def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
+        await self._taken_over()
         applied = self._applied()
         if applied is not None:
             return applied
@@ -539,22 +544,23 @@ class ProxyPool:
 
     @rotate.validator
     def _validate_rotate(self, request: Any = None, *extra: Any) -> None:
-        if self._applied() is not None:
+        if not self._checkable(RotateRequest, request, "rotate", extra):
             return
         req = self._request(RotateRequest, request, "rotate", extra)
         if req.member is not None:
             self._live_member(req.member)
 
     @workflow.update(name="report_ban")
-    def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    async def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
+        await self._taken_over()
         applied = self._applied()
         if applied is not None:
             return applied
         req, member = self._ban_request(request, extra)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
-        assert self._inp is not None  # _request refuses updates before the input is known
+        assert self._inp is not None  # set before the takeover this handler waited for
         now = workflow.now()
         self._bans = [*pool_plan.recent_bans(self._bans, self._inp.bans, now), now.isoformat()]
         member.ban(req.reason or "reported banned")
@@ -563,8 +569,8 @@ class ProxyPool:
 
     @report_ban.validator
     def _validate_report_ban(self, request: Any = None, *extra: Any) -> None:
-        if self._applied() is not None:
-            return  # a retry of one applied before a continue-as-new: its result again
+        if not self._checkable(BanRequest, request, "report_ban", extra):
+            return
         req, member = self._ban_request(request, extra)
         if member.ban_changes_nothing(req.endpoint):
             return  # idempotent: accepted, changes nothing
@@ -632,6 +638,32 @@ class ProxyPool:
             ]
         return problems
 
+    async def _taken_over(self) -> None:
+        """An update waits until the run has its state, to be checked and applied against it.
+
+        The SDK runs a workflow task's updates before it starts the run
+        method, so an update sent as the pool continues as new reaches the
+        new run before it has taken over its members, its size and the ids
+        of the updates it applied (workflows/early_signals.py). A run that
+        has its state does not wait, so the handler completes in the
+        workflow task that delivered it, as before.
+        """
+        if not self._early.taken_over:
+            await workflow.wait_condition(lambda: self._early.taken_over)
+
+    def _checkable(self, model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> bool:
+        """Whether a validator can check an update against the pool's state now.
+
+        Not before the run has its state: only the request's shape is
+        checked then, and the handler checks the rest once it has waited
+        for the takeover (`_taken_over`). Not for a retry of an update
+        applied in an earlier run either: that gets its first result again.
+        """
+        if not self._early.taken_over:
+            self._request(model, raw, what, extra)
+            return False
+        return self._applied() is None
+
     def _applied(self) -> dict[str, Any] | None:
         """The result of the current update if its id was applied already (in an earlier run)."""
         return self._applied_updates.get(_update_key())
@@ -651,7 +683,7 @@ class ProxyPool:
         before this: no argument, extra ones and undecodable JSON are refused
         here (or by workflows/payloads.py) as InvalidInput, naming the argument.
         """
-        if self._inp is None or self._terminate_reason is not None:
+        if self._terminate_reason is not None:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )

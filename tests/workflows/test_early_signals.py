@@ -10,6 +10,9 @@ taken over its carried state. A `terminate` sent then used to be lost: the
 pool ran on. Each attempt checks in the new run's history whether its
 signal came that early; the test needs one that did.
 
+An update sent then is the same race: it used to be refused ("not taking
+updates"); it now waits for the takeover and applies to the carried state.
+
 A member's `Ready` report lost the same way is test_pool_lifetimes'
 `test_members_live_on_across_the_pools_continue_as_new`.
 """
@@ -34,15 +37,22 @@ ATTEMPTS = 8
 REASON = "sent between runs"
 
 
-async def _signal_as_it_continues(pool: WorkflowHandle[Any, Any]) -> None:
-    """Send `terminate` as soon as the pool's second run exists: polled, not waited on."""
+async def _second_run(pool: WorkflowHandle[Any, Any]) -> None:
+    """Return as soon as the pool's second run exists: polled, not waited on."""
     loop = asyncio.get_running_loop()
     until = loop.time() + DEADLINE
     while (await pool.describe()).run_id == pool.result_run_id:
         if loop.time() > until:
             raise AssertionError(f"the pool did not continue as new in {DEADLINE:.0f}s")
         await asyncio.sleep(0.01)
+
+
+async def _terminated(stack: Stack, pool: WorkflowHandle[Any, Any]) -> None:
+    """Terminate the pool: it ends for that reason and leaves no instance."""
     await pool.signal("terminate", {"reason": REASON})
+    result = await asyncio.wait_for(pool.result(), DEADLINE)
+    assert (result["state"], result["reason"]) == ("Terminated", REASON)
+    await wait_for(lambda: stack.instances() == [], "the members' instances deleted")
 
 
 async def _signals_before_first_task(pool: WorkflowHandle[Any, Any]) -> list[str]:
@@ -63,11 +73,41 @@ async def test_a_terminate_sent_as_a_pool_continues_as_new_ends_it(
     stack: Stack = await stack_on(eager_can_env)
     for _ in range(ATTEMPTS):
         pool = await stack.start_pool(replicas=2)
-        await _signal_as_it_continues(pool)
+        await _second_run(pool)
         # Lost, the terminate would leave the pool running and this would time out.
-        result = await asyncio.wait_for(pool.result(), DEADLINE)
-        assert (result["state"], result["reason"]) == ("Terminated", REASON)
-        await wait_for(lambda: stack.instances() == [], "the members' instances deleted")
+        await _terminated(stack, pool)
         if await _signals_before_first_task(pool) == ["terminate"]:
             return
     raise AssertionError(f"in {ATTEMPTS} pools, no terminate came before a new run's first task")
+
+
+async def _accepted_in_first_task(pool: WorkflowHandle[Any, Any], update_id: str) -> bool:
+    """Whether the pool's latest run accepted the update in its first workflow task."""
+    completed = 0
+    async for event in pool.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            completed += 1
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+            attributes = event.workflow_execution_update_accepted_event_attributes
+            if attributes.accepted_request.meta.update_id == update_id:
+                return completed == 1
+    return False
+
+
+async def test_a_scale_sent_as_a_pool_continues_as_new_applies_to_its_members(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Any,
+) -> None:
+    stack: Stack = await stack_on(eager_can_env)
+    for attempt in range(ATTEMPTS):
+        pool = await stack.start_pool(replicas=2)
+        await _second_run(pool)
+        update_id = f"scale-between-runs-{attempt}"
+        # Refused before the takeover, this raised WorkflowUpdateFailedError.
+        answer = await pool.execute_update("scale", {"replicas": 3}, id=update_id)
+        assert answer == {"replicas": 3, "previous": 2}, "applied to the carried size"
+        assert (await pool.query("status"))["replicas"] == 3
+        await _terminated(stack, pool)
+        if await _accepted_in_first_task(pool, update_id):
+            return
+    raise AssertionError(f"in {ATTEMPTS} pools, no scale came before a new run's first task")

@@ -175,6 +175,14 @@ async def test_old_instance_stays_monitored_while_its_rotation_waits_for_quota(
         handle, lambda s: (s.waiting_for or "").startswith("waiting for quota"), "rotation's wait"
     )
     assert rotating.state == "Ready" and rotating.endpoint == old.endpoint, rotating
+    # Calls 15 s apart from the next one on, so the next quota error (each
+    # is the newest last_error) comes after the check below, even on a busy
+    # machine; the replacement then starts up to 15 s after the recovery.
+    calls = stack.provider.calls["create"]
+    stack.provider.fail_until_recovered(
+        "create", QuotaExceeded("Quota 'CPUS' exceeded in europe-west1", retry_after_seconds=15)
+    )
+    await wait_for(lambda: stack.provider.calls["create"] > calls, "the longer wait begun")
 
     # The old instance dies while its replacement waits for quota: it is
     # withdrawn at once, not advertised until the quota comes back.
@@ -183,6 +191,7 @@ async def test_old_instance_stays_monitored_while_its_rotation_waits_for_quota(
         handle, lambda s: s.state == "Replacing", "the failed old instance withdrawn"
     )
     assert withdrawn.endpoint == "" and old.instance in (withdrawn.last_error or ""), withdrawn
+    assert (withdrawn.waiting_for or "").startswith("waiting for quota"), withdrawn
 
     stack.provider.recover("create")
     ready = await wait_status(
