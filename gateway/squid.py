@@ -515,6 +515,7 @@ class GatewaySquid:
         with self._paused(self.front):
             log.debug("front paused for the %s worker", back.role)
             time.sleep(SETTLE)
+            self._caught_up(back)
             self._signal(back, signal.SIGHUP)
             log.debug("the %s worker reloading", back.role)
             self._await(
@@ -526,6 +527,26 @@ class GatewaySquid:
         # Probes logged before the reload began were of the peers it dropped.
         self._await_probes(self._after(offset, back, RECONFIGURING), back, self._peers(back))
         log.info("reloaded the %s worker (%d members)", back.role, len(self.members))
+
+    def _caught_up(self, back: Worker) -> None:
+        """Return once `back` answers a request sent now, or it cannot.
+
+        SETTLE assumes the back handles the connects of what the front sent
+        it within SETTLE; a back starved of CPU (a busy machine) may not,
+        and a reload then loses the peer of a CONNECT still connecting
+        (measured: 1 in 41 requests with 6 test processes on 2 cores).
+        The back answers a malformed request (400, logged without a peer,
+        so no metric counts it) only after its event loop got to it,
+        which comes after the connects that were ready before it. A back
+        that cannot answer is reloaded anyway: the reload is what restarts
+        a stuck one.
+        """
+        try:
+            with socket.create_connection((back.address, back.port), RELOAD_DEADLINE) as probe:
+                probe.sendall(b"CAUGHT-UP\r\n\r\n")
+                probe.recv(1)
+        except OSError as err:
+            log.warning("the %s worker did not answer before its reload: %s", back.role, err)
 
     @contextlib.contextmanager
     def _paused(self, worker: Worker) -> Iterator[None]:

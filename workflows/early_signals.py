@@ -5,9 +5,9 @@ pool's members, a lifecycle's instance) from its second argument. Signals
 can come first: the SDK applies a workflow task's signals before it starts
 the run method (temporalio's `_WorkflowInstanceImpl.activate` orders signal
 jobs before the start job), the server holds a continued run's first task
-back for up to `history.continueAsNewMinInterval` (1 s by default) while
-signals keep arriving, and a pool takes over its state only after its input
-check, a local activity. A handler that ran then changed state the takeover
+back for up to `history.workflowIdReuseMinimalInterval` (1 s by default;
+`history.continueAsNewMinInterval` in older servers) while signals keep
+arriving, and they all come in that first task. A handler that ran then changed state the takeover
 overwrote: a `terminate` sent to a pool or a proxy as it continued as new
 was lost (it ran on), a lifecycle's `rotate` too, and a member's `Ready`
 report was dropped as coming from an unknown member, so the pool counted

@@ -505,6 +505,7 @@ class ProxyPool:
     @wake.validator
     def _validate_wake(self, request: Any = None, *extra: Any) -> None:
         if self._checkable(pool_autoscale.WakeRequest, request, "wake", extra):
+            self._request(pool_autoscale.WakeRequest, request, "wake", extra)
             self._autoscaled_books("wake")
 
     def _autoscaled_books(self, what: str) -> pool_autoscale.Books:

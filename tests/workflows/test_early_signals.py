@@ -1,11 +1,12 @@
 """A signal that reaches a pool as it continues as new is not lost (workflows/early_signals.py).
 
-On the dev server of test_continue_as_new, which suggests continue-as-new
-after a few dozen events, a pool of two members continues as new within
-about a second of its start. The server then holds the new run's first
-workflow task back until a second after the old run began
-(`history.continueAsNewMinInterval`), so a signal sent as soon as the new
-run exists usually reaches it before that task, while the run has not yet
+On a dev server that suggests continue-as-new after a few dozen events
+(as test_continue_as_new's does), a pool of two members continues as new
+within seconds of its start. The server then holds the new run's first
+workflow task back until HELD after the old run began
+(`history.workflowIdReuseMinimalInterval` on server 1.32, 1 s by default,
+10 s here so that a busy machine still gets its signal in), so a signal sent as soon as the
+new run exists reaches it before that task, while the run has not yet
 taken over its carried state. A `terminate` sent then used to be lost: the
 pool ran on. Each attempt checks in the new run's history whether its
 signal came that early; the test needs one that did.
@@ -20,6 +21,7 @@ A member's `Ready` report lost the same way is test_pool_lifetimes'
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -28,12 +30,27 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.stacks import Stack
+from tests.helpers.temporal import start_dev_server
 from tests.helpers.waiting import DEADLINE, wait_for
-from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
-ATTEMPTS = 8
+ATTEMPTS = 4
+HELD = "10s"
+
+
+@pytest.fixture(scope="module")
+async def held_can_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await start_dev_server(
+        "--dynamic-config-value",
+        "limit.historyCount.suggestContinueAsNew=40",
+        "--dynamic-config-value",
+        f'history.workflowIdReuseMinimalInterval="{HELD}"',
+    )
+    yield env
+    await env.shutdown()
+
+
 REASON = "sent between runs"
 
 
@@ -67,10 +84,9 @@ async def _signals_before_first_task(pool: WorkflowHandle[Any, Any]) -> list[str
 
 
 async def test_a_terminate_sent_as_a_pool_continues_as_new_ends_it(
-    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
-    stack_on: Any,
+    held_can_env: WorkflowEnvironment, stack_on: Any
 ) -> None:
-    stack: Stack = await stack_on(eager_can_env)
+    stack: Stack = await stack_on(held_can_env)
     for _ in range(ATTEMPTS):
         pool = await stack.start_pool(replicas=2)
         await _second_run(pool)
@@ -95,10 +111,9 @@ async def _accepted_in_first_task(pool: WorkflowHandle[Any, Any], update_id: str
 
 
 async def test_a_scale_sent_as_a_pool_continues_as_new_applies_to_its_members(
-    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
-    stack_on: Any,
+    held_can_env: WorkflowEnvironment, stack_on: Any
 ) -> None:
-    stack: Stack = await stack_on(eager_can_env)
+    stack: Stack = await stack_on(held_can_env)
     for attempt in range(ATTEMPTS):
         pool = await stack.start_pool(replicas=2)
         await _second_run(pool)
