@@ -29,11 +29,6 @@ from contract import (
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
-# Members recorded before this patch told their pool again when a new
-# instance got its endpoint before it was Ready: a report the pool could not
-# tell from the one before (it takes an endpoint only from a Ready report).
-FEWER_REPORTS_PATCH = "no-report-of-unready-endpoints"
-
 
 class StatusPublisher:
     """What one run has published, so it publishes only what changed."""
@@ -43,10 +38,6 @@ class StatusPublisher:
         # What the pool (if this is a pool member) was last told, and the
         # signals telling it that are still in flight.
         self._reported: tuple[str, str, int, str | None] | None = None
-        # The same with the endpoint in any state, as runs before
-        # FEWER_REPORTS_PATCH compared it (they reported a Provisioning
-        # member's new instance, which the pool does not use, again).
-        self._reported_before: tuple[str, str, int, str | None] | None = None
         self._reports: list[asyncio.Task[None]] = []
         self._report_seq = 0
 
@@ -100,19 +91,14 @@ class StatusPublisher:
         current run after the pool continued as new.
         """
         parent = workflow.info().parent
-        endpoint = status.endpoint if status.state == ProxyState.READY else ""
-        now = (status.state, endpoint, status.generation, status.ready_since)
-        before = (status.state, status.endpoint, status.generation, status.ready_since)
-        if parent is None or (
-            now == self._reported
-            and (before == self._reported_before or workflow.patched(FEWER_REPORTS_PATCH))
-        ):
+        now = (status.state, status.endpoint, status.generation, status.ready_since)
+        if parent is None or now == self._reported:
             return
-        self._reported, self._reported_before = now, before
+        self._reported = now
         report = MemberReport(
             member=workflow.info().workflow_id,
             state=status.state,
-            endpoint=endpoint,
+            endpoint=status.endpoint if status.state == ProxyState.READY else "",
             provider=status.provider,
             generation=status.generation,
             ready_since=status.ready_since,
