@@ -19,12 +19,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-## Squid and curl; the tests also want promtool (Debian's prometheus package).
+## Squid and curl; the tests also want promtool (Debian's prometheus package),
+## and for docs/scrapers.md's Playwright example Debian's Chromium (Playwright's
+## own comes from outside the package registries) and certutil, which makes it
+## trust the test site's CA.
 tools:
 	@bash deploy/local/ensure-tools.sh
 
 test-tools:
-	@bash deploy/local/ensure-tools.sh promtool:prometheus
+	@bash deploy/local/ensure-tools.sh promtool:prometheus \
+		chromium-headless-shell:chromium-headless-shell certutil:libnss3-tools
 
 ## Temporal dev server + worker + local Squid provider; Ctrl-C stops it all.
 run: $(STAMP) tools

@@ -27,6 +27,9 @@ from pathlib import Path
 from tests.helpers.tls_origin import TlsOrigin, TlsRequestHandler, serve_tls_origin
 
 CAPTCHA = b"<html><body>Please solve this captcha to continue</body></html>"
+# "/", the docs examples' stand-in for https://example.com/: a browser prints its title.
+HOME_TITLE = "Example Domain"
+HOME_PAGE = f"<html><head><title>{HOME_TITLE}</title></head><body>ok</body></html>".encode()
 # Only pages count towards a ban: the members' health probes (HEAD /) do not.
 PAGES_PREFIX = "/page/"
 TCP_TABLE = Path("/proc/net/tcp")
@@ -50,7 +53,7 @@ class BanningOrigin:
     def answer(self, exit_name: str | None, path: str) -> tuple[int, bytes]:
         """The status and body for `path` asked by `exit_name`; bans it once it has had enough."""
         if not path.startswith(PAGES_PREFIX):
-            return 200, b"ok"
+            return 200, HOME_PAGE if path == "/" else b"ok"
         with self.lock:
             if exit_name is None:
                 self.unknown += 1

@@ -12,8 +12,10 @@ pool, and no password or token in what Scrapy logged.
 
 docs/scrapers.md's examples run here too, against the same kind of gateway:
 each `python` block as its `docs-test` directive says (tests/docs/markdown.py).
-Playwright's is only compiled: Playwright downloads its browsers from its own
-servers, outside the package registries this project's machines reach.
+Playwright's drives Debian's Chromium (`CHROMIUM`, as the doc says; Playwright's
+own browsers come from its servers, outside the package registries this
+project's machines reach), which trusts the site's CA through an NSS database
+in a HOME of its own: Chromium reads no SSL_CERT_FILE.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from proxy_operator.client import GatewayClient
 from tests.docs.markdown import Example, examples
-from tests.helpers.banning_origin import BanningOrigin, serve_banning_origin
+from tests.helpers.banning_origin import HOME_TITLE, BanningOrigin, serve_banning_origin
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.tls_origin import TlsOrigin
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_for, wait_until
 from tests.workflows.test_gateway import REPLICAS, Pool, running_pool
 
 pytestmark = pytest.mark.slow
@@ -54,6 +56,10 @@ DOC = ROOT / "docs" / "scrapers.md"
 # The docs' target; the site's "/" (not a page, never banned) stands in for it.
 DOCS_TARGET = "https://example.com/"
 EXAMPLE_TIMEOUT = 120
+# Debian's chromium-headless-shell (Makefile's test-tools), for the Playwright example.
+CHROMIUM = Path("/usr/lib/chromium/chromium-headless-shell")
+# The Playwright example's session key: its tunnel must reach a member on it.
+BROWSER_SESSION = "login-3"
 
 
 @dataclass(frozen=True)
@@ -232,11 +238,46 @@ def run_example(example: Example, gateway: ApiGateway, origin: TlsOrigin, workdi
         "REQUESTS_CA_BUNDLE": str(ca_file),
         "SSL_CERT_FILE": str(ca_file),
     }
+    browser = "sync_playwright" in text
+    if browser:
+        env |= browser_env(workdir, ca_file)
     printed = run_python(arguments, workdir, env, EXAMPLE_TIMEOUT)
     if example.directive("scrapy-runspider") is not None:
         items = [json.loads(line) for line in output.read_text().splitlines()]
         assert items and all(i["status"] == 200 for i in items), items
+    if browser:
+        browsed_through_gateway(text, printed, gateway)
     return printed
+
+
+def browser_env(workdir: Path, ca_file: Path) -> dict[str, str]:
+    """Debian's Chromium as `CHROMIUM`, and a HOME whose NSS database trusts the site's CA.
+
+    Chromium on Linux trusts what `~/.pki/nssdb` adds to its roots; Playwright
+    runs it with `--no-sandbox` (root may not sandbox) unless told otherwise.
+    """
+    assert CHROMIUM.exists(), f"{CHROMIUM} missing: `make test-tools` installs it"
+    home = workdir / "home"
+    nssdb = home / ".pki" / "nssdb"
+    nssdb.mkdir(parents=True)
+    for certutil in (
+        ("-N", "--empty-password"),
+        ("-A", "-n", "test-origin-ca", "-t", "C,,", "-i", str(ca_file)),
+    ):
+        subprocess.run(["certutil", "-d", f"sql:{nssdb}", *certutil], check=True, timeout=30)
+    return {"CHROMIUM": str(CHROMIUM), "HOME": str(home)}
+
+
+def browsed_through_gateway(text: str, printed: str, gateway: ApiGateway) -> None:
+    """The browser printed the site's title, and the gateway saw its tunnel on its session."""
+    assert f'session="{BROWSER_SESSION}"' in text, "the example's session is not BROWSER_SESSION"
+    assert HOME_TITLE in printed.splitlines(), printed
+    client = GatewayClient(gateway.api, gateway.token)
+    wait_until(
+        lambda: any(BROWSER_SESSION in m.sessions for m in client.members()),
+        60,
+        f"a member listed as carrying session {BROWSER_SESSION} (the back logged its CONNECT)",
+    )
 
 
 async def test_every_python_example_in_scrapers_md_runs(
