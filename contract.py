@@ -22,10 +22,12 @@ ORPHAN_GC = "OrphanGC"
 PROXY_POOL = "ProxyPool"
 
 # Signals, as `temporal workflow signal --name` spells them. A ProxyLifecycle
-# takes `terminate` and `rotate`; a ProxyPool takes `terminate`, and
-# `member_changed` from its own members.
+# takes `terminate` and `rotate`, and a member `instance_failing` from its
+# pool's monitor; a ProxyPool takes `terminate`, and `member_changed` from
+# its own members.
 TERMINATE_SIGNAL = "terminate"
 ROTATE_SIGNAL = "rotate"
+INSTANCE_FAILING_SIGNAL = "instance_failing"
 MEMBER_CHANGED_SIGNAL = "member_changed"
 
 # The Temporal Schedule every worker keeps running OrphanGC.

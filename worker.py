@@ -50,7 +50,8 @@ from workflows.pool import ProxyPool
 from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
-# Each monitored proxy holds one activity slot for as long as it is Ready.
+# A proxy of its own holds one activity slot for its monitor as long as it
+# is Ready; a pool's members hold one per shard (policies.POOL_MONITOR_SHARD).
 DEFAULT_MAX_ACTIVITIES = 2000
 GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 # What the server (1.32) refuses in a deployment version, or ignores without
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-concurrent-activities",
         type=int,
         default=DEFAULT_MAX_ACTIVITIES,
-        help="one slot per monitored proxy; default %(default)s",
+        help="one slot per standalone proxy's monitor, one per pool shard; default %(default)s",
     )
     parser.add_argument(
         "--no-orphan-gc-schedule",
@@ -242,6 +243,7 @@ def build_worker(
             activities.wait_running,
             activities.wait_healthy,
             activities.monitor,
+            activities.monitor_members,
             activities.delete_instance,
             activities.wait_gone,
             activities.verify_endpoint,
@@ -249,8 +251,8 @@ def build_worker(
             *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,
-        # One cached workflow per monitored proxy, so the hourly monitor
-        # report-back never has to replay an evicted history.
+        # One cached workflow per activity slot, so a monitor's report-back
+        # (every MONITOR_PERIOD) never has to replay an evicted history.
         max_cached_workflows=max_concurrent_activities,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         deployment_config=(

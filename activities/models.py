@@ -138,6 +138,45 @@ class MonitorOutcome:
 
 
 @dataclass(frozen=True)
+class WatchedMember:
+    """One pool member a pool's monitor probes: at the endpoint the pool advertises."""
+
+    member: str
+    provider: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class PoolMonitorInput:
+    """`monitor_members`: probe a shard of a pool's members every interval, under one heartbeat."""
+
+    members: list[WatchedMember]
+    target: str
+    interval_seconds: float
+    failure_threshold: int
+    max_duration_seconds: float
+    probe_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class FailingMember:
+    """A member whose advertised endpoint failed `failure_threshold` probes in a row."""
+
+    member: str
+    endpoint: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class PoolMonitorOutcome:
+    """Why a pool's monitor returned (unhealthy: `failing` says who), and its probe count."""
+
+    reason: MonitorReason
+    failing: list[FailingMember] = field(default_factory=list)
+    probes: int = 0
+
+
+@dataclass(frozen=True)
 class VerifyEndpointInput:
     """A member's claim to serve at `endpoint`, to be checked against its provider.
 

@@ -29,20 +29,24 @@ from activities.metrics import PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
     EndpointCheck,
+    FailingMember,
     InstanceInput,
     InstanceRef,
     MonitorInput,
     MonitorOutcome,
     MonitorReason,
+    PoolMonitorInput,
+    PoolMonitorOutcome,
     ProbeInput,
     ProbeSummary,
     TargetCheck,
     ValidateTargetInput,
     VerifyEndpointInput,
+    WatchedMember,
 )
-from activities.probe import ProbeResult, probe_connect
+from activities.probe import OTHER, ProbeResult, probe_connect
 from contract import ErrorType
-from providers.base import CreateRequest, Instance, InstanceState, Provider
+from providers.base import CreateRequest, Instance, InstanceState, Provider, split_endpoint
 from providers.catalog import provider_type
 from providers.config import Config
 from providers.errors import Permanent, classify
@@ -79,6 +83,8 @@ MONITOR_HEARTBEAT_SLACK = timedelta(seconds=60)
 # A monitor scheduled without a heartbeat timeout beats as if it had this one:
 # its heartbeats still carry the last probe and bring a cancel.
 UNTIMED_HEARTBEAT = timedelta(seconds=60)
+# A failing member's detail, as the pool's signal to the member carries it.
+MAX_DETAIL = 200
 
 
 @dataclass(frozen=True)
@@ -334,6 +340,71 @@ class ProviderActivities:
                 return MonitorOutcome(
                     MonitorReason.HANDOVER, summary, failures, probes, "worker shutting down"
                 )
+
+    @activity.defn(name="monitor_members")
+    async def monitor_members(self, inp: PoolMonitorInput) -> PoolMonitorOutcome:
+        """Probe a shard of a pool's members every interval; return when any keeps failing.
+
+        What makes a pool member cheap: one heartbeat for up to a shard of
+        members (policies.POOL_MONITOR_SHARD) instead of a monitor each. It
+        probes the endpoints the pool advertises, all at once each round,
+        and returns `unhealthy` naming every member that failed
+        `failure_threshold` probes in a row; the pool tells those members,
+        and each checks its own instance before it acts. `elapsed` and
+        `handover` as the proxy's own monitor.
+        """
+        info = activity.info()
+        previous = info.heartbeat_details[0] if info.heartbeat_details else None
+        counted = previous.get("failing") if isinstance(previous, dict) else None
+        # Only members still failing are carried: the details stay small.
+        failures = {
+            m.member: int(counted.get(m.member, 0)) if isinstance(counted, dict) else 0
+            for m in inp.members
+        }
+        details: dict[str, object] = {"members": len(inp.members), "failing": {}, "round": None}
+        timeout = info.heartbeat_timeout or UNTIMED_HEARTBEAT
+        period = max(timeout - MONITOR_HEARTBEAT_SLACK, timeout / 2)
+        async with _heartbeating(period, details):
+            return await self._members_loop(inp, failures, details)
+
+    async def _members_loop(
+        self, inp: PoolMonitorInput, failures: dict[str, int], details: dict[str, object]
+    ) -> PoolMonitorOutcome:
+        """The pool monitor's rounds; `details` is what its heartbeats carry, updated in place."""
+        started = time.monotonic()
+        probes = 0
+        while True:
+            tick = time.monotonic()
+            results = await asyncio.gather(*(self._probe_member(m, inp) for m in inp.members))
+            probes += len(results)
+            failing: list[FailingMember] = []
+            for member, result in zip(inp.members, results, strict=True):
+                failures[member.member] = 0 if result.ok else failures[member.member] + 1
+                if failures[member.member] >= inp.failure_threshold:
+                    why = ": ".join(x for x in (result.failure, result.error) if x)
+                    detail = f"{failures[member.member]} failed probes in a row ({why})"
+                    failing.append(
+                        FailingMember(member.member, member.endpoint, detail[:MAX_DETAIL])
+                    )
+            details.update(
+                failing={m: n for m, n in failures.items() if n},
+                round=datetime.now(UTC).isoformat(timespec="seconds"),
+            )
+            if failing:
+                return PoolMonitorOutcome(MonitorReason.UNHEALTHY, failing, probes)
+            if time.monotonic() - started >= inp.max_duration_seconds:
+                return PoolMonitorOutcome(MonitorReason.ELAPSED, [], probes)
+            pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
+            if await _worker_shutting_down_within(pause):
+                return PoolMonitorOutcome(MonitorReason.HANDOVER, [], probes)
+
+    async def _probe_member(self, member: WatchedMember, inp: PoolMonitorInput) -> ProbeResult:
+        """One probe through a member's advertised endpoint; an unusable endpoint fails it."""
+        address = split_endpoint(member.endpoint)
+        if address is None:
+            return ProbeResult(ok=False, failure=OTHER, error=f"not host:port: {member.endpoint!r}")
+        ref = InstanceRef(member.provider, "", member.member, 0, ip=address[0], port=address[1])
+        return await self._probe(ref, inp.target, inp.probe_timeout_seconds)
 
     @activity.defn(name="verify_endpoint")
     async def verify_endpoint(self, inp: VerifyEndpointInput) -> EndpointCheck:

@@ -269,9 +269,14 @@ def identity(worker: WorkerProcess) -> str:
 
 
 async def kill_and_remonitor(
-    client: Client, spec: dict[str, Any], workdir: Path, victim: WorkerProcess, ids: Sequence[str]
+    client: Client,
+    spec: dict[str, Any],
+    workdir: Path,
+    victim: WorkerProcess,
+    groups: dict[str, Sequence[str]],
 ) -> WorkerProcess:
-    """SIGKILL `victim`; seconds until every monitor it ran runs on a new worker."""
+    """SIGKILL `victim`; seconds until each group's monitors it ran run on a new worker."""
+    ids = [i for group in groups.values() for i in group]
     watched = await monitored_on(client, ids, identity(victim))
     victim.process.send_signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -280,17 +285,20 @@ async def kill_and_remonitor(
     survivor = WorkerProcess(workdir / "b", spec)
     await survivor.wait_ready()
     started = time.monotonic() - killed
+    back_after: dict[str, float] = {}
 
     async def back() -> bool:
-        return watched <= await monitored_on(client, sorted(watched), identity(survivor))
+        waiting = sorted(watched - set(back_after))
+        for workflow_id in await monitored_on(client, waiting, identity(survivor)):
+            back_after[workflow_id] = time.monotonic() - killed
+        return watched <= set(back_after)
 
     await until(back, 900)
-    print(
-        f"\nworker SIGKILLed with {len(watched)} workflows' monitors: all monitored again "
-        f"after {time.monotonic() - killed:.0f} s (the new worker was polling after "
-        f"{started:.0f} s)",
-        flush=True,
-    )
+    print(f"\nworker SIGKILLed (the new worker polled after {started:.0f} s):", flush=True)
+    for name, group in groups.items():
+        times = [back_after[i] for i in group if i in back_after]
+        if times:
+            print(f"  {name}: {len(times)} monitored again, the last after {max(times):.0f} s")
     return survivor
 
 
@@ -326,9 +334,14 @@ async def run(
         await bench.gateway(pool.id)
         standalone = await bench.start_standalone(task_queue, args.proxies)
         members = [m["member"] for m in (await pool.query("status"))["members"]]
-        worker = await kill_and_remonitor(
-            client, spec, workdir, worker, [*standalone, pool.id, *members]
-        )
+        groups = {
+            "standalone proxies (their own monitors)": standalone,
+            "pool members (the pool's monitor; a member of an older pool, its own)": [
+                pool.id,
+                *members,
+            ],
+        }
+        worker = await kill_and_remonitor(client, spec, workdir, worker, groups)
         await bench.end([*standalone, pool.id])
         if args.large:
             large = await bench.pool(task_queue, args.large, rotate=False)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cli
-from gateway import membership
 from gateway.api_tokens import TokenFileError, TokenStore
+from providers.base import split_endpoint
 
 DEFAULT_RATE = 5.0
 DEFAULT_BURST = 20
@@ -77,7 +77,7 @@ def api_settings(args: argparse.Namespace) -> ApiSettings | None:
     if not args.api_listen:
         return None
     problems: list[str] = []
-    listen = membership.split_endpoint(args.api_listen)
+    listen = split_endpoint(args.api_listen)
     if listen is None:
         problems.append(f"--api-listen: {args.api_listen!r} is not host:port (e.g. 0.0.0.0:8889)")
     rate = _number(args.api_rate, "--api-rate (or PROXY_OPERATOR_GATEWAY_API_RATE)", problems)

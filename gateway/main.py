@@ -48,6 +48,7 @@ from gateway.sessions import SessionMap, record_back_line
 from gateway.squid import GatewayError, GatewaySquid
 from gateway.users import UsersFileError
 from gateway.users_follow import UsersFollower, load_users
+from providers.base import split_endpoint
 from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 
@@ -125,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def listen_address(value: str) -> tuple[str, int]:
-    parsed = membership.split_endpoint(value)
+    parsed = split_endpoint(value)
     if parsed is None:
         raise UsageError(f"--listen: {value!r} is not host:port (e.g. 0.0.0.0:8888)")
     return parsed

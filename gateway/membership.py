@@ -26,6 +26,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from gateway.placement import region_of, zone_of
+from providers.base import split_endpoint
 from providers.squid import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -82,18 +83,6 @@ def _address_or_none(value: Any) -> str | None:
         return str(ipaddress.ip_address(value)) if isinstance(value, str) else None
     except ValueError:
         return None
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int] | None:
-    """`host:port` or `[v6]:port` as (host, port); None if it is neither."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or any(c.isspace() for c in host):
-        return None
-    return host, int(port)
 
 
 async def query_members(client: Client, pool: str) -> list[GatewayMember]:

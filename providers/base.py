@@ -81,6 +81,18 @@ def endpoint(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """`host:port` or `[v6]:port` as (host, port); None if it is neither."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() for c in host):
+        return None
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class CreateRequest:
     """Everything a provider needs to create one proxy instance.

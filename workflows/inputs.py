@@ -10,7 +10,7 @@ after an instance exists (docs/security.md, "No input wedges a workflow").
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -59,6 +59,11 @@ class HealthInput(StrictInput):
     interval_seconds: Annotated[Seconds, Field(ge=1, le=3600)] = 10
     failure_threshold: Annotated[int, Field(ge=1, le=100)] = 3
     timeout_seconds: Annotated[Seconds, Field(ge=0.5, le=60)] = 5
+    # How long a lost worker can leave the proxy unmonitored: the server
+    # hands the monitor to another worker only when a heartbeat is this
+    # late, and every heartbeat is a billed action (docs/cost.md). None: the
+    # defaults in workflows/policies.py (a proxy's own monitor, a pool's).
+    heartbeat_timeout_seconds: Annotated[int, Field(ge=30, le=600)] | None = None
 
 
 class PlacementInput(StrictInput):
@@ -93,6 +98,11 @@ class ProxyInput(StrictInput):
     # first. None: 0 for a proxy of its own, DEFAULT_MEMBER_DRAIN_SECONDS
     # for a pool member (workflows/pool.py).
     drain_seconds: Annotated[int, Field(ge=0, le=MAX_DRAIN_SECONDS)] | None = None
+    # Who probes the instance while it is Ready: "own", a monitor activity of
+    # this proxy's; "pool", the monitor its pool runs over all its members,
+    # which signals `instance_failing` and which this proxy confirms with a
+    # probe of its own. Only a child workflow may take "pool".
+    monitor: Literal["own", "pool"] = "own"
 
 
 def parse_input(raw: Any) -> tuple[ProxyInput | None, list[str]]:

@@ -61,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from activities.provider import ProviderActivities
     from contract import (
+        INSTANCE_FAILING_SIGNAL,
         PERMANENT_DELETE_RETRY_DELAY,
         PROXY_LIFECYCLE,
         QUOTA_RETRY_DELAY,
@@ -131,6 +132,9 @@ TERMINATING_HANDOVER_PATCH = "hand-over-terminating-waits"
 # monitored until its replacement is Ready: it serves (and a pool advertises
 # it) until then, which a wait for quota can make days.
 ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
+# A pool member's check of its pool's word that its instance is failing: one
+# probe and, if it fails, the provider's word on whether the instance is gone.
+CONFIRM_TIMEOUT = timedelta(minutes=2)
 
 # A run continues as new once its history has this many events, whether or
 # not the server suggests it (its default suggestion comes at about 4,000
@@ -191,6 +195,9 @@ class ProxyLifecycle:
         self._in_flight = 0
         self._publisher = StatusPublisher()
         self._early = EarlySignals()
+        # A pool member: why its pool's monitor says its instance is failing,
+        # until the member has probed the instance itself (_confirm_failing).
+        self._failing: str | None = None
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -262,6 +269,26 @@ class ProxyLifecycle:
         """
         self._carried.rotate_reason = signal_reason(request, "rotate signal")
         self._early.hold(lambda: self.rotate(request))
+
+    @workflow.signal(name=INSTANCE_FAILING_SIGNAL)
+    def instance_failing(self, request: Any = None, *_extra: Any) -> None:
+        """A pool member's pool found its instance failing: probe it now.
+
+        Input: `{"endpoint": "<ip:port>", "reason": "..."}`. Anyone may send
+        a signal, so this only makes the member probe its own instance: taken
+        only by a member watched by its pool (`monitor: "pool"`) and only
+        about the instance it serves from now; anything else is ignored.
+        """
+        current = self._carried.current
+        if (
+            self._input is None
+            or self._input.monitor != "pool"
+            or current is None
+            or not isinstance(request, dict)
+            or request.get("endpoint") != current.endpoint
+        ):
+            return
+        self._failing = signal_reason(request, "the pool's monitor")
 
     @workflow.query(name="status")
     def status(self) -> ProxyStatus:
@@ -337,7 +364,10 @@ class ProxyLifecycle:
         A rotation stays Ready: the old instance serves until the new one has
         passed its first probe (make before break).
         """
-        outcome = await self._monitor(inp)
+        if inp.monitor == "pool":
+            outcome = await self._watched_by_pool(inp)
+        else:
+            outcome = await self._monitor(inp)
         if outcome is None:
             if await self._rotate(inp) == ProxyState.REPLACING:
                 return ProxyState.REPLACING  # the old instance failed during the rotation
@@ -665,10 +695,72 @@ class ProxyLifecycle:
             ),
             summary=f"monitor {ref.endpoint} every {inp.health.interval_seconds:g}s",
             start_to_close_timeout=policies.MONITOR.start_to_close,
-            heartbeat_timeout=policies.MONITOR.heartbeat,
+            heartbeat_timeout=policies.monitor_heartbeat(
+                policies.MONITOR, inp.health.heartbeat_timeout_seconds
+            ),
             retry_policy=policies.TRANSIENT_RETRY,
             cancellation_type=self._cancellation(),
         )
+
+    async def _watched_by_pool(self, inp: ProxyInput) -> MonitorOutcome | None:
+        """Ready as a member its pool monitors: no activity, no timer but the lifetime's.
+
+        Wakes for a rotation (None), or for the pool's word that the
+        instance is failing, which the member checks itself before it
+        believes it: an outcome only when its own probe fails too.
+        """
+        ref = self._carried.current
+        assert ref is not None
+
+        def woken() -> bool:
+            return self._failing is not None or self._carried.rotate_reason is not None
+
+        while True:
+            deadlines = [
+                (left, summary)
+                for left, summary in (
+                    (self._lifetime_left(inp), LIFETIME_SUMMARY),
+                    (self._stable_left(), STABLE_SUMMARY),
+                )
+                if left is not None
+            ]
+            if not deadlines:
+                await workflow.wait_condition(woken)
+            else:
+                timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
+                try:
+                    await workflow.wait_condition(woken, timeout=timeout, timeout_summary=summary)
+                except TimeoutError:
+                    if summary == LIFETIME_SUMMARY:
+                        return None
+                    self._forgive_if_stable()  # status says the crash budget is whole again
+                    self._publish()
+                    continue
+            if self._carried.rotate_reason is not None:
+                return None
+            outcome = await self._confirm_failing(inp, ref)
+            if outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
+                return outcome
+
+    async def _confirm_failing(self, inp: ProxyInput, ref: InstanceRef) -> MonitorOutcome:
+        """Probe `ref` once, as the pool's monitor said it fails: the member's own verdict."""
+        said, self._failing = self._failing, None
+        outcome: MonitorOutcome = await workflow.execute_activity_method(
+            ProviderActivities.monitor,
+            MonitorInput(
+                ref,
+                inp.health.target,
+                interval_seconds=inp.health.interval_seconds,
+                failure_threshold=1,
+                max_duration_seconds=0,
+                probe_timeout_seconds=inp.health.timeout_seconds,
+            ),
+            summary=f"probe {ref.endpoint}: {said}",
+            start_to_close_timeout=CONFIRM_TIMEOUT,
+            retry_policy=policies.TRANSIENT_RETRY,
+        )
+        self._carried.last_probe = outcome.last_probe
+        return outcome
 
     async def _rotate(self, inp: ProxyInput) -> ProxyState:
         """Make before break: the old instance serves until the new one is Ready.
@@ -720,6 +812,8 @@ class ProxyLifecycle:
         one is withdrawn (Unhealthy, then Replacing) and the bring-up goes
         on as its replacement.
         """
+        if inp.monitor == "pool":
+            return await self._bring_up_watched_by_pool(inp, old)
         if self._old_monitor is None:
             # Recorded rotations cancelled the old monitor and brought up inline.
             return await self._bring_up(inp)
@@ -750,6 +844,31 @@ class ProxyLifecycle:
             self._stop_watching_old()
             raise
         self._stop_watching_old()
+        return await bring_up
+
+    async def _bring_up_watched_by_pool(self, inp: ProxyInput, old: InstanceRef) -> InstanceRef:
+        """A pool member's rotation: the pool monitors the old instance while it advertises it.
+
+        Its word that the old instance fails is checked here as in Ready; a
+        confirmed failure withdraws the old instance, as a monitor's would.
+        """
+        bring_up = asyncio.create_task(self._bring_up(inp))
+        try:
+            # Until the bring-up is done, or the old instance failed (withdrawn).
+            while self._carried.current == old:
+                await workflow.wait_condition(lambda: bring_up.done() or self._failing is not None)
+                if bring_up.done():
+                    break
+                outcome = await self._confirm_failing(inp, old)
+                if outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
+                    self._old_instance_failed(old, outcome)
+        except BaseException:
+            bring_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+                await bring_up
+            raise
+        finally:
+            self._failing = None  # about the old instance: the new one is checked afresh
         return await bring_up
 
     async def _until_done_or_ended(

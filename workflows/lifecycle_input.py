@@ -28,6 +28,11 @@ async def checked_input(
     """The input, every problem with it, and the worker's installation if it was asked."""
     inp, problems = parse_input(raw)
     problems = argument_problems + problems
+    if inp is not None and inp.monitor == "pool" and workflow.info().parent is None:
+        # Nothing would probe it: a pool starts its members as its children.
+        problems.append(
+            "monitor: 'pool' is for the members a pool starts; a proxy of its own takes 'own'"
+        )
     if not (
         against_worker
         and not argument_problems

@@ -105,15 +105,32 @@ WAIT_HEALTHY = ActivityProfile(start_to_close=timedelta(minutes=5), heartbeat=ti
 # each report-back is a new activity (a billable schedule, a first heartbeat,
 # a timer), so a long period keeps steady state cheap (docs/cost.md).
 MONITOR_PERIOD = timedelta(hours=2)
-# The monitor heartbeats at half this timeout, whatever its probe interval
-# (activities/provider.py), and the SDK sends one every 48 s at most: about
-# 75 billable actions an hour. A longer timeout is cheaper (270 s: 17 an
-# hour) but a monitor learns of its cancel only at a heartbeat, and every
-# terminate, scale-down and pool end waits for its monitors to end: at 270 s
-# that was up to 3.5 minutes each (docs/cost.md, "What is not met").
+# A monitor heartbeats on a clock of its own, whatever its probe interval
+# (activities/provider.py): every `timeout - 60 s` (at least every half
+# timeout), and each heartbeat is a billed action. The timeout is how long a
+# lost worker leaves what it monitored unwatched: 270 s for a proxy of its
+# own (a heartbeat every 210 s, about 17 actions an hour; back on another
+# worker within 5 minutes), 100 s for a pool's monitor, which watches up to
+# POOL_MONITOR_SHARD members under one heartbeat (within 2 minutes). A
+# cancelled monitor hears of it only at a heartbeat, but a terminate or a
+# rotation deletes its instance first: the monitor's next probe fails, it
+# finds the instance gone and ends, so waiting for it adds about a probe
+# interval to the deletion the workflow waits for anyway (docs/cost.md).
 MONITOR = ActivityProfile(
-    start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=60)
+    start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=270)
 )
+POOL_MONITOR = replace(MONITOR, heartbeat=timedelta(seconds=100))
+# Members per pool monitor activity: enough that a 1,000-member pool runs 5,
+# few enough that one worker's share of probes stays on time (bench.fleet).
+POOL_MONITOR_SHARD = 200
+
+
+def monitor_heartbeat(profile: ActivityProfile, heartbeat_timeout_seconds: int | None) -> timedelta:
+    """The heartbeat timeout of a monitor: the proxy's own choice, else the profile's."""
+    if heartbeat_timeout_seconds is not None:
+        return timedelta(seconds=heartbeat_timeout_seconds)
+    assert profile.heartbeat is not None
+    return profile.heartbeat
 
 
 @dataclass(frozen=True)

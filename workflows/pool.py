@@ -51,11 +51,14 @@ with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
     from activities.models import (
         EndpointCheck,
+        FailingMember,
         VerifyEndpointInput,
+        WatchedMember,
     )
     from activities.pool import MembersInput, MembersOutput, PoolActivities
     from activities.provider import ProviderActivities
     from contract import (
+        INSTANCE_FAILING_SIGNAL,
         MEMBER_CHANGED_SIGNAL,
         POOL,
         PROXY_LIFECYCLE,
@@ -83,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
         ScaleRequest,
         pool_id_problems,
     )
+    from workflows.pool_monitor import PoolMonitor
     from workflows.pool_plan import (
         ENDED,
         RECONCILE_BUSY,
@@ -101,6 +105,10 @@ MEMBER_DRAIN_PATCH = "member-drain"
 PACED_PATCH = "paced-commands"
 # Pools recorded before endpoints were verified took a report's endpoint as it came.
 VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
+# Pools recorded before this patch left each member to run its own monitor;
+# since, the pool monitors its members in shards (workflows/pool_monitor.py)
+# and starts them with `monitor: "pool"`.
+POOL_MONITOR_PATCH = "pool-monitors-members"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -181,6 +189,8 @@ class PoolStatus:
     last_exit_problem: str | None = None
     # Rotations whose new instance was not Ready within `rotation_deadline_seconds`.
     rotations_abandoned: int = 0
+    # Members the pool's own monitor probes now (workflows/pool_monitor.py).
+    monitored: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,8 @@ class ProxyPool:
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
         self._early = EarlySignals()
+        # The members' monitor, when this run took POOL_MONITOR_PATCH.
+        self._monitor: PoolMonitor | None = None
 
     def _time_to_continue(self) -> bool:
         """Continue as new when the server suggests it or, paced, past the pool's own budget.
@@ -272,6 +284,8 @@ class ProxyPool:
         # Decided before the first await: the input check's local activity
         # resolves in another activation on replay than when first run.
         self._paced = workflow.patched(PACED_PATCH)
+        if workflow.patched(POOL_MONITOR_PATCH):
+            self._monitor = PoolMonitor(self._tell_failing, self._wake_up)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -308,6 +322,7 @@ class ProxyPool:
                     self._apply(step)
                     self._verify_endpoints()
                     more = step.more
+                refresh_at = self._refresh_monitor()
                 # else: a paced pool issues nothing new once continue-as-new is
                 # suggested, so the commands in flight end and it can hand over
                 # (a pool bringing up 1,000 members always has some in flight);
@@ -317,8 +332,12 @@ class ProxyPool:
                 if suggested and not self._tasks:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
+                        if self._monitor is not None:
+                            self._monitor.stop()  # the next run starts its own
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
                 wake = self._next_wake()
+                if refresh_at is not None and (wake is None or refresh_at < wake.at):
+                    wake = Wake(refresh_at, "refresh the members' monitor")
                 if more:
                     wake = Wake(workflow.now(), "start the next batch of removals and rotations")
                 if holding and self._hold_since is not None:
@@ -401,6 +420,7 @@ class ProxyPool:
             distinct_exits=pool_plan.distinct_exits(situation.members),
             last_exit_problem=self._last_exit_problem,
             rotations_abandoned=self._rotations_abandoned,
+            monitored=0 if self._monitor is None else self._monitor.watched,
         )
 
     @workflow.query(name="endpoints")
@@ -778,6 +798,28 @@ class ProxyPool:
             self._last_reconcile = workflow.now()
             self._spawn(self._reconcile())
 
+    def _refresh_monitor(self) -> datetime | None:
+        """Have the pool's monitor watch every member at its confirmed endpoint."""
+        if self._monitor is None or self._inp is None:
+            return None
+        watched = [
+            WatchedMember(m.member, m.provider, m.verified)
+            for m in self._members.values()
+            if m.verified
+        ]
+        return self._monitor.refresh(watched, self._inp.template.health, workflow.now())
+
+    def _tell_failing(self, failing: FailingMember) -> None:
+        """The monitor found a member's endpoint failing: the member checks it, and acts."""
+        member = self._members.get(failing.member)
+        if member is None or member.verified != failing.endpoint:
+            return  # moved on since the monitor started
+        reason = {"endpoint": failing.endpoint, "reason": f"pool monitor: {failing.detail}"}
+        self._spawn(self._signal(failing.member, INSTANCE_FAILING_SIGNAL, reason))
+
+    def _wake_up(self) -> None:
+        self._dirty = True
+
     def _verify_endpoints(self) -> None:
         """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
         for member_id in sorted(self._unverified - self._verifying):
@@ -876,10 +918,12 @@ class ProxyPool:
 
     async def _start_child(self, start: pool_plan.Start) -> None:
         member = start.member.member
+        # A member the pool monitors runs no monitor of its own.
+        body = start.body if self._monitor is None else {**start.body, "monitor": "pool"}
         try:
             await workflow.start_child_workflow(
                 PROXY_LIFECYCLE,
-                start.body,
+                body,
                 id=member,
                 task_queue=workflow.info().task_queue,
                 # Members outlive the pool's run: continue-as-new must not end them.
@@ -975,6 +1019,9 @@ class ProxyPool:
 
     async def _end_members(self) -> None:
         """Terminate every member and wait until each has ended (its instance deleted)."""
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
         self._publish()
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"

@@ -11,8 +11,9 @@ import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from gateway.main import UsageError, checked, parse_args
-from gateway.membership import parse_endpoints, split_endpoint
+from gateway.membership import parse_endpoints
 from gateway.users import hash_password
+from providers.base import split_endpoint
 from providers.squid import GatewayMember, gateway_account
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 

@@ -107,6 +107,12 @@ HANDLERS: dict[type, dict[str, Handler]] = {
     ProxyLifecycle: {
         "terminate": Handler(Kind.SIGNAL, REASON, {"reason": Field(Type.TEXT)}, ends=True),
         "rotate": Handler(Kind.SIGNAL, REASON, {"reason": Field(Type.TEXT)}),
+        # A standalone proxy ignores it; a member probes its own instance.
+        "instance_failing": Handler(
+            Kind.SIGNAL,
+            {"endpoint": "127.0.0.1:1", **REASON},
+            {"endpoint": Field(Type.TEXT, required=True), "reason": Field(Type.TEXT)},
+        ),
     },
     ProxyPool: {
         "terminate": Handler(Kind.SIGNAL, REASON, {"reason": Field(Type.TEXT)}, ends=True),

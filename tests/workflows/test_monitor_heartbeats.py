@@ -1,9 +1,10 @@
 """The monitor heartbeats on a clock of its own, whatever `health.interval_seconds` is.
 
-It runs against a real dev server and real Squid with the production
-heartbeat timeout (workflows/policies.py), so it waits out more than one
-timeout in real time: the time-skipping server runs at wall-clock pace while
-an activity runs (tests/helpers/time_skipping.py), so it cannot shorten this.
+It runs against a real dev server and real Squid with the shortest heartbeat
+timeout a proxy may choose (`health.heartbeat_timeout_seconds`), and waits out
+more than one timeout in real time: the time-skipping server runs at
+wall-clock pace while an activity runs (tests/helpers/time_skipping.py), so
+it cannot shorten this.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from temporalio.client import WorkflowHandle
 
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
-from workflows import policies
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TIMEOUT = policies.MONITOR.heartbeat
-assert HEARTBEAT_TIMEOUT is not None
+HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # Longer than the heartbeat timeout, so the monitor's second probe comes after it.
 INTERVAL = HEARTBEAT_TIMEOUT + timedelta(seconds=15)
 
@@ -50,6 +49,7 @@ async def test_a_probe_interval_longer_than_the_heartbeat_timeout_keeps_the_moni
         health={
             "target": stack.origin.url,
             "interval_seconds": INTERVAL.total_seconds(),
+            "heartbeat_timeout_seconds": int(HEARTBEAT_TIMEOUT.total_seconds()),
             "failure_threshold": 3,
         }
     )

@@ -1,0 +1,160 @@
+"""A pool's monitor: its members probed in shards, one heartbeat for a whole shard.
+
+A proxy of its own pays for its monitor's heartbeats (about 17 billable
+actions an hour); a member a pool starts takes `monitor: "pool"` and runs no
+monitor: the pool runs one `monitor_members` activity per shard of up to
+policies.POOL_MONITOR_SHARD members, which probes the endpoints the pool
+advertises and returns when one keeps failing. The pool then signals that
+member `instance_failing`, and the member probes its own instance before it
+believes it (workflows/lifecycle.py): a signal anyone could send never
+replaces a healthy proxy.
+
+A member's shard is the CRC-32 of its id modulo the number of shards, so a
+change in one member's endpoint restarts only its shard's activity. A
+restart cancels the old activity without waiting (it hears of the cancel at
+its next heartbeat) and happens at most once per REFRESH per shard: while a
+pool rotates hundreds of members an hour, a newly advertised endpoint waits
+up to REFRESH for its shard to pick it up (it has just passed its own first
+probe), and an old one is probed that long after it went, which does no
+harm: a failure is told only about the endpoint the pool still advertises.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.workflow import ActivityCancellationType, ActivityHandle
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (
+        FailingMember,
+        MonitorReason,
+        PoolMonitorInput,
+        PoolMonitorOutcome,
+        WatchedMember,
+    )
+    from activities.provider import ProviderActivities
+    from workflows import policies
+    from workflows.inputs import HealthInput
+
+# A shard's activity is restarted for a changed membership at most this often.
+REFRESH = timedelta(seconds=60)
+
+
+def shards(watched: list[WatchedMember], size: int) -> dict[int, list[WatchedMember]]:
+    """The members each shard watches: `size` on average, by the CRC-32 of the member id."""
+    if not watched:
+        return {}
+    count = -(-len(watched) // size)
+    split: dict[int, list[WatchedMember]] = {}
+    for member in sorted(watched, key=lambda m: m.member):
+        split.setdefault(zlib.crc32(member.member.encode()) % count, []).append(member)
+    return split
+
+
+@dataclass
+class _Shard:
+    """One running (or ended) shard activity and what it was started to watch."""
+
+    watching: list[WatchedMember]
+    started: datetime
+    handle: ActivityHandle[PoolMonitorOutcome]
+
+
+class PoolMonitor:
+    """The shard activities of one pool run; `refresh` after every step, `stop` at the end."""
+
+    def __init__(self, tell: Callable[[FailingMember], None], woken: Callable[[], None]) -> None:
+        # `tell`: a member's advertised endpoint keeps failing. `woken`: a
+        # shard ended, so the pool steps (and refreshes) again.
+        self._tell = tell
+        self._woken = woken
+        self._shards: dict[int, _Shard] = {}
+
+    @property
+    def watched(self) -> int:
+        """How many members the running shards watch."""
+        return sum(len(s.watching) for s in self._shards.values() if not s.handle.done())
+
+    def refresh(
+        self, watched: list[WatchedMember], health: HealthInput, now: datetime
+    ) -> datetime | None:
+        """Start what is missing, restart what changed, stop what is gone.
+
+        Returns when to be asked again: a changed shard whose activity
+        started less than REFRESH ago waits until then.
+        """
+        wanted = shards(watched, policies.POOL_MONITOR_SHARD)
+        later: datetime | None = None
+        for index in set(self._shards) - set(wanted):
+            self._shards.pop(index).handle.cancel()
+        for index, members in sorted(wanted.items()):
+            shard = self._shards.get(index)
+            running = shard is not None and not shard.handle.done()
+            if running and shard is not None and shard.watching == members:
+                continue
+            if shard is not None and (running or _failed(shard.handle)):
+                # Changed, or failed (not a normal return): not sooner than REFRESH.
+                due = shard.started + REFRESH
+                if now < due:
+                    later = due if later is None else min(later, due)
+                    continue
+                shard.handle.cancel()
+            self._shards[index] = self._start(index, len(wanted), members, health, now)
+        return later
+
+    def stop(self) -> None:
+        """Cancel every shard activity, without waiting for it to hear."""
+        for shard in self._shards.values():
+            shard.handle.cancel()
+        self._shards.clear()
+
+    def _start(
+        self,
+        index: int,
+        count: int,
+        members: list[WatchedMember],
+        health: HealthInput,
+        now: datetime,
+    ) -> _Shard:
+        handle = workflow.start_activity_method(
+            ProviderActivities.monitor_members,
+            PoolMonitorInput(
+                members,
+                health.target,
+                interval_seconds=health.interval_seconds,
+                failure_threshold=health.failure_threshold,
+                max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
+                probe_timeout_seconds=health.timeout_seconds,
+            ),
+            summary=(
+                f"monitor {len(members)} members every {health.interval_seconds:g}s"
+                f" (shard {index + 1} of {count})"
+            ),
+            start_to_close_timeout=policies.POOL_MONITOR.start_to_close,
+            heartbeat_timeout=policies.monitor_heartbeat(
+                policies.POOL_MONITOR, health.heartbeat_timeout_seconds
+            ),
+            retry_policy=policies.TRANSIENT_RETRY,
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+        )
+        handle.add_done_callback(self._ended)
+        return _Shard(members, now, handle)
+
+    def _ended(self, handle: ActivityHandle[PoolMonitorOutcome]) -> None:
+        """A shard returned: tell who keeps failing; the next refresh starts it again."""
+        if not _failed(handle):
+            outcome = handle.result()
+            if outcome.reason == MonitorReason.UNHEALTHY:
+                for failing in outcome.failing:
+                    self._tell(failing)
+        self._woken()
+
+
+def _failed(handle: ActivityHandle[PoolMonitorOutcome]) -> bool:
+    """Whether a finished shard activity ended without returning (cancelled or failed)."""
+    return handle.cancelled() or handle.exception() is not None
