@@ -642,18 +642,11 @@ class ProxyLifecycle:
             return handle.done() or self._carried.rotate_reason is not None
 
         while True:
-            deadlines = [
-                (left, summary)
-                for left, summary in (
-                    (self._lifetime_left(inp), LIFETIME_SUMMARY),
-                    (self._stable_left(), STABLE_SUMMARY),
-                )
-                if left is not None
-            ]
-            if not deadlines:
+            deadline = self._next_deadline(inp)
+            if deadline is None:
                 await self._wait_untimed(handle, wake)
             else:
-                timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
+                timeout, summary = deadline
                 try:
                     await workflow.wait_condition(wake, timeout=timeout, timeout_summary=summary)
                 except asyncio.CancelledError:
@@ -680,6 +673,18 @@ class ProxyLifecycle:
         self._raise_if_stopping()
         self._carried.last_probe = outcome.last_probe
         return outcome
+
+    def _next_deadline(self, inp: ProxyInput) -> tuple[timedelta, str] | None:
+        """Ready's nearer timer, with its summary: the lifetime's end or the crash budget whole."""
+        deadlines = [
+            (left, summary)
+            for left, summary in (
+                (self._lifetime_left(inp), LIFETIME_SUMMARY),
+                (self._stable_left(), STABLE_SUMMARY),
+            )
+            if left is not None
+        ]
+        return min(deadlines, key=lambda deadline: deadline[0]) if deadlines else None
 
     def _start_monitor(self, inp: ProxyInput, ref: InstanceRef) -> ActivityHandle[MonitorOutcome]:
         """Start the long-running monitor of `ref` for one MONITOR_PERIOD."""
@@ -716,18 +721,11 @@ class ProxyLifecycle:
             return self._failing is not None or self._carried.rotate_reason is not None
 
         while True:
-            deadlines = [
-                (left, summary)
-                for left, summary in (
-                    (self._lifetime_left(inp), LIFETIME_SUMMARY),
-                    (self._stable_left(), STABLE_SUMMARY),
-                )
-                if left is not None
-            ]
-            if not deadlines:
+            deadline = self._next_deadline(inp)
+            if deadline is None:
                 await workflow.wait_condition(woken)
             else:
-                timeout, summary = min(deadlines, key=lambda deadline: deadline[0])
+                timeout, summary = deadline
                 try:
                     await workflow.wait_condition(woken, timeout=timeout, timeout_summary=summary)
                 except TimeoutError:
