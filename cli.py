@@ -48,6 +48,19 @@ def env_argument(
     )
 
 
+def seconds_argument(
+    parser: argparse.ArgumentParser, flag: str, default: float, text: str, note: str = ""
+) -> None:
+    """A flag of seconds, a float, whose help says its default, then `note` if any.
+
+    One form for the gateway's intervals and timeouts, so each help reads the same way.
+    """
+    after = f"; {note}" if note else ""
+    parser.add_argument(
+        flag, type=float, default=default, help=f"{text} (default %(default)s{after})"
+    )
+
+
 def argument_parser(
     prog: str, doc: str, *, metrics_env: str, metrics_default: str
 ) -> argparse.ArgumentParser:

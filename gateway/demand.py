@@ -220,12 +220,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PROXY_OPERATOR_GATEWAY_NAME",
         "this gateway's name in its demand reports; unset, <host name>:<listen port>",
     )
-    parser.add_argument(
+    cli.seconds_argument(
+        parser,
         "--report-interval",
-        type=float,
-        default=REPORT_SECONDS,
-        help="seconds between demand reports to an autoscaled pool, at most "
-        "(default %(default)s; reports that change nothing are skipped)",
+        REPORT_SECONDS,
+        "seconds between demand reports to an autoscaled pool, at most",
+        "reports that change nothing are skipped",
     )
 
 

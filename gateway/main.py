@@ -99,18 +99,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="let a member's endpoint be a hostname (refused by default: a name can "
         "resolve anywhere)",
     )
-    parser.add_argument(
+    cli.seconds_argument(
+        parser,
         "--poll-interval",
-        type=float,
-        default=DEFAULT_POLL_SECONDS,
-        help="seconds between looks at the pool: a describe, and the endpoints query only "
-        "when its history moved (default %(default)s)",
+        DEFAULT_POLL_SECONDS,
+        "seconds between looks at the pool: a describe, and the endpoints query only "
+        "when its history moved",
     )
-    parser.add_argument(
+    cli.seconds_argument(
+        parser,
         "--debounce",
-        type=float,
-        default=DEFAULT_DEBOUNCE_SECONDS,
-        help="seconds a membership change must hold still before a reload (default %(default)s)",
+        DEFAULT_DEBOUNCE_SECONDS,
+        "seconds a membership change must hold still before a reload",
     )
     demand.add_arguments(parser)
     cli.env_argument(

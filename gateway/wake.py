@@ -47,6 +47,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
+import cli
 from gateway import metrics
 from providers.squid import GatewayMember
 from workflows.pool_autoscale import AUTOSCALED
@@ -272,12 +273,13 @@ def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    cli.seconds_argument(
+        parser,
         "--wake-timeout",
-        type=float,
-        default=DEFAULT_WAKE_TIMEOUT,
-        help="seconds a client waits at an autoscaled pool with no member while it wakes, "
-        "then 503 with Retry-After (default %(default)s; 0 answers 503 at once)",
+        DEFAULT_WAKE_TIMEOUT,
+        "seconds a client waits at an autoscaled pool with no member while it wakes, "
+        "then 503 with Retry-After",
+        "0 answers 503 at once",
     )
 
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -212,6 +213,28 @@ class PoolResult:
     state: PoolState
     reason: str
     members_started: int
+
+
+def _applied_once(
+    handler: Callable[..., dict[str, Any]],
+) -> Callable[..., Coroutine[Any, Any, dict[str, Any]]]:
+    """An update handler whose retry, by update id, gets its first result again.
+
+    The wrapper waits for the pool's state (`ProxyPool._taken_over`), then
+    answers an update applied already, in this run or an earlier one, with
+    what `_remember` kept; only a new update reaches `handler`. The same steps
+    in the same order for `scale`, `rotate` and `report_ban`, so one place.
+    """
+
+    @functools.wraps(handler)
+    async def once(pool: ProxyPool, request: Any = None, *extra: Any) -> dict[str, Any]:
+        await pool._taken_over()
+        applied = pool._applied()
+        if applied is not None:
+            return applied
+        return handler(pool, request, *extra)
+
+    return once
 
 
 @workflow.defn(name=PROXY_POOL)
@@ -432,13 +455,10 @@ class ProxyPool:
         ]
 
     @workflow.update(name="scale")
-    async def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    @_applied_once
+    def scale(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Keep `replicas` members, or (autoscaled) new bounds; also resumes replacing
         after the failure budget ran out."""
-        await self._taken_over()
-        applied = self._applied()
-        if applied is not None:
-            return applied
         req = self._scale_request(request, extra)
         self._stopped = None
         self._failures_in_a_row = 0
@@ -547,12 +567,9 @@ class ProxyPool:
         }
 
     @workflow.update(name="rotate")
-    async def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    @_applied_once
+    def rotate(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Queue members for a rolling, make-before-break rotation; returns the queued."""
-        await self._taken_over()
-        applied = self._applied()
-        if applied is not None:
-            return applied
         req = self._request(RotateRequest, request, "rotate", extra)
         # All: every member that has served; one still starting is new already.
         targets = (
@@ -572,12 +589,9 @@ class ProxyPool:
             self._live_member(req.member)
 
     @workflow.update(name="report_ban")
-    async def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
+    @_applied_once
+    def report_ban(self, request: Any = None, *extra: Any) -> dict[str, Any]:
         """Take a member out of `endpoints` now and rotate it; rate-limited per pool."""
-        await self._taken_over()
-        applied = self._applied()
-        if applied is not None:
-            return applied
         req, member = self._ban_request(request, extra)
         if member.ban_changes_nothing(req.endpoint):
             return {"member": member.member, "banned": False, "already": True}
