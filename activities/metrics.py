@@ -25,3 +25,8 @@ ORPHANS_DELETED = Counter(
     "Orphaned instances orphan GC deleted and saw gone.",
     ("provider",),
 )
+POOL_MONITOR_LATE_SECONDS = Histogram(
+    "proxy_operator_pool_monitor_late_seconds",
+    "How late a pool shard's round of probes started, after its interval (0: on time).",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

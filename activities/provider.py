@@ -25,7 +25,7 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
 from activities.exit_echo import EchoFailed, observe_exit
-from activities.metrics import PROBE_SECONDS, PROBES
+from activities.metrics import POOL_MONITOR_LATE_SECONDS, PROBE_SECONDS, PROBES
 from activities.models import (
     CreateInstanceInput,
     EndpointCheck,
@@ -364,8 +364,17 @@ class ProviderActivities:
         details: dict[str, object] = {"members": len(inp.members), "failing": {}, "round": None}
         timeout = info.heartbeat_timeout or UNTIMED_HEARTBEAT
         period = max(timeout - MONITOR_HEARTBEAT_SLACK, timeout / 2)
-        async with _heartbeating(period, details):
-            return await self._members_loop(inp, failures, details)
+        try:
+            async with _heartbeating(period, details):
+                return await self._members_loop(inp, failures, details)
+        except asyncio.CancelledError:
+            cancelled = activity.cancellation_details()
+            if cancelled is None or not cancelled.not_found:
+                raise
+            # The pool's run that started this shard has continued as new (its
+            # next run started shards of its own): nobody is waiting for an
+            # answer, and a cancel error would read as a failure in the log.
+            return PoolMonitorOutcome(MonitorReason.HANDOVER, [], 0)
 
     async def _members_loop(
         self, inp: PoolMonitorInput, failures: dict[str, int], details: dict[str, object]
@@ -373,8 +382,12 @@ class ProviderActivities:
         """The pool monitor's rounds; `details` is what its heartbeats carry, updated in place."""
         started = time.monotonic()
         probes = 0
+        due = started
         while True:
             tick = time.monotonic()
+            # A round that starts late means this worker cannot keep up.
+            POOL_MONITOR_LATE_SECONDS.observe(max(0.0, tick - due))
+            due = tick + inp.interval_seconds
             results = await asyncio.gather(*(self._probe_member(m, inp) for m in inp.members))
             probes += len(results)
             failing: list[FailingMember] = []

@@ -2,6 +2,8 @@
 
     python -m bench.cost [--proxies 10] [--minutes 7] [--large 0] [--gateway-minutes 6]
 
+(`--proxies 0 --large 1000`: only the large pool.)
+
 The dev server runs with `--metrics-port`; its `/metrics` `action` counter
 (labelled `action_type`) is what Temporal documents for estimating Cloud
 usage from a self-hosted server. Every figure is a difference of that counter
@@ -302,6 +304,33 @@ async def kill_and_remonitor(
     return survivor
 
 
+async def small(
+    bench: Bench,
+    client: Client,
+    spec: dict[str, Any],
+    workdir: Path,
+    worker: WorkerProcess,
+    proxies: int,
+) -> WorkerProcess:
+    """Standalone proxies, a pool with a rotation and a gateway, then a worker killed."""
+    task_queue = spec["task_queue"]
+    await bench.end(await bench.standalone(task_queue, proxies))
+    pool = await bench.pool(task_queue, proxies, rotate=True)
+    await bench.gateway(pool.id)
+    standalone = await bench.start_standalone(task_queue, proxies)
+    members = [m["member"] for m in (await pool.query("status"))["members"]]
+    groups = {
+        "standalone proxies (their own monitors)": standalone,
+        "pool members (the pool's monitor; a member of an older pool, its own)": [
+            pool.id,
+            *members,
+        ],
+    }
+    worker = await kill_and_remonitor(client, spec, workdir, worker, groups)
+    await bench.end([*standalone, pool.id])
+    return worker
+
+
 async def main(args: argparse.Namespace) -> None:
     metrics_port = free_port()
     env = await start_dev_server("--metrics-port", str(metrics_port))
@@ -329,20 +358,8 @@ async def run(
         await worker.wait_ready()
         task_queue = spec["task_queue"]
         # One kind at a time: the counter cannot tell whose an action was.
-        await bench.end(await bench.standalone(task_queue, args.proxies))
-        pool = await bench.pool(task_queue, args.proxies, rotate=True)
-        await bench.gateway(pool.id)
-        standalone = await bench.start_standalone(task_queue, args.proxies)
-        members = [m["member"] for m in (await pool.query("status"))["members"]]
-        groups = {
-            "standalone proxies (their own monitors)": standalone,
-            "pool members (the pool's monitor; a member of an older pool, its own)": [
-                pool.id,
-                *members,
-            ],
-        }
-        worker = await kill_and_remonitor(client, spec, workdir, worker, groups)
-        await bench.end([*standalone, pool.id])
+        if args.proxies:
+            worker = await small(bench, client, spec, workdir, worker, args.proxies)
         if args.large:
             large = await bench.pool(task_queue, args.large, rotate=False)
             await bench.end([large.id])
@@ -352,7 +369,7 @@ async def run(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--proxies", type=int, default=10)
+    parser.add_argument("--proxies", type=int, default=10, help="0: only --large")
     # Two heartbeat periods at least (210 s each), or the window sees some
     # monitors beat once and others twice.
     parser.add_argument("--minutes", type=float, default=7.0)

@@ -23,15 +23,17 @@ import argparse
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from activities.metrics import POOL_MONITOR_LATE_SECONDS
 from activities.provider import ProviderActivities
 from bench.fleet.parameters import INSTALLATION
 from bench.fleet.squids import create_squids, delete_squids
@@ -92,11 +94,13 @@ async def _memory_pool(
         # Let the last reports and the first reconcile settle, then watch.
         await asyncio.sleep(15)
         events_before = await _events(handle)
+        late_before = _late_rounds()
         cpu_before, wall_before = time.process_time(), time.monotonic()
         await asyncio.sleep(args.steady_minutes * 60)
         cpu = time.process_time() - cpu_before
         wall = time.monotonic() - wall_before
         events = await _events(handle) - events_before
+        late = _late_rounds() - late_before
         await handle.signal("terminate")
         await handle.result()
     per_hour = events * 3600 / wall
@@ -106,11 +110,18 @@ async def _memory_pool(
     print(f"| pool runs (continue-as-new) until all Ready | {tasks.runs} |")
     print(f"| longest pool workflow task | {tasks.longest_s:.2f} s |")
     print(f"| pool workflow tasks over 1 s | {tasks.over_1s} of {tasks.tasks} |")
+    causes = ", ".join(f"{n} {c}" for c, n in tasks.failed_causes.most_common()) or "none"
     print(f"| pool workflow tasks timed out / failed | {tasks.timed_out} / {tasks.failed} |")
+    print(f"| why they failed (server's cause) | {causes} |")
     print(f"| largest pool history event (a payload) | {tasks.largest_event / 1024:.0f} KiB |")
     print(f"| largest pool history (one run) | {tasks.largest_history / 1024:.0f} KiB |")
     print(f"| pool history events in {wall / 60:.1f} min of steady state | {events} |")
     print(f"| pool history events per pool-hour (scaled) | {per_hour:.0f} |")
+    print(
+        f"| pool monitor rounds in steady state (each probes its shard) | {late[None]:.0f}: "
+        f"{late[None] - late[1.0]:.0f} started over 1 s late, "
+        f"{late[None] - late[10.0]:.0f} over 10 s (an interval) |"
+    )
     print(
         f"| process CPU (worker + this script), steady state | {100 * cpu / wall:.1f} % of a core |"
     )
@@ -202,6 +213,8 @@ class _TaskFigures:
     over_1s: int = 0
     timed_out: int = 0
     failed: int = 0
+    # Why the failed ones failed, by the server's cause (WorkflowTaskFailedCause).
+    failed_causes: Counter[str] = field(default_factory=Counter)
     largest_event: int = 0
     largest_history: int = 0
 
@@ -237,10 +250,26 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
                 figures.timed_out += 1
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
                 figures.failed += 1
+                cause = event.workflow_task_failed_event_attributes.cause
+                figures.failed_causes[WorkflowTaskFailedCause.Name(cause)] += 1
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
                 attributes_can = event.workflow_execution_continued_as_new_event_attributes
                 run_id = attributes_can.new_execution_run_id
     return figures
+
+
+def _late_rounds() -> Counter[float | None]:
+    """The pool monitors' rounds so far: how many started at most `le` seconds late (None: all).
+
+    Read from the in-process worker's own histogram (activities/metrics.py).
+    """
+    counts: Counter[float | None] = Counter()
+    for family in POOL_MONITOR_LATE_SECONDS.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                counts[None if le == float("inf") else le] = int(sample.value)
+    return counts
 
 
 async def _events(handle: WorkflowHandle[Any, Any]) -> int:

@@ -222,6 +222,7 @@ class ProxyLifecycle:
         inp = await self._validated(raw, problems, against_worker=state is None)
         self._input = inp
         self._carried.provider = inp.provider
+        self._publisher.only_news = inp.monitor == "pool"
         self._publish()
 
         lifecycle = asyncio.create_task(self._lifecycle(inp))

@@ -40,6 +40,13 @@ class StatusPublisher:
         self._reported: tuple[str, str, int, str | None] | None = None
         self._reports: list[asyncio.Task[None]] = []
         self._report_seq = 0
+        # Report only what the pool sees change: an endpoint is part of a
+        # report only while Ready, so an instance getting its address while
+        # Provisioning or Replacing is no news to the pool. Set for members a
+        # pool started with `monitor: "pool"` (0.3.0 on), whose recorded runs
+        # never sent that report; members started before still send it, so
+        # their histories replay.
+        self.only_news = False
 
     def publish(self, status: ProxyStatus, instances: set[str]) -> None:
         """Search attributes, then current details, then the pool: in that order, always."""
@@ -91,14 +98,20 @@ class StatusPublisher:
         current run after the pool continued as new.
         """
         parent = workflow.info().parent
-        now = (status.state, status.endpoint, status.generation, status.ready_since)
+        endpoint = status.endpoint if status.state == ProxyState.READY else ""
+        now = (
+            status.state,
+            endpoint if self.only_news else status.endpoint,
+            status.generation,
+            status.ready_since,
+        )
         if parent is None or now == self._reported:
             return
         self._reported = now
         report = MemberReport(
             member=workflow.info().workflow_id,
             state=status.state,
-            endpoint=status.endpoint if status.state == ProxyState.READY else "",
+            endpoint=endpoint,
             provider=status.provider,
             generation=status.generation,
             ready_since=status.ready_since,

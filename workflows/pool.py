@@ -356,7 +356,9 @@ class ProxyPool:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
                         if self._monitor is not None:
-                            self._monitor.stop()  # the next run starts its own
+                            # The next run starts its own; these end quietly
+                            # at their next heartbeat (activities/provider.py).
+                            self._monitor.cancel()
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
                 wake = self._next_wake()
                 if refresh_at is not None and (wake is None or refresh_at < wake.at):
@@ -1033,9 +1035,9 @@ class ProxyPool:
 
     async def _end_members(self) -> None:
         """Terminate every member and wait until each has ended (its instance deleted)."""
-        if self._monitor is not None:
-            self._monitor.stop()
-            self._monitor = None
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.cancel()  # waited for below, while the members end
         self._publish()
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"
@@ -1061,6 +1063,8 @@ class ProxyPool:
         if self._alarm is not None:
             self._alarm.cancel()
         await workflow.wait_condition(lambda: not self._tasks)
+        if monitor is not None:
+            await monitor.stop()  # its shards end within a heartbeat, mostly long before
         self._publish(PoolState.TERMINATED)
 
     def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:

@@ -11,12 +11,16 @@ replaces a healthy proxy.
 
 A member's shard is the CRC-32 of its id modulo the number of shards, so a
 change in one member's endpoint restarts only its shard's activity. A
-restart cancels the old activity without waiting (it hears of the cancel at
-its next heartbeat) and happens at most once per REFRESH per shard: while a
-pool rotates hundreds of members an hour, a newly advertised endpoint waits
-up to REFRESH for its shard to pick it up (it has just passed its own first
-probe), and an old one is probed that long after it went, which does no
-harm: a failure is told only about the endpoint the pool still advertises.
+restart cancels the old activity and goes on without waiting for it (it
+hears of the cancel at its next heartbeat) and happens at most once per
+REFRESH per shard: while a pool rotates hundreds of members an hour, a
+newly advertised endpoint waits up to REFRESH for its shard to pick it up
+(it has just passed its own first probe), and an old one is probed that
+long after it went, which does no harm: a failure is told only about the
+endpoint the pool still advertises. A pool that continues as new cancels
+its shards and goes: each ends at its next heartbeat, which finds the run
+gone (the activity then returns quietly). A pool that ends waits for them
+(`stop`, while its members end), so that none outlives it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class PoolMonitor:
         self._tell = tell
         self._woken = woken
         self._shards: dict[int, _Shard] = {}
+        # Cancelled (restarted or stopped), not yet ended.
+        self._cancelled: list[ActivityHandle[PoolMonitorOutcome]] = []
 
     @property
     def watched(self) -> int:
@@ -91,7 +97,7 @@ class PoolMonitor:
         wanted = shards(watched, policies.POOL_MONITOR_SHARD)
         later: datetime | None = None
         for index in set(self._shards) - set(wanted):
-            self._shards.pop(index).handle.cancel()
+            self._cancel(self._shards.pop(index).handle)
         for index, members in sorted(wanted.items()):
             shard = self._shards.get(index)
             running = shard is not None and not shard.handle.done()
@@ -103,15 +109,25 @@ class PoolMonitor:
                 if now < due:
                     later = due if later is None else min(later, due)
                     continue
-                shard.handle.cancel()
+                self._cancel(shard.handle)
             self._shards[index] = self._start(index, len(wanted), members, health, now)
         return later
 
-    def stop(self) -> None:
-        """Cancel every shard activity, without waiting for it to hear."""
+    def cancel(self) -> None:
+        """Cancel every shard activity; `stop` waits for them to end."""
         for shard in self._shards.values():
-            shard.handle.cancel()
+            self._cancel(shard.handle)
         self._shards.clear()
+
+    async def stop(self) -> None:
+        """Cancel every shard activity and wait until each has ended."""
+        self.cancel()
+        await workflow.wait_condition(lambda: not self._cancelled)
+
+    def _cancel(self, handle: ActivityHandle[PoolMonitorOutcome]) -> None:
+        if not handle.done():
+            handle.cancel()
+            self._cancelled.append(handle)
 
     def _start(
         self,
@@ -140,14 +156,16 @@ class PoolMonitor:
                 policies.POOL_MONITOR, health.heartbeat_timeout_seconds
             ),
             retry_policy=policies.TRANSIENT_RETRY,
-            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
         handle.add_done_callback(self._ended)
         return _Shard(members, now, handle)
 
     def _ended(self, handle: ActivityHandle[PoolMonitorOutcome]) -> None:
         """A shard returned: tell who keeps failing; the next refresh starts it again."""
-        if not _failed(handle):
+        if handle in self._cancelled:
+            self._cancelled.remove(handle)
+        elif not _failed(handle):
             outcome = handle.result()
             if outcome.reason == MonitorReason.UNHEALTHY:
                 for failing in outcome.failing:

@@ -11,6 +11,7 @@ ends the monitor as unhealthy.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import socketserver
 import threading
@@ -20,9 +21,16 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from temporalio.activity import ActivityCancellationDetails
 from temporalio.testing import ActivityEnvironment
 
-from activities.models import InstanceRef, MonitorInput, MonitorReason
+from activities.models import (
+    InstanceRef,
+    MonitorInput,
+    MonitorReason,
+    PoolMonitorInput,
+    WatchedMember,
+)
 from activities.provider import ProviderActivities
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config, local_entry
@@ -99,3 +107,75 @@ def test_the_silent_proxy_really_is_silent(silent_proxy: int) -> None:
         conn.settimeout(1)
         with pytest.raises(TimeoutError):
             conn.recv(1)
+
+
+def _shard(silent_port: int, closed_port: int) -> PoolMonitorInput:
+    return PoolMonitorInput(
+        [
+            WatchedMember("pool/0", "memory", f"127.0.0.1:{silent_port}"),
+            WatchedMember("pool/1", "memory", f"127.0.0.1:{closed_port}"),
+            WatchedMember("pool/2", "memory", "not an endpoint"),
+        ],
+        "https://example.com/",
+        interval_seconds=0.5,
+        failure_threshold=2,
+        max_duration_seconds=3600,
+        probe_timeout_seconds=1.0,
+    )
+
+
+def _closed_port() -> int:
+    """A port nothing listens on: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_a_pool_shard_names_every_member_that_keeps_failing(
+    silent_proxy: int, tmp_path: Any
+) -> None:
+    config = build_config(local_entry(tmp_path), connect_ports=[443])
+    activities = ProviderActivities({"memory": MemoryProvider()}, config)
+    env = ActivityEnvironment()
+    env.info = replace(env.info, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    try:
+        outcome = await env.run(activities.monitor_members, _shard(silent_proxy, _closed_port()))
+    finally:
+        activities.close()
+    assert outcome.reason is MonitorReason.UNHEALTHY, outcome
+    failing = {f.member: f for f in outcome.failing}
+    assert sorted(failing) == ["pool/0", "pool/1", "pool/2"]
+    assert "timeout" in failing["pool/0"].detail and "refused" in failing["pool/1"].detail
+    assert failing["pool/2"].endpoint == "not an endpoint"
+    assert all(f.detail.startswith("2 failed probes in a row") for f in failing.values())
+
+
+@pytest.mark.parametrize(
+    ("details", "quiet"),
+    [
+        (ActivityCancellationDetails(not_found=True), True),
+        (ActivityCancellationDetails(cancel_requested=True), False),
+    ],
+)
+async def test_a_pool_shard_whose_run_is_gone_ends_quietly_a_cancelled_one_does_not(
+    silent_proxy: int, tmp_path: Any, details: ActivityCancellationDetails, quiet: bool
+) -> None:
+    """A pool that continued as new left its shards behind: they return, and log nothing."""
+    config = build_config(local_entry(tmp_path), connect_ports=[443])
+    activities = ProviderActivities({"memory": MemoryProvider()}, config)
+    env = ActivityEnvironment()
+    env.info = replace(env.info, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    shard = replace(_shard(silent_proxy, _closed_port()), failure_threshold=100)
+    running = asyncio.ensure_future(env.run(activities.monitor_members, shard))
+    try:
+        await asyncio.sleep(1.5)  # a few rounds; the threshold is far off
+        assert not running.done()
+        env.cancel(details)
+        if quiet:
+            outcome = await running
+            assert outcome.reason is MonitorReason.HANDOVER
+        else:
+            with pytest.raises(BaseException):  # noqa: B017 (CancelledError, either kind)
+                await running
+    finally:
+        activities.close()

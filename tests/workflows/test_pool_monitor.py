@@ -18,7 +18,7 @@ from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import WorkflowHandle
 
 from activities.models import WatchedMember
-from contract import INSTANCE_FAILING_SIGNAL
+from contract import INSTANCE_FAILING_SIGNAL, MEMBER_CHANGED_SIGNAL
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
@@ -156,6 +156,16 @@ async def test_a_forged_instance_failing_about_a_healthy_member_only_makes_it_pr
     await wait_for(probed, "the member's own probe of its instance", deadline=60)
     after = await member.query("status")
     assert (after["state"], after["generation"], after["replacements"]) == ("Ready", 0, 0)
+    # Its pool heard of it twice: Provisioning, then Ready at its endpoint
+    # (not a third time when its instance got an address while Provisioning).
+    reports = [
+        e
+        for e in await history_of(member)
+        if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+        and e.signal_external_workflow_execution_initiated_event_attributes.signal_name
+        == MEMBER_CHANGED_SIGNAL
+    ]
+    assert len(reports) == 2, reports
     await pool.signal("terminate")
     await pool.result()
     await record_history(member, "pool_member_forged_instance_failing")
