@@ -175,6 +175,11 @@ HANDLERS: dict[type, dict[str, Handler]] = {
 # report or wake as NotAutoscaled (so the gateway stops sending them), after
 # refusing a malformed one as InvalidInput like every update.
 FIXED_POOL_REFUSALS = {"report_demand": NOT_AUTOSCALED, "wake": NOT_AUTOSCALED}
+# A well-formed ban the pool refuses for its own reasons, as it must: the
+# member is banned and not serving yet on its next instance (its endpoint not
+# yet confirmed), or the ban limit is reached. Which one a case meets depends
+# on how far the first accepted ban's rotation has got.
+BAN_REFUSALS = ("is not serving", "ban rate limit")
 
 HOSTILE: list[Any] = [
     None,
@@ -343,7 +348,14 @@ async def update(target: Target, name: str, case: Case) -> None:
         if (
             isinstance(cause, ApplicationError)
             and not case.wrong
-            and cause.type == FIXED_POOL_REFUSALS.get(name)
+            and (
+                cause.type == FIXED_POOL_REFUSALS.get(name)
+                or (
+                    name == "report_ban"
+                    and cause.type == ErrorType.INVALID_INPUT
+                    and any(refusal in cause.message for refusal in BAN_REFUSALS)
+                )
+            )
         ):
             return
         if not isinstance(cause, ApplicationError) or cause.type != ErrorType.INVALID_INPUT:
