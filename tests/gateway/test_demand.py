@@ -16,9 +16,15 @@ import pytest
 from gateway.demand import DemandMeter, Sample, gateway_name, moved, open_connections
 from gateway.main import UsageError, checked, parse_args
 
+# Loopback addresses no other test listens on or dials: a test elsewhere that
+# waits for its own service on 127.0.0.1 and was handed the same port number
+# would otherwise connect to this listener, and be counted (it was, once).
+HOST = "127.0.0.3"
+OTHER_HOST = "127.0.0.4"
+
 
 @contextlib.contextmanager
-def listener_with_clients(count: int, host: str = "127.0.0.1", port: int = 0) -> Iterator[int]:
+def listener_with_clients(count: int, host: str = HOST, port: int = 0) -> Iterator[int]:
     """A listening socket on `host` holding `count` accepted client connections."""
     with socket.socket() as server:
         server.bind((host, port))
@@ -34,19 +40,19 @@ def listener_with_clients(count: int, host: str = "127.0.0.1", port: int = 0) ->
 def test_open_connections_counts_the_clients_a_listener_holds_not_its_own_dials() -> None:
     with listener_with_clients(3) as port:
         # The three clients' own sockets have the port as their *remote* port.
-        assert open_connections(port, "127.0.0.1") == 3
+        assert open_connections(port, HOST) == 3
         # Another address with the same port number (another process's
         # socket, say) is not this listener's: counted only without a host.
-        with listener_with_clients(2, "127.0.0.2", port):
-            assert open_connections(port, "127.0.0.1") == 3
+        with listener_with_clients(2, OTHER_HOST, port):
+            assert open_connections(port, HOST) == 3
             assert open_connections(port, "0.0.0.0") == open_connections(port) == 5
     with listener_with_clients(0) as port:
-        assert open_connections(port, "127.0.0.1") == 0
+        assert open_connections(port, HOST) == 0
 
 
 def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
     with listener_with_clients(2) as port:
-        meter = DemandMeter(port, "127.0.0.1")
+        meter = DemandMeter(port, HOST)
         assert meter.sample() == 2
         count = meter.counting(lambda line: None)
         for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):
