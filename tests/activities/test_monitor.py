@@ -165,11 +165,14 @@ async def test_a_pool_shard_whose_run_is_gone_ends_quietly_a_cancelled_one_does_
     activities = ProviderActivities({"memory": MemoryProvider()}, config)
     env = ActivityEnvironment()
     env.info = replace(env.info, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    # A heartbeat after a round of probes: the shard is at work when cancelled.
+    probed = asyncio.Event()
+    env.on_heartbeat = lambda *beat: probed.set() if beat[0]["round"] else None
     shard = replace(_shard(silent_proxy, _closed_port()), failure_threshold=100)
     running = asyncio.ensure_future(env.run(activities.monitor_members, shard))
     try:
-        await asyncio.sleep(1.5)  # a few rounds; the threshold is far off
-        assert not running.done()
+        await asyncio.wait_for(probed.wait(), 30)
+        assert not running.done()  # the threshold is far off
         env.cancel(details)
         if quiet:
             outcome = await running
