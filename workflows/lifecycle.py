@@ -757,6 +757,9 @@ class ProxyLifecycle:
             summary=f"probe {ref.endpoint}: {said}",
             start_to_close_timeout=CONFIRM_TIMEOUT,
             retry_policy=policies.TRANSIENT_RETRY,
+            # A terminate mid-probe waits for it, as for every activity: none
+            # outlives the workflow.
+            cancellation_type=self._cancellation(),
         )
         self._carried.last_probe = outcome.last_probe
         return outcome
