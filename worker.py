@@ -53,6 +53,13 @@ DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
 # A proxy of its own holds one activity slot for its monitor as long as it
 # is Ready; a pool's members hold one per shard (policies.POOL_MONITOR_SHARD).
 DEFAULT_MAX_ACTIVITIES = 2000
+# Workflow tasks are pure CPU under one GIL: a worker given 100 at once (the
+# SDK's default) runs each at 1/100th of a core, so a burst (a 1,000-member
+# pool starting) makes every task, the pool's included, take seconds and
+# some time out. A few slots keep a task's start-to-close short; the rest
+# wait on the server, where waiting costs nothing (docs/operations.md).
+DEFAULT_MAX_WORKFLOW_TASKS = 8
+MIN_WORKFLOW_TASKS = 2
 GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 # What the server (1.32) refuses in a deployment version, or ignores without
 # a word: its workers would poll and never be given a task. Names starting
@@ -78,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=DEFAULT_MAX_ACTIVITIES,
         help="one slot per standalone proxy's monitor, one per pool shard; default %(default)s",
+    )
+    parser.add_argument(
+        "--max-concurrent-workflow-tasks",
+        type=workflow_task_slots,
+        default=DEFAULT_MAX_WORKFLOW_TASKS,
+        help="workflow tasks this worker runs at once (CPU-bound: a few per core); "
+        "default %(default)s",
     )
     parser.add_argument(
         "--no-orphan-gc-schedule",
@@ -130,6 +144,18 @@ def build_id(value: str) -> str:
             f"{len(value)} characters, more than the {MAX_BUILD_ID_LENGTH} a build id may have"
         )
     return _not_reserved(value)
+
+
+def workflow_task_slots(value: str) -> int:
+    """At least 2: with a workflow cache the SDK refuses fewer (it polls two queues, the
+    task queue and this worker's sticky one)."""
+    try:
+        slots = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if slots < MIN_WORKFLOW_TASKS:
+        raise argparse.ArgumentTypeError(f"{slots}: at least {MIN_WORKFLOW_TASKS}")
+    return slots
 
 
 def _not_reserved(value: str) -> str:
@@ -186,6 +212,7 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
         gc=gc,
         task_queue=args.task_queue,
         max_concurrent_activities=args.max_concurrent_activities,
+        max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
         deployment=version,
     )
     stop = asyncio.Event()
@@ -215,6 +242,7 @@ def build_worker(
     gc: GcActivities | None = None,
     task_queue: str = TASK_QUEUE,
     max_concurrent_activities: int = DEFAULT_MAX_ACTIVITIES,
+    max_concurrent_workflow_tasks: int = DEFAULT_MAX_WORKFLOW_TASKS,
     deployment: WorkerDeploymentVersion | None = None,
 ) -> Worker:
     """The one place that says which workflows and activities a worker serves.
@@ -251,6 +279,7 @@ def build_worker(
             *gc_activities,
         ],
         max_concurrent_activities=max_concurrent_activities,
+        max_concurrent_workflow_tasks=max_concurrent_workflow_tasks,
         # One cached workflow per activity slot, so a monitor's report-back
         # (every MONITOR_PERIOD) never has to replay an evicted history.
         max_cached_workflows=max_concurrent_activities,

@@ -286,6 +286,31 @@ def test_bad_deployment_versions_exit_2_naming_the_flag(
     assert error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("1", "argument --max-concurrent-workflow-tasks: 1: at least 2"),
+        ("-8", "argument --max-concurrent-workflow-tasks: -8: at least 2"),
+        ("many", "argument --max-concurrent-workflow-tasks: 'many' is not a whole number"),
+        ("", "argument --max-concurrent-workflow-tasks: '' is not a whole number"),
+    ],
+)
+def test_too_few_workflow_task_slots_exit_2_naming_the_flag(
+    value: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The SDK needs two with a workflow cache (one for sticky tasks) and
+    # would otherwise refuse only once the worker is built, with a traceback.
+    with pytest.raises(SystemExit) as exited:
+        worker.parse_args(["--max-concurrent-workflow-tasks", value])
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
+    assert worker.parse_args([]).max_concurrent_workflow_tasks == worker.DEFAULT_MAX_WORKFLOW_TASKS
+    assert (
+        worker.parse_args(["--max-concurrent-workflow-tasks", "2"]).max_concurrent_workflow_tasks
+        == 2
+    )
+
+
 def test_the_deployment_version_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEPLOYMENT_NAME_ENV, "proxy-operator")
     monkeypatch.setenv(BUILD_ID_ENV, "2026-12-02.1")
