@@ -18,7 +18,13 @@ COPY startup/ startup/
 COPY gateway/ gateway/
 COPY proxy_operator/ proxy_operator/
 COPY worker.py contract.py cli.py ./
+# PYTHONDONTWRITEBYTECODE stops some pips writing bytecode too (23.2 writes
+# none, 26.3 does), and the workflow sandbox re-imports the workflow modules
+# for every new workflow run: without .pyc files each run compiles them again
+# (a seventh of a busy worker's CPU while a 1,000-member pool starts;
+# docs/benchmarks.md). Compiled here, once, whatever pip the image has.
 RUN pip install . \
+    && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
 
 # Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.

@@ -11,13 +11,20 @@ STAMP   = $(VENV)/.installed
 PYTEST_WORKERS ?= 6
 PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: run test test-quick histories lint bench tools test-tools clean
+.PHONY: run test test-quick histories lint bench tools test-tools clean bytecode
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
+
+## The workflow sandbox re-imports the workflow modules for every new
+## workflow run; where PYTHONDONTWRITEBYTECODE is set (as in the Dockerfile)
+## nothing caches their bytecode, so each run would compile them again.
+## Compiling is quick when nothing changed (only changed files are redone).
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q -x '/\.' .
 
 ## Squid and curl; the tests also want promtool (Debian's prometheus package),
 ## and for docs/scrapers.md's Playwright example Debian's Chromium (Playwright's
@@ -31,22 +38,22 @@ test-tools:
 		chromium-headless-shell:chromium-headless-shell certutil:libnss3-tools
 
 ## Temporal dev server + worker + local Squid provider; Ctrl-C stops it all.
-run: $(STAMP) tools
+run: $(STAMP) tools bytecode
 	$(BIN)/python deploy/local/devenv.py
 
 ## The whole suite, as CI runs it.
-test: $(STAMP) test-tools
+test: $(STAMP) test-tools bytecode
 	$(BIN)/pytest $(PYTEST_XDIST)
 
 ## Everything but the slow end-to-end tests.
-test-quick: $(STAMP) test-tools
+test-quick: $(STAMP) test-tools bytecode
 	$(BIN)/pytest $(PYTEST_XDIST) -m "not slow"
 
 ## Record the current release's histories (pyproject.toml's version) into
 ## tests/histories/<version>/ for the replay test: every test that records one
 ## runs. Recordings a release already has are kept (docs/upgrades.md).
 HISTORY_TESTS = $(shell grep -rl --include='test_*.py' record_history tests)
-histories: $(STAMP) tools
+histories: $(STAMP) tools bytecode
 	PROXY_OPERATOR_RECORD_HISTORIES=1 $(BIN)/pytest $(PYTEST_XDIST) $(HISTORY_TESTS)
 
 lint: $(STAMP)
@@ -54,7 +61,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench: $(STAMP) tools
+bench: $(STAMP) tools bytecode
 	$(BIN)/python -m bench
 
 clean:

@@ -275,6 +275,18 @@ def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() 
     assert f"install -d -o {uid} -g {gid} -m 0750 /run/squid" in gateway
 
 
+def test_the_worker_image_has_its_bytecode_compiled_although_python_writes_none() -> None:
+    # PYTHONDONTWRITEBYTECODE=1 stops some pips writing .pyc files too (23.2
+    # writes none; 26.3 does), and the workflow sandbox re-imports the
+    # workflow modules for every new run: without bytecode each run compiles
+    # them again. The image compiles the installed packages once, in the step
+    # that installs them.
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ENV PYTHONDONTWRITEBYTECODE=1", dockerfile, re.MULTILINE)
+    (install,) = [step for step in dockerfile.split("\nRUN ") if step.startswith("pip install .")]
+    assert "python -m compileall" in install and 'get_paths()["purelib"]' in install
+
+
 def test_the_dockerfile_copies_every_package_pip_installs() -> None:
     # `pip install .` fails on a package pyproject.toml names but the image lacks.
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
