@@ -163,9 +163,12 @@ class PoolMonitor:
 
     def _ended(self, handle: ActivityHandle[PoolMonitorOutcome]) -> None:
         """A shard returned: tell who keeps failing; the next refresh starts it again."""
+        # Asked first, also of a cancelled shard: a failure nobody looked at is
+        # logged by asyncio ("exception was never retrieved") when collected.
+        failed = _failed(handle)
         if handle in self._cancelled:
             self._cancelled.remove(handle)
-        elif not _failed(handle):
+        elif not failed:
             outcome = handle.result()
             if outcome.reason == MonitorReason.UNHEALTHY:
                 for failing in outcome.failing:
