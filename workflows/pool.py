@@ -110,6 +110,12 @@ VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
 # since, the pool monitors its members in shards (workflows/pool_monitor.py)
 # and starts them with `monitor: "pool"`.
 POOL_MONITOR_PATCH = "pool-monitors-members"
+# Pools recorded before this patch continued as new as soon as no command was
+# in flight, while members just started or rotated were still reporting: the
+# server refuses a continue-as-new that crosses a new event (UnhandledCommand)
+# and the worker then replays the whole run, seconds at 1,000 members. Since,
+# a holding pool also waits (within MAX_HOLD) until those members settled.
+QUIET_HANDOVER_PATCH = "quiet-handover"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -309,6 +315,7 @@ class ProxyPool:
         self._paced = workflow.patched(PACED_PATCH)
         if workflow.patched(POOL_MONITOR_PATCH):
             self._monitor = PoolMonitor(self._tell_failing, self._wake_up)
+        quiet_handover = workflow.patched(QUIET_HANDOVER_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -352,7 +359,8 @@ class ProxyPool:
                 # for MAX_HOLD at most, as a long drain may be among them.
                 self._usage.members = len(self._members)
                 self._publish()
-                if suggested and not self._tasks:
+                unsettled = quiet_handover and holding and not pool_plan.settled(self._situation())
+                if suggested and not self._tasks and not unsettled:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
                         if self._monitor is not None:

@@ -638,6 +638,16 @@ def _live(members: Sequence[Member]) -> list[Member]:
     return [m for m in members if m.phase is not MemberPhase.REMOVING]
 
 
+def settled(situation: Situation) -> bool:
+    """No member is on its way to a report the pool can wait for: none started and
+    never Ready yet, none rotating.
+
+    A continue-as-new that crosses a member's report is refused by the server
+    and the run replayed, so a pool about to hand over waits for these.
+    """
+    return all(m.served and m.phase is not MemberPhase.ROTATING for m in _live(situation.members))
+
+
 def calm(situation: Situation) -> bool:
     """Nothing the pool waits on from its members but their lifetimes."""
     return not situation.ending and all(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from contract import MEMBER_CHANGED_SIGNAL, ProxyState
 from providers.base import CreateRequest, InstanceState
 from providers.local import LocalProvider
 from providers.memory import MemoryProvider
@@ -34,6 +36,7 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.stacks import Stack, StackFactory
+from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import DEADLINE, wait_for
 from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
@@ -241,6 +244,53 @@ async def test_members_live_on_across_the_pools_continue_as_new(
         raise AssertionError(f"the pool did not end in {DEADLINE}s: {statuses}") from None
     assert result["state"] == "Terminated"
     assert stack.instances() == []
+
+
+async def test_a_pool_hands_over_only_once_the_members_it_started_have_reported_ready(
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+) -> None:
+    """A continue-as-new crossed by a member's report is refused by the server
+    (UnhandledCommand) and the worker replays the whole run: seconds at 1,000
+    members. So a pool holding to hand over waits for the reports it knows
+    are coming. Continue-as-new is suggested here after 10 events, long
+    before 3 new Squids are Ready: without the wait the first run hands over
+    while they still provision.
+    """
+    env = await start_dev_server(
+        "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=10"
+    )
+    try:
+        stack = await stack_on(env)
+        pool_id = f"pool-{uuid.uuid4().hex[:8]}"
+        handle = await stack.client.start_workflow(
+            "ProxyPool",
+            {"replicas": 3, "template": stack.proxy_input()},
+            id=pool_id,
+            task_queue=stack.task_queue,
+        )
+        first_run = (await handle.describe()).run_id
+
+        async def continued() -> bool:
+            return (await handle.describe()).run_id != first_run
+
+        await wait_for(continued, "the pool's continue-as-new", deadline=120)
+        first = stack.client.get_workflow_handle(pool_id, run_id=first_run)
+        ready: set[str] = set()
+        async for event in first.fetch_history_events():
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+                break
+            signaled = event.workflow_execution_signaled_event_attributes
+            if signaled.signal_name == MEMBER_CHANGED_SIGNAL:
+                report = json.loads(signaled.input.payloads[0].data)
+                if report["state"] == ProxyState.READY:
+                    ready.add(report["member"])
+        assert ready == {f"{pool_id}/{n}" for n in range(3)}
+        await handle.signal("terminate")
+        result = await asyncio.wait_for(handle.result(), DEADLINE)
+        assert result["state"] == "Terminated"
+        assert stack.instances() == []
+    finally:
+        await env.shutdown()
 
 
 async def test_an_update_retried_after_the_pools_continue_as_new_applies_once(

@@ -46,6 +46,7 @@ from workflows.pool_plan import (
     pool_state,
     recent_bans,
     rotate_at,
+    settled,
     waiting_for,
 )
 from workflows.pool_view import last_change
@@ -611,6 +612,22 @@ def test_a_reconcile_is_due_sooner_while_the_pool_waits_on_members(
     assert not plan(
         situation(*members, reconciling=True), pool_input(), POOL, T0 + elapsed
     ).reconcile
+
+
+def test_a_pool_is_settled_for_its_handover_only_when_no_member_is_on_its_way_to_a_report() -> None:
+    serving = [ready(0), ready(1)]
+    assert settled(situation(*serving))
+    # Started and never Ready yet: its Ready report is coming.
+    assert not settled(situation(*serving, starting(2)))
+    rotating = ready(2, phase=MemberPhase.ROTATING, rotating_from=0, reason="rotate")
+    assert not settled(situation(*serving, rotating))
+    # Served once and failing now: its lifecycle heals it, which may take
+    # hours; the pool does not wait for that (MAX_HOLD bounds the wait anyway).
+    failing = dataclasses.replace(ready(2), state=ProxyState.UNHEALTHY)
+    assert settled(situation(*serving, failing))
+    # Being removed: it ends, it does not report.
+    leaving = dataclasses.replace(starting(2), phase=MemberPhase.REMOVING, reason="scale down")
+    assert settled(situation(*serving, leaving))
 
 
 # ---- what status shows ----------------------------------------------------------------------
