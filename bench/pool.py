@@ -2,25 +2,27 @@
 
     python -m bench.pool [--members 200] [--squids 4] [--steady-minutes 3] [--real 20]
 
-1. A pool of `--members` on the in-memory provider, every instance served by
-   one of `--squids` real local Squids (probes are real): time from start to
-   all Ready, and the pool's workflow tasks on the way (the longest, how many
-   took over a second, how many the server timed out, the largest event and
-   history before a continue-as-new, read from its histories); then, with
+1. A pool of `--members` on an in-memory provider, every instance served by
+   one of `--squids` real local Squids (probes are real), its worker a
+   process of its own as deployed (bench/fleet/worker_process.py), the TLS
+   origin and this script outside it: time from start to all Ready, and the
+   pool's workflow tasks on the way (the longest and what came before them,
+   how many took over a second, how many the server timed out or failed,
+   the largest event and history before a continue-as-new, read from its
+   histories) and the SDK's own warnings in the worker's log; then, with
    nothing to scale or rotate, the pool's history events over
-   `--steady-minutes`, scaled to a pool-hour, and the CPU the process (worker
-   and this script) used meanwhile.
+   `--steady-minutes`, scaled to a pool-hour, and the worker's CPU meanwhile.
 2. A pool of `--real` real local Squids: time to all Ready, then `rotate
    {"all": true}` to every member on a new instance, one surge at a time.
 
-Real dev server, in-process worker, a local TLS origin. Prints tables,
-asserts nothing.
+Real dev server, a local TLS origin. Prints tables, asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 import uuid
 from collections import Counter
@@ -32,23 +34,22 @@ from typing import Any
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
+from temporalio.worker import Replayer
 
-from activities.metrics import POOL_MONITOR_LATE_SECONDS
 from activities.provider import ProviderActivities
-from bench.fleet.parameters import INSTALLATION
-from bench.fleet.squids import create_squids, delete_squids
-from bench.fleet.worker_process import PoolProvider
+from bench.fleet.parameters import FLEET_PROVIDER, SQUID_PROVIDER
+from bench.fleet.sampling import cpu_snapshot
+from bench.fleet.squids import SquidGround, create_squids, squid_ground
+from bench.fleet.worker_process import WorkerProcess, worker_spec
 from providers.config import Config
-from providers.local import LocalConfig, LocalProvider
-from tests.helpers.config import build_config, local_entry
-from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
-from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
-from worker import build_worker
+from tests.helpers.tls_origin import TlsOrigin
+from worker import DEFAULT_MAX_WORKFLOW_TASKS, build_worker, workflow_task_slots
+from workflows.pool import ProxyPool
 from workflows.pool_input import MAX_REPLICAS
 
-PASSWORD = "bench-pool-password-2f9c1e"
 POLL = 5.0
+SLOWEST = 5
 
 
 async def main() -> None:
@@ -57,54 +58,58 @@ async def main() -> None:
     parser.add_argument("--squids", type=int, default=4)
     parser.add_argument("--steady-minutes", type=float, default=3.0)
     parser.add_argument("--real", type=int, default=20)
+    parser.add_argument(
+        "--workflow-task-slots",
+        type=workflow_task_slots,
+        default=DEFAULT_MAX_WORKFLOW_TASKS,
+        help="the worker's --max-concurrent-workflow-tasks; default %(default)s",
+    )
     args = parser.parse_args()
     if args.members > MAX_REPLICAS:
         parser.error(f"--members: a pool holds at most {MAX_REPLICAS} (workflows/pool_input.py)")
     env = await start_dev_server()
     try:
-        with serve_tls_origin() as origin, local_state_dir() as state_dir:
-            local = LocalProvider(LocalConfig(state_dir=str(state_dir)), INSTALLATION)
-            config = _config(origin, local_entry(state_dir))
-            try:
-                await _memory_pool(env.client, origin, local, config, args)
-                if args.real:
-                    await _real_pool(env.client, origin, local, config, args.real)
-            finally:
-                await delete_squids(local)
+        async with squid_ground("pool") as ground:
+            await _memory_pool(env.client, ground, args)
+            if args.real:
+                await _real_pool(env.client, ground, args.real)
     finally:
         await env.shutdown()
 
 
-def _config(origin: TlsOrigin, entry: dict[str, Any]) -> Config:
-    return build_config(
-        entry, connect_ports=[443, origin.port], installation=INSTALLATION, password=PASSWORD
-    )
-
-
-async def _memory_pool(
-    client: Client, origin: TlsOrigin, local: LocalProvider, local_config: Config, args: Any
-) -> None:
-    squids = await create_squids(local, local_config, args.squids)
-    config = _config(origin, {"name": "memory", "type": "memory"})
-    provider = PoolProvider(squids)
-    async with _worker(client, {"memory": provider}, config, origin) as task_queue:
-        template = {"provider": "memory", "health": {"target": origin.url}}
-        handle, ready_s = await _start_until_ready(client, task_queue, args.members, template)
+async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
+    endpoints = await create_squids(ground.squids, ground.config, args.squids)
+    spec = worker_spec(client, ground.origin, endpoints, ground.workdir, "pool")
+    spec["workflow_task_slots"] = args.workflow_task_slots
+    worker = WorkerProcess(ground.workdir, spec)
+    try:
+        await worker.wait_ready()
+        template = {"provider": FLEET_PROVIDER, "health": {"target": ground.origin.url}}
+        handle, ready_s = await _start_until_ready(
+            client, spec["task_queue"], args.members, template
+        )
         tasks = await _task_figures(client, handle)
         # Let the last reports and the first reconcile settle, then watch.
         await asyncio.sleep(15)
         events_before = await _events(handle)
-        late_before = _late_rounds()
-        cpu_before, wall_before = time.process_time(), time.monotonic()
+        late_before = _late_rounds(await worker.results_now())
+        before = cpu_snapshot(worker.pid)
         await asyncio.sleep(args.steady_minutes * 60)
-        cpu = time.process_time() - cpu_before
-        wall = time.monotonic() - wall_before
+        after = cpu_snapshot(worker.pid)
         events = await _events(handle) - events_before
-        late = _late_rounds() - late_before
+        late = _late_rounds(await worker.results_now()) - late_before
         await handle.signal("terminate")
         await handle.result()
+        replay_s, replayed_events = await _replay(client, handle.id, tasks.largest_run)
+        warnings = _sdk_warnings(worker.log.read_text(errors="replace"))
+    finally:
+        await worker.stop()
+    wall = after.at - before.at
     per_hour = events * 3600 / wall
-    print(f"\nPool of {args.members} on the memory provider ({args.squids} real Squids behind)")
+    print(
+        f"\nPool of {args.members} on the memory provider ({args.squids} real Squids behind), "
+        f"worker with {args.workflow_task_slots} workflow task slots"
+    )
     print("| what | figure |\n| --- | --- |")
     print(f"| start to all {args.members} Ready | {ready_s:.1f} s |")
     print(f"| pool runs (continue-as-new) until all Ready | {tasks.runs} |")
@@ -113,8 +118,16 @@ async def _memory_pool(
     causes = ", ".join(f"{n} {c}" for c, n in tasks.failed_causes.most_common()) or "none"
     print(f"| pool workflow tasks timed out / failed | {tasks.timed_out} / {tasks.failed} |")
     print(f"| why they failed (server's cause) | {causes} |")
+    for took, run, event_id, came_after in tasks.slowest:
+        print(f"| a slowest task: run {run}, event {event_id}, after {came_after} | {took:.2f} s |")
     print(f"| largest pool history event (a payload) | {tasks.largest_event / 1024:.0f} KiB |")
     print(f"| largest pool history (one run) | {tasks.largest_history / 1024:.0f} KiB |")
+    print(
+        f"| replay of the largest run's history ({replayed_events} events), "
+        f"in this process, the pool ended | {replay_s:.1f} s |"
+    )
+    sdk = ", ".join(f"{n} {code}" for code, n in warnings.most_common()) or "none"
+    print(f"| SDK warnings in the worker's log (task duration, payload size) | {sdk} |")
     print(f"| pool history events in {wall / 60:.1f} min of steady state | {events} |")
     print(f"| pool history events per pool-hour (scaled) | {per_hour:.0f} |")
     print(
@@ -122,16 +135,14 @@ async def _memory_pool(
         f"{late[None] - late[1.0]:.0f} started over 1 s late, "
         f"{late[None] - late[10.0]:.0f} over 10 s (an interval) |"
     )
-    print(
-        f"| process CPU (worker + this script), steady state | {100 * cpu / wall:.1f} % of a core |"
-    )
+    cpu = 100 * (after.worker - before.worker) / wall
+    print(f"| worker process CPU, steady state | {cpu:.1f} % of a core |")
 
 
-async def _real_pool(
-    client: Client, origin: TlsOrigin, local: LocalProvider, config: Config, members: int
-) -> None:
-    async with _worker(client, {"local": local}, config, origin) as task_queue:
-        template = {"provider": "local", "health": {"target": origin.url}}
+async def _real_pool(client: Client, ground: SquidGround, members: int) -> None:
+    providers = {SQUID_PROVIDER: ground.squids}
+    async with _worker(client, providers, ground.config, ground.origin) as task_queue:
+        template = {"provider": SQUID_PROVIDER, "health": {"target": ground.origin.url}}
         handle, ready_s = await _start_until_ready(client, task_queue, members, template)
         started = time.monotonic()
         await handle.execute_update("rotate", {"all": True})
@@ -217,6 +228,10 @@ class _TaskFigures:
     failed_causes: Counter[str] = field(default_factory=Counter)
     largest_event: int = 0
     largest_history: int = 0
+    # The run with the largest history, to replay.
+    largest_run: str = ""
+    # The slowest tasks: (seconds, run, WorkflowTaskStarted event id, what came before it).
+    slowest: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
 async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _TaskFigures:
@@ -231,44 +246,71 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
     while run_id:
         figures.runs += 1
         run = client.get_workflow_handle(handle.id, run_id=run_id)
+        this_run = run_id
         started: dict[int, datetime] = {}
         run_id = None
+        # A task after a failed or timed-out one replays the run's whole history.
+        before = "first task of the run"
         async for event in run.fetch_history_events():
             figures.largest_event = max(figures.largest_event, event.ByteSize())
             when = event.event_time.ToDatetime()
             if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
                 started[event.event_id] = when
                 size = event.workflow_task_started_event_attributes.history_size_bytes
-                figures.largest_history = max(figures.largest_history, size)
+                if size > figures.largest_history:
+                    figures.largest_history, figures.largest_run = size, this_run
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
                 attributes = event.workflow_task_completed_event_attributes
                 took = (when - started[attributes.started_event_id]).total_seconds()
                 figures.tasks += 1
                 figures.longest_s = max(figures.longest_s, took)
                 figures.over_1s += took > 1
+                figures.slowest.append((took, figures.runs, attributes.started_event_id, before))
+                figures.slowest = sorted(figures.slowest, reverse=True)[:SLOWEST]
+                before = "a completed task"
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
                 figures.timed_out += 1
+                before = "a timed-out task (replays)"
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
                 figures.failed += 1
                 cause = event.workflow_task_failed_event_attributes.cause
                 figures.failed_causes[WorkflowTaskFailedCause.Name(cause)] += 1
+                before = f"a failed task, {WorkflowTaskFailedCause.Name(cause)} (replays)"
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
                 attributes_can = event.workflow_execution_continued_as_new_event_attributes
                 run_id = attributes_can.new_execution_run_id
     return figures
 
 
-def _late_rounds() -> Counter[float | None]:
+async def _replay(client: Client, workflow_id: str, run_id: str) -> tuple[float, int]:
+    """How long a worker takes to replay this run from its first event (after an eviction,
+    a restart or a failed task): the CPU of every workflow task in it, again."""
+    history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+    replayer = Replayer(workflows=[ProxyPool], namespace=client.namespace, debug_mode=True)
+    started = time.monotonic()
+    await replayer.replay_workflow(history)
+    return time.monotonic() - started, len(history.events)
+
+
+def _late_rounds(dump: dict[str, Any]) -> Counter[float | None]:
     """The pool monitors' rounds so far: how many started at most `le` seconds late (None: all).
 
-    Read from the in-process worker's own histogram (activities/metrics.py).
+    Read from the worker process's own histogram (activities/metrics.py).
     """
     counts: Counter[float | None] = Counter()
-    for family in POOL_MONITOR_LATE_SECONDS.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                le = float(sample.labels["le"])
-                counts[None if le == float("inf") else le] = int(sample.value)
+    for le, rounds in dump["pool_monitor_late"]:
+        counts[None if le == float("inf") else le] = int(rounds)
+    return counts
+
+
+def _sdk_warnings(log: str) -> Counter[str]:
+    """The SDK's coded warnings in the worker's log (TMPRL1104: a task over 5 s; payload
+    sizes), by code and workflow type."""
+    counts: Counter[str] = Counter()
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", log).splitlines():
+        if code := re.search(r"\[(TMPRL\d+)\]", line):
+            workflow_type = re.search(r"workflow_type=(\w+)", line)
+            counts[f"{code[1]} ({workflow_type[1] if workflow_type else 'no workflow type'})"] += 1
     return counts
 
 

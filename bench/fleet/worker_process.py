@@ -27,7 +27,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
-from activities.metrics import PROBES
+from activities.metrics import POOL_MONITOR_LATE_SECONDS, PROBES
 from activities.models import MonitorInput, MonitorOutcome
 from activities.probe import ProbeResult
 from activities.provider import InstanceProbe, ProbeRequest, ProviderActivities, probe_instance
@@ -42,7 +42,7 @@ from providers.base import CreateRequest
 from providers.memory import MemoryProvider
 from providers.naming import OWNER_KEY
 from tests.helpers.tls_origin import TlsOrigin
-from worker import build_worker
+from worker import DEFAULT_MAX_WORKFLOW_TASKS, build_worker
 
 
 class PoolProvider(MemoryProvider):
@@ -119,6 +119,7 @@ class Recorder:
             "monitor_starts": self.monitor_starts,
             "monitor_ends": self.monitor_ends,
             "counter_total": _probes_counter_total(),
+            "pool_monitor_late": _pool_monitor_late(),
             "slow": self.slow,
             "collections": self.collections,
         }
@@ -158,6 +159,16 @@ def _probes_counter_total() -> float:
         for sample in metric.samples
         if sample.name.endswith("_total")
     )
+
+
+def _pool_monitor_late() -> list[tuple[float, float]]:
+    """The pool monitors' rounds so far, as (bucket bound `le`, rounds at most that late)."""
+    return [
+        (float(sample.labels["le"]), sample.value)
+        for family in POOL_MONITOR_LATE_SECONDS.collect()
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    ]
 
 
 async def _measure_lag(recorder: Recorder) -> None:
@@ -204,7 +215,12 @@ async def serve_worker(spec: dict[str, Any]) -> None:
     gc.callbacks.append(recorder.on_gc)
     lag = asyncio.create_task(_measure_lag(recorder))
     watch = asyncio.create_task(_watch_parent(spec["parent_pid"], stop))
-    async with build_worker(client, activities, task_queue=spec["task_queue"]):
+    async with build_worker(
+        client,
+        activities,
+        task_queue=spec["task_queue"],
+        max_concurrent_workflow_tasks=spec.get("workflow_task_slots", DEFAULT_MAX_WORKFLOW_TASKS),
+    ):
         await asyncio.to_thread(Path(spec["ready"]).write_text, str(os.getpid()))
         await stop.wait()
     lag.cancel()
