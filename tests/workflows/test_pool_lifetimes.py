@@ -35,6 +35,7 @@ from tests.helpers.config import (
     build_config,
     local_settings,
 )
+from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
@@ -285,6 +286,7 @@ async def test_a_pool_hands_over_only_once_the_members_it_started_have_reported_
                 if report["state"] == ProxyState.READY:
                     ready.add(report["member"])
         assert ready == {f"{pool_id}/{n}" for n in range(3)}
+        await record_history(first, "pool_quiet_handover")
         await handle.signal("terminate")
         result = await asyncio.wait_for(handle.result(), DEADLINE)
         assert result["state"] == "Terminated"
