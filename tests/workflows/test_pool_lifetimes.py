@@ -199,6 +199,17 @@ async def _rotations(member: WorkflowHandle[Any, Any]) -> list[tuple[datetime, d
     return spans
 
 
+async def continued_as_new(handle: WorkflowHandle[Any, Any]) -> str:
+    """Wait until the pool's current run continues as new; return that run's id."""
+    first_run = (await handle.describe()).run_id
+
+    async def continued() -> bool:
+        return (await handle.describe()).run_id != first_run
+
+    await wait_for(continued, "the pool's continue-as-new", deadline=120)
+    return first_run
+
+
 async def test_members_live_on_across_the_pools_continue_as_new(
     eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
     stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
@@ -213,12 +224,7 @@ async def test_members_live_on_across_the_pools_continue_as_new(
         id=pool_id,
         task_queue=stack.task_queue,
     )
-    first_run = (await handle.describe()).run_id
-
-    async def continued() -> bool:
-        return (await handle.describe()).run_id != first_run
-
-    await wait_for(continued, "the pool's continue-as-new", deadline=120)
+    await continued_as_new(handle)
     members = [stack.client.get_workflow_handle(f"{pool_id}/{n}") for n in range(2)]
     for member in members:
         described = await member.describe()
@@ -269,12 +275,7 @@ async def test_a_pool_hands_over_only_once_the_members_it_started_have_reported_
             id=pool_id,
             task_queue=stack.task_queue,
         )
-        first_run = (await handle.describe()).run_id
-
-        async def continued() -> bool:
-            return (await handle.describe()).run_id != first_run
-
-        await wait_for(continued, "the pool's continue-as-new", deadline=120)
+        first_run = await continued_as_new(handle)
         first = stack.client.get_workflow_handle(pool_id, run_id=first_run)
         ready: set[str] = set()
         async for event in first.fetch_history_events():
@@ -319,12 +320,7 @@ async def test_an_update_retried_after_the_pools_continue_as_new_applies_once(
     await wait_for(ready, "the member Ready")
     first = await handle.execute_update("scale", {"replicas": 2}, id="scale-to-two")
     assert first == {"replicas": 2, "previous": 1}
-    first_run = (await handle.describe()).run_id
-
-    async def continued() -> bool:
-        return (await handle.describe()).run_id != first_run
-
-    await wait_for(continued, "the pool's continue-as-new", deadline=120)
+    await continued_as_new(handle)
     assert await handle.execute_update("scale", {"replicas": 1}, id="scale-back") == {
         "replicas": 1,
         "previous": 2,
