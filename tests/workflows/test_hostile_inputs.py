@@ -41,6 +41,7 @@ from activities.provider import ProviderActivities
 from contract import ORPHAN_GC, POOL, PROXY_LIFECYCLE, PROXY_POOL, ErrorType
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config
+from tests.helpers.temporal import STARVED_TASK
 from tests.helpers.waiting import wait_for
 from tests.helpers.workers import running
 from worker import build_worker
@@ -348,11 +349,17 @@ async def test_no_hostile_input_wedges_a_workflow(
         created = outcome.failure is not None and any(
             e.event_type in CREATING_EVENTS for e in history.events
         )
-        return [
-            what + json.dumps(str(e.workflow_task_failed_event_attributes.failure.message))
+        failures = [
+            e.workflow_task_failed_event_attributes.failure.message
             for e in history.events
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
-        ] + ([what + "refused, yet started something"] if created else [])
+        ]
+        # A task the deadlock detector failed on a starved machine is not the
+        # input's doing: the workflow still reached the outcome checked above,
+        # which one that hangs on its input never would.
+        return [what + json.dumps(m) for m in failures if not m.startswith(STARVED_TASK)] + (
+            [what + "refused, yet started something"] if created else []
+        )
 
     failed_tasks = [
         f for found in await asyncio.gather(*map(task_failures, outcomes)) for f in found
