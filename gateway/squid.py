@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -112,6 +113,12 @@ HELPER_DIR = "helper"
 HELPER_CHECK_TIMEOUT = 30.0
 FRONT = 1  # the front's ${process_number}
 BACKS = (2, 3)  # the backs'; the coordinator is kid 4
+# The backs' loopback ports come from below the kernel's ephemeral range
+# (`_free_ports`), from 26000 up: clear of the local provider's default
+# 20000..20999 and of the suite's and benchmarks' local Squids (21000..25999).
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+DEFAULT_EPHEMERAL_LOW = 32768
+BACK_PORTS_FROM = 26000
 START_DEADLINE = 30.0
 RELOAD_DEADLINE = 30.0
 # How long the paused front waits before a back reloads: longer than the
@@ -654,9 +661,33 @@ def _kid_pid(master: int, number: int) -> int | None:
 
 
 def _free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports free now (held open together, so none repeats)."""
+    """`count` distinct loopback ports free now, below the kernel's ephemeral range.
+
+    Between this check and Squid's bind the ports are free for anyone: one
+    from the ephemeral range (what binding port 0 gives) can meanwhile become
+    the local end of any process's outgoing connection, and the back worker
+    then never listens (seen once in the suite). Below the range, only an
+    explicit bind can take it. Held open together, so none repeats.
+    """
+    low = _ephemeral_low()
+    window = range(BACK_PORTS_FROM if low > BACK_PORTS_FROM + count else 1024, low)
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+        ports: list[int] = []
+        for port in random.sample(window, len(window)):
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise GatewayError(f"no {count} free loopback ports in {window.start}..{window.stop - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unreadable)."""
+    try:
+        return int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_LOW

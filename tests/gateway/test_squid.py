@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway import squid as gateway_squid
 from gateway.sessions import userhash_member
 from gateway.squid import GatewayError, GatewaySquid
 from gateway.users import hash_password
@@ -761,3 +762,22 @@ def tunnel_get(tls: ssl.SSLSocket) -> int:
         assert chunk, f"the tunnel closed after {reply!r}"
         reply += chunk
     return int(reply.split(b" ", 2)[1])
+
+
+def test_the_backs_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A port from the ephemeral range can become any process's outgoing
+    # connection between the check and Squid's bind; below it, it cannot.
+    low = gateway_squid._ephemeral_low()
+    monkeypatch.setattr(gateway_squid, "BACK_PORTS_FROM", low - 5)
+    window = set(range(low - 5, low))
+    with contextlib.ExitStack() as stack:
+        taken = set(sorted(window)[:3])
+        for port in taken:
+            sock = stack.enter_context(socket.socket())
+            with contextlib.suppress(OSError):  # held by someone else: taken too
+                sock.bind(("127.0.0.1", port))
+        assert sorted(gateway_squid._free_ports(2)) == sorted(window - taken)
+        with pytest.raises(GatewayError, match=f"no 3 free loopback ports in {low - 5}"):
+            gateway_squid._free_ports(3)
