@@ -674,11 +674,13 @@ def _free_ports(count: int) -> list[int]:
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
         for port in random.sample(window, len(window)):
-            sock = stack.enter_context(socket.socket())
+            sock = socket.socket()
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
+                sock.close()  # not held: a busy window must not run out of descriptors
                 continue
+            stack.enter_context(sock)
             ports.append(port)
             if len(ports) == count:
                 return ports
