@@ -161,9 +161,7 @@ async def test_killed_workers_lose_nothing(
         # monitor has ended, which, its worker dead, the server decides at the
         # monitor's heartbeat timeout.
         await wait_for(lambda: squid_pids(state_dir) == [], "the instance deleted", 60)
-        result = await asyncio.wait_for(
-            handle.result(), timeout=health["heartbeat_timeout_seconds"] + 120
-        )
+        result = await asyncio.wait_for(handle.result(), timeout=heartbeat_timeout + 120)
         assert result["state"] == "Terminated"
         assert squid_pids(state_dir) == []
         assert (await status_of(handle)).state == "Terminated"
@@ -298,8 +296,9 @@ def test_bad_deployment_versions_exit_2_naming_the_flag(
 def test_too_few_workflow_task_slots_exit_2_naming_the_flag(
     value: str, error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The SDK needs two with a workflow cache (one for sticky tasks) and
-    # would otherwise refuse only once the worker is built, with a traceback.
+    # The SDK needs two with a workflow cache (it polls the task queue and the
+    # worker's sticky one) and would otherwise refuse only once the worker is
+    # built, with a traceback.
     with pytest.raises(SystemExit) as exited:
         worker.parse_args(["--max-concurrent-workflow-tasks", value])
     assert exited.value.code == 2
