@@ -1,6 +1,7 @@
 """ProxyPool against its targets (docs/benchmarks.md).
 
     python -m bench.pool [--members 200] [--squids 4] [--steady-minutes 3] [--real 20]
+        [--workflow-task-slots 8]
 
 1. A pool of `--members` on an in-memory provider, every instance served by
    one of `--squids` real local Squids (probes are real), its worker a
