@@ -92,9 +92,14 @@ class ProbeInput(ProbeThrough):
     report_after_seconds: float | None = None
 
 
-@dataclass(frozen=True)
-class MonitorInput(ProbeThrough):
-    """`monitor`: probe a Ready instance every interval until it fails, vanishes or time is up."""
+@dataclass(frozen=True, kw_only=True)
+class ProbeCadence:
+    """How the monitors probe: every interval, for how long, and how many failures fail.
+
+    One base for both monitors' inputs rather than a nested field, so each
+    input's JSON stays flat: a monitor scheduled by an older worker still
+    decodes on a newer one during a rollout (keys, not positions, are decoded).
+    """
 
     interval_seconds: float
     failure_threshold: int
@@ -102,6 +107,11 @@ class MonitorInput(ProbeThrough):
     # rotate, continue-as-new and refresh its status (policies.MONITOR_PERIOD).
     max_duration_seconds: float
     probe_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class MonitorInput(ProbeCadence, ProbeThrough):
+    """`monitor`: probe a Ready instance every interval until it fails, vanishes or time is up."""
 
 
 @dataclass(frozen=True)
@@ -147,15 +157,11 @@ class WatchedMember:
 
 
 @dataclass(frozen=True)
-class PoolMonitorInput:
+class PoolMonitorInput(ProbeCadence):
     """`monitor_members`: probe a shard of a pool's members every interval, under one heartbeat."""
 
     members: list[WatchedMember]
     target: str
-    interval_seconds: float
-    failure_threshold: int
-    max_duration_seconds: float
-    probe_timeout_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
