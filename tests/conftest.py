@@ -109,3 +109,14 @@ def tls_origin() -> Iterator[TlsOrigin]:
     """A stateless HTTPS origin on 127.0.0.1, shared by the whole session."""
     with serve_tls_origin() as origin:
         yield origin
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first, each group in its collected order.
+
+    pytest-xdist hands tests to its processes in this order, a few at a time:
+    the end-to-end tests, some of which take minutes, start while the quick
+    ones can still fill in around them, rather than one of them running alone
+    at the end of the run.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

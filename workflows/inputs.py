@@ -54,6 +54,11 @@ def _https_url(target: str) -> str:
 HttpsUrl = Annotated[str, Field(max_length=MAX_URL_LENGTH), AfterValidator(_https_url)]
 
 
+# The shortest monitor heartbeat timeout a proxy may choose: a heartbeat is
+# sent well within it (activities/provider.py), and each is a billed action.
+MIN_HEARTBEAT_TIMEOUT_SECONDS = 30
+
+
 class HealthInput(StrictInput):
     target: HttpsUrl = DEFAULT_HEALTH_TARGET
     interval_seconds: Annotated[Seconds, Field(ge=1, le=3600)] = 10
@@ -63,7 +68,9 @@ class HealthInput(StrictInput):
     # hands the monitor to another worker only when a heartbeat is this
     # late, and every heartbeat is a billed action (docs/cost.md). None: the
     # defaults in workflows/policies.py (a proxy's own monitor, a pool's).
-    heartbeat_timeout_seconds: Annotated[int, Field(ge=30, le=600)] | None = None
+    heartbeat_timeout_seconds: (
+        Annotated[int, Field(ge=MIN_HEARTBEAT_TIMEOUT_SECONDS, le=600)] | None
+    ) = None
 
 
 class PlacementInput(StrictInput):

@@ -23,7 +23,12 @@ from tests.helpers.config import proxy_config
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import StackFactory
 from tests.helpers.tls_origin import TlsOrigin
-from tests.helpers.waiting import MONITOR_CANCEL_DEADLINE, status_of, wait_status
+from tests.helpers.waiting import (
+    MONITOR_CANCEL_DEADLINE,
+    QUICK_HEARTBEAT,
+    status_of,
+    wait_status,
+)
 from tests.workflows.test_pool_lifetimes import OneSquid, one_squid  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -48,7 +53,8 @@ async def test_refused_delete_fails_the_proxy_naming_the_instance_and_is_not_ret
 ) -> None:
     config = proxy_config(tls_origin.port, {"name": PROVIDER, "type": "memory"})
     stack = await provider_stack_on(temporal_env, {PROVIDER: one_squid}, config)
-    handle = await stack.start(PROVIDER)
+    health = stack.proxy_input(PROVIDER)["health"] | QUICK_HEARTBEAT
+    handle = await stack.start(PROVIDER, health=health)
     ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
     refusal = f"delete {ready.provider_id}: refused, owner tag names proxy-someone-else"
     one_squid.refuse_delete(ready.provider_id, Permanent(refusal))

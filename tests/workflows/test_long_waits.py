@@ -29,6 +29,7 @@ from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.waiting import (
     MONITOR_CANCEL_DEADLINE,
+    QUICK_HEARTBEAT,
     pending_activities,
     status_of,
     wait_for,
@@ -127,7 +128,7 @@ async def test_a_month_of_quota_on_terminate_continues_as_new_and_ends_terminate
     """Terminating, its delete refused for quota for a month: still Terminating, history bounded."""
     env = time_skipping_env
     stack = await stack_on(env)
-    handle = await stack.start()
+    handle = await stack.start(health=stack.proxy_input()["health"] | QUICK_HEARTBEAT)
     first_run_id = handle.first_execution_run_id or handle.result_run_id
     assert first_run_id is not None
     ready = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
