@@ -24,7 +24,7 @@ from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack, StackOn
 from tests.helpers.temporal import start_dev_server
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import QUICK_HEARTBEAT, wait_for
 from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     LocalWorker,
     local_worker,
@@ -369,7 +369,10 @@ async def test_a_worker_killed_mid_scale_converges_with_no_duplicate_and_no_leak
     worker = local_worker.process
     assert worker is not None
     client = temporal_env.client
-    template = {"provider": "local", "health": {"target": f"https://127.0.0.1:{origin_port}/"}}
+    # The pool's monitor dies with the worker; the pool's end waits for it
+    # to be found lost (its heartbeat timeout), so the shortest one.
+    health = {"target": f"https://127.0.0.1:{origin_port}/"} | QUICK_HEARTBEAT
+    template = {"provider": "local", "health": health}
     handle = await client.start_workflow(
         "ProxyPool",
         {"replicas": 2, "template": template},
