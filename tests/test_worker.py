@@ -42,6 +42,7 @@ from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
     worker_process,
     write_worker_config,
 )
+from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
 
 INSTALLATION = "worker-test"
 DEPLOYMENT_NAME_ENV = "PROXY_OPERATOR_DEPLOYMENT_NAME"
@@ -120,7 +121,7 @@ async def test_killed_workers_lose_nothing(
     first = worker_process(config, task_queue, env)
     # The shortest heartbeat timeout: a terminate waits that long for the
     # monitor of a worker killed below (270 s by default).
-    heartbeat_timeout = 30
+    heartbeat_timeout = MIN_HEARTBEAT_TIMEOUT_SECONDS
     health = {
         "target": f"https://127.0.0.1:{origin_port}/",
         "heartbeat_timeout_seconds": heartbeat_timeout,

@@ -21,10 +21,11 @@ from temporalio.client import WorkflowHandle
 
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
+from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TIMEOUT = timedelta(seconds=30)
+HEARTBEAT_TIMEOUT = timedelta(seconds=MIN_HEARTBEAT_TIMEOUT_SECONDS)
 # Longer than the heartbeat timeout, so the monitor's second probe comes after it.
 INTERVAL = HEARTBEAT_TIMEOUT + timedelta(seconds=15)
 

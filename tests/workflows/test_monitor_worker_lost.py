@@ -29,10 +29,11 @@ from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     origin,
     worker_process,
 )
+from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TIMEOUT = 30
+HEARTBEAT_TIMEOUT = MIN_HEARTBEAT_TIMEOUT_SECONDS
 # The heartbeat timeout, the retry and the new attempt's pick-up, with room
 # for a machine whose cores are busy.
 RESUMED_WITHIN = HEARTBEAT_TIMEOUT + 120
