@@ -38,9 +38,10 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from operator import attrgetter
 from typing import Any
 
 from temporalio import workflow
@@ -54,7 +55,6 @@ with workflow.unsafe.imports_passed_through():
         EndpointCheck,
         FailingMember,
         VerifyEndpointInput,
-        WatchedMember,
     )
     from activities.pool import MembersInput, MembersOutput, PoolActivities
     from activities.provider import ProviderActivities
@@ -800,7 +800,7 @@ class ProxyPool:
 
     def _apply(self, step: Step) -> None:
         """The plan's members and books, then its commands, each in a task of its own, in order."""
-        self._members = {m.member: m for m in step.members}
+        self._keep(step.members)
         self._next_index = step.next_index
         self._start_after = step.start_after
         self._vacancies = list(step.vacancies)
@@ -826,11 +826,7 @@ class ProxyPool:
         """Have the pool's monitor watch every member at its confirmed endpoint."""
         if self._monitor is None or self._inp is None:
             return None
-        watched = [
-            WatchedMember(m.member, m.provider, m.verified)
-            for m in self._members.values()
-            if m.verified
-        ]
+        watched = [(m.member, m.provider, m.verified) for m in self._members.values() if m.verified]
         return self._monitor.refresh(watched, self._inp.template.health, workflow.now())
 
     def _tell_failing(self, failing: FailingMember) -> None:
@@ -1105,7 +1101,7 @@ class ProxyPool:
 
     def _restore(self, carried: PoolCarried) -> None:
         self._replicas = carried.replicas
-        self._members = {m.member: m for m in carried.members}
+        self._keep(carried.members)
         self._next_index = carried.next_index
         self._failures_in_a_row = carried.failures_in_a_row
         self._last_error = carried.last_error
@@ -1138,11 +1134,16 @@ class ProxyPool:
     # ---- views ----------------------------------------------------------------------
 
     def _ordered(self) -> list[Member]:
-        return sorted(self._members.values(), key=lambda m: m.index)
+        # `_members` is kept in index order (`_keep`): read after every step, not sorted.
+        return list(self._members.values())
 
     def _live(self) -> list[Member]:
         """Members the pool keeps: not told to terminate."""
         return pool_plan.live(self._situation())
+
+    def _keep(self, members: Iterable[Member]) -> None:
+        """The members from now on, in index order (the order every view and plan reads)."""
+        self._members = {m.member: m for m in sorted(members, key=attrgetter("index"))}
 
     def _serving(self) -> list[Member]:
         return [m for m in self._live() if pool_plan.is_serving(m)]
