@@ -116,6 +116,12 @@ POOL_MONITOR_PATCH = "pool-monitors-members"
 # and the worker then replays the whole run, seconds at 1,000 members. Since,
 # a holding pool also waits (within MAX_HOLD) until those members settled.
 QUIET_HANDOVER_PATCH = "quiet-handover"
+# Pools recorded before this patch saw that their history had passed its budget
+# only at their next step, which nothing they ignore brings about (reports of
+# members they do not have, which anyone may send): a flood of those grew a
+# run's history until the next timer, toward the server's hard limit. Since,
+# passing the budget is a reason to step (and so to hand over).
+BUDGET_WAKES_PATCH = "budget-wakes"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -306,6 +312,15 @@ class ProxyPool:
             )
         )
 
+    def _step_due(self, *, watch_budget: bool) -> bool:
+        """Whether to step again: something changed, the pool is ending, or (watching
+        the budget) its run has just grown past it."""
+        return (
+            self._dirty
+            or self._terminate_reason is not None
+            or (watch_budget and self._time_to_continue())
+        )
+
     # ---- the contract: run, signals, queries, updates -------------------------------
 
     @workflow.run
@@ -316,6 +331,7 @@ class ProxyPool:
         if workflow.patched(POOL_MONITOR_PATCH):
             self._monitor = PoolMonitor(self._tell_failing, self._wake_up)
         quiet_handover = workflow.patched(QUIET_HANDOVER_PATCH)
+        budget_wakes = workflow.patched(BUDGET_WAKES_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -377,7 +393,7 @@ class ProxyPool:
                     wake = Wake(self._hold_since + MAX_HOLD, "stop waiting to continue as new")
                 self._arm(wake)
                 await workflow.wait_condition(
-                    lambda: self._dirty or self._terminate_reason is not None
+                    functools.partial(self._step_due, watch_budget=budget_wakes and not suggested)
                 )
         except asyncio.CancelledError:
             self._terminate_reason = self._terminate_reason or "pool cancelled"

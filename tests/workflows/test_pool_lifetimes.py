@@ -41,8 +41,12 @@ from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import DEADLINE, wait_for
 from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
+from workflows.pool import POOL_EVENT_BUDGET
 
 pytestmark = pytest.mark.slow
+
+# The dev server's (and Temporal Cloud's) `limit.historyCount.suggestContinueAsNew`.
+SERVER_SUGGESTS = 4096
 
 
 class OneSquid(MemoryProvider):
@@ -331,3 +335,62 @@ async def test_an_update_retried_after_the_pools_continue_as_new_applies_once(
     await handle.signal("terminate")
     assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
     assert stack.instances() == []
+
+
+async def test_a_pool_continues_as_new_at_its_own_event_budget(
+    temporal_env: WorkflowEnvironment,
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+) -> None:
+    """A worker that restarts replays the pool's current run in one workflow task,
+    with a plan over every member at each of its tasks, so the pool keeps its
+    runs short: it hands over past POOL_EVENT_BUDGET events, long before the
+    server suggests it (SERVER_SUGGESTS events).
+
+    Reports about members the pool does not have (anyone may send them; the
+    pool ignores them) fill the history here, as a large pool's reports do.
+    """
+    stack = await stack_on(temporal_env)
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 1, "template": stack.proxy_input()},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await handle.query("status"))["ready"] == 1)
+
+    await wait_for(ready, "the member Ready")
+    first_run = (await handle.describe()).run_id
+    sent = 0
+    while (await handle.describe()).run_id == first_run:
+        assert sent < SERVER_SUGGESTS, f"no continue-as-new after {sent} reports"
+        await asyncio.gather(
+            *(handle.signal(MEMBER_CHANGED_SIGNAL, _stranger(sent + n)) for n in range(50))
+        )
+        sent += 50
+    first = stack.client.get_workflow_handle(handle.id, run_id=first_run)
+    length = len([event async for event in first.fetch_history_events()])
+    assert POOL_EVENT_BUDGET <= length < SERVER_SUGGESTS, length
+    # The next run keeps the member, and ignored what was no report of one.
+    await wait_for(ready, "the member Ready in the next run")
+    status = await handle.query("status")
+    assert [m["member"] for m in status["members"]] == [f"{handle.id}/0"]
+    assert status["rejected_reports"] == 0
+    await handle.signal("terminate")
+    assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
+    assert stack.instances() == []
+
+
+def _stranger(n: int) -> dict[str, Any]:
+    """A well-formed report of a member no pool has."""
+    return {
+        "member": f"nobody/{n}",
+        "state": ProxyState.READY,
+        "endpoint": "127.0.0.1:9",
+        "provider": "local",
+        "generation": 0,
+        "ready_since": None,
+        "at": datetime.now(UTC).isoformat(),
+        "seq": n,
+    }
