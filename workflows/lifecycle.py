@@ -132,6 +132,12 @@ TERMINATING_HANDOVER_PATCH = "hand-over-terminating-waits"
 # monitored until its replacement is Ready: it serves (and a pool advertises
 # it) until then, which a wait for quota can make days.
 ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
+# Histories recorded before this patch had a pool member in Ready look at its
+# history's length only when a rotation or its pool's word woke it, so events
+# it ignores (an `instance_failing` about another endpoint, which anyone may
+# send) grew its run without end. Since, a long history wakes it too, and
+# it hands over (`_hand_over_when_long`).
+LONG_WAKES_PATCH = "member-hands-over-when-long"
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
 CONFIRM_TIMEOUT = timedelta(minutes=2)
@@ -198,6 +204,7 @@ class ProxyLifecycle:
         # A pool member: why its pool's monitor says its instance is failing,
         # until the member has probed the instance itself (_confirm_failing).
         self._failing: str | None = None
+        self._long_wakes = False
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -210,6 +217,7 @@ class ProxyLifecycle:
             # after the validation's local-activity marker, did not replay
             # ("patch marker encountered ... no corresponding change command").
             self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
+            self._long_wakes = workflow.patched(LONG_WAKES_PATCH)
         self._early.decide(continued=state is not None)
         if state is not None:
             self._restore(state)
@@ -713,13 +721,18 @@ class ProxyLifecycle:
 
         Wakes for a rotation (None), or for the pool's word that the
         instance is failing, which the member checks itself before it
-        believes it: an outcome only when its own probe fails too.
+        believes it: an outcome only when its own probe fails too. Nothing
+        else ends this wait, so a history grown long wakes it too (HANDOVER).
         """
         ref = self._carried.current
         assert ref is not None
 
         def woken() -> bool:
-            return self._failing is not None or self._carried.rotate_reason is not None
+            return (
+                self._failing is not None
+                or self._carried.rotate_reason is not None
+                or (self._long_wakes and self._may_hand_over())
+            )
 
         while True:
             deadline = self._next_deadline(inp)
@@ -737,6 +750,9 @@ class ProxyLifecycle:
                     continue
             if self._carried.rotate_reason is not None:
                 return None
+            if self._failing is None:
+                # Woken by its history's length: `_ready` hands over.
+                return MonitorOutcome(MonitorReason.HANDOVER, self._carried.last_probe)
             outcome = await self._confirm_failing(inp, ref)
             if outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
                 return outcome
@@ -1188,8 +1204,10 @@ class ProxyLifecycle:
         await asyncio.gather(*self._deletions.values())
 
     async def _continue_as_new_if_suggested(self) -> None:
-        """Between monitor cycles: hand over to a new run when the server suggests it."""
-        if not workflow.info().is_continue_as_new_suggested():
+        """Between monitor cycles: hand over to a new run when the server suggests it
+        (since LONG_WAKES_PATCH: or the run passed EVENT_BUDGET)."""
+        suggested = workflow.info().is_continue_as_new_suggested()
+        if not (_history_long() if self._long_wakes else suggested):
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
@@ -1200,6 +1218,16 @@ class ProxyLifecycle:
             # rather than leave the instance unmonitored while they finish.
             return
         await self._continue_as_new()
+
+    def _may_hand_over(self) -> bool:
+        """A Ready run's history is long, and neither a terminate nor a deletion holds
+        its handover back (`_continue_as_new_if_suggested` would refuse it: a wake
+        for it would come again at once, for ever)."""
+        return (
+            self._terminate_reason is None
+            and _history_long()
+            and (not self._deletions or self._idle_deletions())
+        )
 
     def _idle_deletions(self) -> bool:
         """Whether every pending deletion is between calls: waiting out quota or an outage.
