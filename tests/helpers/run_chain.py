@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 
 from tests.helpers.temporal import STARVED_TASK
+from tests.helpers.waiting import wait_for
 
 
 async def run_histories(
@@ -43,3 +46,35 @@ async def failed_tasks(client: Client, workflow_id: str, first_run_id: str) -> l
         if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
     ]
     return [f"{workflow_id}: {m[:300]}" for m in messages if not m.startswith(STARVED_TASK)]
+
+
+async def signal_until_continued(
+    handle: WorkflowHandle[Any, Any],
+    name: str,
+    make_input: Callable[[int], Any],
+    *,
+    settled_under: int,
+    most: int = 500,
+) -> int:
+    """Signal `name` in small bursts until the workflow's run continues as new; how many went.
+
+    First waits for a run whose history is under `settled_under` events (one
+    that has handed over whatever it had to), so only the signals can be
+    why it hands over. Bursts stay small: every signal that reaches a run
+    while its workflow task runs is applied in the next task, and a loaded
+    worker given thousands at once trips the SDK's deadlock detector.
+    """
+    settled: list[str] = []
+
+    async def short() -> bool:
+        info = (await handle.describe()).raw_description.workflow_execution_info
+        settled[:] = [info.execution.run_id] if info.history_length < settled_under else []
+        return bool(settled)
+
+    await wait_for(short, f"a run of {handle.id} under {settled_under} events")
+    sent = 0
+    while (await handle.describe()).run_id == settled[0]:
+        assert sent < most, f"no continue-as-new after {sent} {name} signals"
+        await asyncio.gather(*(handle.signal(name, make_input(sent + n)) for n in range(10)))
+        sent += 10
+    return sent

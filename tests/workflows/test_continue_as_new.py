@@ -20,10 +20,14 @@ from tests.helpers.waiting import wait_for, wait_status
 pytestmark = pytest.mark.slow
 
 
+# Where `eager_can_env` suggests continue-as-new: a run's 40th event.
+SUGGESTED_AT = 40
+
+
 @pytest.fixture(scope="module")
 async def eager_can_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await start_dev_server(
-        "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"
+        "--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={SUGGESTED_AT}"
     )
     yield env
     await env.shutdown()

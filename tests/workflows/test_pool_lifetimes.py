@@ -36,17 +36,17 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.histories import record_history
+from tests.helpers.run_chain import signal_until_continued
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import DEADLINE, wait_for
-from tests.workflows.test_continue_as_new import eager_can_env  # noqa: F401 (a fixture)
-from workflows.pool import POOL_EVENT_BUDGET
+from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
+    SUGGESTED_AT,
+    eager_can_env,
+)
 
 pytestmark = pytest.mark.slow
-
-# The dev server's (and Temporal Cloud's) `limit.historyCount.suggestContinueAsNew`.
-SERVER_SUGGESTS = 4096
 
 
 class OneSquid(MemoryProvider):
@@ -337,19 +337,16 @@ async def test_an_update_retried_after_the_pools_continue_as_new_applies_once(
     assert stack.instances() == []
 
 
-async def test_a_pool_continues_as_new_at_its_own_event_budget(
-    temporal_env: WorkflowEnvironment,
+async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
     stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
 ) -> None:
-    """A worker that restarts replays the pool's current run in one workflow task,
-    with a plan over every member at each of its tasks, so the pool keeps its
-    runs short: it hands over past POOL_EVENT_BUDGET events, long before the
-    server suggests it (SERVER_SUGGESTS events).
-
-    Reports about members the pool does not have (anyone may send them; the
-    pool ignores them) fill the history here, as a large pool's reports do.
+    """Reports about members the pool does not have (anyone may send them) are
+    ignored, but each is an event: a run they lengthen past its budget (its own
+    POOL_EVENT_BUDGET, or here the server's suggestion) hands over at once,
+    not at the pool's next timer, an hour away in a calm pool.
     """
-    stack = await stack_on(temporal_env)
+    stack = await stack_on(eager_can_env)
     handle = await stack.client.start_workflow(
         "ProxyPool",
         {"replicas": 1, "template": stack.proxy_input()},
@@ -361,17 +358,9 @@ async def test_a_pool_continues_as_new_at_its_own_event_budget(
         return bool((await handle.query("status"))["ready"] == 1)
 
     await wait_for(ready, "the member Ready")
-    first_run = (await handle.describe()).run_id
-    sent = 0
-    while (await handle.describe()).run_id == first_run:
-        assert sent < SERVER_SUGGESTS, f"no continue-as-new after {sent} reports"
-        await asyncio.gather(
-            *(handle.signal(MEMBER_CHANGED_SIGNAL, _stranger(sent + n)) for n in range(50))
-        )
-        sent += 50
-    first = stack.client.get_workflow_handle(handle.id, run_id=first_run)
-    length = len([event async for event in first.fetch_history_events()])
-    assert POOL_EVENT_BUDGET <= length < SERVER_SUGGESTS, length
+    await signal_until_continued(
+        handle, MEMBER_CHANGED_SIGNAL, _stranger, settled_under=SUGGESTED_AT
+    )
     # The next run keeps the member, and ignored what was no report of one.
     await wait_for(ready, "the member Ready in the next run")
     status = await handle.query("status")

@@ -9,22 +9,27 @@ tested without a server.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
 
 from activities.models import WatchedMember
 from contract import INSTANCE_FAILING_SIGNAL, MEMBER_CHANGED_SIGNAL
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
+from tests.helpers.run_chain import signal_until_continued
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
-from workflows.lifecycle import EVENT_BUDGET
+from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
+    SUGGESTED_AT,
+    eager_can_env,
+)
 from workflows.pool_monitor import shards
 
 
@@ -196,28 +201,24 @@ def test_shards_split_the_members_and_a_change_touches_one_shard() -> None:
 
 
 async def test_a_member_flooded_with_signals_it_ignores_hands_over_to_a_new_run(
-    stack: Stack,
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
 ) -> None:
     """A member its pool monitors waits for nothing but a rotation or its pool's word,
     so events it ignores (here `instance_failing` about another endpoint, which
     anyone may send) used to grow its run for as long as it served. A long
-    history now wakes it, and it continues as new past EVENT_BUDGET events.
+    history (past EVENT_BUDGET, or here the server's suggestion) now wakes it,
+    and it continues as new.
     """
+    stack = await stack_on(eager_can_env)
     pool, status = await monitored_pool(stack, 1)
     (only,) = status["members"]
     member = stack.client.get_workflow_handle(only["member"])
     first = await member.query("status")
-    first_run = (await member.describe()).run_id
     elsewhere = {"endpoint": "192.0.2.1:3128", "reason": "not this member's endpoint"}
-    sent = 0
-    while (await member.describe()).run_id == first_run:
-        assert sent < 2 * EVENT_BUDGET, f"no continue-as-new after {sent} ignored signals"
-        await asyncio.gather(
-            *(member.signal(INSTANCE_FAILING_SIGNAL, elsewhere) for _ in range(100))
-        )
-        sent += 100
-    length = len(await history_of(stack.client.get_workflow_handle(member.id, run_id=first_run)))
-    assert length >= EVENT_BUDGET, length
+    await signal_until_continued(
+        member, INSTANCE_FAILING_SIGNAL, lambda _: elsewhere, settled_under=SUGGESTED_AT
+    )
     # The same instance serves on in the new run, and its pool still lists it.
     after = await member.query("status")
     assert (after["state"], after["generation"], after["endpoint"]) == (
