@@ -135,8 +135,8 @@ ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
 # Histories recorded before this patch had a pool member in Ready look at its
 # history's length only when a rotation or its pool's word woke it, so events
 # it ignores (an `instance_failing` about another endpoint, which anyone may
-# send) grew its run without end. Since, a long history wakes it too, and
-# it hands over (`_hand_over_when_long`).
+# send) grew its run without end. Since, a long history wakes it too
+# (`_may_hand_over`), and it hands over (`_continue_as_new_if_suggested`).
 LONG_WAKES_PATCH = "member-hands-over-when-long"
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
@@ -1206,8 +1206,11 @@ class ProxyLifecycle:
     async def _continue_as_new_if_suggested(self) -> None:
         """Between monitor cycles: hand over to a new run when the server suggests it
         (since LONG_WAKES_PATCH: or the run passed EVENT_BUDGET)."""
-        suggested = workflow.info().is_continue_as_new_suggested()
-        if not (_history_long() if self._long_wakes else suggested):
+        if self._long_wakes:
+            long = _history_long()
+        else:
+            long = workflow.info().is_continue_as_new_suggested()
+        if not long:
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
