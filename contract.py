@@ -15,6 +15,13 @@ from typing import Any
 from temporalio.common import SearchAttributeKey
 
 TASK_QUEUE = "proxy-operator"
+# A pool started on a task queue named with this suffix runs in a worker of its
+# own (`worker.py --serve pools` polls "proxy-operator-pools"), away from the
+# CPU its members' workflow tasks and probes take: a 1,000-member pool sharing
+# a worker with them waits for the interpreter lock on every task. Its members
+# and every activity it asks for run on the queue without the suffix.
+POOL_QUEUE_SUFFIX = "-pools"
+POOL_TASK_QUEUE = TASK_QUEUE + POOL_QUEUE_SUFFIX
 
 # Workflow type names, as `temporal workflow start --type` spells them.
 PROXY_LIFECYCLE = "ProxyLifecycle"
@@ -45,6 +52,17 @@ KEYWORDS = (STATE, PROVIDER, ENDPOINT)
 # ProxyPool sets it to its own id, so `ProxyPool='web'` lists pool and members.
 POOL = SearchAttributeKey.for_keyword("ProxyPool")
 SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES, POOL)
+
+
+def members_task_queue(pool_queue: str) -> str:
+    """Where a pool on `pool_queue` starts its members and runs its activities.
+
+    The queue without POOL_QUEUE_SUFFIX; a pool on any other queue keeps all
+    on its own, as pools always have. Derived from the queue the pool runs
+    on, never from its input: a member's queue decides which worker's code
+    reports its endpoint, and so where the fleet's credentials go.
+    """
+    return pool_queue.removesuffix(POOL_QUEUE_SUFFIX) or pool_queue
 
 
 class ProxyState(StrEnum):

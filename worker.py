@@ -9,12 +9,18 @@ TEMPORAL_NAMESPACE, TLS, API key, profiles), serves /metrics and /healthz, and
 drains gracefully on SIGTERM. With `--deployment-name` and `--build-id` it
 joins a Worker Deployment as that version (Worker Versioning, off by
 default; docs/upgrades.md).
+
+It serves two task queues: proxies (and pools started there) on
+`--task-queue`, and pools on the same name ending "-pools". `--serve
+proxies` or `--serve pools` takes one of them, so a large fleet's pools run
+in a process of their own (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -38,7 +44,7 @@ import cli
 from activities.gc import GcActivities
 from activities.pool import PoolActivities
 from activities.provider import ProviderActivities
-from contract import ORPHAN_GC_SCHEDULE_ID, TASK_QUEUE
+from contract import ORPHAN_GC_SCHEDULE_ID, POOL_QUEUE_SUFFIX, TASK_QUEUE
 from providers.config import Config, ConfigError, load_config
 from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
@@ -68,6 +74,9 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=20)
 RESERVED_PREFIX = "__"
 VERSION_SEPARATOR = "."
 MAX_BUILD_ID_LENGTH = 255
+# What `--serve` takes: both task queues, or one of them.
+SERVE_ALL, SERVE_PROXIES, SERVE_POOLS = "all", "proxies", "pools"
+SERVE_CHOICES = (SERVE_ALL, SERVE_PROXIES, SERVE_POOLS)
 
 log = logging.getLogger("proxy_operator.worker")
 
@@ -79,7 +88,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metrics_env="PROXY_OPERATOR_METRICS_ADDRESS",
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
-    parser.add_argument("--task-queue", default=TASK_QUEUE, help="default %(default)s")
+    parser.add_argument(
+        "--task-queue",
+        default=TASK_QUEUE,
+        help=f"proxies' task queue; pools' is its name + {POOL_QUEUE_SUFFIX!r}; "
+        "default %(default)s",
+    )
+    cli.env_argument(
+        parser,
+        "--serve",
+        "PROXY_OPERATOR_SERVE",
+        f"which task queues to poll: both ({SERVE_ALL}), the proxies' with OrphanGC "
+        f"({SERVE_PROXIES}) or the pools' ({SERVE_POOLS})",
+        default=SERVE_ALL,
+        type=serve_choice,
+    )
     parser.add_argument(
         "--max-concurrent-activities",
         type=int,
@@ -146,6 +169,14 @@ def build_id(value: str) -> str:
     return _not_reserved(value)
 
 
+def serve_choice(value: str) -> str:
+    """One of the `--serve` choices, also when it comes from the environment (which
+    argparse's own `choices` would not check)."""
+    if value not in SERVE_CHOICES:
+        raise argparse.ArgumentTypeError(f"{value!r}: one of {', '.join(SERVE_CHOICES)}")
+    return value
+
+
 def workflow_task_slots(value: str) -> int:
     """At least 2: with a workflow cache the SDK refuses fewer (it polls two queues, the
     task queue and this worker's sticky one)."""
@@ -200,33 +231,49 @@ async def serve(config: Config, args: argparse.Namespace) -> int:
     client = await cli.connect(runtime)
     await ensure_search_attributes(client)
     activities = ProviderActivities(providers, config)
-    gc = GcActivities(providers, config.installation, client)
-    if args.orphan_gc_schedule:
+    serves_proxies = args.serve != SERVE_POOLS
+    if serves_proxies and args.orphan_gc_schedule:
         await ensure_orphan_gc_schedule(
             client, task_queue=args.task_queue, interval=args.orphan_gc_interval
         )
     version = deployment_version(args)
-    worker = build_worker(
-        client,
-        activities,
-        gc=gc,
-        task_queue=args.task_queue,
-        max_concurrent_activities=args.max_concurrent_activities,
-        max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
-        deployment=version,
-    )
+    workers: list[Worker] = []
+    if serves_proxies:
+        workers.append(
+            build_worker(
+                client,
+                activities,
+                gc=GcActivities(providers, config.installation, client),
+                task_queue=args.task_queue,
+                max_concurrent_activities=args.max_concurrent_activities,
+                max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
+                deployment=version,
+            )
+        )
+    if args.serve != SERVE_PROXIES:
+        workers.append(
+            build_pool_worker(
+                client,
+                activities,
+                task_queue=args.task_queue + POOL_QUEUE_SUFFIX,
+                max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
+                deployment=version,
+            )
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
         "worker on task queue %s (namespace %s, %s), providers: %s",
-        args.task_queue,
+        ", ".join(w.task_queue for w in workers),
         client.namespace,
         "unversioned" if version is None else f"version {version.to_canonical_string()}",
         ", ".join(f"{e.name} ({e.type})" for e in config.providers),
     )
-    async with worker:
+    async with contextlib.AsyncExitStack() as running:
+        for worker in workers:
+            await running.enter_async_context(worker)
         health.ready = True
         await stop.wait()
         log.info("draining: finishing tasks in flight (up to %s)", GRACEFUL_SHUTDOWN)
@@ -283,13 +330,44 @@ def build_worker(
         # One cached workflow per activity slot, so a monitor's report-back
         # (every MONITOR_PERIOD) never has to replay an evicted history.
         max_cached_workflows=max_concurrent_activities,
-        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
-        deployment_config=(
+        **_common_settings(deployment),
+    )
+
+
+def build_pool_worker(
+    client: Client,
+    activities: ProviderActivities,
+    *,
+    task_queue: str = TASK_QUEUE + POOL_QUEUE_SUFFIX,
+    max_concurrent_workflow_tasks: int = DEFAULT_MAX_WORKFLOW_TASKS,
+    deployment: WorkerDeploymentVersion | None = None,
+) -> Worker:
+    """A worker for pools alone, on the pools' task queue.
+
+    Its pools run their members and activities on the proxies' queue
+    (contract.members_task_queue), so it serves no activity but the input
+    check every workflow runs locally, and spends its CPU on pool tasks only.
+    """
+    return Worker(
+        with_input_payload_converter(client),
+        task_queue=task_queue,
+        workflows=[ProxyPool if deployment is None else VersionedProxyPool],
+        activities=[activities.validate_target],
+        max_concurrent_workflow_tasks=max_concurrent_workflow_tasks,
+        **_common_settings(deployment),
+    )
+
+
+def _common_settings(deployment: WorkerDeploymentVersion | None) -> dict[str, Any]:
+    """What every worker of this process shares: how it drains, which version it is."""
+    return {
+        "graceful_shutdown_timeout": GRACEFUL_SHUTDOWN,
+        "deployment_config": (
             None
             if deployment is None
             else WorkerDeploymentConfig(version=deployment, use_worker_versioning=True)
         ),
-    )
+    }
 
 
 def _pool_activities(client: Client) -> list[Callable[..., Any]]:

@@ -1,18 +1,20 @@
 """ProxyPool against its targets (docs/benchmarks.md).
 
     python -m bench.pool [--members 200] [--squids 4] [--steady-minutes 3] [--real 20]
-        [--workflow-task-slots 8]
+        [--workflow-task-slots 8] [--shared-worker]
 
 1. A pool of `--members` on an in-memory provider, every instance served by
-   one of `--squids` real local Squids (probes are real), its worker a
-   process of its own as deployed (bench/fleet/worker_process.py), the TLS
-   origin and this script outside it: time from start to all Ready, and the
+   one of `--squids` real local Squids (probes are real), its workers
+   processes of their own as deployed (bench/fleet/worker_process.py): one
+   for the pool on the pools' task queue, one for its members (or, with
+   `--shared-worker`, one for both on one queue); the TLS origin and this
+   script outside them: time from start to all Ready, and the
    pool's workflow tasks on the way (the longest and what came before them,
    how many took over a second, how many the server timed out or failed,
    the largest event and history before a continue-as-new, read from its
-   histories) and the SDK's own warnings in the worker's log; then, with
+   histories) and the SDK's own warnings in the workers' logs; then, with
    nothing to scale or rotate, the pool's history events over
-   `--steady-minutes`, scaled to a pool-hour, and the worker's CPU meanwhile.
+   `--steady-minutes`, scaled to a pool-hour, and the workers' CPU meanwhile.
 2. A pool of `--real` real local Squids: time to all Ready, then `rotate
    {"all": true}` to every member on a new instance, one surge at a time.
 
@@ -30,6 +32,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
@@ -42,6 +45,7 @@ from bench.fleet.parameters import FLEET_PROVIDER, SQUID_PROVIDER
 from bench.fleet.sampling import cpu_snapshot
 from bench.fleet.squids import SquidGround, create_squids, squid_ground
 from bench.fleet.worker_process import WorkerProcess, worker_spec
+from contract import POOL_QUEUE_SUFFIX
 from providers.config import Config
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
@@ -65,6 +69,11 @@ async def main() -> None:
         default=DEFAULT_MAX_WORKFLOW_TASKS,
         help="the worker's --max-concurrent-workflow-tasks; default %(default)s",
     )
+    parser.add_argument(
+        "--shared-worker",
+        action="store_true",
+        help="the pool on its members' task queue and worker, not a worker of its own",
+    )
     args = parser.parse_args()
     if args.members > MAX_REPLICAS:
         parser.error(f"--members: a pool holds at most {MAX_REPLICAS} (workflows/pool_input.py)")
@@ -82,34 +91,43 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
     endpoints = await create_squids(ground.squids, ground.config, args.squids)
     spec = worker_spec(client, ground.origin, endpoints, ground.workdir, "pool")
     spec["workflow_task_slots"] = args.workflow_task_slots
-    worker = WorkerProcess(ground.workdir, spec)
+    worker = WorkerProcess(_subdirectory(ground.workdir, "members"), spec)
+    workers = [worker]
+    pool_queue = spec["task_queue"]
+    if not args.shared_worker:
+        pool_queue += POOL_QUEUE_SUFFIX
+        pools_spec = {**spec, "task_queue": pool_queue, "serve": "pools"}
+        workers.append(WorkerProcess(_subdirectory(ground.workdir, "pools"), pools_spec))
     try:
-        await worker.wait_ready()
+        for each in workers:
+            await each.wait_ready()
         template = {"provider": FLEET_PROVIDER, "health": {"target": ground.origin.url}}
-        handle, ready_s = await _start_until_ready(
-            client, spec["task_queue"], args.members, template
-        )
+        handle, ready_s = await _start_until_ready(client, pool_queue, args.members, template)
         tasks = await _task_figures(client, handle)
         # Let the last reports and the first reconcile settle, then watch.
         await asyncio.sleep(15)
         events_before = await _events(handle)
         late_before = _late_rounds(await worker.results_now())
-        before = cpu_snapshot(worker.pid)
+        before = [cpu_snapshot(each.pid) for each in workers]
         await asyncio.sleep(args.steady_minutes * 60)
-        after = cpu_snapshot(worker.pid)
+        after = [cpu_snapshot(each.pid) for each in workers]
         events = await _events(handle) - events_before
         late = _late_rounds(await worker.results_now()) - late_before
         await handle.signal("terminate")
         await handle.result()
         replay_s, replayed_events = await _replay(client, handle.id, tasks.largest_run)
-        warnings = _sdk_warnings(worker.log.read_text(errors="replace"))
+        warnings = sum(
+            (_sdk_warnings(each.log.read_text(errors="replace")) for each in workers), Counter()
+        )
     finally:
-        await worker.stop()
-    wall = after.at - before.at
+        for each in workers:
+            await each.stop()
+    wall = after[0].at - before[0].at
     per_hour = events * 3600 / wall
     print(
         f"\nPool of {args.members} on the memory provider ({args.squids} real Squids behind), "
-        f"worker with {args.workflow_task_slots} workflow task slots"
+        f"{'one worker' if args.shared_worker else 'the pool on a worker of its own'}, "
+        f"{args.workflow_task_slots} workflow task slots each"
     )
     print("| what | figure |\n| --- | --- |")
     print(f"| start to all {args.members} Ready | {ready_s:.1f} s |")
@@ -128,7 +146,7 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         f"in this process, the pool ended | {replay_s:.1f} s |"
     )
     sdk = ", ".join(f"{n} {code}" for code, n in warnings.most_common()) or "none"
-    print(f"| SDK warnings in the worker's log (task duration, payload size) | {sdk} |")
+    print(f"| SDK warnings in the workers' logs (task duration, payload size) | {sdk} |")
     print(f"| pool history events in {wall / 60:.1f} min of steady state | {events} |")
     print(f"| pool history events per pool-hour (scaled) | {per_hour:.0f} |")
     print(
@@ -136,8 +154,14 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         f"{late[None] - late[1.0]:.0f} started over 1 s late, "
         f"{late[None] - late[10.0]:.0f} over 10 s (an interval) |"
     )
-    cpu = 100 * (after.worker - before.worker) / wall
-    print(f"| worker process CPU, steady state | {cpu:.1f} % of a core |")
+    cpu = [100 * (a.worker - b.worker) / wall for a, b in zip(after, before, strict=True)]
+    shares = " + ".join(f"{c:.1f}" for c in cpu)
+    print(f"| worker processes' CPU, steady state (members + pool) | {shares} % of a core |")
+
+
+def _subdirectory(workdir: Path, name: str) -> Path:
+    (workdir / name).mkdir()
+    return workdir / name
 
 
 async def _real_pool(client: Client, ground: SquidGround, members: int) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from contract import PROVIDER_ERRORS
+import pytest
+
+from contract import POOL_QUEUE_SUFFIX, PROVIDER_ERRORS, members_task_queue
 from providers.errors import TAXONOMY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +72,22 @@ def test_the_checker_sees_an_import_of_workflows(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import json\nfrom workflows.lifecycle import X\n")
     assert "workflows.lifecycle" in _imported_modules(module)
+
+
+@pytest.mark.parametrize(
+    ("pool_queue", "members_queue"),
+    [
+        ("proxy-operator-pools", "proxy-operator"),
+        ("team-a-pools", "team-a"),
+        # Any other queue keeps everything on its own, as pools always have.
+        ("proxy-operator", "proxy-operator"),
+        ("pools", "pools"),
+        ("proxy-operator-pools-x", "proxy-operator-pools-x"),
+        # Nothing left without the suffix: not an empty queue name.
+        (POOL_QUEUE_SUFFIX, POOL_QUEUE_SUFFIX),
+    ],
+)
+def test_members_run_on_the_queue_without_the_pools_suffix(
+    pool_queue: str, members_queue: str
+) -> None:
+    assert members_task_queue(pool_queue) == members_queue

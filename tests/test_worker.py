@@ -24,6 +24,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 import worker
+from contract import POOL_QUEUE_SUFFIX
 from providers.base import CreateRequest
 from providers.local import LocalProvider
 from providers.naming import owner_tags
@@ -228,6 +229,48 @@ async def test_a_memory_provider_proxy_goes_ready_and_away_through_the_worker(
         assert result["state"] == "Terminated"
 
 
+@pytest.mark.slow
+async def test_a_pool_in_a_worker_of_its_own_keeps_its_members_in_the_proxies_worker(
+    temporal_env: WorkflowEnvironment,
+    worker_process: StartWorker,  # noqa: F811
+    origin: tuple[int, dict[str, str]],  # noqa: F811
+    state_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """`--serve proxies` and `--serve pools` (from the environment), one process each."""
+    origin_port, env = origin
+    config = write_worker_config(
+        tmp_path / "providers.yaml", local_entry(state_dir), origin_port, INSTALLATION
+    )
+    task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    worker_process(config, task_queue, {**env, "PROXY_OPERATOR_SERVE": "proxies"})
+    worker_process(config, task_queue, {**env, "PROXY_OPERATOR_SERVE": "pools"})
+    handle = await temporal_env.client.start_workflow(
+        "ProxyPool",
+        {
+            "replicas": 1,
+            "template": {
+                "provider": "local",
+                "health": {"target": f"https://127.0.0.1:{origin_port}/", "interval_seconds": 1},
+            },
+        },
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=task_queue + POOL_QUEUE_SUFFIX,
+    )
+
+    async def listed() -> bool:
+        return len(await handle.query("endpoints")) == 1
+
+    await wait_for(listed, "the member's endpoint listed", 90)
+    await handle.signal("terminate")
+    result = await asyncio.wait_for(handle.result(), timeout=90)
+    assert result["state"] == "Terminated"
+    assert squid_pids(state_dir) == []
+    logs = [(tmp_path / f"worker-{n}.log").read_text() for n in range(2)]
+    assert f"worker on task queue {task_queue} (" in logs[0]
+    assert f"worker on task queue {task_queue}{POOL_QUEUE_SUFFIX} (" in logs[1]
+
+
 # ---- Worker Versioning ----------------------------------------------------------------
 
 
@@ -309,6 +352,33 @@ def test_too_few_workflow_task_slots_exit_2_naming_the_flag(
         worker.parse_args(["--max-concurrent-workflow-tasks", "2"]).max_concurrent_workflow_tasks
         == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--serve", "pool"], {}),
+        ([], {"PROXY_OPERATOR_SERVE": "everything"}),
+        (["--serve", ""], {}),
+    ],
+)
+def test_an_unknown_serve_choice_exits_2_naming_the_flag(
+    argv: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        worker.parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --serve: " in err
+    assert "one of all, proxies, pools" in err
+    monkeypatch.delenv("PROXY_OPERATOR_SERVE", raising=False)
+    assert worker.parse_args([]).serve == worker.SERVE_ALL
+    assert worker.parse_args(["--serve", "pools"]).serve == worker.SERVE_POOLS
 
 
 def test_the_deployment_version_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,10 @@ falling due, the end of a replacement backoff, or the next reconcile; the
 timer's summary says which. So a pool in steady state writes history only
 when a member's lifetime ends.
 
+A pool started on "<queue>-pools" (contract.POOL_QUEUE_SUFFIX) runs in a
+worker of its own and starts its members, and runs every activity it asks
+for, on "<queue>"; on any other queue it keeps all on its own.
+
 Rotation is the pool's: member lifetimes are `template.max_lifetime_seconds`
 spread by `lifetime_jitter`, and the pool rotates a member whose lifetime is
 up through the member's `rotate` signal (make before break), at most
@@ -69,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         TERMINATE_SIGNAL,
         PoolState,
         ProxyState,
+        members_task_queue,
     )
     from workflows import policies, pool_autoscale, pool_carried, pool_plan, pool_view
     from workflows.early_signals import EarlySignals
@@ -122,6 +127,11 @@ QUIET_HANDOVER_PATCH = "quiet-handover"
 # run's history until the next timer, toward the server's hard limit. Since,
 # passing the budget is a reason to step (and so to hand over).
 BUDGET_WAKES_PATCH = "budget-wakes"
+# Pools recorded before this patch ran members and activities on their own
+# task queue whatever its name; since, a pool on "<queue>-pools" runs them on
+# "<queue>" (contract.members_task_queue). Asked only on such a queue, so a
+# pool on any other records no marker and replays as it always did.
+MEMBERS_QUEUE_PATCH = "members-queue"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -293,6 +303,8 @@ class ProxyPool:
         self._early = EarlySignals()
         # The members' monitor, when this run took POOL_MONITOR_PATCH.
         self._monitor: PoolMonitor | None = None
+        # Where members and activities run when not on the pool's own queue.
+        self._members_queue: str | None = None
 
     def _time_to_continue(self) -> bool:
         """Continue as new when the server suggests it or, paced, past the pool's own budget.
@@ -328,8 +340,9 @@ class ProxyPool:
         # Decided before the first await: the input check's local activity
         # resolves in another activation on replay than when first run.
         self._paced = workflow.patched(PACED_PATCH)
+        self._members_queue = _members_queue()
         if workflow.patched(POOL_MONITOR_PATCH):
-            self._monitor = PoolMonitor(self._tell_failing, self._wake_up)
+            self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
         quiet_handover = workflow.patched(QUIET_HANDOVER_PATCH)
         budget_wakes = workflow.patched(BUDGET_WAKES_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
@@ -874,6 +887,7 @@ class ProxyPool:
                 ProviderActivities.verify_endpoint,
                 VerifyEndpointInput(member.provider, member.member, claimed, self._echo_url()),
                 summary=f"verify {member.member} at {claimed}",
+                task_queue=self._members_queue,
                 start_to_close_timeout=policies.VERIFY.start_to_close,
                 schedule_to_close_timeout=policies.VERIFY.schedule_to_close,
                 retry_policy=policies.TRANSIENT_RETRY,
@@ -961,7 +975,7 @@ class ProxyPool:
                 PROXY_LIFECYCLE,
                 body,
                 id=member,
-                task_queue=workflow.info().task_queue,
+                task_queue=self._members_queue or workflow.info().task_queue,
                 # Members outlive the pool's run: continue-as-new must not end them.
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 search_attributes=TypedSearchAttributes(
@@ -1007,6 +1021,7 @@ class ProxyPool:
                 PoolActivities.closed_members,
                 MembersInput(workflow.info().workflow_id, settled),
                 summary="reconcile members",
+                task_queue=self._members_queue,
                 start_to_close_timeout=RECONCILE.start_to_close,
                 schedule_to_close_timeout=RECONCILE.schedule_to_close,
                 retry_policy=policies.TRANSIENT_RETRY,
@@ -1209,3 +1224,15 @@ def _update_key() -> str:
     info = workflow.current_update_info()
     assert info is not None, "called from an update's handler or validator only"
     return hashlib.sha256(info.id.encode()).hexdigest()[:32]
+
+
+def _members_queue() -> str | None:
+    """The task queue for this run's members and activities; None for its own.
+
+    Decided at a run's start, before its first await, as the patches are.
+    """
+    own = workflow.info().task_queue
+    members = members_task_queue(own)
+    if members == own or not workflow.patched(MEMBERS_QUEUE_PATCH):
+        return None
+    return members

@@ -80,11 +80,18 @@ class _Shard:
 class PoolMonitor:
     """The shard activities of one pool run; `refresh` after every step, `stop` at the end."""
 
-    def __init__(self, tell: Callable[[FailingMember], None], woken: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        tell: Callable[[FailingMember], None],
+        woken: Callable[[], None],
+        task_queue: str | None = None,
+    ) -> None:
         # `tell`: a member's advertised endpoint keeps failing. `woken`: a
-        # shard ended, so the pool steps (and refreshes) again.
+        # shard ended, so the pool steps (and refreshes) again. `task_queue`:
+        # where the shards probe from, the members' (None: the pool's own).
         self._tell = tell
         self._woken = woken
+        self._task_queue = task_queue
         self._shards: dict[int, _Shard] = {}
         # Cancelled (restarted or stopped), not yet ended.
         self._cancelled: list[ActivityHandle[PoolMonitorOutcome]] = []
@@ -169,6 +176,7 @@ class PoolMonitor:
                 max_duration_seconds=policies.MONITOR_PERIOD.total_seconds(),
                 probe_timeout_seconds=health.timeout_seconds,
             ),
+            task_queue=self._task_queue,
             summary=(
                 f"monitor {len(members)} members every {health.interval_seconds:g}s"
                 f" (shard {index + 1} of {count})"

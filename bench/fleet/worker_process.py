@@ -42,7 +42,7 @@ from providers.base import CreateRequest
 from providers.memory import MemoryProvider
 from providers.naming import OWNER_KEY
 from tests.helpers.tls_origin import TlsOrigin
-from worker import DEFAULT_MAX_WORKFLOW_TASKS, build_worker
+from worker import DEFAULT_MAX_WORKFLOW_TASKS, SERVE_POOLS, build_pool_worker, build_worker
 
 
 class PoolProvider(MemoryProvider):
@@ -195,7 +195,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 async def serve_worker(spec: dict[str, Any]) -> None:
-    """The worker process: one build_worker over the pool provider, until SIGTERM."""
+    """The worker process: one build_worker over the pool provider (or, for `serve:
+    "pools"`, one build_pool_worker), until SIGTERM."""
     config = config_for(spec["origin_port"], spec["state_dir"], FLEET_PROVIDER)
     provider = PoolProvider([(ip, port) for ip, port in spec["endpoints"]])
     recorder = Recorder()
@@ -215,11 +216,15 @@ async def serve_worker(spec: dict[str, Any]) -> None:
     gc.callbacks.append(recorder.on_gc)
     lag = asyncio.create_task(_measure_lag(recorder))
     watch = asyncio.create_task(_watch_parent(spec["parent_pid"], stop))
-    async with build_worker(
-        client,
-        activities,
-        task_queue=spec["task_queue"],
-        max_concurrent_workflow_tasks=spec.get("workflow_task_slots", DEFAULT_MAX_WORKFLOW_TASKS),
+    slots = spec.get("workflow_task_slots", DEFAULT_MAX_WORKFLOW_TASKS)
+    async with (
+        build_pool_worker(
+            client, activities, task_queue=spec["task_queue"], max_concurrent_workflow_tasks=slots
+        )
+        if spec.get("serve") == SERVE_POOLS
+        else build_worker(
+            client, activities, task_queue=spec["task_queue"], max_concurrent_workflow_tasks=slots
+        )
     ):
         await asyncio.to_thread(Path(spec["ready"]).write_text, str(os.getpid()))
         await stop.wait()
