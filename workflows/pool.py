@@ -129,8 +129,7 @@ QUIET_HANDOVER_PATCH = "quiet-handover"
 BUDGET_WAKES_PATCH = "budget-wakes"
 # Pools recorded before this patch ran members and activities on their own
 # task queue whatever its name; since, a pool on "<queue>-pools" runs them on
-# "<queue>" (contract.members_task_queue). Asked only on such a queue, so a
-# pool on any other records no marker and replays as it always did.
+# "<queue>" (contract.members_task_queue).
 MEMBERS_QUEUE_PATCH = "members-queue"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
@@ -1230,9 +1229,13 @@ def _members_queue() -> str | None:
     """The task queue for this run's members and activities; None for its own.
 
     Decided at a run's start, before its first await, as the patches are.
+    The patch is asked whatever the queue: `info().task_queue` is the queue
+    of the worker running the task, the pool's own on every worker that
+    polls it but not in a Replayer, so a marker written only for some
+    queues would not replay there.
     """
+    if not workflow.patched(MEMBERS_QUEUE_PATCH):
+        return None
     own = workflow.info().task_queue
     members = members_task_queue(own)
-    if members == own or not workflow.patched(MEMBERS_QUEUE_PATCH):
-        return None
-    return members
+    return None if members == own else members

@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.provider import ProviderActivities
 from contract import POOL_QUEUE_SUFFIX
+from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
 from tests.helpers.workers import stop_worker
@@ -65,6 +66,7 @@ async def test_a_pool_on_the_pools_queue_runs_its_members_and_activities_on_the_
         result = await asyncio.wait_for(handle.result(), timeout=90)
         assert result["state"] == "Terminated"
         assert stack.instances() == []
+        await record_history(handle, "pool_on_the_pools_queue")
 
         scheduled: list[str] = []
         markers: list[str] = []
