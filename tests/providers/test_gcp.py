@@ -901,14 +901,15 @@ def test_each_zone_gets_its_own_operation_budget(fake_compute: FakeCompute) -> N
     provider = GcpProvider(
         GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, zones=[ZONE_C]),
         INSTALLATION,
-        operation_timeout=8.0,
+        operation_timeout=12.0,
         guest_attribute_interval=0,
         **fake_compute.clients(),
     )
     provider.create(make_request("warm-up", zone=ZONE_D))  # firewall in place
-    # Together longer than one budget, each well within its own.
-    fake_compute.set_operation_seconds(5.0, zone=ZONE_B)
-    fake_compute.set_operation_seconds(5.0, zone=ZONE_C)
+    # Together longer than one budget, each well within its own: 5.5 s to
+    # spare in each zone, for a loaded machine's slow replies (3 s was not).
+    fake_compute.set_operation_seconds(6.5, zone=ZONE_B)
+    fake_compute.set_operation_seconds(6.5, zone=ZONE_C)
     fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
     req = make_request()
 
