@@ -44,7 +44,7 @@ import cli
 from activities.gc import GcActivities
 from activities.pool import PoolActivities
 from activities.provider import ProviderActivities
-from contract import ORPHAN_GC_SCHEDULE_ID, POOL_QUEUE_SUFFIX, TASK_QUEUE
+from contract import ORPHAN_GC_SCHEDULE_ID, POOL_QUEUE_SUFFIX, POOL_TASK_QUEUE, TASK_QUEUE
 from providers.config import Config, ConfigError, load_config
 from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
@@ -338,7 +338,7 @@ def build_pool_worker(
     client: Client,
     activities: ProviderActivities,
     *,
-    task_queue: str = TASK_QUEUE + POOL_QUEUE_SUFFIX,
+    task_queue: str = POOL_TASK_QUEUE,
     max_concurrent_workflow_tasks: int = DEFAULT_MAX_WORKFLOW_TASKS,
     deployment: WorkerDeploymentVersion | None = None,
 ) -> Worker:

@@ -49,7 +49,7 @@ from contract import POOL_QUEUE_SUFFIX
 from providers.config import Config
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
-from worker import DEFAULT_MAX_WORKFLOW_TASKS, build_worker, workflow_task_slots
+from worker import DEFAULT_MAX_WORKFLOW_TASKS, SERVE_POOLS, build_worker, workflow_task_slots
 from workflows.pool import ProxyPool
 from workflows.pool_input import MAX_REPLICAS
 
@@ -96,7 +96,7 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
     pool_queue = spec["task_queue"]
     if not args.shared_worker:
         pool_queue += POOL_QUEUE_SUFFIX
-        pools_spec = {**spec, "task_queue": pool_queue, "serve": "pools"}
+        pools_spec = {**spec, "task_queue": pool_queue, "serve": SERVE_POOLS}
         workers.append(WorkerProcess(_subdirectory(ground.workdir, "pools"), pools_spec))
     try:
         for each in workers:

@@ -78,7 +78,7 @@ async def test_a_pool_on_the_pools_queue_runs_its_members_and_activities_on_the_
                 details = event.marker_recorded_event_attributes.details
                 if "patch-data" in details:
                     markers.append(details["patch-data"].payloads[0].data.decode())
-        # The shards, the endpoint checks and the reconcile all ran where the providers are.
+        # The shards, the endpoint checks and the reconcile all ran on the proxies' queue.
         assert {s.split(" on ")[0] for s in scheduled} >= {"monitor_members", "verify_endpoint"}
         assert all(s.endswith(f" on {stack.task_queue}") for s in scheduled), scheduled
         assert any(MEMBERS_QUEUE_PATCH in marker for marker in markers), markers
