@@ -1,6 +1,7 @@
 """What the control API asks of the pool: its members, and bans, through Temporal.
 
-`/v1/members` is the pool's `status` query, cut to what a scraper may see
+`/v1/members` is the pool's `status` query (every page of its members, from
+a pool of any size: workflows/pool_status.py), cut to what a scraper may see
 (never an endpoint's credentials: the pool holds none, and only the member
 id, state, placement, provider and age are copied), joined with the session
 keys each member carried last (gateway/sessions.py). A ban is the pool's
@@ -26,6 +27,7 @@ from gateway.api import ApiError
 from gateway.placement import region_of, zone_of
 from gateway.sessions import SessionMap, userhash_member
 from providers.squid import SESSION_INFIX, GatewayMember, parse_gateway_username
+from workflows.pool_input import DEFAULT_PAGE, MAX_REPLICAS
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -34,6 +36,9 @@ BAN_UPDATE = "report_ban"
 # A status answer is reused this long: many clients asking at once cost one query.
 STATUS_CACHE_SECONDS = 1.0
 TEMPORAL_SECONDS = 30.0
+# Status pages read at most: a pool's largest size over its smallest default
+# page, and one more (a pool from before pages answers in one).
+MAX_STATUS_PAGES = MAX_REPLICAS // DEFAULT_PAGE + 1
 # What the pool's refusal of a member it does not have starts with (workflows/pool.py).
 NO_SUCH_MEMBER = "member: no member"
 DEFAULT_REASON = "reported through the gateway's API"
@@ -85,15 +90,38 @@ class PoolControl:
             if self._status is not None and now - self._status[0] < STATUS_CACHE_SECONDS:
                 return self._status[1]
             try:
-                raw = await asyncio.wait_for(self._handle.query(STATUS_QUERY), TEMPORAL_SECONDS)
+                status = await self._every_page()
             except (RPCError, WorkflowQueryFailedError, TimeoutError) as err:
                 log.warning("status query for the API failed: %s", err)
                 raise ApiError(
                     HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot ask {self._pool!r} now"
                 ) from None
-            status = raw if isinstance(raw, dict) else {}
             self._status = (now, status)
             return status
+
+    async def _every_page(self) -> dict[str, Any]:
+        """The pool's status with the members of all its pages.
+
+        The first query has no argument, as a pool of any release takes it;
+        each page's `next_page` asks for the next, and the walk stops at
+        the last page, at a page that goes no further, or past MAX_STATUS_PAGES.
+        """
+        status: dict[str, Any] = {}
+        members: list[Any] = []
+        request: Any = None
+        for _ in range(MAX_STATUS_PAGES):
+            args = [] if request is None else [request]
+            raw = await asyncio.wait_for(
+                self._handle.query(STATUS_QUERY, args=args), TEMPORAL_SECONDS
+            )
+            page = raw if isinstance(raw, dict) else {}
+            status = status or page
+            members += page.get("members") or []
+            after = request["after"] if request else None
+            request = page.get("next_page")
+            if not isinstance(request, dict) or request.get("after") == after:
+                break
+        return {**status, "members": members}
 
     async def members(self) -> dict[str, Any]:
         status = await self._query_status()

@@ -75,7 +75,14 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
         members_task_queue,
     )
-    from workflows import policies, pool_autoscale, pool_carried, pool_plan, pool_view
+    from workflows import (
+        policies,
+        pool_autoscale,
+        pool_carried,
+        pool_plan,
+        pool_status,
+        pool_view,
+    )
     from workflows.early_signals import EarlySignals
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
@@ -90,6 +97,7 @@ with workflow.unsafe.imports_passed_through():
         PoolInput,
         RotateRequest,
         ScaleRequest,
+        StatusRequest,
         pool_id_problems,
     )
     from workflows.pool_monitor import PoolMonitor
@@ -103,6 +111,7 @@ with workflow.unsafe.imports_passed_through():
         Step,
         Wake,
     )
+    from workflows.pool_status import PoolStatus
     from workflows.target_check import check_target, target_input
 
 MEMBER_DRAIN_PATCH = "member-drain"
@@ -152,67 +161,6 @@ POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
-
-
-@dataclass
-class MemberStatus:
-    """One member in the `status` query."""
-
-    member: str
-    state: str
-    # The endpoint its provider confirmed ("" until then): what clients get.
-    endpoint: str
-    provider: str
-    placement: dict[str, str]
-    generation: int
-    started_at: str
-    ready_since: str | None
-    rotate_at: str | None
-    rotating: bool
-    banned: str | None
-    removing: str | None
-    last_rotation: str | None
-    last_error: str | None
-    # A reported endpoint its provider has not confirmed (yet): checking, or refused.
-    unconfirmed_endpoint: str | None = None
-    # Where its traffic leaves from, once its endpoint is confirmed (None: unknown).
-    exit_address: str | None = None
-
-
-@dataclass
-class PoolStatus:
-    """What the `status` query returns, as of the pool's last workflow task (`as_of`).
-
-    A query cannot read the time it is asked at: `workflow.now()` in a query
-    handler is the time of the last workflow task, which in a calm pool is
-    up to an hour old. So `status` gives timestamps (`ready_since`), and the
-    reader computes ages from its own clock (docs/operations.md).
-    """
-
-    state: PoolState
-    as_of: str
-    replicas: int
-    ready: int
-    members: list[MemberStatus]
-    waiting_for: str | None
-    failures_in_a_row: int
-    last_error: str | None
-    stopped_replacing: str | None
-    terminate_reason: str | None
-    # `member_changed` reports refused: malformed, stamped in the future, or
-    # naming an endpoint the member's provider does not confirm.
-    rejected_reports: int = 0
-    last_rejected: str | None = None
-    # Fixed or autoscaled, why this size, demand, member-hours.
-    scaling: pool_autoscale.ScalingStatus | None = None
-    # Different exit addresses among the serving members (unknown ones not counted).
-    distinct_exits: int = 0
-    # Why the last exit check through the echo service gave no address.
-    last_exit_problem: str | None = None
-    # Rotations whose new instance was not Ready within `rotation_deadline_seconds`.
-    rotations_abandoned: int = 0
-    # Members the pool's own monitor probes now (workflows/pool_monitor.py).
-    monitored: int = 0
 
 
 @dataclass(frozen=True)
@@ -455,14 +403,21 @@ class ProxyPool:
         self._dirty = True
 
     @workflow.query(name="status")
-    def status(self) -> PoolStatus:
+    def status(self, request: Any = None, *extra: Any) -> PoolStatus:
+        """The pool, and a page of its members (workflows/pool_status.py).
+
+        Argument optional: `{"after": <member index>, "limit": <n>}`; the
+        answer's `next_page` is the argument for the next page.
+        """
+        page = _status_request(request, extra)
         situation = self._situation()
+        members, next_page = pool_status.member_page(situation.members, page)
         return PoolStatus(
             state=pool_plan.pool_state(situation),
             as_of=workflow.now().isoformat(timespec="seconds"),
             replicas=self._replicas,
             ready=len(self._serving()),
-            members=[self._member_status(m) for m in situation.members],
+            members=members,
             waiting_for=pool_plan.waiting_for(situation),
             failures_in_a_row=self._failures_in_a_row,
             last_error=self._last_error,
@@ -482,6 +437,8 @@ class ProxyPool:
             last_exit_problem=self._last_exit_problem,
             rotations_abandoned=self._rotations_abandoned,
             monitored=0 if self._monitor is None else self._monitor.watched,
+            members_total=len(situation.members),
+            next_page=next_page,
         )
 
     @workflow.query(name="endpoints")
@@ -1178,27 +1135,6 @@ class ProxyPool:
     def _serving(self) -> list[Member]:
         return [m for m in self._live() if pool_plan.is_serving(m)]
 
-    def _member_status(self, m: Member) -> MemberStatus:
-        rotate_at = pool_plan.rotate_at(m)
-        return MemberStatus(
-            member=m.member,
-            state=m.state,
-            endpoint=m.verified,
-            provider=m.provider,
-            placement=m.placement,
-            generation=m.generation,
-            started_at=m.started_at,
-            ready_since=m.ready_since,
-            rotate_at=rotate_at.isoformat(timespec="seconds") if rotate_at else None,
-            rotating=m.phase is MemberPhase.ROTATING,
-            banned=m.banned,
-            removing=m.reason if m.phase is MemberPhase.REMOVING else None,
-            last_rotation=m.last_rotation,
-            last_error=m.last_error,
-            unconfirmed_endpoint=m.endpoint if m.endpoint != m.verified else None,
-            exit_address=m.exit_address or None,
-        )
-
     def _publish(self, state: PoolState | None = None) -> None:
         """ProxyState on the pool, and the member table in the Web UI's current details."""
         situation = self._situation()
@@ -1216,6 +1152,20 @@ class ProxyPool:
         if self._published is None or details != self._published[1]:
             workflow.set_current_details(details)
         self._published = (state, details)
+
+
+def _status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:
+    """The page `status` is asked for (none: the first), or a refusal naming every bad field.
+
+    A query that raises fails that query alone, never the pool.
+    """
+    if request is None and not extra:
+        return StatusRequest()
+    page, problems = parse_model(StatusRequest, request, "(the status request)")
+    problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
+    if problems or page is None:
+        raise invalid_input("invalid status request: " + "; ".join(problems))
+    return page
 
 
 def _update_key() -> str:

@@ -16,7 +16,7 @@ schema `SCHEMA`:
   of a few `places`; timestamps are microseconds since the epoch;
 - the texts together get at most `TEXT_BUDGET` bytes: when they would take
   more, the longest are cut to a common length, so the payload stays bounded
-  whatever members report (`test_pool_carried.py` builds the worst case).
+  whatever members report (tests/helpers/worst_pool.py builds the worst case).
 
 `decode` takes this schema and the dataclass shape of earlier releases (and,
 through `pool_plan.legacy_carried`, the shape from before member phases), so

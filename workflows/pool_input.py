@@ -17,6 +17,10 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from workflows.inputs import HttpsUrl, PlacementInput, ProxyInput, StrictInput
 
 MAX_REPLICAS = 1000
+# Members one `status` answer lists unless asked for fewer or more, and at
+# most: a page of the largest members stays under 1 MiB (workflows/pool_status.py).
+DEFAULT_PAGE = 200
+MAX_PAGE = 500
 # Pool ids end up in member ids (`<pool id>/<n>`) and in visibility queries:
 # a conservative alphabet needs no quoting anywhere.
 POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
@@ -157,6 +161,16 @@ class ScaleRequest(StrictInput):
                 "(an autoscaled pool), not both"
             )
         return self
+
+
+class StatusRequest(StrictInput):
+    """Which members a `status` answer lists: those after member index `after`, `limit` at most.
+
+    The answer's `next_page` is this request for the page after it.
+    """
+
+    after: Annotated[int, Field(ge=-1)] = -1
+    limit: Annotated[int, Field(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE
 
 
 class RotateRequest(StrictInput):

@@ -60,6 +60,8 @@ SCALED_DOWN = "scaled down"
 MAX_LIFETIME = "max lifetime"
 # The reason of a rotation for an exit another member uses (and how one is recognised).
 SHARED_EXIT = "exit shared:"
+# Rotations `waiting_for` names; the rest it counts (a pool may rotate hundreds at once).
+NAMED_ROTATIONS = 3
 # How `Member.last_rotation` of an abandoned rotation begins.
 ABANDONED = "abandoned"
 
@@ -713,7 +715,9 @@ def waiting_for(situation: Situation) -> str | None:
         parts.append(f"{removing} members to end")
     rotating = [m.member for m in kept if m.phase is MemberPhase.ROTATING]
     if rotating:
-        parts.append("rotation of " + ", ".join(rotating))
+        named = ", ".join(rotating[:NAMED_ROTATIONS])
+        more = len(rotating) - NAMED_ROTATIONS
+        parts.append(f"rotation of {named}" + (f" and {more} more" if more > 0 else ""))
     queued = [m for m in kept if m.phase is MemberPhase.QUEUED]
     if queued:
         parts.append(f"{len(queued)} members queued for rotation")

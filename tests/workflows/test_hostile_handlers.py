@@ -1,8 +1,10 @@
-"""Every signal and update, sent a hostile corpus while its workflow runs: none wedges it.
+"""Every signal, update and query argument, sent a hostile corpus while its workflow runs:
+none wedges it.
 
 Anyone who may signal or update workflows in the namespace can send these
 handlers anything, so each is untrusted input. HANDLERS gives, for every
-signal and update ProxyLifecycle, ProxyPool and OrphanGC define (read from
+signal and update ProxyLifecycle, ProxyPool and OrphanGC define, and every
+query of theirs that takes an argument (read from
 the classes' Temporal definitions: a handler added without an entry here
 fails `test_every_handler_has_a_corpus`), a valid request and its fields.
 Each case replaces the whole argument or one field with a hostile value
@@ -17,6 +19,8 @@ extra or undecodable arguments. After each:
 - an update: a value of the wrong type is rejected before acceptance as
   InvalidInput naming the field, not as a Python error; a value of the right
   type may be taken (or refused as InvalidInput);
+- a query (the pool's `status` page): a value of the wrong type fails that
+  query alone, naming the field; the workflow answers the next;
 - terminate: the workflow ends Terminated, with a bounded reason.
 
 The hostile starts are tests/workflows/test_hostile_inputs.py's.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import json
 import uuid
 from collections.abc import Iterator
@@ -41,6 +46,7 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import RawValue
@@ -75,6 +81,7 @@ MB = 1_000_000
 class Kind(Enum):
     SIGNAL = "signal"
     UPDATE = "update"
+    QUERY = "query"
 
 
 class Type(Enum):
@@ -100,6 +107,8 @@ class Handler:
     fields: dict[str, Field]
     # terminate: each case ends the workflow, so each gets a workflow of its own.
     ends: bool = False
+    # The argument may be left out (or null): a query's page.
+    optional: bool = False
 
 
 REASON = {"reason": "hostile corpus"}
@@ -167,6 +176,12 @@ HANDLERS: dict[type, dict[str, Handler]] = {
         ),
         "wake": Handler(
             Kind.UPDATE, {"gateway": "gw-hostile"}, {"gateway": Field(Type.TEXT, True)}
+        ),
+        "status": Handler(
+            Kind.QUERY,
+            {"after": -1, "limit": 5},
+            {"after": Field(Type.WHOLE), "limit": Field(Type.WHOLE)},
+            optional=True,
         ),
     },
     OrphanGC: {},
@@ -243,8 +258,10 @@ class Case:
 def cases(handler: Handler) -> Iterator[Case]:
     """The corpus for one handler: whole arguments, then field by field."""
     for value in [*HOSTILE, *UNDECODABLE]:
-        yield Case(f"input = {shown(value)}", [value])
-    yield Case("no argument", [])
+        # An optional argument left out, or given with every field left out.
+        defaults = handler.optional and (value is None or value == {})
+        yield Case(f"input = {shown(value)}", [value], wrong=not defaults)
+    yield Case("no argument", [], wrong=not handler.optional)
     yield Case("extra arguments", [handler.valid, "extra", {"x": 1}])
     yield Case("an unknown field", [{**handler.valid, "colour": "red"}], "colour")
     yield Case("fields nested 200 deep", [{**handler.valid, "x": nested(200)}], "x")
@@ -270,9 +287,15 @@ def filled(value: Any, member: str) -> Any:
 
 
 def declared(workflow_class: type) -> set[str]:
-    """The signals and updates a workflow class defines (a dynamic handler as None)."""
+    """The signals and updates a workflow class defines (a dynamic handler as None), and
+    the queries that take an argument."""
     definition = workflow._Definition.must_from_class(workflow_class)
-    return set(definition.signals) | set(definition.updates)
+    queries = {
+        name
+        for name, query in definition.queries.items()
+        if len(inspect.signature(query.fn).parameters) > 1  # more than `self`
+    }
+    return set(definition.signals) | set(definition.updates) | queries
 
 
 def test_every_handler_has_a_corpus() -> None:
@@ -280,7 +303,11 @@ def test_every_handler_has_a_corpus() -> None:
         assert declared(workflow_class) == set(handlers), workflow_class.__name__
         definition = workflow._Definition.must_from_class(workflow_class)
         for name, handler in handlers.items():
-            wanted = definition.updates if handler.kind is Kind.UPDATE else definition.signals
+            wanted = {
+                Kind.SIGNAL: definition.signals,
+                Kind.UPDATE: definition.updates,
+                Kind.QUERY: definition.queries,
+            }[handler.kind]
             assert name in wanted, f"{workflow_class.__name__}.{name} is no {handler.kind.value}"
 
 
@@ -367,12 +394,24 @@ async def update(target: Target, name: str, case: Case) -> None:
         target.problems.append(f"{what}: accepted")
 
 
+async def query(target: Target, name: str, case: Case) -> None:
+    """Ask one hostile query: wrong input fails that query alone, naming the field."""
+    problem = None
+    try:
+        await target.handle.query(name, args=filled(case.args, target.member))
+        problem = "answered" if case.wrong else None
+    except WorkflowQueryFailedError as err:
+        problem = None if case.field in str(err) else f"refusal does not name {case.field}: {err}"
+    if problem is not None:
+        target.problems.append(f"{name} with {case.what}: {problem}")
+
+
 async def hostile_sequence(target: Target, handlers: dict[str, Handler]) -> None:
     """Every case of every handler that leaves the workflow running, one after another."""
     for name, handler in handlers.items():
         if handler.ends:
             continue
-        send = signal if handler.kind is Kind.SIGNAL else update
+        send = {Kind.SIGNAL: signal, Kind.UPDATE: update, Kind.QUERY: query}[handler.kind]
         for case in cases(handler):
             await send(target, name, case)
             if target.problems and handler.kind is Kind.SIGNAL:

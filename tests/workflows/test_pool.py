@@ -52,12 +52,19 @@ class PoolCli:
         )  # fmt: skip
         assert started.returncode == 0, started.stderr
 
-    async def query(self, name: str) -> Any:
+    async def query(self, name: str, body: Any = None) -> Any:
+        code, out = await self.try_query(name, body)
+        assert code == 0, out
+        return json.loads(out)["queryResult"][0]
+
+    async def try_query(self, name: str, body: Any = None) -> tuple[int, str]:
+        """(exit code, stdout + stderr) of `temporal workflow query`, with `body` as its input."""
+        given = () if body is None else ("--input", json.dumps(body))
         out = await temporal(
-            self.env, "workflow", "query", "--workflow-id", self.id, "--name", name, "-o", "json"
-        )
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)["queryResult"][0]
+            self.env, "workflow", "query", "--workflow-id", self.id, "--name", name,
+            "-o", "json", *given,
+        )  # fmt: skip
+        return out.returncode, out.stdout + out.stderr
 
     async def update(self, name: str, body: dict[str, Any]) -> tuple[int, str]:
         """(exit code, stdout + stderr) of `temporal workflow update execute`."""
@@ -118,8 +125,19 @@ async def test_a_pool_serves_scales_bans_rotates_and_terminates(
 
     code, out = await pool.update("scale", {"replicas": 5})
     assert code == 0, out
-    await pool.wait_ready(5)
+    whole = await pool.wait_ready(5)
     assert len(stack.instances()) == 5
+    # `status` a page at a time: each page's `next_page` is the next query's input.
+    paged, request = [], {"limit": 2}
+    while request is not None:
+        page = await pool.query("status", request)
+        assert page["members_total"] == 5 and len(page["members"]) <= 2
+        paged += [m["member"] for m in page["members"]]
+        request = page["next_page"]
+    assert paged == [m["member"] for m in whole["members"]]
+    assert whole["next_page"] is None, "a pool no larger than a page answers whole"
+    code, out = await pool.try_query("status", {"limit": 0})
+    assert code != 0 and "invalid status request: limit:" in out, out
 
     # Down to 2: the oldest go, the two newest stay.
     code, out = await pool.update("scale", {"replicas": 2})

@@ -11,17 +11,16 @@ test_pool_lifetimes.py, test_drain.py and test_gateway.py.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from temporalio.converter import default, value_to_type
 
 from contract import PoolState, ProxyState
+from tests.helpers.pool_simulation import POOL, T0, report, rotations_in, serves, simulate
 from workflows.inputs import parse_model
-from workflows.membership import MemberReport
 from workflows.pool import PoolCarried
 from workflows.pool_input import PoolInput
 from workflows.pool_plan import (
@@ -50,9 +49,6 @@ from workflows.pool_plan import (
     waiting_for,
 )
 from workflows.pool_view import last_change
-
-POOL = "pool-a"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def pool_input(**fields: Any) -> PoolInput:
@@ -92,19 +88,6 @@ def situation(*members: Member, replicas: int | None = None, **books: Any) -> Si
         last_reconcile=books.pop("last_reconcile", T0),
         **books,
     )
-
-
-def report(member: Member, state: str, generation: int, at: datetime) -> MemberReport:
-    ready_since = at.isoformat() if state == ProxyState.READY else None
-    return MemberReport(
-        member.member, state, "127.0.0.1:5000", "local", generation, ready_since, at.isoformat(), 0
-    )
-
-
-def serves(member: Member, ready: MemberReport) -> None:
-    """The member's Ready report taken, and its endpoint confirmed, as the workflow would."""
-    member.take(ready)
-    member.verified = ready.endpoint
 
 
 def phases(step: Step) -> dict[str, MemberPhase]:
@@ -363,61 +346,6 @@ def test_twenty_members_over_two_lifetimes_never_rotate_together() -> None:
     assert firsts[-1] - firsts[0] >= timedelta(minutes=25)
 
 
-def simulate(
-    inp: PoolInput,
-    *,
-    until: datetime,
-    rotation_takes: timedelta,
-    paced: bool = False,
-    never_ready: frozenset[str] = frozenset(),
-) -> list[tuple[str, datetime, datetime]]:
-    """Run a pool on plans alone; members start at once and rotate in `rotation_takes`,
-    except those in `never_ready`, whose new instance never serves.
-
-    Returns each rotation as (member, rotate sent, new generation Ready).
-    """
-    now = T0
-    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0, paced=paced)
-    members: dict[str, Member] = {}
-    pending: list[tuple[datetime, str]] = []  # (when, member) a rotation completes
-    sent: dict[str, datetime] = {}
-    spans = []
-    while now < until:
-        step = plan(books, inp, POOL, now)
-        members = {m.member: m for m in step.members}
-        for start in step.starts:
-            serves(start.member, report(start.member, ProxyState.READY, 0, now))
-        for rotation in step.rotations:
-            sent[rotation.member] = now
-            if rotation.member not in never_ready:
-                heapq.heappush(pending, (now + rotation_takes, rotation.member))
-        books = dataclasses.replace(
-            books,
-            members=tuple(members.values()),
-            next_index=step.next_index,
-            last_reconcile=now if step.reconcile else books.last_reconcile,
-        )
-        wake = next_wake(books, inp)
-        candidates = [until] + ([wake.at] if wake else []) + ([pending[0][0]] if pending else [])
-        if step.more:
-            candidates.append(now)
-        # As the workflow's timer: never less than a second ahead.
-        now = max(min(candidates), now + timedelta(seconds=1))
-        while pending and pending[0][0] <= now:
-            _, done = heapq.heappop(pending)
-            member = members[done]
-            serves(member, report(member, ProxyState.READY, member.generation + 1, now))
-            spans.append((done, sent.pop(done), now))
-        # A member starting (its ready report) so the paced pool starts the next.
-        books = dataclasses.replace(books, members=tuple(members.values()))
-    return spans
-
-
-def rotations_in(spans: list[tuple[str, datetime, datetime]], start: datetime) -> int:
-    """Rotations that ended in the hour from `start`."""
-    return len([end for _, _, end in spans if start <= end < start + timedelta(hours=1)])
-
-
 def test_a_percentage_surge_keeps_up_with_hour_lifetimes_where_one_at_a_time_cannot() -> None:
     """200 members, 1 h lifetimes, 75 s to serve a new instance (a Compute Engine boot).
 
@@ -662,6 +590,15 @@ def test_pool_states_and_what_the_pool_waits_for() -> None:
     assert pool_state(degraded) is PoolState.DEGRADED
     ending = situation(ready(0), ending=True)
     assert (pool_state(ending), waiting_for(ending)) == (PoolState.TERMINATING, "1 members to end")
+
+
+def test_what_the_pool_waits_for_names_a_few_rotations_and_counts_the_rest() -> None:
+    rotating = [ready(n) for n in range(250)]
+    for member in rotating:
+        member.start_rotation()
+    assert waiting_for(situation(*rotating)) == (
+        f"rotation of {POOL}/0, {POOL}/1, {POOL}/2 and 247 more"
+    )
 
 
 # ---- carried state ------------------------------------------------------------------------
