@@ -1,7 +1,7 @@
 """ProxyPool against its targets (docs/benchmarks.md).
 
     python -m bench.pool [--members 200] [--squids 4] [--steady-minutes 3] [--real 20]
-        [--workflow-task-slots 8] [--shared-worker]
+        [--workflow-task-slots 8] [--shared-worker] [--save-history FILE]
 
 1. A pool of `--members` on an in-memory provider, every instance served by
    one of `--squids` real local Squids (probes are real), its workers
@@ -15,6 +15,12 @@
    histories) and the SDK's own warnings in the workers' logs; then, with
    nothing to scale or rotate, the pool's history events over
    `--steady-minutes`, scaled to a pool-hour, and the workers' CPU meanwhile.
+   First, without a server: at the pool's maximum size with every string
+   at its cap, the continue-as-new payload and the largest `status` page;
+   and the rotations an hour its plans keep up with, 1 h lifetimes.
+   `--save-history` writes the largest run's history as JSON, the form
+   `Replayer.replay_workflow(WorkflowHistory.from_json(...))` reads, to
+   replay or profile it apart.
 2. A pool of `--real` real local Squids: time to all Ready, then `rotate
    {"all": true}` to every member on a new instance, one surge at a time.
 
@@ -31,7 +37,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +53,23 @@ from bench.fleet.squids import SquidGround, create_squids, squid_ground
 from bench.fleet.worker_process import WorkerProcess, worker_spec
 from contract import POOL_QUEUE_SUFFIX
 from providers.config import Config
+from tests.helpers.pool_simulation import T0, rotations_in, simulate
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
+from tests.helpers.worst_pool import LIFETIMES, pages, payload_size, worst_member, worst_state
+from tests.helpers.worst_pool import POOL as WORST_POOL
 from worker import DEFAULT_MAX_WORKFLOW_TASKS, SERVE_POOLS, build_worker, workflow_task_slots
 from workflows.pool import ProxyPool
-from workflows.pool_input import MAX_REPLICAS
+from workflows.pool_carried import encode
+from workflows.pool_input import DEFAULT_PAGE, MAX_PAGE, MAX_REPLICAS, PoolInput
+from workflows.pool_status import member_status
 
 POLL = 5.0
 SLOWEST = 5
+PAGE_LIMITS = (DEFAULT_PAGE, MAX_PAGE)
+# A Compute Engine boot (docs/operations.md, Rotation throughput).
+ROTATION_BOOT = timedelta(seconds=75)
+SURGES: tuple[int | str, ...] = ("3%", 1)
 
 
 async def main() -> None:
@@ -74,9 +89,16 @@ async def main() -> None:
         action="store_true",
         help="the pool on its members' task queue and worker, not a worker of its own",
     )
+    parser.add_argument(
+        "--save-history",
+        type=Path,
+        metavar="FILE",
+        help="write the largest pool run's history to FILE as JSON",
+    )
     args = parser.parse_args()
     if args.members > MAX_REPLICAS:
         parser.error(f"--members: a pool holds at most {MAX_REPLICAS} (workflows/pool_input.py)")
+    _at_the_maximum()
     env = await start_dev_server()
     try:
         async with squid_ground("pool") as ground:
@@ -115,7 +137,9 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         late = _late_rounds(await worker.results_now()) - late_before
         await handle.signal("terminate")
         await handle.result()
-        replay_s, replayed_events = await _replay(client, handle.id, tasks.largest_run)
+        replay_s, replayed_events = await _replay(
+            client, handle.id, tasks.largest_run, args.save_history
+        )
         warnings = sum(
             (_sdk_warnings(each.log.read_text(errors="replace")) for each in workers), Counter()
         )
@@ -157,6 +181,38 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
     cpu = [100 * (a.worker - b.worker) / wall for a, b in zip(after, before, strict=True)]
     shares = " + ".join(f"{c:.1f}" for c in cpu)
     print(f"| worker processes' CPU, steady state (members + pool) | {shares} % of a core |")
+
+
+def _at_the_maximum() -> None:
+    """What a pool of MAX_REPLICAS carries and answers with every string at its cap, and
+    the rotations an hour its plans keep up with (computed, no server)."""
+    members = [worst_member(n) for n in range(MAX_REPLICAS)]
+    carried = payload_size(encode(worst_state(), WORST_POOL, LIFETIMES))
+    largest = {limit: max(map(payload_size, pages(members, limit))) for limit in PAGE_LIMITS}
+    unpaged = payload_size([member_status(m) for m in members])
+    print(f"\nA pool of {MAX_REPLICAS}, every string at its cap (tests/helpers/worst_pool.py)")
+    print("| what | figure |\n| --- | --- |")
+    print(f"| continue-as-new payload | {carried / 1024:.0f} KiB |")
+    for limit, size in largest.items():
+        print(f"| `status` answer, its largest page of {limit} members | {size / 1024:.0f} KiB |")
+    print(f"| `status` members, unpaged and uncut (before 0.3.4) | {unpaged / 2**20:.1f} MiB |")
+    print(
+        f"\nRotations in an hour, {MAX_REPLICAS} members, 1 h lifetimes, "
+        f"{ROTATION_BOOT.seconds} s to serve a new instance (on plans alone, "
+        "tests/helpers/pool_simulation.py)"
+    )
+    print("| max_surge | rotations in the third hour |\n| --- | --- |")
+    for surge in SURGES:
+        inp = PoolInput.model_validate(
+            {
+                "replicas": MAX_REPLICAS,
+                "template": {"provider": "local", "max_lifetime_seconds": 3600},
+                "max_surge": surge,
+            }
+        )
+        until = T0 + timedelta(hours=3)
+        spans = simulate(inp, until=until, rotation_takes=ROTATION_BOOT, paced=True)
+        print(f"| {surge!r} | {rotations_in(spans, T0 + timedelta(hours=2))} |")
 
 
 def _subdirectory(workdir: Path, name: str) -> Path:
@@ -307,10 +363,14 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
     return figures
 
 
-async def _replay(client: Client, workflow_id: str, run_id: str) -> tuple[float, int]:
+async def _replay(
+    client: Client, workflow_id: str, run_id: str, save: Path | None
+) -> tuple[float, int]:
     """How long a worker takes to replay this run from its first event (after an eviction,
     a restart or a failed task): the CPU of every workflow task in it, again."""
     history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+    if save is not None:
+        await asyncio.to_thread(save.write_text, history.to_json())
     replayer = Replayer(workflows=[ProxyPool], namespace=client.namespace, debug_mode=True)
     started = time.monotonic()
     await replayer.replay_workflow(history)
