@@ -44,6 +44,7 @@ from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
     write_worker_config,
 )
 from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
+from workflows.pool import REPORTS_REFUSED_METRIC
 
 INSTALLATION = "worker-test"
 DEPLOYMENT_NAME_ENV = "PROXY_OPERATOR_DEPLOYMENT_NAME"
@@ -237,14 +238,17 @@ async def test_a_pool_in_a_worker_of_its_own_keeps_its_members_in_the_proxies_wo
     state_dir: Path,
     tmp_path: Path,
 ) -> None:
-    """`--serve proxies` and `--serve pools` (from the environment), one process each."""
+    """`--serve proxies` and `--serve pools` (from the environment), one process each;
+    the pools' worker counts the member reports its pools refuse in /metrics."""
     origin_port, env = origin
     config = write_worker_config(
         tmp_path / "providers.yaml", local_entry(state_dir), origin_port, INSTALLATION
     )
     task_queue = f"test-{uuid.uuid4().hex[:12]}"
+    metrics = f"127.0.0.1:{free_port()}"
     worker_process(config, task_queue, {**env, "PROXY_OPERATOR_SERVE": "proxies"})
-    worker_process(config, task_queue, {**env, "PROXY_OPERATOR_SERVE": "pools"})
+    pools_env = {**env, "PROXY_OPERATOR_SERVE": "pools", "PROXY_OPERATOR_METRICS_ADDRESS": metrics}
+    worker_process(config, task_queue, pools_env)
     handle = await temporal_env.client.start_workflow(
         "ProxyPool",
         {
@@ -262,6 +266,28 @@ async def test_a_pool_in_a_worker_of_its_own_keeps_its_members_in_the_proxies_wo
         return len(await handle.query("endpoints")) == 1
 
     await wait_for(listed, "the member's endpoint listed", 90)
+    # Two forged reports: one malformed, one stamped in the future.
+    await handle.signal("member_changed", {"member": 7})
+    await handle.signal(
+        "member_changed",
+        {"member": f"{handle.id}/0", "state": "Ready", "endpoint": "127.0.0.1:1",
+         "provider": "local", "generation": 9, "at": "2099-01-01T00:00:00+00:00", "seq": 1},
+    )  # fmt: skip
+
+    async def refused() -> bool:
+        return bool((await handle.query("status"))["rejected_reports"] == 2)
+
+    await wait_for(refused, "both reports refused", 60)
+    await wait_for(lambda: healthy(metrics), "the pools' worker's /healthz")
+    body = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    )
+    [counted] = [
+        line
+        for line in body.splitlines()
+        if line.startswith(REPORTS_REFUSED_METRIC) and 'workflow_type="ProxyPool"' in line
+    ]
+    assert float(counted.split()[-1]) == 2, counted
     await handle.signal("terminate")
     result = await asyncio.wait_for(handle.result(), timeout=90)
     assert result["state"] == "Terminated"

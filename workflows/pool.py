@@ -150,6 +150,13 @@ REMEMBERED_LIST = 50
 # member stamps its reports with its own workflow time): taken, it would
 # shadow the member's real reports until then.
 MAX_REPORT_SKEW = timedelta(minutes=5)
+# Refused `member_changed` reports, as the worker's /metrics serves them (with
+# `_total`, by namespace, task_queue and workflow_type).
+REPORTS_REFUSED_METRIC = "proxy_operator_pool_reports_refused"
+REPORTS_REFUSED_HELP = (
+    "member_changed reports a pool refused: malformed, stamped in the future, "
+    "or naming an endpoint the member's provider does not confirm"
+)
 # A member id missing from visibility this soon after its start is not
 # suspect: visibility lags.
 SETTLE = timedelta(seconds=30)
@@ -879,10 +886,13 @@ class ProxyPool:
         return (self._inp.exit_echo_url if self._inp is not None else None) or ""
 
     def _reject(self, problem: str) -> None:
-        """Count a refused member report, keep the latest reason, and log it."""
+        """Count a refused member report (in `status` and the worker's metrics), keep the
+        latest reason, and log it."""
         self._rejected_reports += 1
         self._last_rejected = problem[:MAX_ERROR_LENGTH]
         workflow.logger.warning("member report refused: %s", self._last_rejected)
+        # The SDK counts nothing while a task replays: each refusal once.
+        workflow.metric_meter().create_counter(REPORTS_REFUSED_METRIC, REPORTS_REFUSED_HELP).add(1)
 
     async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
         # Pools recorded before drains existed signal at once.

@@ -19,11 +19,18 @@ import activities.metrics  # noqa: F401  (registers the activity series)
 import gateway.metrics  # noqa: F401  (registers the gateway's series)
 from providers.metrics import default_metrics
 
-# The Temporal SDK's own series the worker re-exports on its /metrics
+# The series the worker re-exports from the Temporal SDK on its /metrics
 # (worker.py, `_SdkMetrics`) that charts and alerts read: sdk-core's names
 # with the `temporal_` prefix, durations in seconds (`durations_as_seconds`),
-# as a worker's scrape shows them once an activity has started.
-SDK_SERIES = frozenset({"temporal_activity_schedule_to_start_latency_bucket"})
+# as a worker's scrape shows them once an activity has started; and the
+# workflows' own, which the SDK exports as named (tests/test_worker.py).
+SDK_SERIES = frozenset(
+    {
+        "temporal_activity_schedule_to_start_latency_bucket",
+        # A pool's own counter (workflows/pool.py), exported through the SDK.
+        "proxy_operator_pool_reports_refused_total",
+    }
+)
 # The names Prometheus stores for each metric type prometheus_client exports.
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
 # Children of a PromQL AST node that can hold selectors.
