@@ -14,7 +14,9 @@
    the largest event and history before a continue-as-new, read from its
    histories) and the SDK's own warnings in the workers' logs; then, with
    nothing to scale or rotate, the pool's history events over
-   `--steady-minutes`, scaled to a pool-hour, and the workers' CPU meanwhile.
+   `--steady-minutes`, scaled to a pool-hour, and the workers' CPU meanwhile;
+   then `rotate {"all": true}` (`max_surge` 10%) until every member serves
+   from a new instance, and the pool's tasks through it.
    First, without a server: at the pool's maximum size with every string
    at its cap, the continue-as-new payload and the largest `status` page;
    and the rotations an hour its plans keep up with, 1 h lifetimes.
@@ -70,6 +72,8 @@ PAGE_LIMITS = (DEFAULT_PAGE, MAX_PAGE)
 # A Compute Engine boot (docs/operations.md, Rotation throughput).
 ROTATION_BOOT = timedelta(seconds=75)
 SURGES: tuple[int | str, ...] = ("3%", 1)
+# The memory pool's rotations under way at once when it rotates all its members.
+ROTATION_SURGE = "10%"
 
 
 async def main() -> None:
@@ -135,10 +139,12 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         after = [cpu_snapshot(each.pid) for each in workers]
         events = await _events(handle) - events_before
         late = _late_rounds(await worker.results_now()) - late_before
+        rotate_s = await _rotate_all(handle, args.members)
+        through_rotation = await _task_figures(client, handle)
         await handle.signal("terminate")
         await handle.result()
         replay_s, replayed_events = await _replay(
-            client, handle.id, tasks.largest_run, args.save_history
+            client, handle.id, through_rotation.largest_run, args.save_history
         )
         warnings = sum(
             (_sdk_warnings(each.log.read_text(errors="replace")) for each in workers), Counter()
@@ -177,6 +183,16 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         f"| pool monitor rounds in steady state (each probes its shard) | {late[None]:.0f}: "
         f"{late[None] - late[1.0]:.0f} started over 1 s late, "
         f"{late[None] - late[10.0]:.0f} over 10 s (an interval) |"
+    )
+    print(
+        f'| `rotate {{"all": true}}` (max_surge {ROTATION_SURGE}) until every member serves '
+        f"from a new instance | {rotate_s:.1f} s ({args.members * 3600 / rotate_s:.0f} an hour) |"
+    )
+    print(
+        f"| pool runs, longest task, tasks over 1 s, timed out / failed: start to the "
+        f"rotation's end | {through_rotation.runs}, {through_rotation.longest_s:.2f} s, "
+        f"{through_rotation.over_1s} of {through_rotation.tasks}, "
+        f"{through_rotation.timed_out} / {through_rotation.failed} |"
     )
     cpu = [100 * (a.worker - b.worker) / wall for a, b in zip(after, before, strict=True)]
     shares = " + ".join(f"{c:.1f}" for c in cpu)
@@ -274,7 +290,7 @@ async def _start_until_ready(
     started = time.monotonic()
     handle = await client.start_workflow(
         "ProxyPool",
-        {"replicas": members, "template": template},
+        {"replicas": members, "template": template, "max_surge": ROTATION_SURGE},
         id=f"bench-pool-{uuid.uuid4().hex[:8]}",
         task_queue=task_queue,
     )
@@ -284,6 +300,34 @@ async def _start_until_ready(
 
     await _until(ready)
     return handle, time.monotonic() - started
+
+
+async def _rotate_all(handle: WorkflowHandle[Any, Any], members: int) -> float:
+    """`rotate {"all": true}`, and how long until every member serves from a new instance."""
+    before = await _generations(handle)
+    started = time.monotonic()
+    await handle.execute_update("rotate", {"all": True})
+
+    async def rotated() -> bool:
+        status = await handle.query("status")
+        if status["ready"] != members or status["waiting_for"] is not None:
+            return False
+        now = await _generations(handle)
+        return all(now.get(member, -1) > generation for member, generation in before.items())
+
+    await _until(rotated)
+    return time.monotonic() - started
+
+
+async def _generations(handle: WorkflowHandle[Any, Any]) -> dict[str, int]:
+    """Every member's generation, read a `status` page at a time."""
+    found: dict[str, int] = {}
+    page: dict[str, int] | None = {"limit": MAX_PAGE}
+    while page is not None:
+        status = await handle.query("status", page)
+        found.update((m["member"], m["generation"]) for m in status["members"])
+        page = status["next_page"]
+    return found
 
 
 async def _until(check: Callable[[], Awaitable[bool]]) -> None:

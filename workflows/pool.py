@@ -418,14 +418,15 @@ class ProxyPool:
         """
         page = _status_request(request, extra)
         situation = self._situation()
+        counted = pool_plan.census(situation.members)
         members, next_page = pool_status.member_page(situation.members, page)
         return PoolStatus(
-            state=pool_plan.pool_state(situation),
+            state=pool_plan.pool_state(situation, counted),
             as_of=workflow.now().isoformat(timespec="seconds"),
             replicas=self._replicas,
-            ready=len(self._serving()),
+            ready=counted.serving,
             members=members,
-            waiting_for=pool_plan.waiting_for(situation),
+            waiting_for=pool_plan.waiting_for(situation, counted),
             failures_in_a_row=self._failures_in_a_row,
             last_error=self._last_error,
             stopped_replacing=self._stopped,
@@ -1148,13 +1149,14 @@ class ProxyPool:
     def _publish(self, state: PoolState | None = None) -> None:
         """ProxyState on the pool, and the member table in the Web UI's current details."""
         situation = self._situation()
-        state = state or pool_plan.pool_state(situation)
+        counted = pool_plan.census(situation.members)
+        state = state or pool_plan.pool_state(situation, counted)
         details = pool_view.current_details(
             state,
             self._replicas,
-            len(self._serving()),
+            counted.serving,
             situation.members,
-            pool_plan.waiting_for(situation),
+            pool_plan.waiting_for(situation, counted),
             self._last_error,
         )
         if self._published is None or state != self._published[0]:

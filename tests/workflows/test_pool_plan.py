@@ -36,6 +36,7 @@ from workflows.pool_plan import (
     Wake,
     after_failure,
     ban_refusal,
+    census,
     distinct_exits,
     is_serving,
     jittered_lifetime,
@@ -590,6 +591,31 @@ def test_pool_states_and_what_the_pool_waits_for() -> None:
     assert pool_state(degraded) is PoolState.DEGRADED
     ending = situation(ready(0), ending=True)
     assert (pool_state(ending), waiting_for(ending)) == (PoolState.TERMINATING, "1 members to end")
+
+
+def test_the_census_counts_what_each_member_is_in_one_pass() -> None:
+    """Every combination of phase, state, confirmed endpoint and ban, counted as the
+    per-member definitions (`is_serving`, the phases) count them."""
+    members = []
+    for n, (phase, state, verified, banned) in enumerate(
+        itertools.product(
+            MemberPhase, (ProxyState.READY, ProxyState.PROVISIONING), ("", "10.0.0.1:3128"),
+            (None, "403"),
+        )
+    ):  # fmt: skip
+        members.append(
+            dataclasses.replace(
+                starting(n), phase=phase, state=state, verified=verified, banned=banned
+            )
+        )
+    counted = census(members)
+    live = [m for m in members if m.phase is not MemberPhase.REMOVING]
+    assert counted.members == len(members) == 32 and counted.live == len(live) == 24
+    assert counted.serving == len([m for m in members if is_serving(m)]) == 3
+    assert counted.not_ready == len([m for m in live if m.state != ProxyState.READY]) == 12
+    assert counted.queued == 8
+    assert counted.rotating == tuple(m.member for m in live if m.phase is MemberPhase.ROTATING)
+    assert len(counted.rotating) == 8
 
 
 def test_what_the_pool_waits_for_names_a_few_rotations_and_counts_the_rest() -> None:
