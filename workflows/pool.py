@@ -725,11 +725,7 @@ class ProxyPool:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )
-        req, problems = parse_model(model, raw, f"(the {what} request)")
-        problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
-        if problems or req is None:
-            raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
-        return req
+        return _parsed(model, raw, what, extra)
 
     def _live_member(self, member_id: str) -> Member:
         member = self._members.get(member_id)
@@ -1173,11 +1169,17 @@ def _status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:
     """
     if request is None and not extra:
         return StatusRequest()
-    page, problems = parse_model(StatusRequest, request, "(the status request)")
-    problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
-    if problems or page is None:
-        raise invalid_input("invalid status request: " + "; ".join(problems))
+    page: StatusRequest = _parsed(StatusRequest, request, "status", extra)
     return page
+
+
+def _parsed(model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
+    """`raw` as `model`, or InvalidInput naming every bad field and extra argument."""
+    req, problems = parse_model(model, raw, f"(the {what} request)")
+    problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
+    if problems or req is None:
+        raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
+    return req
 
 
 def _update_key() -> str:
