@@ -29,6 +29,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import VersioningBehavior
 
+from workflows import pool
 from workflows.lifecycle import ProxyLifecycle, ProxyResult
 from workflows.orphan_gc import GcResult, OrphanGC
 from workflows.pool import PoolResult, ProxyPool
@@ -47,7 +48,9 @@ class VersionedProxyLifecycle(ProxyLifecycle):
         return await super().run(raw, carried, *extra)
 
 
-@workflow.defn(name=PROXY_POOL, versioning_behavior=VersioningBehavior.AUTO_UPGRADE)
+@workflow.defn(
+    name=PROXY_POOL, versioning_behavior=VersioningBehavior.AUTO_UPGRADE, sandboxed=pool.SANDBOXED
+)
 class VersionedProxyPool(ProxyPool):
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 import warnings
 from pathlib import Path
@@ -45,6 +46,19 @@ def load_history(release: str, name: str) -> dict[str, Any]:
     """One recording: `workflow_id`, `namespace` (absent from the oldest) and `history`."""
     recorded: dict[str, Any] = json.loads((HISTORIES / release / f"{name}.json").read_text())
     return recorded
+
+
+def workflow_type(release: str, name: str) -> str:
+    """The workflow type a recording ran, read from its first event without loading it whole.
+
+    The corpus is tens of MiB; parametrizing tests by type must stay quick.
+    """
+    with (HISTORIES / release / f"{name}.json").open() as file:
+        head = file.read(4096)
+    found = re.search(r'"workflowType": \{"name": "([^"]+)"\}', head)
+    if found is None:
+        raise ValueError(f"{release}/{name}: no workflow type in its first event")
+    return found[1]
 
 
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:

@@ -25,7 +25,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from contract import MEMBER_CHANGED_SIGNAL, ProxyState
+from contract import MEMBER_CHANGED_SIGNAL, TERMINATE_SIGNAL, ProxyState
 from providers.base import CreateRequest, InstanceState
 from providers.local import LocalProvider
 from providers.memory import MemoryProvider
@@ -36,7 +36,7 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.histories import record_history
-from tests.helpers.run_chain import signal_until_continued
+from tests.helpers.run_chain import run_histories, signal_until_continued
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
@@ -369,6 +369,54 @@ async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
     await handle.signal("terminate")
     assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
     assert stack.instances() == []
+
+
+async def test_an_ending_pool_past_its_budget_hands_over_and_ends_every_member_once(
+    eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
+    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+) -> None:
+    """Ending 1,000 members writes thousands of events; past its budget (here the
+    server's suggestion, at 40) an ending pool continues as new, carrying its
+    reason, and the next run ends the rest: each member is told once, and all end.
+    """
+    stack = await stack_on(eager_can_env)
+    replicas = 4
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": replicas, "template": stack.proxy_input()},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await handle.query("status"))["ready"] == replicas)
+
+    await wait_for(ready, "every member Ready")
+    await handle.signal(TERMINATE_SIGNAL, {"reason": "end of the crawl"})
+    result = await asyncio.wait_for(handle.result(), DEADLINE)
+    assert (result["state"], result["reason"]) == ("Terminated", "end of the crawl")
+    assert stack.instances() == []
+    told: list[str] = []
+    runs_ending = 0
+    assert handle.first_execution_run_id is not None
+    async for events in run_histories(stack.client, handle.id, handle.first_execution_run_id):
+        signals = [
+            e.workflow_execution_signaled_event_attributes.signal_name
+            for e in events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        ]
+        if runs_ending or TERMINATE_SIGNAL in signals:
+            runs_ending += 1
+        told += [
+            e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
+            for e in events
+            if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+            and e.signal_external_workflow_execution_initiated_event_attributes.signal_name
+            == TERMINATE_SIGNAL
+        ]
+    assert runs_ending > 1, "the pool ended its members in the run that was told to end"
+    assert sorted(told) == sorted(f"{handle.id}/{n}" for n in range(replicas))
+    await record_history(handle, "pool_ended_across_runs")
 
 
 def _stranger(n: int) -> dict[str, Any]:

@@ -15,13 +15,16 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
+from contract import PROXY_POOL
 from tests.helpers.histories import (
     HISTORIES,
     current_release,
     load_history,
     recorded_names,
     releases,
+    workflow_type,
 )
+from tests.helpers.sandboxed import SandboxedProxyPool
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.pool import ProxyPool
@@ -34,6 +37,7 @@ REGISTRATIONS: dict[str, list[type]] = {
     "unversioned": [ProxyLifecycle, OrphanGC, ProxyPool],
     "versioned": [VersionedProxyLifecycle, VersionedOrphanGC, VersionedProxyPool],
 }
+POOL_RECORDINGS = [(r, n) for r, n in RECORDINGS if workflow_type(r, n) == PROXY_POOL]
 
 
 def test_the_current_release_has_recordings() -> None:
@@ -59,4 +63,16 @@ async def test_replays_without_nondeterminism(release: str, name: str, registrat
     # CI machine a workflow task of a long history can take over its 2 s
     # without any deadlock; nondeterminism is what this test is for.
     replayer = Replayer(workflows=REGISTRATIONS[registration], namespace=namespace, debug_mode=True)
+    await replayer.replay_workflow(history)
+
+
+@pytest.mark.parametrize(
+    ("release", "name"), POOL_RECORDINGS, ids=[f"{r}/{n}" for r, n in POOL_RECORDINGS]
+)
+async def test_pool_recordings_replay_inside_the_sandbox(release: str, name: str) -> None:
+    """The pool runs unsandboxed (workflows/pool.py): here the sandbox still checks its code."""
+    recorded = load_history(release, name)
+    history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
+    namespace = recorded.get("namespace", "default")
+    replayer = Replayer(workflows=[SandboxedProxyPool], namespace=namespace, debug_mode=True)
     await replayer.replay_workflow(history)
