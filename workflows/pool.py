@@ -46,7 +46,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from operator import attrgetter
-from typing import Any
+from typing import Any, NoReturn
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -140,6 +140,13 @@ BUDGET_WAKES_PATCH = "budget-wakes"
 # task queue whatever its name; since, a pool on "<queue>-pools" runs them on
 # "<queue>" (contract.members_task_queue).
 MEMBERS_QUEUE_PATCH = "members-queue"
+# Pools recorded before this patch ended their members in one run however
+# long: terminating 1,000 members writes about 6,000 events (a signal out and
+# two reports in for each), and a replay of that run, after a restart or a
+# completion the server refused because a late report crossed it, took
+# seconds. Since, an ending pool past its budget continues as new too, its
+# `terminate_reason` carried, and the next run ends the rest.
+ENDING_HANDOVER_PATCH = "hand-over-while-ending"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -379,7 +386,9 @@ class ProxyPool:
             self._terminate_reason = self._terminate_reason or "pool cancelled"
             await self._end_members()
             raise
-        await self._end_members()
+        await self._end_members(
+            hand_over=lambda: workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
+        )
         return PoolResult(PoolState.TERMINATED, self._terminate_reason, self._next_index)
 
     @workflow.signal(name=TERMINATE_SIGNAL)
@@ -1044,8 +1053,12 @@ class ProxyPool:
 
     # ---- ending ---------------------------------------------------------------------
 
-    async def _end_members(self) -> None:
-        """Terminate every member and wait until each has ended (its instance deleted)."""
+    async def _end_members(self, hand_over: Callable[[], NoReturn] | None = None) -> None:
+        """Terminate every member and wait until each has ended (its instance deleted).
+
+        `hand_over` continues as new, for a run past its budget
+        (`_hand_over_if_long`); a cancelled pool has none, and ends in its run.
+        """
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.cancel()  # waited for below, while the members end
@@ -1054,6 +1067,7 @@ class ProxyPool:
         reason = self._terminate_reason or "pool ending"
         for member in list(self._members.values()):
             if self._paced:
+                await self._hand_over_if_long(hand_over)
                 # A batch of signals per workflow task, not a thousand at once.
                 await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
             if member.phase is not MemberPhase.REMOVING and member.member in self._members:
@@ -1071,12 +1085,27 @@ class ProxyPool:
                 self._last_reconcile = workflow.now()
                 await self._reconcile()
             self._publish()
+            await self._hand_over_if_long(hand_over)
         if self._alarm is not None:
             self._alarm.cancel()
         await workflow.wait_condition(lambda: not self._tasks)
         if monitor is not None:
             await monitor.stop()  # its shards end within a heartbeat, mostly long before
         self._publish(PoolState.TERMINATED)
+
+    async def _hand_over_if_long(self, hand_over: Callable[[], NoReturn] | None) -> None:
+        """Past the budget while ending, continue as new once the signals sent have gone.
+
+        The members already signalled are carried as removing and only
+        awaited; the next run signals the rest.
+        """
+        if hand_over is None or not self._paced or not self._time_to_continue():
+            return
+        if not workflow.patched(ENDING_HANDOVER_PATCH):
+            return
+        await workflow.wait_condition(lambda: not self._tasks)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        hand_over()
 
     def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:
         lifetime = inp.template.max_lifetime_seconds
