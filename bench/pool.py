@@ -15,8 +15,11 @@
    histories) and the SDK's own warnings in the workers' logs; then, with
    nothing to scale or rotate, the pool's history events over
    `--steady-minutes`, scaled to a pool-hour, and the workers' CPU meanwhile;
-   then `rotate {"all": true}` (`max_surge` 10%) until every member serves
-   from a new instance, and the pool's tasks through it.
+   then the pools' worker restarts, and `rotate {"all": true}` (`max_surge`
+   10%) runs until every member serves from a new instance: the pool's
+   first task on the new worker (a replay of its run) and its tasks through
+   the rotation; then `terminate` until the pool and all its members ended,
+   and its tasks through that.
    First, without a server: at the pool's maximum size with every string
    at its cap, the continue-as-new payload and the largest `status` page;
    and the rotations an hour its plans keep up with, 1 h lifetimes.
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
@@ -139,10 +142,23 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         after = [cpu_snapshot(each.pid) for each in workers]
         events = await _events(handle) - events_before
         late = _late_rounds(await worker.results_now()) - late_before
+        restarted: tuple[float, int] | None = None
+        if not args.shared_worker:
+            # The pools' worker restarts (a deploy, a crash): the pool's next
+            # task, the rotate below, replays its current run first.
+            await workers[1].stop()
+            at_restart = await handle.describe()
+            workers.append(WorkerProcess(_subdirectory(ground.workdir, "pools-again"), pools_spec))
+            await workers[-1].wait_ready()
         rotate_s = await _rotate_all(handle, args.members)
+        if not args.shared_worker:
+            restarted = await _first_task_after(client, handle.id, at_restart)
         through_rotation = await _task_figures(client, handle)
+        ending_began = time.monotonic()
         await handle.signal("terminate")
         await handle.result()
+        ending_s = time.monotonic() - ending_began
+        through_end = await _task_figures(client, handle)
         replay_s, replayed_events = await _replay(
             client, handle.id, through_rotation.largest_run, args.save_history
         )
@@ -188,15 +204,26 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         f'| `rotate {{"all": true}}` (max_surge {ROTATION_SURGE}) until every member serves '
         f"from a new instance | {rotate_s:.1f} s ({args.members * 3600 / rotate_s:.0f} an hour) |"
     )
-    print(
-        f"| pool runs, longest task, tasks over 1 s, timed out / failed: start to the "
-        f"rotation's end | {through_rotation.runs}, {through_rotation.longest_s:.2f} s, "
-        f"{through_rotation.over_1s} of {through_rotation.tasks}, "
-        f"{through_rotation.timed_out} / {through_rotation.failed} |"
-    )
+    if restarted is not None:
+        took, replayed = restarted
+        print(
+            f"| the pool's first task after its worker restarted (a replay of its run, "
+            f"{replayed} events) | {took:.2f} s |"
+        )
+    _print_tasks_until("the rotation's end", through_rotation)
+    print(f"| `terminate` until the pool and every member ended | {ending_s:.1f} s |")
+    _print_tasks_until("the pool's end", through_end)
     cpu = [100 * (a.worker - b.worker) / wall for a, b in zip(after, before, strict=True)]
     shares = " + ".join(f"{c:.1f}" for c in cpu)
     print(f"| worker processes' CPU, steady state (members + pool) | {shares} % of a core |")
+
+
+def _print_tasks_until(when: str, figures: _TaskFigures) -> None:
+    print(
+        f"| pool runs, longest task, tasks over 1 s, timed out / failed: start to {when} | "
+        f"{figures.runs}, {figures.longest_s:.2f} s, {figures.over_1s} of {figures.tasks}, "
+        f"{figures.timed_out} / {figures.failed} |"
+    )
 
 
 def _at_the_maximum() -> None:
@@ -317,6 +344,24 @@ async def _rotate_all(handle: WorkflowHandle[Any, Any], members: int) -> float:
 
     await _until(rotated)
     return time.monotonic() - started
+
+
+async def _first_task_after(
+    client: Client, workflow_id: str, restart: WorkflowExecutionDescription
+) -> tuple[float, int]:
+    """How long the first task of the run `restart` describes took after that point, and
+    how many events that run had then: a new worker replays them all in that task."""
+    before = restart.raw_description.workflow_execution_info.history_length
+    run = client.get_workflow_handle(workflow_id, run_id=restart.run_id)
+    started: datetime | None = None
+    async for event in run.fetch_history_events():
+        if event.event_id <= before:
+            continue
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            started = event.event_time.ToDatetime()
+        elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and started:
+            return (event.event_time.ToDatetime() - started).total_seconds(), before
+    raise RuntimeError(f"no task of run {restart.run_id} completed after the restart")
 
 
 async def _generations(handle: WorkflowHandle[Any, Any]) -> dict[str, int]:
