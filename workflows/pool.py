@@ -144,8 +144,10 @@ MEMBERS_QUEUE_PATCH = "members-queue"
 # long: terminating 1,000 members writes about 6,000 events (a signal out and
 # two reports in for each), and a replay of that run, after a restart or a
 # completion the server refused because a late report crossed it, took
-# seconds. Since, an ending pool past its budget continues as new too, its
-# `terminate_reason` carried, and the next run ends the rest.
+# seconds. Since, an ending pool tells the members still starting or
+# rotating first and, past its budget, stops telling, waits until those told
+# have ended and continues as new, its `terminate_reason` carried; the next
+# run ends the rest.
 ENDING_HANDOVER_PATCH = "hand-over-while-ending"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
@@ -1056,8 +1058,11 @@ class ProxyPool:
     async def _end_members(self, hand_over: Callable[[], NoReturn] | None = None) -> None:
         """Terminate every member and wait until each has ended (its instance deleted).
 
-        `hand_over` continues as new, for a run past its budget
-        (`_hand_over_if_long`); a cancelled pool has none, and ends in its run.
+        `hand_over` continues as new: a run past its budget stops telling
+        members, waits until those told have ended, so no report of theirs
+        can cross the handover (the server would refuse it and the worker
+        replay the run), and hands the rest to the next run. A cancelled
+        pool has none, and ends in its run.
         """
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
@@ -1065,27 +1070,33 @@ class ProxyPool:
         self._publish()
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"
-        for member in list(self._members.values()):
+        members = list(self._members.values())
+        quiet = hand_over is not None and self._paced and workflow.patched(ENDING_HANDOVER_PATCH)
+        if quiet:
+            # Those still on their way to a report (starting, rotating) are
+            # told first, so a handover waits for them as for the others told.
+            members.sort(key=lambda m: m.served and m.phase is not MemberPhase.ROTATING)
+        told = 0
+        for member in members:
             if self._paced:
-                await self._hand_over_if_long(hand_over)
+                # Not before a first batch: a pool told to end on a long run
+                # starts ending at once, and the monitor's shards end meanwhile.
+                if quiet and hand_over is not None and told and self._time_to_continue():
+                    await self._until_ended(lambda: any(map(_is_removing, self._members.values())))
+                    await workflow.wait_condition(lambda: not self._tasks)
+                    if monitor is not None:
+                        # A shard's cancellation landing would cross it too.
+                        await monitor.stop()
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    hand_over()
                 # A batch of signals per workflow task, not a thousand at once.
                 await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
             if member.phase is not MemberPhase.REMOVING and member.member in self._members:
                 member.remove(reason)
                 self._spawn(self._drain_then_terminate(member.member, reason, 0))
+                told += 1
         self._publish()
-        while self._members:
-            self._arm(Wake(workflow.now() + RECONCILE_BUSY, "check on the members still ending"))
-            self._dirty = False
-            await workflow.wait_condition(lambda: self._dirty or not self._members)
-            if self._members and (
-                self._last_reconcile is None
-                or workflow.now() - self._last_reconcile >= RECONCILE_BUSY
-            ):
-                self._last_reconcile = workflow.now()
-                await self._reconcile()
-            self._publish()
-            await self._hand_over_if_long(hand_over)
+        await self._until_ended(lambda: bool(self._members))
         if self._alarm is not None:
             self._alarm.cancel()
         await workflow.wait_condition(lambda: not self._tasks)
@@ -1093,19 +1104,20 @@ class ProxyPool:
             await monitor.stop()  # its shards end within a heartbeat, mostly long before
         self._publish(PoolState.TERMINATED)
 
-    async def _hand_over_if_long(self, hand_over: Callable[[], NoReturn] | None) -> None:
-        """Past the budget while ending, continue as new once the signals sent have gone.
-
-        The members already signalled are carried as removing and only
-        awaited; the next run signals the rest.
-        """
-        if hand_over is None or not self._paced or not self._time_to_continue():
-            return
-        if not workflow.patched(ENDING_HANDOVER_PATCH):
-            return
-        await workflow.wait_condition(lambda: not self._tasks)
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        hand_over()
+    async def _until_ended(self, ending: Callable[[], bool]) -> None:
+        """Wait while `ending` (members told to end still there), reconciling now and then
+        in case one closed without a report."""
+        while ending():
+            self._arm(Wake(workflow.now() + RECONCILE_BUSY, "check on the members still ending"))
+            self._dirty = False
+            await workflow.wait_condition(lambda: self._dirty or not ending())
+            if ending() and (
+                self._last_reconcile is None
+                or workflow.now() - self._last_reconcile >= RECONCILE_BUSY
+            ):
+                self._last_reconcile = workflow.now()
+                await self._reconcile()
+            self._publish()
 
     def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:
         lifetime = inp.template.max_lifetime_seconds
@@ -1202,6 +1214,10 @@ class ProxyPool:
         if self._published is None or details != self._published[1]:
             workflow.set_current_details(details)
         self._published = (state, details)
+
+
+def _is_removing(member: Member) -> bool:
+    return member.phase is MemberPhase.REMOVING
 
 
 def _status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:

@@ -36,7 +36,7 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.histories import record_history
-from tests.helpers.run_chain import run_histories, signal_until_continued
+from tests.helpers.run_chain import failed_tasks, run_histories, signal_until_continued
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
@@ -45,6 +45,7 @@ from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
     SUGGESTED_AT,
     eager_can_env,
 )
+from workflows.pool_plan import COMMAND_BATCH
 
 pytestmark = pytest.mark.slow
 
@@ -373,49 +374,64 @@ async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
 
 async def test_an_ending_pool_past_its_budget_hands_over_and_ends_every_member_once(
     eager_can_env: WorkflowEnvironment,  # noqa: F811 (the fixture imported above)
-    stack_on: Callable[[WorkflowEnvironment], Awaitable[Stack]],
+    provider_stack_on: StackFactory,
+    one_squid: OneSquid,
+    tls_origin: TlsOrigin,
 ) -> None:
     """Ending 1,000 members writes thousands of events; past its budget (here the
-    server's suggestion, at 40) an ending pool continues as new, carrying its
-    reason, and the next run ends the rest: each member is told once, and all end.
+    server's suggestion, at 40) an ending pool stops telling members, waits for
+    those told to end and continues as new, its reason carried; the next run
+    tells the rest. More members than one batch of signals, so the telling
+    spans runs: each member is told once, all end, and no handover is refused
+    for a report crossing it (a failed task).
     """
-    stack = await stack_on(eager_can_env)
-    replicas = 4
+    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
+    stack = await provider_stack_on(eager_can_env, {"memory": one_squid}, config)
+    replicas = COMMAND_BATCH + 10
+    # The shortest heartbeat timeout: a handover waits for the monitor's
+    # shards to end, which they do at their next heartbeat.
+    health = {"target": tls_origin.url, "interval_seconds": 5, "heartbeat_timeout_seconds": 30}
+    template = stack.proxy_input("memory", health=health)
     handle = await stack.client.start_workflow(
         "ProxyPool",
-        {"replicas": replicas, "template": stack.proxy_input()},
+        {"replicas": replicas, "template": template},
         id=f"pool-{uuid.uuid4().hex[:8]}",
         task_queue=stack.task_queue,
     )
+    stack.handles.append(handle)
 
     async def ready() -> bool:
         return bool((await handle.query("status"))["ready"] == replicas)
 
-    await wait_for(ready, "every member Ready")
+    await wait_for(ready, "every member Ready", deadline=180)
     await handle.signal(TERMINATE_SIGNAL, {"reason": "end of the crawl"})
-    result = await asyncio.wait_for(handle.result(), DEADLINE)
+    result = await asyncio.wait_for(handle.result(), 180)
     assert (result["state"], result["reason"]) == ("Terminated", "end of the crawl")
-    assert stack.instances() == []
-    told: list[str] = []
-    runs_ending = 0
+    assert one_squid.ids() == set()
+    told_by_run: list[list[str]] = []
+    ending = False
     assert handle.first_execution_run_id is not None
     async for events in run_histories(stack.client, handle.id, handle.first_execution_run_id):
-        signals = [
-            e.workflow_execution_signaled_event_attributes.signal_name
+        ending = ending or any(
+            e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+            and e.workflow_execution_signaled_event_attributes.signal_name == TERMINATE_SIGNAL
             for e in events
-            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
-        ]
-        if runs_ending or TERMINATE_SIGNAL in signals:
-            runs_ending += 1
-        told += [
-            e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
-            for e in events
-            if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
-            and e.signal_external_workflow_execution_initiated_event_attributes.signal_name
-            == TERMINATE_SIGNAL
-        ]
-    assert runs_ending > 1, "the pool ended its members in the run that was told to end"
-    assert sorted(told) == sorted(f"{handle.id}/{n}" for n in range(replicas))
+        )
+        if ending:
+            told_by_run.append(
+                [
+                    e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
+                    for e in events
+                    if e.event_type
+                    == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+                    and e.signal_external_workflow_execution_initiated_event_attributes.signal_name
+                    == TERMINATE_SIGNAL
+                ]
+            )
+    assert len([told for told in told_by_run if told]) > 1, f"told in one run: {told_by_run}"
+    told_all = sorted(member for told in told_by_run for member in told)
+    assert told_all == sorted(f"{handle.id}/{n}" for n in range(replicas))
+    assert await failed_tasks(stack.client, handle.id, handle.first_execution_run_id) == []
     await record_history(handle, "pool_ended_across_runs")
 
 
