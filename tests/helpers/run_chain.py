@@ -62,7 +62,10 @@ async def signal_until_continued(
     that has handed over whatever it had to), so only the signals can be
     why it hands over. Bursts stay small: every signal that reaches a run
     while its workflow task runs is applied in the next task, and a loaded
-    worker given thousands at once trips the SDK's deadlock detector.
+    worker given thousands at once trips the SDK's deadlock detector. Each
+    burst is taken before the next goes: a signal that lands while the
+    workflow hands over makes the server refuse the continue-as-new, and an
+    endless stream of them on a slow worker would refuse every attempt.
     """
     settled: list[str] = []
 
@@ -72,9 +75,17 @@ async def signal_until_continued(
         return bool(settled)
 
     await wait_for(short, f"a run of {handle.id} under {settled_under} events")
+
+    async def taken() -> bool:
+        description = await handle.describe()
+        return description.run_id != settled[0] or not description.raw_description.HasField(
+            "pending_workflow_task"
+        )
+
     sent = 0
     while (await handle.describe()).run_id == settled[0]:
         assert sent < most, f"no continue-as-new after {sent} {name} signals"
         await asyncio.gather(*(handle.signal(name, make_input(sent + n)) for n in range(10)))
         sent += 10
+        await wait_for(taken, f"{handle.id} to take the last {name} signals")
     return sent
