@@ -42,7 +42,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from bench.fleet.parameters import FLEET_PROVIDER, SQUID_PROVIDER
 from bench.fleet.sampling import cpu_snapshot
 from bench.fleet.squids import SquidGround, create_squids, squid_ground
 from bench.fleet.worker_process import WorkerProcess, worker_spec
-from contract import POOL_QUEUE_SUFFIX
+from contract import MEMBER_CHANGED_SIGNAL, POOL_QUEUE_SUFFIX, ProxyState
 from providers.config import Config
 from tests.helpers.pool_simulation import T0, rotations_in, simulate
 from tests.helpers.temporal import start_dev_server
@@ -145,14 +145,13 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
         restarted: tuple[float, int] | None = None
         if not args.shared_worker:
             # The pools' worker restarts (a deploy, a crash): the pool's next
-            # task, the rotate below, replays its current run first.
+            # task replays its current run first.
             await workers[1].stop()
             at_restart = await handle.describe()
             workers.append(WorkerProcess(_subdirectory(ground.workdir, "pools-again"), pools_spec))
             await workers[-1].wait_ready()
+            restarted = await _first_task_after(client, handle, at_restart)
         rotate_s = await _rotate_all(handle, args.members)
-        if not args.shared_worker:
-            restarted = await _first_task_after(client, handle.id, at_restart)
         through_rotation = await _task_figures(client, handle)
         ending_began = time.monotonic()
         await handle.signal("terminate")
@@ -219,10 +218,11 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
 
 
 def _print_tasks_until(when: str, figures: _TaskFigures) -> None:
+    causes = ", ".join(f"{n} {c}" for c, n in figures.failed_causes.most_common())
     print(
         f"| pool runs, longest task, tasks over 1 s, timed out / failed: start to {when} | "
         f"{figures.runs}, {figures.longest_s:.2f} s, {figures.over_1s} of {figures.tasks}, "
-        f"{figures.timed_out} / {figures.failed} |"
+        f"{figures.timed_out} / {figures.failed}{f' ({causes})' if causes else ''} |"
     )
 
 
@@ -347,21 +347,51 @@ async def _rotate_all(handle: WorkflowHandle[Any, Any], members: int) -> float:
 
 
 async def _first_task_after(
-    client: Client, workflow_id: str, restart: WorkflowExecutionDescription
+    client: Client, handle: WorkflowHandle[Any, Any], restart: WorkflowExecutionDescription
 ) -> tuple[float, int]:
-    """How long the first task of the run `restart` describes took after that point, and
-    how many events that run had then: a new worker replays them all in that task."""
+    """Wake the pool, and how long its first task after `restart` took, with how many
+    events its run had then: a new worker replays them all in that task.
+
+    Woken by a signal, as an update's first task is speculative: the server
+    writes its events only once it completed, stamped alike.
+    """
     before = restart.raw_description.workflow_execution_info.history_length
-    run = client.get_workflow_handle(workflow_id, run_id=restart.run_id)
+    await handle.signal(MEMBER_CHANGED_SIGNAL, _stranger_report())
+    run = client.get_workflow_handle(handle.id, run_id=restart.run_id)
+
+    async def task_completed() -> bool:
+        return bool(await _task_durations(run, after=before))
+
+    await _until(task_completed)
+    return (await _task_durations(run, after=before))[0], before
+
+
+async def _task_durations(run: WorkflowHandle[Any, Any], after: int) -> list[float]:
+    """The run's completed workflow tasks after event `after`, in seconds, in order."""
+    took: list[float] = []
     started: datetime | None = None
     async for event in run.fetch_history_events():
-        if event.event_id <= before:
+        if event.event_id <= after:
             continue
         if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
             started = event.event_time.ToDatetime()
         elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and started:
-            return (event.event_time.ToDatetime() - started).total_seconds(), before
-    raise RuntimeError(f"no task of run {restart.run_id} completed after the restart")
+            took.append((event.event_time.ToDatetime() - started).total_seconds())
+    return took
+
+
+def _stranger_report() -> dict[str, Any]:
+    """A well-formed report of a member no pool has: ignored, but a workflow task."""
+    return {
+        "member": "nobody/0",
+        "state": ProxyState.READY,
+        "endpoint": "127.0.0.1:9",
+        "provider": FLEET_PROVIDER,
+        "generation": 0,
+        "ready_since": None,
+        "at": datetime.now(UTC).isoformat(),
+        "seq": 0,
+    }
 
 
 async def _generations(handle: WorkflowHandle[Any, Any]) -> dict[str, int]:
