@@ -29,6 +29,8 @@ from gateway.squid import IPC_DIR
 from providers.config import parse_config
 from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
+from worker import SERVE_POOLS, SERVE_PROXIES
+from worker import parse_args as worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
@@ -78,6 +80,9 @@ def render(base: Path = BASE) -> list[Object]:
 
 OBJECTS = render()
 WORKER = "proxy-operator-worker"
+# Pools on the pools' task queue, in a process of their own (docs/operations.md).
+POOLS_WORKER = "proxy-operator-worker-pools"
+WORKERS = (WORKER, POOLS_WORKER)
 GATEWAY = "proxy-operator-gateway"
 
 
@@ -90,14 +95,14 @@ def the(kind: str, name: str | None = None) -> Object:
     return found
 
 
-def worker_pod_spec() -> Object:
-    spec: Object = the("Deployment", WORKER)["spec"]["template"]["spec"]
+def worker_pod_spec(name: str = WORKER) -> Object:
+    spec: Object = the("Deployment", name)["spec"]["template"]["spec"]
     return spec
 
 
-def worker_container() -> Object:
+def worker_container(name: str = WORKER) -> Object:
     container: Object
-    (container,) = worker_pod_spec()["containers"]
+    (container,) = worker_pod_spec(name)["containers"]
     return container
 
 
@@ -179,7 +184,7 @@ def test_each_allowed_namespaces_role_is_bound_to_the_workers_service_account(
 ) -> None:
     (role,) = in_namespace("Role", namespace)
     (binding,) = in_namespace("RoleBinding", namespace)
-    account = the("ServiceAccount")
+    account = the("ServiceAccount", worker_pod_spec()["serviceAccountName"])
 
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -200,14 +205,15 @@ def test_each_allowed_namespaces_role_is_bound_to_the_workers_service_account(
 # --- the worker ----------------------------------------------------------------
 
 
-def test_the_worker_is_probed_and_scraped_on_its_metrics_port() -> None:
-    container = worker_container()
+@pytest.mark.parametrize("name", WORKERS)
+def test_the_worker_is_probed_and_scraped_on_its_metrics_port(name: str) -> None:
+    container = worker_container(name)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz", probe
         assert ports[container[probe]["httpGet"]["port"]] == 9464, probe
-    annotations = the("Deployment", WORKER)["spec"]["template"]["metadata"]["annotations"]
+    annotations = the("Deployment", name)["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": "9464",
@@ -215,9 +221,10 @@ def test_the_worker_is_probed_and_scraped_on_its_metrics_port() -> None:
     }
 
 
-def test_the_worker_runs_unprivileged_with_limits() -> None:
-    pod = worker_pod_spec()
-    container = worker_container()
+@pytest.mark.parametrize("name", WORKERS)
+def test_the_worker_runs_unprivileged_with_limits(name: str) -> None:
+    pod = worker_pod_spec(name)
+    container = worker_container(name)
 
     assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -232,12 +239,13 @@ def test_the_worker_runs_unprivileged_with_limits() -> None:
     assert set(container["resources"]["limits"]) == {"cpu", "memory"}
 
 
-def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> None:
-    container = worker_container()
+@pytest.mark.parametrize("name", WORKERS)
+def test_the_worker_reads_the_config_map_and_the_password_from_a_secret(name: str) -> None:
+    container = worker_container(name)
     command = container["command"]
     config_path = Path(command[command.index("--providers-config") + 1])
     (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
-    (volume,) = [v for v in worker_pod_spec()["volumes"] if v["name"] == mount["name"]]
+    (volume,) = [v for v in worker_pod_spec(name)["volumes"] if v["name"] == mount["name"]]
     config_map = the("ConfigMap", volume["configMap"]["name"])
     env = {e["name"]: e for e in container["env"]}
 
@@ -254,6 +262,22 @@ def test_the_worker_reads_the_config_map_and_the_password_from_a_secret() -> Non
     assert isinstance(provider.settings, KubernetesConfig)
     assert provider.settings.namespace == "proxies"
     assert "@sha256:" in provider.settings.image, "the proxy image is pinned by digest"
+
+
+def test_pools_on_the_pools_queue_run_in_a_worker_of_their_own_that_is_granted_nothing() -> None:
+    serves = {name: worker_args(worker_container(name)["command"][1:]).serve for name in WORKERS}
+    pools_account = worker_pod_spec(POOLS_WORKER)["serviceAccountName"]
+    bound = [
+        subject["name"]
+        for binding in OBJECTS
+        if binding["kind"] in {"RoleBinding", "ClusterRoleBinding"}
+        for subject in binding["subjects"]
+    ]
+
+    assert serves == {WORKER: SERVE_PROXIES, POOLS_WORKER: SERVE_POOLS}
+    assert the("ServiceAccount", pools_account)["metadata"]["namespace"] == "proxy-operator"
+    assert pools_account != worker_pod_spec()["serviceAccountName"]
+    assert pools_account not in bound
 
 
 def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() -> None:
