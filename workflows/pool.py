@@ -258,6 +258,8 @@ class ProxyPool:
         self._reconciling = False
         # Members whose start command has not been answered yet.
         self._starting: set[str] = set()
+        # Members this run started: their closing is an event of this run.
+        self._children: dict[str, workflow.ChildWorkflowHandle[Any, Any]] = {}
         # Members whose reported endpoint awaits its provider's word, and
         # those whose check is under way.
         self._unverified: set[str] = set()
@@ -958,7 +960,7 @@ class ProxyPool:
         # A member the pool monitors runs no monitor of its own.
         body = start.body if self._monitor is None else {**start.body, "monitor": "pool"}
         try:
-            await workflow.start_child_workflow(
+            self._children[member] = await workflow.start_child_workflow(
                 PROXY_LIFECYCLE,
                 body,
                 id=member,
@@ -1083,6 +1085,9 @@ class ProxyPool:
                 # starts ending at once, and the monitor's shards end meanwhile.
                 if quiet and hand_over is not None and told and self._time_to_continue():
                     await self._until_ended(lambda: any(map(_is_removing, self._members.values())))
+                    # A member this run started closes as an event of it too,
+                    # after its last report.
+                    await workflow.wait_condition(self._children_closed)
                     await workflow.wait_condition(lambda: not self._tasks)
                     if monitor is not None:
                         # A shard's cancellation landing would cross it too.
@@ -1103,6 +1108,10 @@ class ProxyPool:
         if monitor is not None:
             await monitor.stop()  # its shards end within a heartbeat, mostly long before
         self._publish(PoolState.TERMINATED)
+
+    def _children_closed(self) -> bool:
+        """Every member this run started and no longer has has closed."""
+        return all(h.done() for m, h in self._children.items() if m not in self._members)
 
     async def _until_ended(self, ending: Callable[[], bool]) -> None:
         """Wait while `ending` (members told to end still there), reconciling now and then
