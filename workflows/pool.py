@@ -350,6 +350,9 @@ class ProxyPool:
                     workflow.now() - self._hold_since < MAX_HOLD
                 )
                 more = False
+                # The members' census, when this step's plan took it (nothing
+                # changes the members from the plan to the wait below).
+                counted: pool_plan.Census | None = None
                 self._usage = pool_autoscale.counted(
                     self._usage, len(self._members), workflow.now()
                 )
@@ -358,14 +361,14 @@ class ProxyPool:
                     step = pool_plan.plan(self._situation(), inp, pool_id, workflow.now())
                     self._apply(step)
                     self._verify_endpoints()
-                    more = step.more
+                    more, counted = step.more, step.census
                 refresh_at = self._refresh_monitor()
                 # else: a paced pool issues nothing new once continue-as-new is
                 # suggested, so the commands in flight end and it can hand over
                 # (a pool bringing up 1,000 members always has some in flight);
                 # for MAX_HOLD at most, as a long drain may be among them.
                 self._usage.members = len(self._members)
-                self._publish()
+                self._publish(counted=counted)
                 unsettled = quiet_handover and holding and not pool_plan.settled(self._situation())
                 if suggested and not self._tasks and not unsettled:
                     await workflow.wait_condition(workflow.all_handlers_finished)
@@ -375,7 +378,8 @@ class ProxyPool:
                             # at their next heartbeat (activities/provider.py).
                             self._monitor.cancel()
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
-                wake = self._next_wake()
+                    counted = None  # reports may have come in the wait
+                wake = self._next_wake(counted)
                 if refresh_at is not None and (wake is None or refresh_at < wake.at):
                     wake = Wake(refresh_at, "refresh the members' monitor")
                 if more:
@@ -802,9 +806,9 @@ class ProxyPool:
             victim.remove(SCALED_DOWN, drain)
             self._spawn(self._drain_then_terminate(victim.member, SCALED_DOWN, drain))
 
-    def _next_wake(self) -> Wake | None:
+    def _next_wake(self, counted: pool_plan.Census | None = None) -> Wake | None:
         """The plan's next wake, or an autoscale decision falling due, whichever is first."""
-        wake = pool_plan.next_wake(self._situation(), self._inp)
+        wake = pool_plan.next_wake(self._situation(), self._inp, counted)
         bounds = self._inp.autoscale if self._inp is not None else None
         if bounds is None or self._autoscale is None:
             return wake
@@ -1205,10 +1209,13 @@ class ProxyPool:
     def _serving(self) -> list[Member]:
         return [m for m in self._live() if pool_plan.is_serving(m)]
 
-    def _publish(self, state: PoolState | None = None) -> None:
-        """ProxyState on the pool, and the member table in the Web UI's current details."""
+    def _publish(
+        self, state: PoolState | None = None, counted: pool_plan.Census | None = None
+    ) -> None:
+        """ProxyState on the pool, and the member table in the Web UI's current details;
+        `counted`: the members' census, if taken already."""
         situation = self._situation()
-        counted = pool_plan.census(situation.members)
+        counted = counted or pool_plan.census(situation.members)
         state = state or pool_plan.pool_state(situation, counted)
         details = pool_view.current_details(
             state,

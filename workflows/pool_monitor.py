@@ -30,6 +30,7 @@ a pool's own CPU per step (and so of every replay of its history).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,22 +58,30 @@ REFRESH = timedelta(seconds=60)
 Watch = tuple[str, str, str]
 
 
-def shards(watched: list[WatchedMember], size: int) -> dict[int, list[WatchedMember]]:
-    """The members each shard watches: `size` on average, by the CRC-32 of the member id."""
+def shards(watched: Sequence[Watch], size: int) -> dict[int, list[Watch]]:
+    """The members each shard watches, by member id: `size` on average, by the CRC-32
+    of the member id."""
     if not watched:
         return {}
     count = -(-len(watched) // size)
-    split: dict[int, list[WatchedMember]] = {}
-    for member in sorted(watched, key=lambda m: m.member):
-        split.setdefault(zlib.crc32(member.member.encode()) % count, []).append(member)
+    split: dict[int, list[Watch]] = {}
+    for watch in sorted(watched):  # member ids are unique: sorted by member id
+        split.setdefault(_crc(watch[0]) % count, []).append(watch)
     return split
+
+
+@functools.lru_cache(maxsize=16_384)
+def _crc(member: str) -> int:
+    """A member id's CRC-32, kept: a full refresh asks it of every member (pure, so a
+    worker's pools may share it)."""
+    return zlib.crc32(member.encode())
 
 
 @dataclass
 class _Shard:
     """One running (or ended) shard activity and what it was started to watch."""
 
-    watching: list[WatchedMember]
+    watching: list[Watch]
     started: datetime
     handle: ActivityHandle[PoolMonitorOutcome]
 
@@ -122,7 +131,7 @@ class PoolMonitor:
     def _full_refresh(
         self, watched: tuple[Watch, ...], health: HealthInput, now: datetime
     ) -> datetime | None:
-        wanted = shards([WatchedMember(*w) for w in watched], policies.POOL_MONITOR_SHARD)
+        wanted = shards(watched, policies.POOL_MONITOR_SHARD)
         later: datetime | None = None
         for index in set(self._shards) - set(wanted):
             self._cancel(self._shards.pop(index).handle)
@@ -162,14 +171,14 @@ class PoolMonitor:
         self,
         index: int,
         count: int,
-        members: list[WatchedMember],
+        members: list[Watch],
         health: HealthInput,
         now: datetime,
     ) -> _Shard:
         handle = workflow.start_activity_method(
             ProviderActivities.monitor_members,
             PoolMonitorInput(
-                members,
+                [WatchedMember(*w) for w in members],
                 health.target,
                 interval_seconds=health.interval_seconds,
                 failure_threshold=health.failure_threshold,

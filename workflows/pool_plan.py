@@ -22,7 +22,7 @@ generation is Ready, and whether it has ever served.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -64,6 +64,8 @@ SHARED_EXIT = "exit shared:"
 NAMED_ROTATIONS = 3
 # How `Member.last_rotation` of an abandoned rotation begins.
 ABANDONED = "abandoned"
+# After every time (a rotation queued with no lifetime due).
+_NEVER = datetime.max.replace(tzinfo=UTC)
 
 
 class MemberPhase(StrEnum):
@@ -280,6 +282,8 @@ class Step:
     members: tuple[Member, ...]
     next_index: int
     start_after: datetime | None
+    # Of `members`, for the pool's details and next wake in the same step.
+    census: Census
     # The vacancies no start has filled yet.
     vacancies: tuple[str, ...] = ()
     removals: tuple[Removal, ...] = ()
@@ -342,22 +346,29 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
     draft = _Draft(situation.members)
     abandoned = _abandon_late_rotations(draft, inp, now) if situation.paced else []
     for member in draft.members:
+        if member.phase is not _ACTIVE or member.lifetime_seconds is None:
+            continue
         due = rotate_at(member)
-        if due is not None and due <= now and member.phase is _ACTIVE:
+        if due is not None and due <= now:
             draft.own(member).queue(MAX_LIFETIME)
     if inp.distinct_exits:
         _queue_shared_exits(draft)
     batch = COMMAND_BATCH if situation.paced else None
-    removals = _scale_down(draft, situation.replicas, drain_seconds(inp), batch)
+    # Taken again only after a scale-down: the starts that follow change no
+    # count the rotations read (serving, queued, rotating).
+    counted = census(draft.members)
+    removals = _scale_down(draft, counted, situation.replicas, drain_seconds(inp), batch)
     starts: list[Start] = []
     start_after = situation.start_after
     vacancies: tuple[str, ...] = ()  # a scale-down leaves none to fill
-    if not removals:
-        starts, start_after, vacancies = _scale_up(draft, situation, inp, pool_id, now)
-    rotations = _rotate(draft, situation, inp, now)
+    if removals:
+        counted = census(draft.members)
+    else:
+        starts, start_after, vacancies = _scale_up(draft, counted, situation, inp, pool_id, now)
+    rotations = _rotate(draft, counted, situation, inp, now)
     members = draft.members
-    after = dataclasses.replace(situation, members=tuple(members))
-    every = RECONCILE_EVERY if calm(after) else RECONCILE_BUSY
+    after = census(members)
+    every = RECONCILE_EVERY if calm(situation, after) else RECONCILE_BUSY
     reconcile = not situation.reconciling and (
         situation.last_reconcile is None or now - situation.last_reconcile >= every
     )
@@ -365,6 +376,7 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         members=tuple(members),
         next_index=situation.next_index + len(starts),
         start_after=start_after,
+        census=after,
         vacancies=vacancies,
         removals=tuple(removals),
         starts=tuple(starts),
@@ -375,25 +387,33 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
     )
 
 
-def _scale_down(draft: _Draft, replicas: int, drain: int, batch: int | None) -> list[Removal]:
+def _scale_down(
+    draft: _Draft, counted: Census, replicas: int, drain: int, batch: int | None
+) -> list[Removal]:
     """Members not serving go first, then the oldest instances; `batch` at most."""
-    live = _live(draft.members)
-    excess = min(len(live) - replicas, len(live) if batch is None else batch)
+    excess = min(counted.live - replicas, counted.live if batch is None else batch)
     if excess <= 0:
         return []
-    victims = sorted(live, key=lambda m: (is_serving(m), m.ready_since or "", m.index))
+    victims = sorted(
+        _live(draft.members), key=lambda m: (is_serving(m), m.ready_since or "", m.index)
+    )
     for member in victims[:excess]:
         draft.own(member).remove(SCALED_DOWN, drain)
     return [Removal(m.member, SCALED_DOWN, drain) for m in victims[:excess]]
 
 
 def _scale_up(
-    draft: _Draft, situation: Situation, inp: PoolInput, pool_id: str, now: datetime
+    draft: _Draft,
+    counted: Census,
+    situation: Situation,
+    inp: PoolInput,
+    pool_id: str,
+    now: datetime,
 ) -> tuple[list[Start], datetime | None, tuple[str, ...]]:
     """New members to reach `replicas`, unless stopped or backing off; the backoff and
     the vacancies after."""
     members = draft.members
-    missing = situation.replicas - len(_live(members))
+    missing = situation.replicas - counted.live
     if missing <= 0:
         return [], situation.start_after, ()  # scaled down since: nothing to replace
     if situation.stopped is not None or (
@@ -403,9 +423,7 @@ def _scale_up(
     starts = []
     # A bounded batch per workflow task: the next starts when these answer
     # (paced: when these are Ready).
-    busy = situation.starting
-    if situation.paced:
-        busy = len([m for m in _live(members) if not m.served])
+    busy = counted.unserved if situation.paced else situation.starting
     for n in range(min(missing, max(0, START_BATCH - busy))):
         member = _new_member(members, inp, pool_id, situation.next_index + n, now)
         members.append(member)
@@ -467,7 +485,9 @@ def _placement(members: list[Member], inp: PoolInput) -> tuple[int | None, str, 
     return best, entry.provider, entry.placement.as_dict()
 
 
-def _rotate(draft: _Draft, situation: Situation, inp: PoolInput, now: datetime) -> list[Rotation]:
+def _rotate(
+    draft: _Draft, counted: Census, situation: Situation, inp: PoolInput, now: datetime
+) -> list[Rotation]:
     """Queued rotations to start now, bans first, up to the surge under way at once.
 
     Paced pools (today's) take `max_surge` of the replicas, the most overdue
@@ -477,8 +497,7 @@ def _rotate(draft: _Draft, situation: Situation, inp: PoolInput, now: datetime) 
     full size, all at once.
     """
     replicas = situation.replicas
-    queued = [m for m in draft.members if m.phase is _QUEUED]
-    counted = census(draft.members)
+    queued = list(counted.queue)
     rotating, serving = len(counted.rotating), counted.serving
     if situation.paced:
         surge, batch = inp.surge(replicas), COMMAND_BATCH
@@ -535,7 +554,7 @@ def _legacy_surge(max_surge: int | str) -> int:
 def _overdue_key(member: Member) -> datetime:
     """The most overdue first; a member queued without a lifetime due comes after."""
     due = rotate_at(member)
-    return due if due is not None else datetime.max.replace(tzinfo=UTC)
+    return due if due is not None else _NEVER
 
 
 def _abandon_late_rotations(draft: _Draft, inp: PoolInput, now: datetime) -> list[str]:
@@ -546,41 +565,45 @@ def _abandon_late_rotations(draft: _Draft, inp: PoolInput, now: datetime) -> lis
         for m in draft.members
         if m.phase is _ROTATING
         and m.rotation_started is not None
-        and now - datetime.fromisoformat(m.rotation_started) >= timedelta(seconds=deadline)
+        and now - _parsed_time(m.rotation_started) >= timedelta(seconds=deadline)
     ]
     for member in late:
         draft.own(member).abandon_rotation(now, deadline)
     return [m.member for m in late]
 
 
-def next_wake(situation: Situation, inp: PoolInput | None = None) -> Wake | None:
+def next_wake(
+    situation: Situation, inp: PoolInput | None = None, counted: Census | None = None
+) -> Wake | None:
     """The earliest thing the pool must do on its own: a lifetime, a rotation's deadline
-    (given `inp`), a backoff's end, a reconcile."""
-    lifetimes = [
-        (due, m.index)
-        for m in situation.members
-        if m.phase is _ACTIVE and (due := rotate_at(m)) is not None
-    ]
+    (given `inp`), a backoff's end, a reconcile; `counted`: the census of its members,
+    if taken already."""
+    lifetime: tuple[datetime, int, str] | None = None
+    started: tuple[datetime, str] | None = None
+    # One pass for both: a pool of 1,000 asks this at every step.
+    for m in situation.members:
+        if m.phase is _ACTIVE:
+            due = rotate_at(m)
+            if due is not None and (lifetime is None or (due, m.index) < lifetime[:2]):
+                lifetime = (due, m.index, m.member)
+        elif m.phase is _ROTATING and m.rotation_started is not None:
+            at = _parsed_time(m.rotation_started)
+            if started is None or (at, m.member) < started:
+                started = (at, m.member)
     wakes = []
-    if lifetimes:
+    if lifetime is not None:
         # Worded for the earliest only: a pool of 1,000 wakes for one at a time.
-        due, index = min(lifetimes)
-        member = next(m for m in situation.members if m.index == index)
-        wakes.append(Wake(due, f"rotate {member.member}, its lifetime is up"))
-    started = [
-        (datetime.fromisoformat(m.rotation_started), m.member)
-        for m in situation.members
-        if m.phase is _ROTATING and m.rotation_started is not None
-    ]
-    if started and inp is not None:
-        at, member_id = min(started)
+        due, _, member_id = lifetime
+        wakes.append(Wake(due, f"rotate {member_id}, its lifetime is up"))
+    if started is not None and inp is not None:
+        at, member_id = started
         deadline = timedelta(seconds=inp.rotation_deadline_seconds)
         wakes.append(Wake(at + deadline, f"abandon the rotation of {member_id} if still not Ready"))
     if situation.start_after is not None and situation.stopped is None:
         wakes.append(Wake(situation.start_after, "start a replacement, the backoff is over"))
     if situation.last_reconcile is not None and not situation.reconciling:
         # (A reconcile under way wakes the pool when it ends.)
-        every = RECONCILE_IDLE if calm(situation) else RECONCILE_BUSY
+        every = RECONCILE_IDLE if calm(situation, counted) else RECONCILE_BUSY
         wakes.append(Wake(situation.last_reconcile + every, "reconcile members with visibility"))
     return min(wakes, key=lambda w: w.at, default=None)
 
@@ -650,10 +673,25 @@ def rotate_at(member: Member) -> datetime | None:
         return None
     if member.phase is _ROTATING:
         return None
-    due = datetime.fromisoformat(member.ready_since) + timedelta(seconds=member.lifetime_seconds)
-    if member.retry_at is not None:
-        due = max(due, datetime.fromisoformat(member.retry_at))
+    return _lifetime_due(member.ready_since, member.lifetime_seconds, member.retry_at)
+
+
+@functools.lru_cache(maxsize=16_384)
+def _lifetime_due(ready_since: str, lifetime_seconds: float, retry_at: str | None) -> datetime:
+    """`rotate_at` from a member's texts, kept: a pool asks it of every member at every
+    step, and parsing the times again took most of that.
+
+    A pure function of its arguments, so a worker's pools may share it.
+    """
+    due = _parsed_time(ready_since) + timedelta(seconds=lifetime_seconds)
+    if retry_at is not None:
+        due = max(due, _parsed_time(retry_at))
     return due
+
+
+# A member's times as the plan reads them, parsed once: the same texts come
+# back at every step (pure, so a worker's pools may share it).
+_parsed_time = functools.lru_cache(maxsize=16_384)(datetime.fromisoformat)
 
 
 def is_serving(member: Member) -> bool:
@@ -685,19 +723,19 @@ def settled(situation: Situation) -> bool:
     return all(m.served and m.phase is not _ROTATING for m in _live(situation.members))
 
 
-def calm(situation: Situation) -> bool:
-    """Nothing the pool waits on from its members but their lifetimes."""
-    return not situation.ending and all(
-        m.phase is not _REMOVING and m.state == _READY for m in situation.members
-    )
+def calm(situation: Situation, counted: Census | None = None) -> bool:
+    """Nothing the pool waits on from its members but their lifetimes; `counted`: the
+    census of its members, if taken already."""
+    return not situation.ending and (counted or census(situation.members)).all_ready
 
 
 @dataclass(frozen=True)
 class Census:
-    """The counts `pool_state`, `waiting_for` and the pool's details read, from one pass.
+    """The counts a step reads (the plan's surge and reconcile, `pool_state`,
+    `waiting_for`, the pool's details), from one pass.
 
-    A pool of 1,000 members computes these at every step, so of every
-    replayed step too: one pass over the members instead of one per count.
+    A pool of 1,000 members takes these at every step, so in every replayed
+    step too: one pass over the members instead of one per count.
     """
 
     members: int
@@ -707,27 +745,39 @@ class Census:
     serving: int
     # Live and not Ready yet.
     not_ready: int
-    queued: int
+    # The live members waiting for a surge slot (QUEUED), in member order.
+    queue: tuple[Member, ...]
     # The ids of the live members rotating, in member order.
     rotating: tuple[str, ...]
+    # Live and never Ready yet (a paced pool's starts in flight).
+    unserved: int
+
+    @property
+    def all_ready(self) -> bool:
+        """Every member Ready and none being removed (`calm`, but for the pool's end)."""
+        return self.live == self.members and not self.not_ready
 
 
 def census(members: Sequence[Member]) -> Census:
-    live = serving = not_ready = queued = 0
+    live = serving = not_ready = unserved = 0
+    queue = []
     rotating = []
     for m in members:
-        if m.phase is _REMOVING:
+        phase = m.phase
+        if phase is _REMOVING:
             continue
         live += 1
+        if not m.served:
+            unserved += 1
         if m.state != _READY:
             not_ready += 1
         elif m.verified and not m.banned:
             serving += 1
-        if m.phase is _ROTATING:
+        if phase is _ROTATING:
             rotating.append(m.member)
-        elif m.phase is _QUEUED:
-            queued += 1
-    return Census(len(members), live, serving, not_ready, queued, tuple(rotating))
+        elif phase is _QUEUED:
+            queue.append(m)
+    return Census(len(members), live, serving, not_ready, tuple(queue), tuple(rotating), unserved)
 
 
 def pool_state(situation: Situation, counted: Census | None = None) -> PoolState:
@@ -765,8 +815,8 @@ def waiting_for(situation: Situation, counted: Census | None = None) -> str | No
         named = ", ".join(rotating[:NAMED_ROTATIONS])
         more = len(rotating) - NAMED_ROTATIONS
         parts.append(f"rotation of {named}" + (f" and {more} more" if more > 0 else ""))
-    if counted.queued:
-        parts.append(f"{counted.queued} members queued for rotation")
+    if counted.queue:
+        parts.append(f"{len(counted.queue)} members queued for rotation")
     return "; ".join(parts) or None
 
 

@@ -19,7 +19,6 @@ from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.models import WatchedMember
 from contract import INSTANCE_FAILING_SIGNAL, MEMBER_CHANGED_SIGNAL
 from providers.errors import QuotaExceeded
 from tests.helpers.histories import record_history
@@ -186,14 +185,12 @@ async def test_a_standalone_proxy_cannot_ask_to_be_monitored_by_a_pool(stack: St
 
 
 def test_shards_split_the_members_and_a_change_touches_one_shard() -> None:
-    members = [WatchedMember(f"pool/{n}", "local", f"127.0.0.1:{20000 + n}") for n in range(450)]
+    members = [(f"pool/{n}", "local", f"127.0.0.1:{20000 + n}") for n in range(450)]
     split = shards(members, 200)
     assert len(split) == 3
-    assert sorted(m.member for part in split.values() for m in part) == sorted(
-        m.member for m in members
-    )
+    assert sorted(m for part in split.values() for m in part) == sorted(members)
     # One member's new endpoint changes its own shard only.
-    moved = [*members[:-1], WatchedMember("pool/449", "local", "127.0.0.1:1")]
+    moved = [*members[:-1], ("pool/449", "local", "127.0.0.1:1")]
     again = shards(moved, 200)
     changed = [n for n in split if split[n] != again[n]]
     assert len(changed) == 1

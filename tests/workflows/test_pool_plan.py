@@ -594,28 +594,59 @@ def test_pool_states_and_what_the_pool_waits_for() -> None:
 
 
 def test_the_census_counts_what_each_member_is_in_one_pass() -> None:
-    """Every combination of phase, state, confirmed endpoint and ban, counted as the
-    per-member definitions (`is_serving`, the phases) count them."""
+    """Every combination of phase, state, confirmed endpoint, ban and having served,
+    counted as the per-member definitions (`is_serving`, the phases) count them."""
     members = []
-    for n, (phase, state, verified, banned) in enumerate(
+    for n, (phase, state, verified, banned, served) in enumerate(
         itertools.product(
             MemberPhase, (ProxyState.READY, ProxyState.PROVISIONING), ("", "10.0.0.1:3128"),
-            (None, "403"),
+            (None, "403"), (False, True),
         )
     ):  # fmt: skip
         members.append(
             dataclasses.replace(
-                starting(n), phase=phase, state=state, verified=verified, banned=banned
+                starting(n), phase=phase, state=state, verified=verified, banned=banned,
+                served=served,
             )
-        )
+        )  # fmt: skip
     counted = census(members)
     live = [m for m in members if m.phase is not MemberPhase.REMOVING]
-    assert counted.members == len(members) == 32 and counted.live == len(live) == 24
-    assert counted.serving == len([m for m in members if is_serving(m)]) == 3
-    assert counted.not_ready == len([m for m in live if m.state != ProxyState.READY]) == 12
-    assert counted.queued == 8
+    assert counted.members == len(members) == 64 and counted.live == len(live) == 48
+    assert counted.serving == len([m for m in members if is_serving(m)]) == 6
+    assert counted.not_ready == len([m for m in live if m.state != ProxyState.READY]) == 24
+    assert counted.unserved == len([m for m in live if not m.served]) == 24
+    assert counted.queue == tuple(m for m in live if m.phase is MemberPhase.QUEUED)
+    assert len(counted.queue) == 16
     assert counted.rotating == tuple(m.member for m in live if m.phase is MemberPhase.ROTATING)
-    assert len(counted.rotating) == 8
+    assert len(counted.rotating) == 16
+    assert not counted.all_ready
+    assert census([ready(0), ready(1)]).all_ready
+
+
+def test_a_step_carries_the_census_of_the_members_it_leaves() -> None:
+    """The pool reads a step's census for its details and next wake instead of counting
+    again: it must be the census of the step's members after every kind of change."""
+    lifetime = {"template": {"max_lifetime_seconds": 600}}
+    banned = ready(2, lifetime_seconds=600)
+    banned.ban("403")
+    late = ready(3)
+    late.start_rotation(T0 - timedelta(hours=1))
+    later = T0 + timedelta(hours=1)
+    cases = [
+        (situation(replicas=60, paced=True), pool_input(replicas=60), T0),
+        (situation(*(ready(n, lifetime_seconds=600) for n in range(6)), paced=True),
+         pool_input(max_surge=2, **lifetime), later),
+        (situation(ready(0), ready(1), banned, late, replicas=6, paced=True),
+         pool_input(replicas=6), later),
+        (situation(*(ready(n) for n in range(80)), replicas=5, paced=True),
+         pool_input(replicas=5), T0),
+        (situation(*(ready(n, lifetime_seconds=600) for n in range(5))),
+         pool_input(replicas=5, max_surge=1), later),
+    ]  # fmt: skip
+    for books, inp, now in cases:
+        step = plan(books, inp, POOL, now)
+        assert step.starts or step.removals or step.rotations or step.abandoned
+        assert step.census == census(step.members)
 
 
 def test_what_the_pool_waits_for_names_a_few_rotations_and_counts_the_rest() -> None:
