@@ -66,6 +66,10 @@ NAMED_ROTATIONS = 3
 ABANDONED = "abandoned"
 # After every time (a rotation queued with no lifetime due).
 _NEVER = datetime.max.replace(tzinfo=UTC)
+# A member's times as the plan reads them, parsed once: the same texts come
+# back at every step, for every member, and parsing them again took most of
+# `rotate_at` (pure, so a worker's pools may share it).
+_parsed_time = functools.lru_cache(maxsize=16_384)(datetime.fromisoformat)
 
 
 class MemberPhase(StrEnum):
@@ -673,25 +677,10 @@ def rotate_at(member: Member) -> datetime | None:
         return None
     if member.phase is _ROTATING:
         return None
-    return _lifetime_due(member.ready_since, member.lifetime_seconds, member.retry_at)
-
-
-@functools.lru_cache(maxsize=16_384)
-def _lifetime_due(ready_since: str, lifetime_seconds: float, retry_at: str | None) -> datetime:
-    """`rotate_at` from a member's texts, kept: a pool asks it of every member at every
-    step, and parsing the times again took most of that.
-
-    A pure function of its arguments, so a worker's pools may share it.
-    """
-    due = _parsed_time(ready_since) + timedelta(seconds=lifetime_seconds)
-    if retry_at is not None:
-        due = max(due, _parsed_time(retry_at))
+    due = _parsed_time(member.ready_since) + timedelta(seconds=member.lifetime_seconds)
+    if member.retry_at is not None:
+        due = max(due, _parsed_time(member.retry_at))
     return due
-
-
-# A member's times as the plan reads them, parsed once: the same texts come
-# back at every step (pure, so a worker's pools may share it).
-_parsed_time = functools.lru_cache(maxsize=16_384)(datetime.fromisoformat)
 
 
 def is_serving(member: Member) -> bool:
