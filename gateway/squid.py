@@ -121,6 +121,8 @@ DEFAULT_EPHEMERAL_LOW = 32768
 BACK_PORTS_FROM = 26000
 START_DEADLINE = 30.0
 RELOAD_DEADLINE = 30.0
+# How many times the front may reload at start for its probes to find the backs.
+FRONT_RELOADS = 3
 # How long the paused front waits before a back reloads: longer than the
 # connects to members of the CONNECTs it sent that back take.
 SETTLE = 0.2
@@ -146,6 +148,10 @@ PEER_DOWN = "peerConnectFailedSilent: TCP connection to"
 
 class GatewayError(Exception):
     """The gateway's Squid would not start, parse its config or reload."""
+
+
+class GatewayTimeout(GatewayError):
+    """What the gateway's Squid was waited for did not come in time (it still runs)."""
 
 
 @dataclass(frozen=True)
@@ -282,14 +288,35 @@ class GatewaySquid:
         for back in self.backs:
             self._await_probes(offset, back, self._peers(back))
         self._await_probes(offset, self.front, len(self.backs))
-        if self._logged(offset, self.front, PEER_UP) < len(self.backs):
-            # The workers start together: the front probed the backs before
-            # they listened, and Squid counts a peer whose probe failed down
-            # until a request makes it probe again (and that request fails).
-            # A reload probes again, now that they listen.
-            reloaded = self._cache_log_size()
+        self._await_front_finds_backs(offset)
+
+    def _await_front_finds_backs(self, offset: int) -> None:
+        """Reload the front until its probes since `offset` found every back up.
+
+        The workers start together: the front may probe the backs before
+        they listen, and Squid counts a peer whose probe failed down until a
+        request makes it probe again (and that request fails). A reload
+        probes again, now that they listen. On a starved machine a reload's
+        probe can time out too, or its reload not come (seen once in a
+        loaded test run: no probe logged 30 s after the SIGHUP), so each try
+        waits a share of START_DEADLINE and the next sends SIGHUP again.
+        """
+        wait = START_DEADLINE / FRONT_RELOADS
+        for _ in range(FRONT_RELOADS):
+            if self._logged(offset, self.front, PEER_UP) >= len(self.backs):
+                return
+            offset = self._cache_log_size()
             self._signal(self.front, signal.SIGHUP)
-            self._await_probes(reloaded, self.front, len(self.backs), PEER_UP)
+            with contextlib.suppress(GatewayTimeout):
+                self._await_probes(offset, self.front, len(self.backs), deadline=wait)
+        if self._logged(offset, self.front, PEER_UP) < len(self.backs):
+            came = self._logged(offset, self.front, RECONFIGURING) > 0
+            output = self._scrub(log_excerpt(self._squid_out, self.cache_log))
+            raise GatewayError(
+                f"the front worker's probes did not find its {len(self.backs)} backs up "
+                f"after {FRONT_RELOADS} reloads (the last one "
+                f"{'came' if came else 'never came'}): {output}"
+            )
 
     def apply(self, members: Sequence[GatewayMember]) -> bool:
         """Reload the backs, one at a time, onto `members`; False when nothing changed."""
@@ -589,13 +616,14 @@ class GatewaySquid:
             1 for line in back.conf.read_text().splitlines() if line.startswith("cache_peer ")
         )
 
-    def _await_probes(self, offset: int, worker: Worker, peers: int, *outcomes: str) -> None:
+    def _await_probes(
+        self, offset: int, worker: Worker, peers: int, deadline: float = RELOAD_DEADLINE
+    ) -> None:
         """Wait until `worker` has logged `peers` probe outcomes (answers or not) since `offset`."""
-        outcomes = outcomes or (PEER_UP, PEER_DOWN)
         self._await(
-            lambda: sum(self._logged(offset, worker, o) for o in outcomes) >= peers,
+            lambda: sum(self._logged(offset, worker, o) for o in (PEER_UP, PEER_DOWN)) >= peers,
             f"{worker.role} worker has not probed its {peers} peers",
-            RELOAD_DEADLINE,
+            deadline,
         )
 
     def _accepting(self, offset: int, worker: Worker) -> bool:
@@ -641,7 +669,7 @@ class GatewaySquid:
         except SquidExited as exited:
             raise GatewayError(f"Squid exited: {self._scrub(exited.excerpt)}") from None
         output = self._scrub(log_excerpt(*logs))
-        raise GatewayError(f"{failure} after {deadline:.0f}s: {output}")
+        raise GatewayTimeout(f"{failure} after {deadline:.0f}s: {output}")
 
 
 def remove_leftovers(service: str) -> None:

@@ -17,7 +17,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from temporalio.api.workflowservice.v1 import SetWorkerDeploymentCurrentVersionRequest
+from temporalio.api.enums.v1 import RoutingConfigUpdateState
+from temporalio.api.workflowservice.v1 import (
+    DescribeWorkerDeploymentRequest,
+    SetWorkerDeploymentCurrentVersionRequest,
+)
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
@@ -435,6 +439,26 @@ async def make_current(client: Client, version: WorkerDeploymentVersion) -> bool
     return True
 
 
+async def routed(client: Client, version: WorkerDeploymentVersion) -> bool:
+    """Whether the deployment's routing to its current version has reached every task queue.
+
+    The server propagates a new current version to the task queues after
+    `set-current-version` returns; until then a task may still go to an
+    unversioned poller (`temporal worker deployment describe` shows the state).
+    """
+    described = await client.workflow_service.describe_worker_deployment(
+        DescribeWorkerDeploymentRequest(
+            namespace=client.namespace, deployment_name=version.deployment_name
+        )
+    )
+    info = described.worker_deployment_info
+    return (
+        info.routing_config.current_deployment_version.build_id == version.build_id
+        and info.routing_config_update_state
+        == RoutingConfigUpdateState.ROUTING_CONFIG_UPDATE_STATE_COMPLETED
+    )
+
+
 async def version_of(
     handle: WorkflowHandle[object, object],
 ) -> tuple[WorkerDeploymentVersion, VersioningBehavior]:
@@ -469,6 +493,7 @@ async def test_a_fleet_moves_from_unversioned_workers_to_a_deployment_version(
     local_worker.start(local_worker.config, task_queue, {**local_worker.env, **deployment})
     # A version takes no task until it is made current, as in a rollout.
     await wait_for(lambda: make_current(client, version), "the new version's workers to poll")
+    await wait_for(lambda: routed(client, version), "the current version to reach the task queue")
 
     proxy = await client.start_workflow(
         "ProxyLifecycle",
