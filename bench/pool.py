@@ -177,6 +177,10 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
     print("| what | figure |\n| --- | --- |")
     print(f"| start to all {args.members} Ready | {ready_s:.1f} s |")
     print(f"| pool runs (continue-as-new) until all Ready | {tasks.runs} |")
+    print(
+        f"| pool history events until all Ready, every run (members' reports among them) "
+        f"| {tasks.events} ({tasks.reports}) |"
+    )
     print(f"| longest pool workflow task | {tasks.longest_s:.2f} s |")
     print(f"| pool workflow tasks over 1 s | {tasks.over_1s} of {tasks.tasks} |")
     causes = ", ".join(f"{n} {c}" for c, n in tasks.failed_causes.most_common()) or "none"
@@ -419,6 +423,9 @@ async def _until(check: Callable[[], Awaitable[bool]]) -> None:
 @dataclass
 class _TaskFigures:
     runs: int = 0
+    # Every event of every run, and the members' `member_changed` reports among them.
+    events: int = 0
+    reports: int = 0
     tasks: int = 0
     longest_s: float = 0.0
     over_1s: int = 0
@@ -452,6 +459,7 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
         # A task after a failed or timed-out one replays the run's whole history.
         before = "first task of the run"
         async for event in run.fetch_history_events():
+            figures.events += 1
             figures.largest_event = max(figures.largest_event, event.ByteSize())
             when = event.event_time.ToDatetime()
             if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
@@ -468,6 +476,9 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
                 figures.slowest.append((took, figures.runs, attributes.started_event_id, before))
                 figures.slowest = sorted(figures.slowest, reverse=True)[:SLOWEST]
                 before = "a completed task"
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+                signaled = event.workflow_execution_signaled_event_attributes
+                figures.reports += signaled.signal_name == MEMBER_CHANGED_SIGNAL
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
                 figures.timed_out += 1
                 before = "a timed-out task (replays)"
