@@ -138,6 +138,10 @@ ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
 # send) grew its run without end. Since, a long history wakes it too
 # (`_may_hand_over`), and it hands over (`_continue_as_new_if_suggested`).
 LONG_WAKES_PATCH = "member-hands-over-when-long"
+# Histories recorded before this patch had a pool member's first run report
+# Provisioning (generation 0) to the pool that had just started it and knew;
+# replaying them still does. Since, its first report is the first news.
+QUIET_START_PATCH = "members-start-quietly"
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
 CONFIRM_TIMEOUT = timedelta(minutes=2)
@@ -205,6 +209,8 @@ class ProxyLifecycle:
         # until the member has probed the instance itself (_confirm_failing).
         self._failing: str | None = None
         self._long_wakes = False
+        # A pool member's first run, whose start its pool knows (QUIET_START_PATCH).
+        self._quiet_start = False
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -218,6 +224,11 @@ class ProxyLifecycle:
             # ("patch marker encountered ... no corresponding change command").
             self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
             self._long_wakes = workflow.patched(LONG_WAKES_PATCH)
+            self._quiet_start = (
+                state is None
+                and workflow.info().parent is not None
+                and workflow.patched(QUIET_START_PATCH)
+            )
         self._early.decide(continued=state is not None)
         if state is not None:
             self._restore(state)
@@ -231,6 +242,8 @@ class ProxyLifecycle:
         self._input = inp
         self._carried.provider = inp.provider
         self._publisher.only_news = inp.monitor == "pool"
+        if self._quiet_start and self._publisher.only_news:
+            self._publisher.started_by_pool()
         self._publish()
 
         lifecycle = asyncio.create_task(self._lifecycle(inp))

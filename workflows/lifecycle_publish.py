@@ -48,6 +48,10 @@ class StatusPublisher:
         # their histories replay.
         self.only_news = False
 
+    def started_by_pool(self) -> None:
+        """The pool that started this member knows it is Provisioning: report only what follows."""
+        self._reported = (ProxyState.PROVISIONING, "", 0, None)
+
     def publish(self, status: ProxyStatus, instances: set[str]) -> None:
         """Search attributes, then current details, then the pool: in that order, always."""
         self._set_search_attributes(status, instances)

@@ -9,6 +9,7 @@ tested without a server.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -162,16 +163,19 @@ async def test_a_forged_instance_failing_about_a_healthy_member_only_makes_it_pr
     await wait_for(probed, "the member's own probe of its instance", deadline=60)
     after = await member.query("status")
     assert (after["state"], after["generation"], after["replacements"]) == ("Ready", 0, 0)
-    # Its pool heard of it twice: Provisioning, then Ready at its endpoint
-    # (not a third time when its instance got an address while Provisioning).
+    # Its pool heard of it once, when it was Ready at its endpoint: not when
+    # it started (the pool started it) nor when its instance got an address
+    # while Provisioning.
     reports = [
-        e
+        json.loads(
+            e.signal_external_workflow_execution_initiated_event_attributes.input.payloads[0].data
+        )
         for e in await history_of(member)
         if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
         and e.signal_external_workflow_execution_initiated_event_attributes.signal_name
         == MEMBER_CHANGED_SIGNAL
     ]
-    assert len(reports) == 2, reports
+    assert [(r["state"], r["generation"]) for r in reports] == [("Ready", 0)], reports
     await pool.signal("terminate")
     await pool.result()
     await record_history(member, "pool_member_forged_instance_failing")
