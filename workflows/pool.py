@@ -149,6 +149,11 @@ MEMBERS_QUEUE_PATCH = "members-queue"
 # have ended and continues as new, its `terminate_reason` carried; the next
 # run ends the rest.
 ENDING_HANDOVER_PATCH = "hand-over-while-ending"
+# Pools recorded before this patch continued as new past 2,000 events
+# (POOL_EVENT_BUDGET_BEFORE_0_3_7): a worker that had to replay such a run
+# after a restart spent up to about 1.9 s at 1,000 members on its first task
+# of it. Since, past POOL_EVENT_BUDGET.
+SHORTER_RUNS_PATCH = "shorter-pool-runs"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -172,7 +177,8 @@ SETTLE = timedelta(seconds=30)
 MIN_ALARM = timedelta(seconds=1)
 MAX_HOLD = timedelta(seconds=60)
 # A paced pool continues as new past either (`_time_to_continue`).
-POOL_EVENT_BUDGET = 2_000
+POOL_EVENT_BUDGET = 500
+POOL_EVENT_BUDGET_BEFORE_0_3_7 = 2_000
 POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
@@ -275,6 +281,8 @@ class ProxyPool:
         self._scaling_why: str | None = None
         self._usage = pool_autoscale.Usage()
         self._paced = False
+        # The events after which a paced run continues as new (SHORTER_RUNS_PATCH).
+        self._event_budget = POOL_EVENT_BUDGET_BEFORE_0_3_7
         # When a paced pool began holding new commands back to continue as new.
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
@@ -290,14 +298,13 @@ class ProxyPool:
         A pool of 1,000 members plans over all of them at each workflow task,
         so a worker that must replay its history (after a restart, an
         eviction or a timed-out task) pays that for every task in it: the
-        budget keeps that replay short enough to finish within the server's
-        10 s task timeout on a busy worker.
+        budget keeps that replay under a second on a worker of two cores.
         """
         info = workflow.info()
         return info.is_continue_as_new_suggested() or (
             self._paced
             and (
-                info.get_current_history_length() >= POOL_EVENT_BUDGET
+                info.get_current_history_length() >= self._event_budget
                 or info.get_current_history_size() >= POOL_HISTORY_BUDGET
             )
         )
@@ -323,6 +330,8 @@ class ProxyPool:
             self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
         quiet_handover = workflow.patched(QUIET_HANDOVER_PATCH)
         budget_wakes = workflow.patched(BUDGET_WAKES_PATCH)
+        if workflow.patched(SHORTER_RUNS_PATCH):
+            self._event_budget = POOL_EVENT_BUDGET
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(

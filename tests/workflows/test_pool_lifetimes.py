@@ -46,6 +46,7 @@ from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
     SUGGESTED_AT,
     eager_can_env,
 )
+from workflows.pool import POOL_EVENT_BUDGET
 from workflows.pool_plan import COMMAND_BATCH
 
 pytestmark = pytest.mark.slow
@@ -368,6 +369,36 @@ async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
     status = await handle.query("status")
     assert [m["member"] for m in status["members"]] == [f"{handle.id}/0"]
     assert status["rejected_reports"] == 0
+    await handle.signal("terminate")
+    assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
+    assert stack.instances() == []
+
+
+async def test_a_pool_hands_over_past_its_own_event_budget(stack: Stack) -> None:
+    """The dev server suggests a continue-as-new only near 4,000 events; a pool
+    hands over soon after POOL_EVENT_BUDGET, so a worker that must replay its
+    run (after a restart) replays at most that many events and a few more."""
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 1, "template": stack.proxy_input()},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+
+    async def ready() -> bool:
+        return bool((await handle.query("status"))["ready"] == 1)
+
+    await wait_for(ready, "the member Ready")
+    first_run = (await handle.describe()).run_id
+    await signal_until_continued(
+        handle, MEMBER_CHANGED_SIGNAL, _stranger, settled_under=POOL_EVENT_BUDGET, most=1_000
+    )
+    handed_over = await stack.client.get_workflow_handle(handle.id, run_id=first_run).describe()
+    length = handed_over.raw_description.workflow_execution_info.history_length
+    # The signals come in bursts of 10, each taken in a task of its own (3
+    # events), and the continue-as-new is the run's last event.
+    assert POOL_EVENT_BUDGET <= length <= POOL_EVENT_BUDGET + 20, length
+    await wait_for(ready, "the member Ready in the next run")
     await handle.signal("terminate")
     assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
     assert stack.instances() == []
