@@ -21,7 +21,9 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
 from activities.exit_echo import EchoFailed, observe_exit
@@ -63,6 +65,15 @@ MAX_POLL_SECONDS = 2.0
 WAIT_RUNNING_DEADLINE_SECONDS = 600.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
+# A pool shard asks the server, between rounds and at most this often,
+# whether the pool run that started it is still its pool's open run. A
+# handover's cancel reaches a shard only with a heartbeat's reply, up to a
+# minute later (the SDK throttles heartbeats), while the next run's shards
+# already probe the same members: a 1,000-member pool starting up hands
+# over every few seconds, and several generations of shards probed at once.
+# A describe is no billable action.
+HANDOVER_CHECK_SECONDS = 5.0
+HANDOVER_CHECK_TIMEOUT = timedelta(seconds=5)
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
 # While a new instance fails its first probes (a VM still booting), ask the
 # provider this often whether it still exists.
@@ -361,7 +372,13 @@ class ProviderActivities:
             m.member: int(counted.get(m.member, 0)) if isinstance(counted, dict) else 0
             for m in inp.members
         }
-        details: dict[str, object] = {"members": len(inp.members), "failing": {}, "round": None}
+        details: dict[str, object] = {
+            "members": len(inp.members),
+            "failing": {},
+            "round": None,
+            # When the shard last found its pool run still the pool's open run.
+            "run_open_at": None,
+        }
         timeout = info.heartbeat_timeout or UNTIMED_HEARTBEAT
         period = max(timeout - MONITOR_HEARTBEAT_SLACK, timeout / 2)
         try:
@@ -382,7 +399,7 @@ class ProviderActivities:
         """The pool monitor's rounds; `details` is what its heartbeats carry, updated in place."""
         started = time.monotonic()
         probes = 0
-        due = started
+        due = checked = started
         while True:
             tick = time.monotonic()
             # A round that starts late means this worker cannot keep up.
@@ -407,6 +424,11 @@ class ProviderActivities:
                 return PoolMonitorOutcome(MonitorReason.UNHEALTHY, failing, probes)
             if time.monotonic() - started >= inp.max_duration_seconds:
                 return PoolMonitorOutcome(MonitorReason.ELAPSED, [], probes)
+            if time.monotonic() - checked >= HANDOVER_CHECK_SECONDS:
+                checked = time.monotonic()
+                if await _pool_run_replaced():
+                    return PoolMonitorOutcome(MonitorReason.HANDOVER, [], probes)
+                details["run_open_at"] = datetime.now(UTC).isoformat(timespec="seconds")
             pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
             if await _worker_shutting_down_within(pause):
                 return PoolMonitorOutcome(MonitorReason.HANDOVER, [], probes)
@@ -585,6 +607,31 @@ async def _heartbeating(period: timedelta, details: dict[str, object]) -> AsyncI
         yield
     finally:
         beats.cancel()
+
+
+async def _pool_run_replaced() -> bool:
+    """Whether the workflow run that scheduled this activity is no longer its workflow's open run.
+
+    Only asked where a client is at hand (a worker's activities always have
+    one); a failed ask is no answer, and the next round asks again.
+    """
+    info = activity.info()
+    try:
+        client = activity.client()
+    except RuntimeError:
+        return False  # an ActivityEnvironment given no client
+    if info.workflow_id is None:
+        return False  # not scheduled by a workflow
+    try:
+        described = await client.get_workflow_handle(info.workflow_id).describe(
+            rpc_timeout=HANDOVER_CHECK_TIMEOUT
+        )
+    except RPCError as err:
+        return err.status == RPCStatusCode.NOT_FOUND
+    return (
+        described.run_id != info.workflow_run_id
+        or described.status is not WorkflowExecutionStatus.RUNNING
+    )
 
 
 async def _worker_shutting_down_within(seconds: float) -> bool:

@@ -384,7 +384,8 @@ class ProxyPool:
                     if self._terminate_reason is None and not self._tasks:
                         if self._monitor is not None:
                             # The next run starts its own; these end quietly
-                            # at their next heartbeat (activities/provider.py).
+                            # within a round or two, when they ask whether this
+                            # run is still open (activities/provider.py).
                             self._monitor.cancel()
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
                     counted = None  # reports may have come in the wait

@@ -18,8 +18,9 @@ newly advertised endpoint waits up to REFRESH for its shard to pick it up
 (it has just passed its own first probe), and an old one is probed that
 long after it went, which does no harm: a failure is told only about the
 endpoint the pool still advertises. A pool that continues as new cancels
-its shards and goes: each ends at its next heartbeat, which finds the run
-gone (the activity then returns quietly). A pool that ends waits for them
+its shards and goes: each ends quietly once it finds the run gone, after
+a round (it asks the server at most every 5 s) or at its next heartbeat,
+whichever comes first. A pool that ends waits for them
 (`stop`, while its members end), so that none outlives it.
 
 The pool refreshes after every step, most of which change no endpoint: a

@@ -15,6 +15,7 @@ import asyncio
 import socket
 import socketserver
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -22,7 +23,8 @@ from typing import Any
 
 import pytest
 from temporalio.activity import ActivityCancellationDetails
-from temporalio.testing import ActivityEnvironment
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.models import (
     InstanceRef,
@@ -34,6 +36,7 @@ from activities.models import (
 from activities.provider import ProviderActivities
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config, local_entry
+from tests.helpers.waiting import wait_for
 
 # A probe hangs this long (its timeout); the heartbeat clock beats every
 # second meanwhile (half of HEARTBEAT_TIMEOUT, which is under twice the slack).
@@ -182,3 +185,56 @@ async def test_a_pool_shard_whose_run_is_gone_ends_quietly_a_cancelled_one_does_
                 await running
     finally:
         activities.close()
+
+
+async def test_a_pool_shard_left_behind_by_a_handover_ends_after_its_next_round(
+    silent_proxy: int, tmp_path: Any, temporal_env: WorkflowEnvironment
+) -> None:
+    """A handover's cancel reaches a shard only with a heartbeat's reply, up to
+    a minute later; meanwhile the next run's shards probe the same members.
+    So a shard asks the server between rounds whether its run is still its
+    pool's open run, and ends once it is not."""
+    client = temporal_env.client
+    # A pool no worker runs: its one run stays open until the test ends it.
+    pool = await client.start_workflow(
+        "ProxyPool", id=f"pool-{uuid.uuid4().hex[:8]}", task_queue=f"nobody-{uuid.uuid4().hex}"
+    )
+    config = build_config(local_entry(tmp_path), connect_ports=[443])
+    activities = ProviderActivities({"memory": MemoryProvider()}, config)
+    shard = replace(_shard(silent_proxy, _closed_port()), failure_threshold=100)
+
+    def shard_of(run_id: str, beats: list[dict[str, Any]]) -> asyncio.Future[Any]:
+        env = ActivityEnvironment(client=client)
+        env.info = replace(
+            env.info,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            workflow_id=pool.id,
+            workflow_run_id=run_id,
+        )
+        env.on_heartbeat = lambda *beat: beats.append(beat[0])
+        return asyncio.ensure_future(env.run(activities.monitor_members, shard))
+
+    current_beats: list[dict[str, Any]] = []
+    current = shard_of(pool.result_run_id or "", current_beats)
+    # A shard of a run the pool has continued from.
+    left_behind = shard_of(str(uuid.uuid4()), [])
+    try:
+        outcome = await asyncio.wait_for(left_behind, 60)
+        assert outcome.reason is MonitorReason.HANDOVER, outcome
+        assert outcome.probes > 0  # it probed until it asked
+
+        async def checked_open() -> bool:
+            return any(beat["run_open_at"] for beat in current_beats)
+
+        # The shard of the open run asked too, and probes on.
+        await wait_for(checked_open, "the open run's shard to find its run open")
+        assert not current.done()
+        await pool.terminate("the test is over")
+        outcome = await asyncio.wait_for(current, 60)
+        assert outcome.reason is MonitorReason.HANDOVER, outcome
+    finally:
+        for running in (current, left_behind):
+            running.cancel()
+        activities.close()
+        if (await pool.describe()).status is WorkflowExecutionStatus.RUNNING:
+            await pool.terminate("the test is over")

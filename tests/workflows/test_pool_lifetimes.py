@@ -13,6 +13,7 @@ Ready member runs its monitor, so lifetimes are tested here with short ones
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import uuid
@@ -350,45 +351,23 @@ async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
     not at the pool's next timer, an hour away in a calm pool.
     """
     stack = await stack_on(eager_can_env)
-    handle = await stack.client.start_workflow(
-        "ProxyPool",
-        {"replicas": 1, "template": stack.proxy_input()},
-        id=f"pool-{uuid.uuid4().hex[:8]}",
-        task_queue=stack.task_queue,
-    )
-
-    async def ready() -> bool:
-        return bool((await handle.query("status"))["ready"] == 1)
-
-    await wait_for(ready, "the member Ready")
+    handle = await _pool_of_one_ready(stack)
     await signal_until_continued(
         handle, MEMBER_CHANGED_SIGNAL, _stranger, settled_under=SUGGESTED_AT
     )
     # The next run keeps the member, and ignored what was no report of one.
-    await wait_for(ready, "the member Ready in the next run")
+    await wait_for(functools.partial(_one_ready, handle), "the member Ready in the next run")
     status = await handle.query("status")
     assert [m["member"] for m in status["members"]] == [f"{handle.id}/0"]
     assert status["rejected_reports"] == 0
-    await handle.signal("terminate")
-    assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
-    assert stack.instances() == []
+    await _terminated(stack, handle)
 
 
 async def test_a_pool_hands_over_past_its_own_event_budget(stack: Stack) -> None:
     """The dev server suggests a continue-as-new only near 4,000 events; a pool
     hands over soon after POOL_EVENT_BUDGET, so a worker that must replay its
     run (after a restart) replays at most that many events and a few more."""
-    handle = await stack.client.start_workflow(
-        "ProxyPool",
-        {"replicas": 1, "template": stack.proxy_input()},
-        id=f"pool-{uuid.uuid4().hex[:8]}",
-        task_queue=stack.task_queue,
-    )
-
-    async def ready() -> bool:
-        return bool((await handle.query("status"))["ready"] == 1)
-
-    await wait_for(ready, "the member Ready")
+    handle = await _pool_of_one_ready(stack)
     first_run = (await handle.describe()).run_id
     await signal_until_continued(
         handle, MEMBER_CHANGED_SIGNAL, _stranger, settled_under=POOL_EVENT_BUDGET, most=1_000
@@ -398,7 +377,28 @@ async def test_a_pool_hands_over_past_its_own_event_budget(stack: Stack) -> None
     # The signals come in bursts of 10, each taken in a task of its own (3
     # events), and the continue-as-new is the run's last event.
     assert POOL_EVENT_BUDGET <= length <= POOL_EVENT_BUDGET + 20, length
-    await wait_for(ready, "the member Ready in the next run")
+    await wait_for(functools.partial(_one_ready, handle), "the member Ready in the next run")
+    await _terminated(stack, handle)
+
+
+async def _pool_of_one_ready(stack: Stack) -> WorkflowHandle[Any, Any]:
+    """A pool of one member, once that member is Ready."""
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {"replicas": 1, "template": stack.proxy_input()},
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+    await wait_for(functools.partial(_one_ready, handle), "the member Ready")
+    return handle
+
+
+async def _one_ready(handle: WorkflowHandle[Any, Any]) -> bool:
+    return bool((await handle.query("status"))["ready"] == 1)
+
+
+async def _terminated(stack: Stack, handle: WorkflowHandle[Any, Any]) -> None:
+    """Terminate the pool; it ends Terminated, and no instance is left."""
     await handle.signal("terminate")
     assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
     assert stack.instances() == []
