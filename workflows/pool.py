@@ -298,7 +298,9 @@ class ProxyPool:
         A pool of 1,000 members plans over all of them at each workflow task,
         so a worker that must replay its history (after a restart, an
         eviction or a timed-out task) pays that for every task in it: the
-        budget keeps that replay under a second on a worker of two cores.
+        budget keeps that replay to about 0.3 to 0.6 s in process at 1,000
+        members, a run holding for a surge of rotations the longest
+        (docs/benchmarks.md).
         """
         info = workflow.info()
         return info.is_continue_as_new_suggested() or (
