@@ -21,6 +21,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from temporalio import activity
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.service import RPCError, RPCStatusCode
@@ -66,12 +67,14 @@ WAIT_RUNNING_DEADLINE_SECONDS = 600.0
 # A delete that has not taken effect after this long is issued again.
 REDELETE_AFTER_SECONDS = 30.0
 # A pool shard asks the server, between rounds and at most this often,
-# whether the pool run that started it is still its pool's open run. A
-# handover's cancel reaches a shard only with a heartbeat's reply, up to a
-# minute later (the SDK throttles heartbeats), while the next run's shards
-# already probe the same members: a 1,000-member pool starting up hands
-# over every few seconds, and several generations of shards probed at once.
-# A describe is no billable action.
+# whether the pool still wants it: whether the run that started it is still
+# its pool's open run, and has not asked to cancel it. A cancel reaches a
+# shard only with a heartbeat's reply, up to a minute later (the SDK
+# throttles heartbeats): meanwhile the next run's shards already probe the
+# same members after a handover (a 1,000-member pool starting up hands over
+# every few seconds, and several generations of shards probed at once), and
+# an ending pool, which waits for its shards, waited that long to end. A
+# describe is no billable action.
 HANDOVER_CHECK_SECONDS = 5.0
 HANDOVER_CHECK_TIMEOUT = timedelta(seconds=5)
 GONE_STATES = (InstanceState.TERMINATED, InstanceState.STOPPED)
@@ -426,7 +429,7 @@ class ProviderActivities:
                 return PoolMonitorOutcome(MonitorReason.ELAPSED, [], probes)
             if time.monotonic() - checked >= HANDOVER_CHECK_SECONDS:
                 checked = time.monotonic()
-                if await _pool_run_replaced():
+                if await _shard_released():
                     return PoolMonitorOutcome(MonitorReason.HANDOVER, [], probes)
                 details["run_open_at"] = datetime.now(UTC).isoformat(timespec="seconds")
             pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
@@ -609,8 +612,9 @@ async def _heartbeating(period: timedelta, details: dict[str, object]) -> AsyncI
         beats.cancel()
 
 
-async def _pool_run_replaced() -> bool:
-    """Whether the workflow run that scheduled this activity is no longer its workflow's open run.
+async def _shard_released() -> bool:
+    """Whether the workflow run that scheduled this activity no longer wants it: it is
+    no longer its workflow's open run, or it has asked to cancel this activity.
 
     Only asked where a client is at hand (a worker's activities always have
     one); a failed ask is no answer, and the next round asks again.
@@ -628,9 +632,14 @@ async def _pool_run_replaced() -> bool:
         )
     except RPCError as err:
         return err.status == RPCStatusCode.NOT_FOUND
-    return (
-        described.run_id != info.workflow_run_id
-        or described.status is not WorkflowExecutionStatus.RUNNING
+    if described.run_id != info.workflow_run_id or (
+        described.status is not WorkflowExecutionStatus.RUNNING
+    ):
+        return True
+    return any(
+        pending.activity_id == info.activity_id
+        and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED
+        for pending in described.raw_description.pending_activities
     )
 
 

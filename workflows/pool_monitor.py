@@ -12,7 +12,8 @@ replaces a healthy proxy.
 A member's shard is the CRC-32 of its id modulo the number of shards, so a
 change in one member's endpoint restarts only its shard's activity. A
 restart cancels the old activity and goes on without waiting for it (it
-hears of the cancel at its next heartbeat) and happens at most once per
+ends after its next round, when it asks the server whether its run still
+wants it, or at its next heartbeat) and happens at most once per
 REFRESH per shard: while a pool rotates hundreds of members an hour, a
 newly advertised endpoint waits up to REFRESH for its shard to pick it up
 (it has just passed its own first probe), and an old one is probed that
@@ -20,8 +21,9 @@ long after it went, which does no harm: a failure is told only about the
 endpoint the pool still advertises. A pool that continues as new cancels
 its shards and goes: each ends quietly once it finds the run gone, after
 a round (it asks the server at most every 5 s) or at its next heartbeat,
-whichever comes first. A pool that ends waits for them
-(`stop`, while its members end), so that none outlives it.
+whichever comes first. A pool that ends cancels them and waits for them
+(`stop`, while its members end), so that none outlives it: each ends
+after a round too, once the server lists its cancel as requested.
 
 The pool refreshes after every step, most of which change no endpoint: a
 refresh that finds the members, their endpoints and its shards as it left

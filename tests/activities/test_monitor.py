@@ -22,9 +22,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from temporalio import workflow
 from temporalio.activity import ActivityCancellationDetails
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import ActivityError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from temporalio.worker import Worker
+from temporalio.workflow import ActivityCancellationType
 
 from activities.models import (
     InstanceRef,
@@ -36,7 +40,8 @@ from activities.models import (
 from activities.provider import ProviderActivities
 from providers.memory import MemoryProvider
 from tests.helpers.config import build_config, local_entry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import DEADLINE, wait_for
+from workflows import policies
 
 # A probe hangs this long (its timeout); the heartbeat clock beats every
 # second meanwhile (half of HEARTBEAT_TIMEOUT, which is under twice the slack).
@@ -238,3 +243,75 @@ async def test_a_pool_shard_left_behind_by_a_handover_ends_after_its_next_round(
         activities.close()
         if (await pool.describe()).status is WorkflowExecutionStatus.RUNNING:
             await pool.terminate("the test is over")
+
+
+@workflow.defn(name="ShardOwner", sandboxed=False)
+class ShardOwner:
+    """Runs one pool monitor shard and, when signalled `stop`, cancels it and waits
+    for it to end, as an ending pool does (workflows/pool_monitor.py)."""
+
+    def __init__(self) -> None:
+        self._stop = False
+
+    @workflow.run
+    async def run(self, shard: PoolMonitorInput) -> str:
+        handle = workflow.start_activity_method(
+            ProviderActivities.monitor_members,
+            shard,
+            start_to_close_timeout=policies.POOL_MONITOR.start_to_close,
+            heartbeat_timeout=policies.POOL_MONITOR.heartbeat,
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+        await workflow.wait_condition(lambda: self._stop)
+        handle.cancel()
+        try:
+            return str((await handle).reason)
+        except ActivityError:
+            return "cancelled at a heartbeat"
+
+    @workflow.signal
+    def stop(self) -> None:
+        self._stop = True
+
+
+async def test_a_pool_shard_its_run_cancels_ends_after_its_next_round(
+    tmp_path: Any, temporal_env: WorkflowEnvironment
+) -> None:
+    """A pool that ends cancels its shards and waits for them. The cancel
+    reaches a shard only with a heartbeat's reply, which the SDK sends at most
+    every 80 s for the pool monitor's heartbeat timeout; so a shard also asks
+    the server between rounds whether its run has asked to cancel it, and
+    ends then, well before its next heartbeat would have told it."""
+    client = temporal_env.client
+    config = build_config(local_entry(tmp_path), connect_ports=[443])
+    activities = ProviderActivities({"memory": MemoryProvider()}, config)
+    task_queue = f"shards-{uuid.uuid4().hex[:8]}"
+    shard = PoolMonitorInput(
+        [WatchedMember("pool/0", "memory", f"127.0.0.1:{_closed_port()}")],
+        "https://example.com/",
+        interval_seconds=0.5,
+        failure_threshold=10_000,
+        max_duration_seconds=3600,
+        probe_timeout_seconds=1.0,
+    )
+    try:
+        async with Worker(
+            client,
+            task_queue=task_queue,
+            workflows=[ShardOwner],
+            activities=[activities.monitor_members],
+        ):
+            owner = await client.start_workflow(
+                ShardOwner.run, shard, id=f"owner-{uuid.uuid4().hex[:8]}", task_queue=task_queue
+            )
+
+            async def probing() -> bool:
+                pending = (await owner.describe()).raw_description.pending_activities
+                return any(p.last_started_time.seconds for p in pending)
+
+            await wait_for(probing, "the shard to start")
+            await owner.signal(ShardOwner.stop)
+            ended = await asyncio.wait_for(owner.result(), 2 * DEADLINE)
+    finally:
+        activities.close()
+    assert ended == MonitorReason.HANDOVER
