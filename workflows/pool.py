@@ -154,6 +154,12 @@ ENDING_HANDOVER_PATCH = "hand-over-while-ending"
 # after a restart spent up to about 1.9 s at 1,000 members on its first task
 # of it. Since, past POOL_EVENT_BUDGET.
 SHORTER_RUNS_PATCH = "shorter-pool-runs"
+# Pools recorded before this patch started up to COMMAND_BATCH removals and
+# rotations a step however close their run was to its budget: a surge of 100
+# rotations started just under it held the run until all had reported, about
+# 1,030 events. Since, a step starts no more than the events left hold
+# (pool_plan.Situation.room, EVENTS_PER_COMMAND each).
+COMMANDS_WITHIN_BUDGET_PATCH = "commands-within-budget"
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -179,6 +185,11 @@ MAX_HOLD = timedelta(seconds=60)
 # A paced pool continues as new past either (`_time_to_continue`).
 POOL_EVENT_BUDGET = 500
 POOL_EVENT_BUDGET_BEFORE_0_3_7 = 2_000
+# What one removal or rotation writes into the pool's history, its share of
+# workflow tasks included: a rotation is the `rotate` signal out (2 events),
+# the member's Ready report (1) and the check of its new endpoint (3); a
+# surge of 100 took a run from just under 500 events to about 1,030.
+EVENTS_PER_COMMAND = 6
 POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
@@ -283,6 +294,9 @@ class ProxyPool:
         self._paced = False
         # The events after which a paced run continues as new (SHORTER_RUNS_PATCH).
         self._event_budget = POOL_EVENT_BUDGET_BEFORE_0_3_7
+        # Whether a step's removals and rotations fit the events left
+        # (COMMANDS_WITHIN_BUDGET_PATCH).
+        self._within_budget = False
         # When a paced pool began holding new commands back to continue as new.
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
@@ -334,6 +348,7 @@ class ProxyPool:
         budget_wakes = workflow.patched(BUDGET_WAKES_PATCH)
         if workflow.patched(SHORTER_RUNS_PATCH):
             self._event_budget = POOL_EVENT_BUDGET
+        self._within_budget = workflow.patched(COMMANDS_WITHIN_BUDGET_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -369,7 +384,9 @@ class ProxyPool:
                 )
                 if not holding:
                     self._autoscale_step()
-                    step = pool_plan.plan(self._situation(), inp, pool_id, workflow.now())
+                    step = pool_plan.plan(
+                        self._situation(room=self._room()), inp, pool_id, workflow.now()
+                    )
                     self._apply(step)
                     self._verify_endpoints()
                     more, counted = step.more, step.census
@@ -778,7 +795,14 @@ class ProxyPool:
 
     # ---- one step: the plan applied ----------------------------------------------
 
-    def _situation(self) -> Situation:
+    def _room(self) -> int | None:
+        """The removals and rotations this run's events left hold (COMMANDS_WITHIN_BUDGET_PATCH)."""
+        if not self._within_budget:
+            return None
+        left = self._event_budget - workflow.info().get_current_history_length()
+        return max(0, left // EVENTS_PER_COMMAND)
+
+    def _situation(self, room: int | None = None) -> Situation:
         return Situation(
             replicas=self._replicas,
             members=tuple(self._ordered()),
@@ -792,6 +816,7 @@ class ProxyPool:
             ending=self._terminate_reason is not None,
             vacancies=tuple(self._vacancies),
             paced=self._paced,
+            room=room,
         )
 
     def _autoscale_step(self) -> None:

@@ -248,6 +248,11 @@ class Situation:
     # Bring-up counted in START_BATCH and commands in batches of
     # COMMAND_BATCH (a pool started on a build before that was not).
     paced: bool = False
+    # Removals and rotations the run's history still has room for before the
+    # pool's event budget, those under way included (`command_batch`); None:
+    # COMMAND_BATCH a step whatever the run's length (a pool started on a
+    # build before 0.3.8).
+    room: int | None = None
     # Why members the pool did not remove are gone, oldest first: the causes
     # of the starts that replace them (`Start.cause`).
     vacancies: tuple[str, ...] = ()
@@ -357,11 +362,12 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
             draft.own(member).queue(MAX_LIFETIME)
     if inp.distinct_exits:
         _queue_shared_exits(draft)
-    batch = COMMAND_BATCH if situation.paced else None
     # Taken again only after a scale-down: the starts that follow change no
     # count the rotations read (serving, queued, rotating).
     counted = census(draft.members)
-    removals = _scale_down(draft, counted, situation.replicas, drain_seconds(inp), batch)
+    removals = _scale_down(
+        draft, counted, situation.replicas, drain_seconds(inp), command_batch(situation, counted)
+    )
     starts: list[Start] = []
     start_after = situation.start_after
     vacancies: tuple[str, ...] = ()  # a scale-down leaves none to fill
@@ -369,7 +375,7 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         counted = census(draft.members)
     else:
         starts, start_after, vacancies = _scale_up(draft, counted, situation, inp, pool_id, now)
-    rotations = _rotate(draft, counted, situation, inp, now)
+    rotations = _rotate(draft, counted, situation, inp, now, command_batch(situation, counted))
     members = draft.members
     after = census(members)
     every = RECONCILE_EVERY if calm(situation, after) else RECONCILE_BUSY
@@ -386,9 +392,29 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         starts=tuple(starts),
         rotations=tuple(rotations),
         reconcile=reconcile,
-        more=batch is not None and batch in (len(removals), len(rotations)),
+        more=situation.paced and COMMAND_BATCH in (len(removals), len(rotations)),
         abandoned=tuple(abandoned),
     )
+
+
+def command_batch(situation: Situation, counted: Census) -> int | None:
+    """How many removals or rotations a step may start now (None: all it has).
+
+    Paced, COMMAND_BATCH a step; with a `room`, also no more than the run's
+    history holds beside those under way (rotating, being removed), each of
+    which writes a few events before the pool may hand over. Without that, a
+    run that starts a surge just under its budget holds until all of it has
+    reported, and the worker that replays it pays for every event past the
+    budget. With nothing under way, one goes whatever the room: it is what
+    fills the budget that hands over to a run with room again.
+    """
+    if not situation.paced:
+        return None
+    if situation.room is None:
+        return COMMAND_BATCH
+    under_way = len(counted.rotating) + counted.members - counted.live
+    least = 0 if under_way else 1
+    return min(COMMAND_BATCH, max(least, situation.room - under_way))
 
 
 def _scale_down(
@@ -490,13 +516,18 @@ def _placement(members: list[Member], inp: PoolInput) -> tuple[int | None, str, 
 
 
 def _rotate(
-    draft: _Draft, counted: Census, situation: Situation, inp: PoolInput, now: datetime
+    draft: _Draft,
+    counted: Census,
+    situation: Situation,
+    inp: PoolInput,
+    now: datetime,
+    batch: int | None,
 ) -> list[Rotation]:
     """Queued rotations to start now, bans first, up to the surge under way at once.
 
     Paced pools (today's) take `max_surge` of the replicas, the most overdue
     member first, start lifetime rotations while at most `max_unavailable`
-    members are short of serving, and at most COMMAND_BATCH per step. Pools
+    members are short of serving, and at most `batch` per step. Pools
     started before took `max_surge` as a count, by member index, only at
     full size, all at once.
     """
@@ -504,12 +535,12 @@ def _rotate(
     queued = list(counted.queue)
     rotating, serving = len(counted.rotating), counted.serving
     if situation.paced:
-        surge, batch = inp.surge(replicas), COMMAND_BATCH
+        surge = inp.surge(replicas)
         queued.sort(key=lambda m: (m.banned is None, _overdue_key(m), m.index))
         # A rotation is make before break: it takes nothing out of service.
         available = serving >= replicas - inp.unavailable(replicas)
     else:
-        surge, batch = _legacy_surge(inp.max_surge), len(queued)
+        surge = _legacy_surge(inp.max_surge)
         queued.sort(key=lambda m: (m.banned is None, m.index))
         # Other rotations only while the pool is at size, so a rolling rotation
         # never eats into the members a scale-up is waiting for.

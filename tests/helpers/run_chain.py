@@ -75,17 +75,57 @@ async def signal_until_continued(
         return bool(settled)
 
     await wait_for(short, f"a run of {handle.id} under {settled_under} events")
-
-    async def taken() -> bool:
-        description = await handle.describe()
-        return description.run_id != settled[0] or not description.raw_description.HasField(
-            "pending_workflow_task"
-        )
-
     sent = 0
     while (await handle.describe()).run_id == settled[0]:
         assert sent < most, f"no continue-as-new after {sent} {name} signals"
-        await asyncio.gather(*(handle.signal(name, make_input(sent + n)) for n in range(10)))
-        sent += 10
-        await wait_for(taken, f"{handle.id} to take the last {name} signals")
+        sent = await _burst(handle, name, make_input, sent, settled[0])
     return sent
+
+
+async def signal_until_length(
+    handle: WorkflowHandle[Any, Any],
+    name: str,
+    make_input: Callable[[int], Any],
+    *,
+    length: int,
+) -> str:
+    """Signal `name` in small bursts until a run's history has `length` events; that run's id.
+
+    A run already that long is first signalled on until it continues as new
+    (it might otherwise never grow), so the run returned got there from the
+    signals and from less than `length` events.
+    """
+    info = (await handle.describe()).raw_description.workflow_execution_info
+    if info.history_length >= length:
+        # (`settled_under`: this run, whatever few events it gains meanwhile)
+        await signal_until_continued(
+            handle, name, make_input, settled_under=info.history_length + 100, most=10 * length
+        )
+    run_id = (await handle.describe()).run_id
+    sent = 0
+    while True:
+        info = (await handle.describe()).raw_description.workflow_execution_info
+        assert info.execution.run_id == run_id, f"{handle.id} continued as new before {length}"
+        if info.history_length >= length:
+            return run_id
+        sent = await _burst(handle, name, make_input, sent, run_id)
+
+
+async def _burst(
+    handle: WorkflowHandle[Any, Any],
+    name: str,
+    make_input: Callable[[int], Any],
+    sent: int,
+    run_id: str,
+) -> int:
+    """Ten `name` signals, once run `run_id` has taken them (or ended); how many went in all."""
+
+    async def taken() -> bool:
+        description = await handle.describe()
+        return description.run_id != run_id or not description.raw_description.HasField(
+            "pending_workflow_task"
+        )
+
+    await asyncio.gather(*(handle.signal(name, make_input(sent + n)) for n in range(10)))
+    await wait_for(taken, f"{handle.id} to take the last {name} signals")
+    return sent + 10

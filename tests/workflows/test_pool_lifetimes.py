@@ -27,7 +27,7 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from contract import MEMBER_CHANGED_SIGNAL, TERMINATE_SIGNAL, ProxyState
+from contract import MEMBER_CHANGED_SIGNAL, ROTATE_SIGNAL, TERMINATE_SIGNAL, ProxyState
 from providers.base import CreateRequest, InstanceState
 from providers.local import LocalProvider
 from providers.memory import MemoryProvider
@@ -38,7 +38,7 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.histories import record_history
-from tests.helpers.run_chain import run_histories, signal_until_continued
+from tests.helpers.run_chain import run_histories, signal_until_continued, signal_until_length
 from tests.helpers.stacks import Stack, StackFactory
 from tests.helpers.temporal import start_dev_server
 from tests.helpers.tls_origin import TlsOrigin
@@ -47,7 +47,7 @@ from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
     SUGGESTED_AT,
     eager_can_env,
 )
-from workflows.pool import POOL_EVENT_BUDGET
+from workflows.pool import EVENTS_PER_COMMAND, POOL_EVENT_BUDGET
 from workflows.pool_plan import COMMAND_BATCH
 
 pytestmark = pytest.mark.slow
@@ -381,6 +381,57 @@ async def test_a_pool_hands_over_past_its_own_event_budget(stack: Stack) -> None
     await _terminated(stack, handle)
 
 
+async def test_a_surge_started_near_the_budget_fits_the_events_left(
+    temporal_env: WorkflowEnvironment,
+    provider_stack_on: StackFactory,
+    one_squid: OneSquid,
+    tls_origin: TlsOrigin,
+) -> None:
+    """`rotate {"all": true}` at a 100% surge, when the run has room for about 10
+    rotations before its budget: the run starts about those (more as the
+    first ones end, each in fewer events than the estimate), the next run the
+    rest, so the run stays near POOL_EVENT_BUDGET and a worker replaying it
+    replays no more. Before 0.3.8 all 60 went at once, and the run held until
+    every one had reported: about 60 x 4 events past the room it had."""
+    config = build_config(_memory_entry(), connect_ports=[443, tls_origin.port])
+    stack = await provider_stack_on(temporal_env, {"memory": one_squid}, config)
+    replicas, room = COMMAND_BATCH + 10, 10
+    # Many members probe one Squid: not every second on a busy machine.
+    health = {"target": tls_origin.url, "interval_seconds": 5, "failure_threshold": 3}
+    handle = await stack.client.start_workflow(
+        "ProxyPool",
+        {
+            "replicas": replicas,
+            "max_surge": "100%",
+            "template": stack.proxy_input("memory", health=health),
+        },
+        id=f"pool-{uuid.uuid4().hex[:8]}",
+        task_queue=stack.task_queue,
+    )
+    stack.handles.append(handle)
+
+    async def generations_at_least(least: int) -> bool:
+        status = await handle.query("status", {"limit": replicas})
+        members = [m for m in status["members"] if m["state"] == "Ready"]
+        return len(members) == replicas and all(m["generation"] >= least for m in members)
+
+    await wait_for(functools.partial(generations_at_least, 0), "every member Ready", deadline=180)
+    near = POOL_EVENT_BUDGET - room * EVENTS_PER_COMMAND
+    run_id = await signal_until_length(handle, MEMBER_CHANGED_SIGNAL, _stranger, length=near)
+    await handle.execute_update("rotate", {"all": True})
+    await wait_for(functools.partial(generations_at_least, 1), "every member rotated", deadline=180)
+    runs = [events async for events in run_histories(stack.client, handle.id, run_id)]
+    told = [len(_sent(events, ROTATE_SIGNAL)) for events in runs]
+    assert sum(told) == replicas and told[0] < replicas, told
+    # The few events a rotation writes beyond the estimate, and the handover's.
+    assert len(runs[0]) <= POOL_EVENT_BUDGET + 4 * EVENTS_PER_COMMAND, (len(runs[0]), told)
+    surge_run = stack.client.get_workflow_handle(handle.id, run_id=run_id)
+    await record_history(surge_run, "pool_surge_within_budget")
+    await handle.signal("terminate")
+    assert (await asyncio.wait_for(handle.result(), DEADLINE))["state"] == "Terminated"
+    assert one_squid.ids() == set()
+
+
 async def _pool_of_one_ready(stack: Stack) -> WorkflowHandle[Any, Any]:
     """A pool of one member, once that member is Ready."""
     handle = await stack.client.start_workflow(
@@ -463,7 +514,8 @@ async def test_an_ending_pool_past_its_budget_hands_over_and_ends_every_member_o
                 for e in events
                 if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
             ]
-            told_by_run.append([member for member, reason in _terminates(events) if reason == why])
+            sent = _sent(events, TERMINATE_SIGNAL)
+            told_by_run.append([member for member, body in sent if body["reason"] == why])
             if told_by_run[-1] and continued.new_execution_run_id and handed_over is None:
                 handed_over = run_id
         run_id = continued.new_execution_run_id
@@ -477,17 +529,17 @@ async def test_an_ending_pool_past_its_budget_hands_over_and_ends_every_member_o
     await record_history(handover, "pool_ending_handed_over")
 
 
-def _terminates(events: list[HistoryEvent]) -> list[tuple[str, str]]:
-    """The `terminate` signals a run sent: (workflow id, reason)."""
+def _sent(events: list[HistoryEvent], signal: str) -> list[tuple[str, Any]]:
+    """The `signal` signals a run sent: (workflow id, input)."""
     sent = []
     for event in events:
         attributes = event.signal_external_workflow_execution_initiated_event_attributes
         if (
             event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
-            and attributes.signal_name == TERMINATE_SIGNAL
+            and attributes.signal_name == signal
         ):
-            reason = json.loads(attributes.input.payloads[0].data)["reason"]
-            sent.append((attributes.workflow_execution.workflow_id, reason))
+            body = json.loads(attributes.input.payloads[0].data)
+            sent.append((attributes.workflow_execution.workflow_id, body))
     return sent
 
 

@@ -168,6 +168,34 @@ def test_a_paced_pool_removes_and_rotates_in_batches_and_says_there_is_more() ->
     assert not calm.more
 
 
+def test_a_step_starts_no_more_removals_and_rotations_than_its_runs_events_have_room_for() -> None:
+    """Those under way count against the room; with none under way one goes
+    whatever the room, so a run that must start something always reaches its
+    budget and hands over."""
+    inp = pool_input(max_surge="100%")
+
+    def queued() -> list[Member]:
+        members = [ready(n) for n in range(300)]
+        for member in members:
+            member.queue("rotate all")
+        return members
+
+    first = plan(situation(*queued(), paced=True, room=30), inp, POOL, T0)
+    assert len(first.rotations) == 30 and not first.more, "cut by the room: no step of its own"
+    rotating = first.members
+    assert len(plan(situation(*rotating, paced=True, room=40), inp, POOL, T0).rotations) == 10
+    assert plan(situation(*rotating, paced=True, room=20), inp, POOL, T0).rotations == ()
+    assert len(plan(situation(*queued(), paced=True, room=0), inp, POOL, T0).rotations) == 1
+    roomy = plan(situation(*queued(), paced=True, room=1_000), inp, POOL, T0)
+    assert len(roomy.rotations) == COMMAND_BATCH and roomy.more
+
+    members = [ready(n) for n in range(300)]
+    down = plan(situation(*members, replicas=0, paced=True, room=25), pool_input(), POOL, T0)
+    assert len(down.removals) == 25 and not down.more
+    removing = situation(*down.members, replicas=0, paced=True, room=35)
+    assert len(plan(removing, pool_input(), POOL, T0).removals) == 10, "being removed is under way"
+
+
 def test_a_plan_copies_only_the_members_it_changes() -> None:
     members = tuple(ready(n) for n in range(1000))
     step = plan(situation(*members), pool_input(), POOL, T0)
