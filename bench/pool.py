@@ -224,8 +224,9 @@ async def _memory_pool(client: Client, ground: SquidGround, args: Any) -> None:
 def _print_tasks_until(when: str, figures: _TaskFigures) -> None:
     causes = ", ".join(f"{n} {c}" for c, n in figures.failed_causes.most_common())
     print(
-        f"| pool runs, longest task, tasks over 1 s, timed out / failed: start to {when} | "
-        f"{figures.runs}, {figures.longest_s:.2f} s, {figures.over_1s} of {figures.tasks}, "
+        f"| pool runs, most events in one, longest task, tasks over 1 s, timed out / failed: "
+        f"start to {when} | {figures.runs}, {figures.longest_run}, {figures.longest_s:.2f} s, "
+        f"{figures.over_1s} of {figures.tasks}, "
         f"{figures.timed_out} / {figures.failed}{f' ({causes})' if causes else ''} |"
     )
 
@@ -437,6 +438,8 @@ class _TaskFigures:
     largest_history: int = 0
     # The run with the largest history, to replay.
     largest_run: str = ""
+    # The most events in one run (what the pool's event budget bounds).
+    longest_run: int = 0
     # The slowest tasks: (seconds, run, WorkflowTaskStarted event id, what came before it).
     slowest: list[tuple[float, int, int, str]] = field(default_factory=list)
 
@@ -458,6 +461,7 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
         run_id = None
         # A task after a failed or timed-out one replays the run's whole history.
         before = "first task of the run"
+        events_before = figures.events
         async for event in run.fetch_history_events():
             figures.events += 1
             figures.largest_event = max(figures.largest_event, event.ByteSize())
@@ -490,6 +494,7 @@ async def _task_figures(client: Client, handle: WorkflowHandle[Any, Any]) -> _Ta
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
                 attributes_can = event.workflow_execution_continued_as_new_event_attributes
                 run_id = attributes_can.new_execution_run_id
+        figures.longest_run = max(figures.longest_run, figures.events - events_before)
     return figures
 
 
