@@ -69,8 +69,8 @@ REDELETE_AFTER_SECONDS = 30.0
 # A pool shard asks the server, between rounds and at most this often,
 # whether the pool still wants it: whether the run that started it is still
 # its pool's open run, and has not asked to cancel it. A cancel reaches a
-# shard only with a heartbeat's reply, up to a minute later (the SDK
-# throttles heartbeats): meanwhile the next run's shards already probe the
+# shard only with a heartbeat's reply, up to 80 s later (the SDK sends one
+# every 80% of the 100 s heartbeat timeout): meanwhile the next run's shards already probe the
 # same members after a handover (a 1,000-member pool starting up hands over
 # every few seconds, and several generations of shards probed at once), and
 # an ending pool, which waits for its shards, waited that long to end. A
