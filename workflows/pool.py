@@ -185,10 +185,11 @@ MAX_HOLD = timedelta(seconds=60)
 # A paced pool continues as new past either (`_time_to_continue`).
 POOL_EVENT_BUDGET = 500
 POOL_EVENT_BUDGET_BEFORE_0_3_7 = 2_000
-# What one removal or rotation writes into the pool's history, its share of
-# workflow tasks included: a rotation is the `rotate` signal out (2 events),
-# the member's Ready report (1) and the check of its new endpoint (3); a
-# surge of 100 took a run from just under 500 events to about 1,030.
+# About what one removal or rotation writes into the pool's history: a
+# rotation is the `rotate` signal out (2 events), the member's Ready report
+# (1) and the check of its new endpoint (3), the workflow tasks around them
+# shared with others; a surge of 100 took a run from just under 500 events
+# to about 1,030 (5.3 each).
 EVENTS_PER_COMMAND = 6
 POOL_HISTORY_BUDGET = 1024 * 1024
 RECONCILE = policies.ActivityProfile(

@@ -7,6 +7,11 @@ monitor again elsewhere. Here the proxy is a real listener that accepts the
 CONNECT's TCP connection and never answers, so each real probe hangs until
 its timeout; heartbeats must go on meanwhile, and the failed probe still
 ends the monitor as unhealthy.
+
+The pool's monitor shards (`monitor_members`) are tested here too: that they
+name every member that keeps failing, and that a shard its pool no longer
+wants (its run continued as new, or cancelled it) ends after its next round
+rather than at a heartbeat that rare.
 """
 
 from __future__ import annotations
