@@ -27,6 +27,7 @@ from gateway.api import ApiError
 from gateway.placement import region_of, zone_of
 from gateway.sessions import SessionMap, userhash_member
 from providers.squid import SESSION_INFIX, GatewayMember, parse_gateway_username
+from workflows.pool_carried import aware_time
 from workflows.pool_input import DEFAULT_PAGE, MAX_REPLICAS
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -52,15 +53,8 @@ def endpoint_of(member: GatewayMember) -> str:
 
 
 def _age(ready_since: Any, now: datetime) -> int | None:
-    if not isinstance(ready_since, str):
-        return None
-    try:
-        since = datetime.fromisoformat(ready_since)
-    except ValueError:
-        return None
-    if since.tzinfo is None:
-        since = since.replace(tzinfo=UTC)
-    return max(0, int((now - since).total_seconds()))
+    since = aware_time(ready_since)
+    return None if since is None else max(0, int((now - since).total_seconds()))
 
 
 class PoolControl:

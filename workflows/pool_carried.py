@@ -375,17 +375,21 @@ def _lifetime_column(member: Member, lifetimes: Lifetimes | None) -> float | Non
     return member.lifetime_seconds
 
 
-def _micros(stamp: str | None) -> int | None:
-    """An ISO 8601 time as microseconds since the epoch; None if absent or unreadable."""
-    if stamp is None:
+def aware_time(stamp: object) -> datetime | None:
+    """An ISO 8601 time with its zone, as a pool writes its times; None for anything else."""
+    if not isinstance(stamp, str):
         return None
     try:
         parsed = datetime.fromisoformat(stamp)
     except ValueError:
         return None
-    if parsed.tzinfo is None:
-        return None
-    return (parsed - EPOCH) // timedelta(microseconds=1)
+    return parsed if parsed.tzinfo is not None else None
+
+
+def _micros(stamp: str | None) -> int | None:
+    """An ISO 8601 time as microseconds since the epoch; None if absent or unreadable."""
+    parsed = aware_time(stamp)
+    return None if parsed is None else (parsed - EPOCH) // timedelta(microseconds=1)
 
 
 def _iso(micros: int | None) -> str | None:
