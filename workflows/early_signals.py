@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from temporalio import workflow
+from workflows.patches import Patches
 
 # Continued runs recorded before this patch lost the signals that came before
 # their takeover; replaying them still does (docs/upgrades.md).
@@ -44,9 +44,9 @@ class EarlySignals:
         if self._held is not None:
             self._held.append(again)
 
-    def decide(self, continued: bool) -> None:
+    def decide(self, patches: Patches, continued: bool) -> None:
         """Decide before the run's first await, so a replay records the patch where it was."""
-        self._apply_again = continued and workflow.patched(EARLY_SIGNALS_PATCH)
+        self._apply_again = continued and patches.taken(EARLY_SIGNALS_PATCH)
 
     def took_over(self) -> None:
         """The run's state is in place: apply the held signals again, and hold no more.

@@ -73,7 +73,7 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, policies
     from workflows.deletion import delete_until_gone
-    from workflows.early_signals import EarlySignals
+    from workflows.early_signals import EARLY_SIGNALS_PATCH, EarlySignals
     from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
@@ -82,9 +82,10 @@ with workflow.unsafe.imports_passed_through():
         from_older_release,
         status_of,
     )
-    from workflows.lifecycle_input import checked_input
+    from workflows.lifecycle_input import INSTALLATION_IN_NAMES, checked_input
     from workflows.lifecycle_publish import StatusPublisher
     from workflows.lifecycle_states import check_transition
+    from workflows.patches import RELEASE_0_3_9, Patches, ReleaseMarker
     from workflows.policies import REPLACE_BACKOFF
 
 A = TypeVar("A")
@@ -142,6 +143,24 @@ LONG_WAKES_PATCH = "member-hands-over-when-long"
 # Provisioning (generation 0) to the pool that had just started it and knew;
 # replaying them still does. Since, its first report is the first news.
 QUIET_START_PATCH = "members-start-quietly"
+# A run that records 0.3.9's marker takes every patch above, and those of the
+# input check and the early signals, without a marker each (workflows/patches.py).
+LIFECYCLE_RELEASE = ReleaseMarker(
+    RELEASE_0_3_9,
+    frozenset(
+        {
+            CLEAN_STOP_PATCH,
+            DELETE_REFUSED_PATCH,
+            WAIT_HANDOVER_PATCH,
+            TERMINATING_HANDOVER_PATCH,
+            ROTATION_WATCH_PATCH,
+            LONG_WAKES_PATCH,
+            QUIET_START_PATCH,
+            INSTALLATION_IN_NAMES,
+            EARLY_SIGNALS_PATCH,
+        }
+    ),
+)
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
 CONFIRM_TIMEOUT = timedelta(minutes=2)
@@ -204,6 +223,7 @@ class ProxyLifecycle:
         # only when none is, so none reports to a closed run.
         self._in_flight = 0
         self._publisher = StatusPublisher()
+        self._patches = Patches(LIFECYCLE_RELEASE)
         self._early = EarlySignals()
         # A pool member: why its pool's monitor says its instance is failing,
         # until the member has probed the instance itself (_confirm_failing).
@@ -222,14 +242,14 @@ class ProxyLifecycle:
             # Decided once, before the first command: a marker recorded later,
             # after the validation's local-activity marker, did not replay
             # ("patch marker encountered ... no corresponding change command").
-            self._new_paths = workflow.patched(CLEAN_STOP_PATCH)
-            self._long_wakes = workflow.patched(LONG_WAKES_PATCH)
+            self._new_paths = self._patches.taken(CLEAN_STOP_PATCH)
+            self._long_wakes = self._patches.taken(LONG_WAKES_PATCH)
             self._quiet_start = (
                 state is None
                 and workflow.info().parent is not None
-                and workflow.patched(QUIET_START_PATCH)
+                and self._patches.taken(QUIET_START_PATCH)
             )
-        self._early.decide(continued=state is not None)
+        self._early.decide(self._patches, continued=state is not None)
         if state is not None:
             self._restore(state)
             # Handed over while Terminating: terminate again, deleting what is still owned.
@@ -323,7 +343,7 @@ class ProxyLifecycle:
     ) -> ProxyInput:
         """The input; else the workflow fails at once, naming every problem."""
         inp, problems, installation = await checked_input(
-            raw, argument_problems, against_worker=against_worker
+            raw, argument_problems, self._patches, against_worker=against_worker
         )
         if installation is not None:
             self._carried.installation = installation
@@ -829,7 +849,7 @@ class ProxyLifecycle:
 
     def _rotation_due(self, handle: ActivityHandle[MonitorOutcome]) -> None:
         """A rotation begins: the old monitor goes on watching, or (recorded runs) is cancelled."""
-        if workflow.patched(ROTATION_WATCH_PATCH):
+        if self._patches.taken(ROTATION_WATCH_PATCH):
             self._old_monitor = handle
         else:
             self._rotate_now(handle)
@@ -1166,7 +1186,7 @@ class ProxyLifecycle:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._note_error(f"deleting {ref.name}: {failures.message(err)}")
-                if failures.cause_type(err) == ErrorType.PERMANENT and workflow.patched(
+                if failures.cause_type(err) == ErrorType.PERMANENT and self._patches.taken(
                     DELETE_REFUSED_PATCH
                 ):
                     self._give_up_deleting(ref, failures.message(err))
@@ -1251,7 +1271,7 @@ class ProxyLifecycle:
         Such a deletion starts again in the next run (`_restore`), so it no
         longer holds a run back that waits for days.
         """
-        return self._in_flight == 0 and workflow.patched(WAIT_HANDOVER_PATCH)
+        return self._in_flight == 0 and self._patches.taken(WAIT_HANDOVER_PATCH)
 
     async def _hand_over_if_long(self) -> None:
         """In the middle of a long wait: continue as new once the history is long.
@@ -1265,7 +1285,7 @@ class ProxyLifecycle:
         if not _history_long() or self._in_flight or self._terminate_reason is not None:
             return
         monitor = self._retired_monitor
-        if (monitor is not None and not monitor.done()) or not workflow.patched(
+        if (monitor is not None and not monitor.done()) or not self._patches.taken(
             WAIT_HANDOVER_PATCH
         ):
             return  # a rotation's old monitor ends within a heartbeat: at the next call
@@ -1291,7 +1311,7 @@ class ProxyLifecycle:
         if not _history_long() or self._in_flight:
             return
         monitor = self._retired_monitor
-        if (monitor is not None and not monitor.done()) or not workflow.patched(
+        if (monitor is not None and not monitor.done()) or not self._patches.taken(
             TERMINATING_HANDOVER_PATCH
         ):
             return

@@ -15,6 +15,7 @@ from temporalio import workflow
 from activities.models import ValidateTargetInput
 from workflows import policies
 from workflows.inputs import ProxyInput, parse_input
+from workflows.patches import Patches
 from workflows.target_check import check_target, target_input
 
 # workflow.patched() id: a lifecycle started since learns its installation
@@ -23,7 +24,7 @@ INSTALLATION_IN_NAMES = "installation-in-instance-names"
 
 
 async def checked_input(
-    raw: Any, argument_problems: list[str], *, against_worker: bool
+    raw: Any, argument_problems: list[str], patches: Patches, *, against_worker: bool
 ) -> tuple[ProxyInput | None, list[str], str | None]:
     """The input, every problem with it, and the worker's installation if it was asked."""
     inp, problems = parse_input(raw)
@@ -46,13 +47,15 @@ async def checked_input(
         raw.get("placement"),
         inp.health.target if inp else "",
     )
-    worker_problems, installation = await _check_target(target)
+    worker_problems, installation = await _check_target(target, patches)
     return inp, problems + worker_problems, installation
 
 
-async def _check_target(target: ValidateTargetInput) -> tuple[list[str], str | None]:
+async def _check_target(
+    target: ValidateTargetInput, patches: Patches
+) -> tuple[list[str], str | None]:
     """The worker's verdict on the target, and its installation (None: not told)."""
-    if not workflow.patched(INSTALLATION_IN_NAMES):
+    if not patches.taken(INSTALLATION_IN_NAMES):
         # Recorded before validate_target returned the installation.
         problems: list[str] = await workflow.execute_local_activity(
             "validate_target",

@@ -83,7 +83,7 @@ with workflow.unsafe.imports_passed_through():
         pool_status,
         pool_view,
     )
-    from workflows.early_signals import EarlySignals
+    from workflows.early_signals import EARLY_SIGNALS_PATCH, EarlySignals
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
         continued_state,
@@ -91,6 +91,7 @@ with workflow.unsafe.imports_passed_through():
         signal_reason,
     )
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
+    from workflows.patches import RELEASE_0_3_9, Patches, ReleaseMarker
     from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
     from workflows.pool_input import (
         BanRequest,
@@ -160,6 +161,26 @@ SHORTER_RUNS_PATCH = "shorter-pool-runs"
 # 1,030 events. Since, a step starts no more than the events left hold
 # (pool_plan.Situation.room, EVENTS_PER_COMMAND each).
 COMMANDS_WITHIN_BUDGET_PATCH = "commands-within-budget"
+# A run that records 0.3.9's marker takes every patch above, and the early
+# signals', without a marker each (workflows/patches.py).
+POOL_RELEASE = ReleaseMarker(
+    RELEASE_0_3_9,
+    frozenset(
+        {
+            MEMBER_DRAIN_PATCH,
+            PACED_PATCH,
+            VERIFIED_ENDPOINTS_PATCH,
+            POOL_MONITOR_PATCH,
+            QUIET_HANDOVER_PATCH,
+            BUDGET_WAKES_PATCH,
+            MEMBERS_QUEUE_PATCH,
+            ENDING_HANDOVER_PATCH,
+            SHORTER_RUNS_PATCH,
+            COMMANDS_WITHIN_BUDGET_PATCH,
+            EARLY_SIGNALS_PATCH,
+        }
+    ),
+)
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -301,6 +322,7 @@ class ProxyPool:
         # When a paced pool began holding new commands back to continue as new.
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
+        self._patches = Patches(POOL_RELEASE)
         self._early = EarlySignals()
         # The members' monitor, when this run took POOL_MONITOR_PATCH.
         self._monitor: PoolMonitor | None = None
@@ -341,21 +363,21 @@ class ProxyPool:
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
         # Decided before the first await: the input check's local activity
         # resolves in another activation on replay than when first run.
-        self._paced = workflow.patched(PACED_PATCH)
-        self._members_queue = _members_queue()
-        if workflow.patched(POOL_MONITOR_PATCH):
+        self._paced = self._patches.taken(PACED_PATCH)
+        self._members_queue = _members_queue(self._patches)
+        if self._patches.taken(POOL_MONITOR_PATCH):
             self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
-        quiet_handover = workflow.patched(QUIET_HANDOVER_PATCH)
-        budget_wakes = workflow.patched(BUDGET_WAKES_PATCH)
-        if workflow.patched(SHORTER_RUNS_PATCH):
+        quiet_handover = self._patches.taken(QUIET_HANDOVER_PATCH)
+        budget_wakes = self._patches.taken(BUDGET_WAKES_PATCH)
+        if self._patches.taken(SHORTER_RUNS_PATCH):
             self._event_budget = POOL_EVENT_BUDGET
-        self._within_budget = workflow.patched(COMMANDS_WITHIN_BUDGET_PATCH)
+        self._within_budget = self._patches.taken(COMMANDS_WITHIN_BUDGET_PATCH)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
             PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
         )
-        self._early.decide(continued=state is not None)
+        self._early.decide(self._patches, continued=state is not None)
         inp = await self._validated(raw, argument_problems, continued=state is not None)
         self._inp = inp
         if state is not None:
@@ -463,7 +485,7 @@ class ProxyPool:
         if report.state in ENDED:
             self._ended(member, report.state, report.last_error)
         elif report.state == ProxyState.READY and report.endpoint != member.verified:
-            if workflow.patched(VERIFIED_ENDPOINTS_PATCH):
+            if self._patches.taken(VERIFIED_ENDPOINTS_PATCH):
                 self._unverified.add(member.member)
             else:
                 member.verified = report.endpoint
@@ -961,7 +983,7 @@ class ProxyPool:
 
     async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
         # Pools recorded before drains existed signal at once.
-        if drain and workflow.patched(MEMBER_DRAIN_PATCH):
+        if drain and self._patches.taken(MEMBER_DRAIN_PATCH):
             await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
         await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
@@ -1115,7 +1137,7 @@ class ProxyPool:
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"
         members = list(self._members.values())
-        quiet = hand_over is not None and self._paced and workflow.patched(ENDING_HANDOVER_PATCH)
+        quiet = hand_over is not None and self._paced and self._patches.taken(ENDING_HANDOVER_PATCH)
         if quiet:
             # Those still on their way to a report (starting, rotating) are
             # told first, so a handover waits for them as for the others told.
@@ -1301,7 +1323,7 @@ def _update_key() -> str:
     return hashlib.sha256(info.id.encode()).hexdigest()[:32]
 
 
-def _members_queue() -> str | None:
+def _members_queue(patches: Patches) -> str | None:
     """The task queue for this run's members and activities; None for its own.
 
     Decided at a run's start, before its first await, as the patches are.
@@ -1310,7 +1332,7 @@ def _members_queue() -> str | None:
     polls it but not in a Replayer, so a marker written only for some
     queues would not replay there.
     """
-    if not workflow.patched(MEMBERS_QUEUE_PATCH):
+    if not patches.taken(MEMBERS_QUEUE_PATCH):
         return None
     own = workflow.info().task_queue
     members = members_task_queue(own)

@@ -24,7 +24,8 @@ from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
 from tests.helpers.workers import stop_worker
 from worker import build_pool_worker
-from workflows.pool import MEMBERS_QUEUE_PATCH
+from workflows.patches import RELEASE_0_3_9
+from workflows.pool import MEMBERS_QUEUE_PATCH, POOL_RELEASE
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,9 @@ async def test_a_pool_on_the_pools_queue_runs_its_members_and_activities_on_the_
         # The shards, the endpoint checks and the reconcile all ran on the proxies' queue.
         assert {s.split(" on ")[0] for s in scheduled} >= {"monitor_members", "verify_endpoint"}
         assert all(s.endswith(f" on {stack.task_queue}") for s in scheduled), scheduled
-        assert any(MEMBERS_QUEUE_PATCH in marker for marker in markers), markers
+        # The pool took the patch: through its release's marker, which covers it.
+        assert any(RELEASE_0_3_9 in marker for marker in markers), markers
+        assert MEMBERS_QUEUE_PATCH in POOL_RELEASE.covers
     finally:
         await stop_worker(pools_worker)
         acts.close()

@@ -1,0 +1,103 @@
+"""A run started on this release records one patch marker, its release's, however
+many patched paths it takes (workflows/patches.py).
+
+Each marker a run records costs Temporal Cloud actions: the SDK upserts
+`TemporalChangeVersion` with it, and a workflow task with a marker is one
+`BatchMarkers` more. Up to 0.3.8 a pool member's first task recorded four,
+a pool run seven at its start, and a proxy's first rotation in a run one
+more. These tests take every path whose patch a proxy or a pool asks in
+ordinary life (start, rotation, terminate; a pool's start, `rotate {"all":
+true}` and end) and count.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
+
+from tests.helpers.stacks import Stack
+from tests.helpers.waiting import wait_for, wait_status
+from workflows.lifecycle import LIFECYCLE_RELEASE
+from workflows.patches import RELEASE_0_3_9
+from workflows.pool import POOL_RELEASE
+
+pytestmark = pytest.mark.slow
+
+CHANGE_VERSION = "TemporalChangeVersion"
+
+
+async def _patch_markers(handle: WorkflowHandle[Any, Any]) -> tuple[list[str], int]:
+    """The ids of the patch markers in the run's history, and its CHANGE_VERSION upserts."""
+    markers: list[str] = []
+    upserts = 0
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED:
+            details = event.marker_recorded_event_attributes.details
+            if "patch-data" in details:
+                markers.append(json.loads(details["patch-data"].payloads[0].data)["id"])
+        elif event.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES:
+            fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes
+            upserts += CHANGE_VERSION in fields.indexed_fields
+    return markers, upserts
+
+
+def test_each_release_marker_covers_the_patches_of_its_workflow() -> None:
+    # The ones a new run would otherwise record first: start, rotation, handover.
+    assert {
+        "clean-stop-and-provider-waits",
+        "members-start-quietly",
+        "installation-in-instance-names",
+        "monitor-old-instance-while-rotating",
+        "early-signals-after-takeover",
+    } <= LIFECYCLE_RELEASE.covers
+    assert {"paced-commands", "members-queue", "commands-within-budget"} <= POOL_RELEASE.covers
+    assert LIFECYCLE_RELEASE.patch == POOL_RELEASE.patch == RELEASE_0_3_9
+
+
+async def test_a_proxy_started_rotated_and_terminated_records_one_marker(stack: Stack) -> None:
+    handle = await stack.start()
+    first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    await handle.signal("rotate", {"reason": "test"})
+    second = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.generation > first.generation, "rotated"
+    )
+    await wait_for(lambda: stack.instances() == [second.instance], "the old instance deleted")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+
+    assert await _patch_markers(handle) == ([RELEASE_0_3_9], 1)
+
+
+async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> None:
+    pool = await stack.start_pool(2)
+
+    async def members() -> list[dict[str, Any]]:
+        return list((await pool.query("status"))["members"])
+
+    await wait_for(
+        lambda: _all_ready(pool, 2), "2 members Ready with verified endpoints", deadline=90
+    )
+    before = {m["member"]: m["generation"] for m in await members()}
+    await pool.execute_update("rotate", {"all": True})
+
+    async def rotated() -> bool:
+        now = await members()
+        return len(now) == 2 and all(m["generation"] > before[m["member"]] for m in now)
+
+    await wait_for(rotated, "both members rotated", deadline=90)
+    await pool.signal("terminate")
+    assert (await pool.result())["state"] == "Terminated"
+    assert stack.instances() == []
+
+    assert await _patch_markers(pool) == ([RELEASE_0_3_9], 1)
+    for member in before:
+        member_handle = stack.client.get_workflow_handle(member)
+        assert await _patch_markers(member_handle) == ([RELEASE_0_3_9], 1), member
+
+
+async def _all_ready(pool: WorkflowHandle[Any, Any], count: int) -> bool:
+    return len(await pool.query("endpoints")) == count
