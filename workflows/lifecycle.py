@@ -83,9 +83,9 @@ with workflow.unsafe.imports_passed_through():
         status_of,
     )
     from workflows.lifecycle_input import INSTALLATION_IN_NAMES, checked_input
-    from workflows.lifecycle_publish import StatusPublisher
+    from workflows.lifecycle_publish import ONE_UPSERT_A_TASK_PATCH, StatusPublisher
     from workflows.lifecycle_states import check_transition
-    from workflows.patches import RELEASE_0_3_9, Patches, ReleaseMarker
+    from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10, Patches, ReleaseMarker
     from workflows.policies import REPLACE_BACKOFF
 
 A = TypeVar("A")
@@ -145,7 +145,7 @@ LONG_WAKES_PATCH = "member-hands-over-when-long"
 QUIET_START_PATCH = "members-start-quietly"
 # A run that records 0.3.9's marker takes every patch above, and those of the
 # input check and the early signals, without a marker each (workflows/patches.py).
-LIFECYCLE_RELEASE = ReleaseMarker(
+LIFECYCLE_RELEASE_0_3_9 = ReleaseMarker(
     RELEASE_0_3_9,
     frozenset(
         {
@@ -160,6 +160,10 @@ LIFECYCLE_RELEASE = ReleaseMarker(
             EARLY_SIGNALS_PATCH,
         }
     ),
+)
+# 0.3.10's: those, and one upsert a task (workflows/lifecycle_publish.py).
+LIFECYCLE_RELEASE = ReleaseMarker(
+    RELEASE_0_3_10, LIFECYCLE_RELEASE_0_3_9.covers | {ONE_UPSERT_A_TASK_PATCH}
 )
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
@@ -223,7 +227,7 @@ class ProxyLifecycle:
         # only when none is, so none reports to a closed run.
         self._in_flight = 0
         self._publisher = StatusPublisher()
-        self._patches = Patches(LIFECYCLE_RELEASE)
+        self._patches = Patches(LIFECYCLE_RELEASE, LIFECYCLE_RELEASE_0_3_9)
         self._early = EarlySignals()
         # A pool member: why its pool's monitor says its instance is failing,
         # until the member has probed the instance itself (_confirm_failing).
@@ -231,6 +235,7 @@ class ProxyLifecycle:
         self._long_wakes = False
         # A pool member's first run, whose start its pool knows (QUIET_START_PATCH).
         self._quiet_start = False
+        self._one_upsert_a_task = False
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -249,6 +254,7 @@ class ProxyLifecycle:
                 and workflow.info().parent is not None
                 and self._patches.taken(QUIET_START_PATCH)
             )
+            self._one_upsert_a_task = self._patches.taken(ONE_UPSERT_A_TASK_PATCH)
         self._early.decide(self._patches, continued=state is not None)
         if state is not None:
             self._restore(state)
@@ -264,6 +270,9 @@ class ProxyLifecycle:
         self._publisher.only_news = inp.monitor == "pool"
         if self._quiet_start and self._publisher.only_news:
             self._publisher.started_by_pool()
+        if self._one_upsert_a_task:
+            # After the input check: a run that fails it upserts Failed at once.
+            self._publisher.upsert_as_tasks_wait()
         self._publish()
 
         lifecycle = asyncio.create_task(self._lifecycle(inp))
@@ -1326,6 +1335,7 @@ class ProxyLifecycle:
     async def _continue_as_new(self) -> None:
         """Hand over to a new run, carrying the state as it is now."""
         assert self._input is not None
+        self._publisher.upsert_owed()
         workflow.continue_as_new(
             args=[
                 self._input.model_dump(mode="json", exclude_none=True),

@@ -5,6 +5,15 @@ workflow learns of a change: `temporal workflow list` (search attributes),
 the Web UI (current details) and, for a pool member, the pool (a
 `member_changed` signal). Each issues a command only when what it shows
 changed, so publishing again is free.
+
+Each upsert of search attributes is a Temporal Cloud action, and one
+workflow task often publishes twice in a row: a proxy's first task
+(Provisioning, then the first instance's name just before its create), its
+last (the last instance gone, then Terminated), a rotation that begins as
+the previous one's old instance is deleted. A run that takes
+`ONE_UPSERT_A_TASK_PATCH` upserts what it last published once the workflow
+waits (every coroutine blocked), so a task upserts at most once; a run
+started before asks for an upsert at each change, and replays so.
 """
 
 from __future__ import annotations
@@ -29,12 +38,22 @@ from contract import (
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
+# Histories recorded before this patch upserted the search attributes at
+# every publish that changed them, two in a row in one task at times;
+# replaying them still does. Since, a task upserts them once, as it waits.
+ONE_UPSERT_A_TASK_PATCH = "one-upsert-a-task"
+
+_SearchAttributes = tuple[dict[str, str], list[str]]
+
 
 class StatusPublisher:
     """What one run has published, so it publishes only what changed."""
 
     def __init__(self) -> None:
-        self._search_attributes: tuple[dict[str, str], list[str]] = ({}, [])
+        self._search_attributes: _SearchAttributes = ({}, [])
+        # What the next upsert sets, while one is owed (`upsert_as_tasks_wait`).
+        self._owed: _SearchAttributes | None = None
+        self._upserter: asyncio.Task[None] | None = None
         # What the pool (if this is a pool member) was last told, and the
         # signals telling it that are still in flight.
         self._reported: tuple[str, str, int, str | None] | None = None
@@ -52,6 +71,16 @@ class StatusPublisher:
         """The pool that started this member knows it is Provisioning: report only what follows."""
         self._reported = (ProxyState.PROVISIONING, "", 0, None)
 
+    def upsert_as_tasks_wait(self) -> None:
+        """Upsert the search attributes once a task, as it waits (ONE_UPSERT_A_TASK_PATCH).
+
+        The upserter's condition is checked only once every coroutine of the
+        workflow is blocked, after all a task's publishing: the task's one
+        upsert then sets what was published last. Everything a run publishes
+        is deterministic, so a replay upserts at the same points.
+        """
+        self._upserter = asyncio.create_task(self._upsert_when_owed())
+
     def publish(self, status: ProxyStatus, instances: set[str]) -> None:
         """Search attributes, then current details, then the pool: in that order, always."""
         self._set_search_attributes(status, instances)
@@ -59,8 +88,27 @@ class StatusPublisher:
         self._tell_pool(status)
 
     async def delivered(self) -> None:
-        """Before the workflow closes: a closed workflow's pending signals are never sent."""
+        """Before the workflow closes: the owed upsert, then the pool's signals.
+
+        A closed workflow's pending signals are never sent, and an upsert
+        owed as it closes would be lost.
+        """
+        self.upsert_owed()
         await asyncio.gather(*self._reports)
+
+    def upsert_owed(self) -> None:
+        """The upsert owed now, if any: before a command that ends the run."""
+        wanted, self._owed = self._owed, None
+        if wanted is None:
+            return
+        keywords, instances = wanted
+        updates: list[SearchAttributeUpdate[Any]] = [
+            key.value_set(keywords[key.name]) if keywords[key.name] else key.value_unset()
+            for key in KEYWORDS
+        ]
+        updates.append(INSTANCES.value_set(instances) if instances else INSTANCES.value_unset())
+        workflow.upsert_search_attributes(updates)
+        self._search_attributes = wanted
 
     def _set_search_attributes(self, status: ProxyStatus, instances: set[str]) -> None:
         """ProxyState, ProxyProvider, ProxyEndpoint (only while Ready) and ProxyInstances."""
@@ -70,15 +118,18 @@ class StatusPublisher:
             ENDPOINT.name: status.endpoint if status.state == ProxyState.READY else "",
         }
         wanted = (keywords, sorted(instances))
-        if wanted == self._search_attributes:
-            return
-        updates: list[SearchAttributeUpdate[Any]] = [
-            key.value_set(keywords[key.name]) if keywords[key.name] else key.value_unset()
-            for key in KEYWORDS
-        ]
-        updates.append(INSTANCES.value_set(wanted[1]) if wanted[1] else INSTANCES.value_unset())
-        workflow.upsert_search_attributes(updates)
-        self._search_attributes = wanted
+        self._owed = None if wanted == self._search_attributes else wanted
+        if self._upserter is None:
+            self.upsert_owed()
+
+    async def _upsert_when_owed(self) -> None:
+        while True:
+            await workflow.wait_condition(lambda: self._owed is not None)
+            # Once more: a coroutine woken by the same check (a rotation that
+            # waited for the old instance's deletion) runs on to its next wait,
+            # and publishes, before the one upsert.
+            await workflow.wait_condition(lambda: True)
+            self.upsert_owed()
 
     @staticmethod
     def _set_current_details(status: ProxyStatus) -> None:

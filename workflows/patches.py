@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from temporalio import workflow
 
 # The marker of 0.3.9, the first release to have one: it covers every patch
-# of ProxyLifecycle and ProxyPool up to 0.3.9 (LIFECYCLE_RELEASE, POOL_RELEASE).
+# of ProxyLifecycle and ProxyPool up to 0.3.9 (LIFECYCLE_RELEASE_0_3_9, POOL_RELEASE).
 RELEASE_0_3_9 = "release-0.3.9"
+# 0.3.10's, ProxyLifecycle's only (LIFECYCLE_RELEASE): the pool has no new patch,
+# so its runs go on recording 0.3.9's.
+RELEASE_0_3_10 = "release-0.3.10"
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,16 @@ async def wait_status(
     return seen[-1]
 
 
+async def rotated(handle: WorkflowHandle[Any, Any], after: ProxyStatus, reason: str) -> ProxyStatus:
+    """Signal `rotate`; the status once a generation newer than `after`'s is Ready."""
+    await handle.signal("rotate", {"reason": reason})
+    return await wait_status(
+        handle,
+        lambda s: s.state == "Ready" and s.generation > after.generation,
+        f"rotated ({reason})",
+    )
+
+
 def until(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float, every: float) -> T:
     """Poll a real cloud until `done(fetch())`; the last value past `timeout` (the opt-in tests)."""
     deadline = time.monotonic() + timeout

@@ -20,9 +20,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
 from tests.helpers.stacks import Stack
-from tests.helpers.waiting import wait_for, wait_status
-from workflows.lifecycle import LIFECYCLE_RELEASE
-from workflows.patches import RELEASE_0_3_9
+from tests.helpers.waiting import rotated, wait_for, wait_status
+from workflows.lifecycle import LIFECYCLE_RELEASE, LIFECYCLE_RELEASE_0_3_9
+from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10
 from workflows.pool import POOL_RELEASE
 
 CHANGE_VERSION = "TemporalChangeVersion"
@@ -43,13 +43,13 @@ async def _patch_markers(handle: WorkflowHandle[Any, Any]) -> tuple[list[str], i
     return markers, upserts
 
 
-def test_release_0_3_9_covers_exactly_what_its_runs_recorded() -> None:
+def test_each_release_marker_covers_exactly_what_its_runs_took() -> None:
     # Frozen: a run that recorded release-0.3.9 took exactly these paths. A
     # patch added to a cover later would be taken, on replay, by runs that
     # never took its path, whose replay could then fail; a new patch is asked
     # on its own until the next release marker covers it (docs/upgrades.md).
-    assert LIFECYCLE_RELEASE.patch == POOL_RELEASE.patch == RELEASE_0_3_9
-    assert LIFECYCLE_RELEASE.covers == {
+    assert LIFECYCLE_RELEASE_0_3_9.patch == POOL_RELEASE.patch == RELEASE_0_3_9
+    assert LIFECYCLE_RELEASE_0_3_9.covers == {
         "clean-stop-and-provider-waits",
         "delete-refused-for-good",
         "early-signals-after-takeover",
@@ -73,21 +73,20 @@ def test_release_0_3_9_covers_exactly_what_its_runs_recorded() -> None:
         "shorter-pool-runs",
         "verified-endpoints",
     }
+    assert LIFECYCLE_RELEASE.patch == RELEASE_0_3_10
+    assert LIFECYCLE_RELEASE.covers == LIFECYCLE_RELEASE_0_3_9.covers | {"one-upsert-a-task"}
 
 
 @pytest.mark.slow
 async def test_a_proxy_started_rotated_and_terminated_records_one_marker(stack: Stack) -> None:
     handle = await stack.start()
     first = await wait_status(handle, lambda s: s.state == "Ready", "Ready")
-    await handle.signal("rotate", {"reason": "test"})
-    second = await wait_status(
-        handle, lambda s: s.state == "Ready" and s.generation > first.generation, "rotated"
-    )
+    second = await rotated(handle, first, "test")
     await wait_for(lambda: stack.instances() == [second.instance], "the old instance deleted")
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
 
-    assert await _patch_markers(handle) == ([RELEASE_0_3_9], 1)
+    assert await _patch_markers(handle) == ([RELEASE_0_3_10], 1)
 
 
 @pytest.mark.slow
@@ -115,7 +114,7 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
     assert await _patch_markers(pool) == ([RELEASE_0_3_9], 1)
     for member in before:
         member_handle = stack.client.get_workflow_handle(member)
-        assert await _patch_markers(member_handle) == ([RELEASE_0_3_9], 1), member
+        assert await _patch_markers(member_handle) == ([RELEASE_0_3_10], 1), member
 
 
 async def _all_ready(pool: WorkflowHandle[Any, Any], count: int) -> bool:
