@@ -12,8 +12,10 @@ workflow task often publishes twice in a row: a proxy's first task
 last (the last instance gone, then Terminated), a rotation that begins as
 the previous one's old instance is deleted. A run that takes
 `ONE_UPSERT_A_TASK_PATCH` upserts what it last published once the workflow
-waits (every coroutine blocked), so a task upserts at most once; a run
-started before asks for an upsert at each change, and replays so.
+waits (every coroutine blocked), so such a task upserts once. A state the
+task passes through (Unhealthy, on its way to Replacing) still gets an
+upsert of its own: every state a proxy was in stays in its history. A run
+started before upserts at each change, and replays so.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ ONE_UPSERT_A_TASK_PATCH = "one-upsert-a-task"
 _SearchAttributes = tuple[dict[str, str], list[str]]
 
 
+def _state(attributes: _SearchAttributes) -> str | None:
+    return attributes[0].get(STATE.name)
+
+
 class StatusPublisher:
     """What one run has published, so it publishes only what changed."""
 
@@ -72,12 +78,15 @@ class StatusPublisher:
         self._reported = (ProxyState.PROVISIONING, "", 0, None)
 
     def upsert_as_tasks_wait(self) -> None:
-        """Upsert the search attributes once a task, as it waits (ONE_UPSERT_A_TASK_PATCH).
+        """Upsert the search attributes as the workflow waits (ONE_UPSERT_A_TASK_PATCH).
 
         The upserter's condition is checked only once every coroutine of the
-        workflow is blocked, after all a task's publishing: the task's one
-        upsert then sets what was published last. Everything a run publishes
-        is deterministic, so a replay upserts at the same points.
+        workflow is blocked, and it then lets the coroutines woken by the same
+        check run on first: its upsert sets what the task published last. A
+        task whose coroutines wake one another through several checks may
+        still upsert twice, never more often than upserting at each change.
+        Everything a run publishes is deterministic, so a replay upserts at
+        the same points.
         """
         self._upserter = asyncio.create_task(self._upsert_when_owed())
 
@@ -118,6 +127,14 @@ class StatusPublisher:
             ENDPOINT.name: status.endpoint if status.state == ProxyState.READY else "",
         }
         wanted = (keywords, sorted(instances))
+        if self._owed is not None and _state(self._owed) not in (
+            _state(self._search_attributes),
+            status.state,
+        ):
+            # The owed upsert shows a state no upsert has shown, and this one
+            # leaves it: upserted now, so that every state a proxy passes
+            # through is in its history (Unhealthy, then Replacing, in one task).
+            self.upsert_owed()
         self._owed = None if wanted == self._search_attributes else wanted
         if self._upserter is None:
             self.upsert_owed()
@@ -125,9 +142,11 @@ class StatusPublisher:
     async def _upsert_when_owed(self) -> None:
         while True:
             await workflow.wait_condition(lambda: self._owed is not None)
-            # Once more: a coroutine woken by the same check (a rotation that
-            # waited for the old instance's deletion) runs on to its next wait,
-            # and publishes, before the one upsert.
+            # A coroutine woken by the same check (a rotation that waited for
+            # the old instance's deletion) may go on through a wait that is
+            # over already: to the back of the queue, behind its next
+            # condition, then one more check, so it publishes before the upsert.
+            await asyncio.sleep(0)
             await workflow.wait_condition(lambda: True)
             self.upsert_owed()
 

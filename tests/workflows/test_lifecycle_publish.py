@@ -1,5 +1,6 @@
-"""A proxy's search attributes: upserted once a workflow task at most, and
-naming every instance before it can exist (workflows/lifecycle_publish.py).
+"""A proxy's search attributes: upserted once where a workflow task used to
+upsert twice, every state still shown, and every instance named before it
+can exist (workflows/lifecycle_publish.py).
 
 Each upsert is a Temporal Cloud action. Up to 0.3.9 a proxy's first task
 upserted twice (Provisioning, then its first instance's name just before
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
-from temporalio.client import WorkflowHandle
 
 from contract import INSTANCES, STATE
 from tests.helpers.stacks import Stack
@@ -28,20 +28,30 @@ from tests.helpers.waiting import rotated, wait_for, wait_status
 pytestmark = pytest.mark.slow
 
 
-async def _events(handle: WorkflowHandle[Any, Any]) -> list[HistoryEvent]:
-    return [event async for event in handle.fetch_history_events()]
+@dataclass(frozen=True)
+class _Upsert:
+    """An upsert of the proxy's own search attributes, and the workflow task it was made in."""
+
+    task: int
+    state: str
+    instances: list[str]
 
 
-def _upserted_instances(event: HistoryEvent) -> list[str] | None:
-    """What an upsert of the proxy's own attributes set ProxyInstances to; None: not one."""
-    fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes
-    if STATE.name not in fields.indexed_fields:
-        return None  # the SDK's TemporalChangeVersion
-    data = fields.indexed_fields[INSTANCES.name].data
-    return list(json.loads(data)) if data else []
+def _upsert(event: HistoryEvent) -> _Upsert | None:
+    """The proxy's own attributes an upsert event set; None for the SDK's TemporalChangeVersion."""
+    attributes = event.upsert_workflow_search_attributes_event_attributes
+    fields = attributes.search_attributes.indexed_fields
+    if STATE.name not in fields:
+        return None
+    instances = fields[INSTANCES.name].data
+    return _Upsert(
+        task=attributes.workflow_task_completed_event_id,
+        state=json.loads(fields[STATE.name].data),
+        instances=list(json.loads(instances)) if instances else [],
+    )
 
 
-async def test_a_proxy_upserts_once_a_task_and_names_each_instance_as_it_creates_it(
+async def test_a_proxy_upserts_once_in_its_first_and_last_tasks_and_names_each_instance_first(
     stack: Stack,
 ) -> None:
     handle = await stack.start()
@@ -54,19 +64,14 @@ async def test_a_proxy_upserts_once_a_task_and_names_each_instance_as_it_creates
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
 
-    events = await _events(handle)
-    # Each upsert, by the workflow task whose commands it was one of.
-    upserts: dict[int, list[str]] = {}
-    per_task: Counter[int] = Counter()
+    upserts: list[_Upsert] = []
     created: dict[int, int] = {}  # create_instance's scheduled event -> its task
     names: dict[int, str] = {}  # create_instance's scheduled event -> the instance made
-    for event in events:
+    async for event in handle.fetch_history_events():
         if event.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES:
-            instances = _upserted_instances(event)
-            if instances is not None:
-                task = event.upsert_workflow_search_attributes_event_attributes
-                per_task[task.workflow_task_completed_event_id] += 1
-                upserts[task.workflow_task_completed_event_id] = instances
+            upsert = _upsert(event)
+            if upsert is not None:
+                upserts.append(upsert)
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
             scheduled = event.activity_task_scheduled_event_attributes
             if scheduled.activity_type.name == "create_instance":
@@ -77,12 +82,23 @@ async def test_a_proxy_upserts_once_a_task_and_names_each_instance_as_it_creates
                 result = json.loads(completed.result.payloads[0].data)
                 names[completed.scheduled_event_id] = result["name"]
 
-    assert per_task and max(per_task.values()) == 1, per_task
+    per_task = Counter(u.task for u in upserts)
+    # The first task: Provisioning and the first instance's name, in one upsert.
+    assert per_task[upserts[0].task] == 1, upserts
+    assert (upserts[0].state, upserts[0].instances) == ("Provisioning", [first.instance])
+    # The last: the last instance gone and Terminated, in one.
+    assert per_task[upserts[-1].task] == 1, upserts
+    assert (upserts[-1].state, upserts[-1].instances) == ("Terminated", [])
+    # Every state the proxy was in, in order (rotations stay Ready).
+    states = [u.state for n, u in enumerate(upserts) if n == 0 or upserts[n - 1].state != u.state]
+    assert states == ["Provisioning", "Ready", "Terminating", "Terminated"]
+
     assert sorted(names.values()) == sorted({first.instance, second.instance, third.instance})
     for scheduled, task in created.items():
-        # ProxyInstances as that task left it: its upsert, else the last before.
-        shown = upserts[max(t for t in upserts if t <= task)]
-        assert names[scheduled] in shown, (names[scheduled], shown)
+        # Orphan GC's guarantee: ProxyInstances as the task that scheduled
+        # the create left it already names the instance.
+        shown = [u for u in upserts if u.task <= task][-1]
+        assert names[scheduled] in shown.instances, (names[scheduled], shown)
 
     described = (await handle.describe()).typed_search_attributes
     assert described.get(STATE) == "Terminated"
