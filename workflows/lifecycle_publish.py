@@ -42,7 +42,8 @@ from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
 # Histories recorded before this patch upserted the search attributes at
 # every publish that changed them, two in a row in one task at times;
-# replaying them still does. Since, a task upserts them once, as it waits.
+# replaying them still does. Since, a task upserts them as it waits, once for
+# all it published (and once for each state it passed through on the way).
 ONE_UPSERT_A_TASK_PATCH = "one-upsert-a-task"
 
 _SearchAttributes = tuple[dict[str, str], list[str]]
