@@ -107,7 +107,7 @@ class StatusPublisher:
         await asyncio.gather(*self._reports)
 
     def upsert_owed(self) -> None:
-        """The upsert owed now, if any: before a command that ends the run."""
+        """The owed upsert, if any, now: the upserter's, or before a command that ends the run."""
         wanted, self._owed = self._owed, None
         if wanted is None:
             return
