@@ -2,11 +2,17 @@
 
 What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
 
-- open tunnels: the client connections the front worker holds, counted in
-  the kernel's socket table (/proc/net/tcp and tcp6: ESTABLISHED, local
-  port = the listen port) every SAMPLE_SECONDS; a report gives the most
-  seen at once since the last one. Squid logs a CONNECT only when it ends,
-  so its access log cannot say what is open now;
+- open tunnels: the connections the front worker holds to its back workers,
+  counted in the kernel's socket table (/proc/net/tcp and tcp6: ESTABLISHED,
+  remote end = a back's loopback address) every SAMPLE_SECONDS; a report
+  gives the most seen at once since the last one. The front opens one such
+  connection per CONNECT it passes on, and it lives as long as the tunnel; a
+  back that refuses the CONNECT (no or wrong credentials, a user over its
+  `tunnels=` limit, a username no member admits) answers and the connection
+  closes. So a socket that sends nothing, or whose CONNECT was refused, is
+  no demand, though the front holds it until its timeout: only a client
+  holding credentials can hold a pool up. Squid logs a CONNECT only when it
+  ends, so its access log cannot say what is open now;
 - new tunnels: the CONNECTs the front granted (200) since the last report
   (its access log, which the gateway follows for its metrics anyway; Squid
   writes a tunnel's line when it closes).
@@ -23,12 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +50,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
-from gateway.socket_table import TCP_TABLES, established, local_address
+from gateway.socket_table import TCP_TABLES, established, unmapped
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -57,19 +64,14 @@ HEARTBEAT = 300.0
 MOVED_SHARE = 0.1
 
 
-def open_connections(port: int, host: str = "", tables: Iterable[Path] = TCP_TABLES) -> int:
-    """ESTABLISHED sockets whose local end is `host`:`port`: the clients a listener holds.
+def connections_to(ends: Collection[tuple[str, int]], tables: Iterable[Path] = TCP_TABLES) -> int:
+    """ESTABLISHED connections whose remote end is one of `ends` (address, port).
 
-    Any local address when `host` is empty or a wildcard. With a specific
-    `host`, a socket of another process that has the same port number on
-    another local address (an outgoing connection, say) is not counted.
+    Only the dialling side of a connection has the listener as its remote
+    end: the listener's own sockets, in the same table, are not counted.
     """
-    wanted = local_address(host)
-    return sum(
-        1
-        for address, local_port, _, _ in established(tables)
-        if local_port == port and wanted in (None, address)
-    )
+    wanted = {(unmapped(ipaddress.ip_address(host)), port) for host, port in ends}
+    return sum(1 for _, _, address, port in established(tables) if (address, port) in wanted)
 
 
 def gateway_name(listen: tuple[str, int]) -> str:
@@ -99,14 +101,16 @@ def moved(last: Sample | None, now: Sample) -> bool:
 class DemandMeter:
     """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
 
-    def __init__(self, port: int, host: str = "") -> None:
-        self.port, self.host = port, host
+    def __init__(self, backs: Collection[tuple[str, int]]) -> None:
+        """`backs`: the back workers' loopback (address, port), which the front's
+        tunnels are open to."""
+        self.backs = backs
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
 
     def sample(self) -> int:
-        now = open_connections(self.port, self.host)
+        now = connections_to(self.backs)
         with self._lock:
             self._peak = max(self._peak, now)
         return now
@@ -133,7 +137,7 @@ class DemandMeter:
 
     def take(self) -> Sample:
         """What was seen since the last take; starts the next window at what is open now."""
-        current = open_connections(self.port)
+        current = connections_to(self.backs)
         with self._lock:
             sample = Sample(max(self._peak, current), self._answered)
             self._peak, self._answered = current, 0

@@ -54,6 +54,9 @@ from providers.squid import GatewayMember, ProxySettings
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"
+# One client address's connections at the front, at most: room for a crawler's
+# worth of tunnels, not for one address holding the front's descriptors.
+DEFAULT_CLIENT_CONNECTIONS = 1000
 DEFAULT_POLL_SECONDS = 2.0
 DEFAULT_DEBOUNCE_SECONDS = 1.0
 SUPERVISE_SECONDS = 1.0
@@ -93,6 +96,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CIDR,... the only networks a member's endpoint may be in; unset, the providers "
         "config's (the local provider's bind address; required with Kubernetes or GCP)",
     )
+    cli.env_argument(
+        parser,
+        "--client-max-connections",
+        "PROXY_OPERATOR_GATEWAY_CLIENT_MAX_CONNECTIONS",
+        "the most connections one client address may hold open at once (more are "
+        "dropped until it closes some); 0: no limit",
+        str(DEFAULT_CLIENT_CONNECTIONS),
+        type=client_connections,
+    )
     parser.add_argument(
         "--allow-member-hostnames",
         action="store_true",
@@ -123,6 +135,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     api_settings.add_arguments(parser)
     wake.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def client_connections(value: str) -> int | None:
+    """`--client-max-connections`: a count, or None for 0 (no limit)."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number from 0 to 1000000")
+    return count or None
 
 
 def listen_address(value: str) -> tuple[str, int]:
@@ -227,12 +250,18 @@ async def serve(
     members = await fetch()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
-    squid = GatewaySquid(settings, state_dir / "squid", listen, users=users)
+    squid = GatewaySquid(
+        settings,
+        state_dir / "squid",
+        listen,
+        users=users,
+        client_connections=args.client_max_connections,
+    )
     names = metrics.MemberNames()
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
-    meter = demand.DemandMeter(listen[1], listen[0])
+    meter = demand.DemandMeter([(back.address, back.port) for back in squid.backs])
     sessions = SessionMap()
     control: ControlApi | None = None
     following_users: asyncio.Task[None] | None = None

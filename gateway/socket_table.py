@@ -1,7 +1,7 @@
 """The kernel's table of TCP connections (/proc/net/tcp and tcp6), read for the gateway.
 
-Two readers: the demand meter counts the client connections the front holds
-(gateway/demand.py), and the tunnel-limit helper checks which tunnels it
+Two readers: the demand meter counts the tunnels the front holds open to its
+back workers (gateway/demand.py), and the tunnel-limit helper checks which tunnels it
 admitted are still open (gateway/tunnel_helper.py). Standard library only:
 the helper runs under Squid's user with whatever python3 the system has.
 
@@ -100,16 +100,6 @@ def unmapped(address: Address) -> Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
-
-
-def local_address(host: str) -> Address | None:
-    """The address `host` names, to match a connection's local end by; None for any:
-    no host, a wildcard, or not an address."""
-    try:
-        address = unmapped(ipaddress.ip_address(host))
-    except ValueError:
-        return None
-    return None if address.is_unspecified else address
 
 
 # The first three words of a v4-mapped IPv6 address as the kernel writes them.

@@ -176,11 +176,14 @@ class GatewaySquid:
         listen: tuple[str, int],
         squid_binary: str = "squid",
         users: str | None = None,
+        client_connections: int | None = None,
     ) -> None:
         """`users` is a users file's text (gateway/users.py), checked; None: the fleet's
-        credential alone."""
+        credential alone. `client_connections`: the most connections one client address
+        may hold at the front; None, no cap."""
         self._settings = settings
         self._users = users
+        self._client_connections = client_connections
         try:
             self._binary = find_binary(squid_binary)
             self._account = squid_account()
@@ -417,7 +420,8 @@ class GatewaySquid:
     def _front_conf(self) -> str:
         settings = replace(self._settings, port=self.front.port)
         ports = [back.port for back in self.backs]
-        return render_gateway_front(settings, self._paths(self.front), ports).squid_conf
+        paths = self._paths(self.front)
+        return render_gateway_front(settings, paths, ports, self._client_connections).squid_conf
 
     def _write_backs(self) -> None:
         """Render both backs' configs onto `members` (the htpasswd too); reload nothing."""

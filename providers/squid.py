@@ -36,6 +36,12 @@ SQUID_USER = "proxy"
 # The proxies' username (`proxy.auth.username`): what gateway usernames start with.
 PROXY_USERNAME = r"^[A-Za-z0-9._-]{1,64}$"
 
+# How long a client connection may go without asking (`_client_limits`):
+# its first byte, its whole request head, the next request on a kept connection.
+REQUEST_START_TIMEOUT = "5 seconds"
+REQUEST_TIMEOUT = "10 seconds"
+CLIENT_IDLE_TIMEOUT = "10 seconds"
+
 # Where a proxy must not tunnel to unless the config says otherwise: a proxy
 # user would otherwise reach what only the proxy host can, such as services on
 # its loopback, the cloud metadata server (169.254.169.254, with the VM's
@@ -104,6 +110,7 @@ def render(
     authenticate: bool = True,
     access: Sequence[str] = (),
     credentials_ttl: str = "1 hour",
+    client_connections: int | None = None,
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
@@ -116,6 +123,8 @@ def render(
     username and password before it asks its helper again. `authenticate=False` drops rule 5
     for the gateway's front, which passes credentials on to back workers
     that check them; it is refused unless `routing` forbids going direct.
+    `client_connections` caps the connections one client address holds at
+    once (the gateway's front, where every client arrives); None, no cap.
 
     Raises ValueError for settings that could open the proxy (no CIDRs, no
     ports, an empty password, a CIDR that is not one): config validation
@@ -194,9 +203,7 @@ def render(
         "forwarded_for delete",
         "via off",
         "httpd_suppress_version_string on",
-        "# No per-client-address statistics (cachemgr's client_list): nothing reads",
-        "# them, and keeping them is about a tenth of a gateway Squid's CPU per CONNECT.",
-        "client_db off",
+        *_client_limits(client_connections),
         "# Stop quickly: deletion and replacement should not wait on open tunnels.",
         "shutdown_lifetime 1 seconds",
         "",
@@ -204,6 +211,39 @@ def render(
     ]
     htpasswd = f"{settings.username}:{sha512_crypt(settings.password)}\n"
     return RenderedSquid(squid_conf="\n".join(lines), htpasswd=htpasswd)
+
+
+def _client_limits(client_connections: int | None) -> list[str]:
+    """How long a client may take to ask, and how many connections one address may hold.
+
+    A connection that has not sent a whole request head within
+    REQUEST_TIMEOUT (its first byte within REQUEST_START_TIMEOUT) is cut,
+    as is one left idle between requests for CLIENT_IDLE_TIMEOUT: a client
+    without credentials costs a socket for seconds, not Squid's default
+    minutes. Open tunnels are not requests waiting and are never cut.
+    """
+    lines = [
+        "# A client that does not ask is cut within seconds, whoever it is.",
+        f"request_start_timeout {REQUEST_START_TIMEOUT}",
+        f"request_timeout {REQUEST_TIMEOUT}",
+        f"client_idle_pconn_timeout {CLIENT_IDLE_TIMEOUT}",
+    ]
+    if client_connections is None:
+        return [
+            *lines,
+            "# No per-client-address statistics (cachemgr's client_list): nothing reads",
+            "# them, and keeping them is about a tenth of a gateway Squid's CPU per CONNECT.",
+            "client_db off",
+        ]
+    # Squid drops a connection when the address already holds *more* than the
+    # limit (TcpAcceptor), so it is set one below the connections allowed.
+    return [
+        *lines,
+        f"# One client address holds at most {client_connections} connections (client_db",
+        "# counts them).",
+        "client_db on",
+        f"client_ip_max_connections {client_connections - 1}",
+    ]
 
 
 # ---- the gateway (docs/architecture.md, "The gateway") ---------------------------
@@ -501,7 +541,10 @@ def render_gateway_back(
 
 
 def render_gateway_front(
-    settings: ProxySettings, paths: SquidPaths, back_ports: Sequence[int]
+    settings: ProxySettings,
+    paths: SquidPaths,
+    back_ports: Sequence[int],
+    client_connections: int | None = None,
 ) -> RenderedSquid:
     """The worker clients talk to: the proxies' rules, then one of the back workers.
 
@@ -512,7 +555,9 @@ def render_gateway_front(
 
     Its config never changes while it runs: membership changes reload the
     back workers one at a time, and a CONNECT a back fails while its new
-    peers are being probed is tried again on the other back.
+    peers are being probed is tried again on the other back. Every client
+    arrives here, so `client_connections` (connections one address may hold)
+    is set here alone: the backs' and the members' one client is the gateway.
     """
     if len(back_ports) < 2:
         raise ValueError("the front needs two back workers, so one serves while the other reloads")
@@ -528,7 +573,9 @@ def render_gateway_front(
             "no-query no-digest no-netdb-exchange login=PASSTHRU "
             f"connect-fail-limit={BACK_CONNECT_FAIL_LIMIT} connect-timeout=2"
         )
-    return _render_gateway_squid(settings, paths, lines, authenticate=False)
+    return _render_gateway_squid(
+        settings, paths, lines, authenticate=False, client_connections=client_connections
+    )
 
 
 def _render_gateway_squid(
@@ -539,6 +586,7 @@ def _render_gateway_squid(
     authenticate: bool = True,
     access: Sequence[str] = (),
     credentials_ttl: str = "1 hour",
+    client_connections: int | None = None,
 ) -> RenderedSquid:
     """A gateway worker's config: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
     return render(
@@ -550,6 +598,7 @@ def _render_gateway_squid(
         authenticate=authenticate,
         access=access,
         credentials_ttl=credentials_ttl,
+        client_connections=client_connections,
     )
 
 

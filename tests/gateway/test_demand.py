@@ -1,8 +1,8 @@
 """The gateway's demand (gateway/demand.py) and its autoscaling flags, without a pool.
 
 Open tunnels are read from the kernel's socket table, so these tests hold
-real connections to a real listener; the reports themselves are tested
-against a pool in tests/workflows/test_pool_autoscale_e2e.py.
+real connections to a real listener (a stand-in for a back worker); the
+reports themselves are tested against a pool in tests/workflows/test_pool_autoscale_e2e.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.demand import DemandMeter, Sample, gateway_name, moved, open_connections
+from gateway.demand import DemandMeter, Sample, connections_to, gateway_name, moved
 from gateway.main import UsageError, checked, parse_args
 
 # Loopback addresses no other test listens on or dials: a test elsewhere that
@@ -37,22 +37,21 @@ def listener_with_clients(count: int, host: str = HOST, port: int = 0) -> Iterat
             yield port
 
 
-def test_open_connections_counts_the_clients_a_listener_holds_not_its_own_dials() -> None:
+def test_connections_to_counts_the_dialling_side_of_each_connection_to_the_ends() -> None:
     with listener_with_clients(3) as port:
-        # The three clients' own sockets have the port as their *remote* port.
-        assert open_connections(port, HOST) == 3
-        # Another address with the same port number (another process's
-        # socket, say) is not this listener's: counted only without a host.
+        # The listener's three accepted sockets have the port as their *local* port.
+        assert connections_to([(HOST, port)]) == 3
+        # Another address with the same port number is another listener.
         with listener_with_clients(2, OTHER_HOST, port):
-            assert open_connections(port, HOST) == 3
-            assert open_connections(port, "0.0.0.0") == open_connections(port) == 5
+            assert connections_to([(HOST, port)]) == 3
+            assert connections_to([(HOST, port), (OTHER_HOST, port)]) == 5
     with listener_with_clients(0) as port:
-        assert open_connections(port, HOST) == 0
+        assert connections_to([(HOST, port)]) == 0
 
 
 def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
     with listener_with_clients(2) as port:
-        meter = DemandMeter(port, HOST)
+        meter = DemandMeter([(HOST, port)])
         assert meter.sample() == 2
         count = meter.counting(lambda line: None)
         for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):

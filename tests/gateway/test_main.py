@@ -194,3 +194,23 @@ def test_a_bad_users_file_is_named_before_connecting(
     assert "error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE)" in result.stderr
     assert expected in result.stderr
     assert "my-plain-password" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "1000001", "2.5"])
+def test_a_bad_client_connection_cap_is_named(
+    value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROXY_OPERATOR_GATEWAY_CLIENT_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--pool", "web", "--client-max-connections", value])
+    assert caught.value.code == 2
+    assert f"--client-max-connections: {value!r} is not a whole number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "cap"), [(None, 1000), ("0", None), ("64", 64)])
+def test_the_client_connection_cap_defaults_and_turns_off(
+    value: str | None, cap: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROXY_OPERATOR_GATEWAY_CLIENT_MAX_CONNECTIONS", raising=False)
+    argv = ["--pool", "web", *(["--client-max-connections", value] if value else [])]
+    assert parse_args(argv).client_max_connections == cap

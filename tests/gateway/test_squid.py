@@ -39,10 +39,10 @@ from providers.procfs import group_members
 from providers.squid import GatewayMember
 from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
-from tests.helpers.network import accepts_connections, free_port, read_head
+from tests.helpers.network import accepts_connections, closed_by_peer, free_port, read_head
 from tests.helpers.squid_upstream import requires_squid
-from tests.helpers.tls_origin import TlsOrigin
-from tests.helpers.tunnel import Answer, request
+from tests.helpers.tls_origin import TlsOrigin, TlsRequestHandler
+from tests.helpers.tunnel import Answer, connect_request, request
 from tests.helpers.waiting import wait_until
 
 pytestmark = [requires_squid, pytest.mark.slow]
@@ -742,12 +742,18 @@ def test_users_file_changes_take_effect_without_dropping_an_open_tunnel(
 
 @contextlib.contextmanager
 def open_tunnel(
-    gateway: GatewaySquid, origin: TlsOrigin, username: str, password: str
+    gateway: GatewaySquid,
+    origin: TlsOrigin,
+    username: str,
+    password: str,
+    source: str = "127.0.0.1",
 ) -> Iterator[ssl.SSLSocket]:
-    """A CONNECT tunnel through the gateway, TLS to the origin, one GET done; kept open."""
+    """A CONNECT tunnel through the gateway from client address `source`, TLS to the
+    origin, one GET done; kept open."""
     credentials = base64.b64encode(f"{username}:{password}".encode()).decode()
     target = f"{origin.host}:{origin.port}"
-    sock = socket.create_connection(("127.0.0.1", gateway.front.port), timeout=10)
+    front = ("127.0.0.1", gateway.front.port)
+    sock = socket.create_connection(front, timeout=10, source_address=(source, 0))
     try:
         sock.sendall(
             f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
@@ -770,6 +776,69 @@ def tunnel_get(tls: ssl.SSLSocket) -> int:
         assert chunk, f"the tunnel closed after {reply!r}"
         reply += chunk
     return int(reply.split(b" ", 2)[1])
+
+
+def test_a_client_that_does_not_ask_is_cut_and_an_idle_tunnel_is_not(
+    gateway: GatewaySquid,
+    members: Members,
+    tls_origin: TlsOrigin,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(TlsRequestHandler, "timeout", 120)  # the origin keeps idle tunnels
+    target = f"{tls_origin.host}:{tls_origin.port}"
+    with open_tunnel(gateway, tls_origin, USERNAME, PASSWORD) as tunnel:
+        front = ("127.0.0.1", gateway.front.port)
+        with (
+            socket.create_connection(front) as silent,
+            socket.create_connection(front) as half_head,
+        ):
+            half_head.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n".encode())
+            wait_until(
+                lambda: closed_by_peer(silent) and closed_by_peer(half_head),
+                STEP_DEADLINE,
+                "the gateway cutting a silent client and one that sent half a request head",
+            )
+        # The tunnel sat idle past both timeouts: a tunnel is no request waiting.
+        assert tunnel_get(tunnel) == 200
+
+
+def test_one_client_address_holds_at_most_its_connections(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    squid = GatewaySquid(
+        config.proxy_settings(),
+        state_dir / ".capped",
+        ("127.0.0.1", free_port()),
+        client_connections=2,
+    )
+    greedy = "127.0.0.5"
+
+    def connect_from(source: str) -> bytes:
+        """The gateway's answer head to a CONNECT from `source` (b"" if it hung up)."""
+        front = ("127.0.0.1", squid.front.port)
+        target = (tls_origin.host, tls_origin.port)
+        with socket.create_connection(front, timeout=10, source_address=(source, 0)) as sock:
+            try:
+                sock.sendall(connect_request(USERNAME, PASSWORD, target))
+                return read_head(sock)
+            except OSError:
+                return b""
+
+    try:
+        squid.start(list(members.by_member.values()))
+        with (
+            open_tunnel(squid, tls_origin, USERNAME, PASSWORD, source=greedy),
+            open_tunnel(squid, tls_origin, USERNAME, PASSWORD, source=greedy),
+        ):
+            assert not connect_from(greedy).startswith(b"HTTP/1.1 200"), "a third is dropped"
+            assert connect_from("127.0.0.6").startswith(b"HTTP/1.1 200"), "others are not"
+        wait_until(
+            lambda: connect_from(greedy).startswith(b"HTTP/1.1 200"),
+            STEP_DEADLINE,
+            "the address served again once its tunnels closed",
+        )
+    finally:
+        squid.stop()
 
 
 def test_the_backs_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones(

@@ -45,3 +45,19 @@ def read_head(sock: socket.socket) -> bytes:
             break
         head += chunk
     return head
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed `sock` (whatever it sent first is read past).
+
+    Leaves `sock` non-blocking: for a socket that is only watched for its end.
+    """
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+    return True

@@ -21,9 +21,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway
-from tests.helpers.network import read_head
+from tests.helpers.network import closed_by_peer, read_head
 from tests.helpers.stacks import Stack
-from tests.helpers.tunnel import HeldTunnels, connect_request
+from tests.helpers.tunnel import TIMEOUT, HeldTunnels, connect_request
 from tests.helpers.waiting import wait_for
 from workflows.pool_autoscale import MAX_TUNNELS
 
@@ -74,13 +74,14 @@ def gateway_for(
     return pool_gateway(env, stack, pool, lambda _directory: flags)
 
 
-def held_tunnels(gateway: GatewayProcess, stack: Stack) -> HeldTunnels:
+def held_tunnels(gateway: GatewayProcess, stack: Stack, timeout: float = TIMEOUT) -> HeldTunnels:
     origin = stack.origin
     return HeldTunnels(
         ("127.0.0.1", gateway.port),
         (origin.host, origin.port),
         origin.client_ssl_context,
         (USERNAME, PASSWORD),
+        timeout,
     )
 
 
@@ -154,6 +155,72 @@ async def test_an_idle_pool_reaches_zero_and_forged_reports_stay_in_bounds(
     }
     status = await settled_at(handle, 1, "the pool within its new bound")
     assert status["scaling"]["last_decision"].startswith("bounds are now 0..1: 2 -> 1")
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
+
+
+def costless_connections(gateway: GatewayProcess, stack: Stack, each: int) -> list[socket.socket]:
+    """`each` connections of every kind a client without the fleet's consent can open:
+    silent, half a request head, a wrong password (407), a port not allowed (403)."""
+    origin = (stack.origin.host, stack.origin.port)
+    sent = [
+        b"",
+        f"CONNECT {origin[0]}:{origin[1]} HTTP/1.1\r\n".encode(),
+        connect_request(USERNAME, "not-the-password", origin),
+        connect_request(USERNAME, PASSWORD, (origin[0], 25)),
+    ]
+    opened = []
+    for request in sent * each:
+        sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
+        sock.sendall(request)
+        opened.append(sock)
+    return opened
+
+
+async def test_sockets_without_a_granted_tunnel_are_cut_and_wake_no_pool(
+    temporal_env: WorkflowEnvironment, stack: Stack
+) -> None:
+    handle = await start_pool(
+        stack,
+        0,
+        max_replicas=3,
+        target_tunnels_per_member=2,
+        scale_up_after_seconds=2,
+        scale_down_after_seconds=3600,
+    )
+    # A report window long enough to open every connection in: the first
+    # report then gives the most seen open during it.
+    flags = ["--report-interval", "10", "--wake-timeout", "180"]
+    async with gateway_for(temporal_env, stack, handle.id, flags) as gateway:
+        costless = await asyncio.to_thread(costless_connections, gateway, stack, 15)
+        try:
+
+            async def reported() -> bool:
+                status = await handle.query("status")
+                return bool(status["scaling"]["gateways"])
+
+            await wait_for(reported, "the gateway's first demand report", deadline=DEADLINE)
+            status = await handle.query("status")
+            assert status["scaling"]["open_tunnels"] == 0, status["scaling"]
+            assert status["replicas"] == 0 and not stack.instances()
+            # The front cuts each within seconds, whatever it answered first.
+            await wait_for(
+                lambda: all(closed_by_peer(sock) for sock in costless),
+                "every connection without a tunnel cut by the gateway",
+                deadline=60,
+            )
+        finally:
+            for sock in costless:
+                sock.close()
+        assert (await handle.query("status"))["replicas"] == 0
+        # Granted tunnels are demand: the first wakes the pool, all five size it.
+        held = held_tunnels(gateway, stack, timeout=210)  # the first waits for the wake
+        try:
+            await asyncio.to_thread(held.open, 5)
+            status = await settled_at(handle, 3, "the pool sized by five tunnels")
+            assert status["scaling"]["open_tunnels"] >= 5
+        finally:
+            await asyncio.to_thread(held.close)
     await handle.signal("terminate")
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
 
