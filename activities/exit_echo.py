@@ -9,7 +9,10 @@ member's endpoint, with the fleet's credentials, the same tunnel a probe uses.
 
 The answer is untrusted text from the network: it counts only when it is one
 IP address (plain text, or JSON with `ip` or `origin`), and at most
-`MAX_BODY` bytes of it are read.
+`MAX_BODY` bytes of it are read. Any https URL can be named, so an answer
+that is not an address is described (how many bytes, what media type),
+never quoted: the pool's status would otherwise let anyone who can start a
+pool read any page through the fleet.
 """
 
 from __future__ import annotations
@@ -17,18 +20,23 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import ssl
 
 from activities.probe import (
     MAX_HEAD_BYTES,
     ProbeFailed,
     parse_https_target,
+    read_response_head,
     read_status,
     send_connect,
 )
 
 # An address is a few dozen bytes; an echo service's answer is read no further.
 MAX_BODY = 4096
+EXPECTED = "one IP address (plain text, or JSON with `ip` or `origin`)"
+# What a refused answer's Content-Type may be shown as: a media type's two tokens (RFC 9110).
+MEDIA_TYPE = re.compile(rb"[a-z0-9!#$&^_.+-]{1,40}/[a-z0-9!#$&^_.+-]{1,40}")
 
 
 class EchoFailed(Exception):
@@ -65,10 +73,13 @@ async def observe_exit(
                 "User-Agent: proxy-operator-exit-check\r\nAccept: text/plain, application/json\r\n"
                 "\r\n".encode()
             )
-            status = await read_status(reader, "the echo service")
+            status, head = await read_response_head(reader, "the echo service")
             if status != 200:
                 raise EchoFailed(f"{echo_url} answered {status}")
-            body = await reader.read(MAX_BODY)
+            # To the end of the connection, or MAX_BODY: one read returns what one record held.
+            body = b""
+            while len(body) < MAX_BODY and (chunk := await reader.read(MAX_BODY - len(body))):
+                body += chunk
     except ProbeFailed as failed:
         raise EchoFailed(failed.error) from None
     except TimeoutError:
@@ -78,11 +89,21 @@ async def observe_exit(
     finally:
         if writer is not None:
             writer.transport.abort()
-    return address_in(body)
+    return address_in(body, media_type(head))
 
 
-def address_in(body: bytes) -> str:
-    """The one IP address an echo service's answer names; EchoFailed if it names none."""
+def media_type(head: bytes) -> str:
+    """The answer's Content-Type as a message may show it: `type/subtype`, or that it has none."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-type":
+            found = MEDIA_TYPE.fullmatch(value.partition(b";")[0].strip().lower())
+            return found.group().decode() if found else "an unreadable content type"
+    return "no content type"
+
+
+def address_in(body: bytes, content_type: str) -> str:
+    """The one IP address an echo service's answer names; EchoFailed describing it if none."""
     text = body.decode("utf-8", "replace").strip()
     candidate = text
     if text.startswith("{"):
@@ -99,5 +120,7 @@ def address_in(body: bytes) -> str:
     try:
         return str(ipaddress.ip_address(candidate.strip()))
     except ValueError:
-        shown = text[:60]
-        raise EchoFailed(f"the echo service's answer is not one IP address: {shown!r}") from None
+        size = f"{len(body)} bytes" if len(body) < MAX_BODY else f"{MAX_BODY} bytes or more"
+        raise EchoFailed(
+            f"the echo service's answer is not {EXPECTED}: {size}, {content_type}"
+        ) from None

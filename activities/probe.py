@@ -206,6 +206,16 @@ def host_port(host: str, port: int) -> str:
 
 async def read_status(reader: asyncio.StreamReader, peer: str) -> int:
     """Read a response head and return its status code."""
+    return (await read_response_head(reader, peer))[0]
+
+
+async def read_response_head(reader: asyncio.StreamReader, peer: str) -> tuple[int, bytes]:
+    """Read a response head: its status code, and the head itself.
+
+    A head that is not HTTP is described, never quoted: the peer may be any
+    server a namespace user names (a probe's target, an exit echo service),
+    and what it sent would reach the workflow's status.
+    """
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as exc:
@@ -216,8 +226,10 @@ async def read_status(reader: asyncio.StreamReader, peer: str) -> int:
     version, _, rest = status_line.partition(" ")
     code = rest[:3]
     if not version.startswith("HTTP/") or not code.isdigit():
-        raise ProbeFailed(OTHER, f"{peer} sent no HTTP status line: {status_line[:80]!r}")
-    return int(code)
+        raise ProbeFailed(
+            OTHER, f"{peer} sent no HTTP status line (a first line of {len(status_line)} bytes)"
+        )
+    return int(code), head
 
 
 def _classify_proxy_status(status: int) -> str:

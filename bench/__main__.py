@@ -18,6 +18,7 @@ BENCHMARKS = (
     "bench.reconfigure",
     "bench.cost",
     "bench.autoscale",
+    "bench.auth",
 )
 
 for module in BENCHMARKS:

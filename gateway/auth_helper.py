@@ -13,8 +13,11 @@ the same forms for each user of that file (gateway/users.py) are checked
 against the user's scrypt hash here; the file is read again whenever it
 changes (the gateway replaces it atomically), so a removed user is refused
 and a new one accepted from the next check on, without a reload. Any other
-username is refused without asking anyone. Squid keeps the full username
-for its ACLs: that is what routes the request.
+username is refused without asking anyone, but only after checking its
+password against a hash as costly as the users' (`unknown_user_hash`): a
+name's refusal takes as long whether or not the file has an account of that
+name, and the zone limit is looked at only once the password is right.
+Squid keeps the full username for its ACLs: that is what routes the request.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from urllib.parse import unquote
 # Run by Squid as a script: the repository (or site-packages) root holds providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.users import FollowedUsers, verify
+from gateway.users import FollowedUsers, unknown_user_hash, verify
 from providers.squid import TUNNEL_LIMIT_NOTE, gateway_account, parse_gateway_username
 
 # Checks remembered per (user, password digest) until the file changes: a
@@ -43,25 +46,33 @@ class Users:
     def __init__(self, path: str, fleet_user: str) -> None:
         self._file = FollowedUsers(path, fleet_user, "auth_helper")
         self._checked: dict[tuple[str, bytes], bool] = {}
+        self._unknown = unknown_user_hash(())
 
     def check(self, username: str, password: str) -> str | None:
-        """The answer for a username of the file's users, or None if it is none of theirs."""
+        """The answer for a username of the file's users, or None if it is none of theirs.
+
+        Every username costs the same: one scrypt check of its password, a
+        user's hash or `unknown_user_hash`, remembered alike; what the check
+        found is told only to the names of a user in the file.
+        """
         if self._file.refresh():
             self._checked.clear()
+            self._unknown = unknown_user_hash(self._file.users.values())
         account = username.partition("-")[0]
         user = self._file.users.get(account)
-        parsed = parse_gateway_username(username, account) if user else None
-        if user is None or parsed is None:
-            return None
-        if user.zones is not None and parsed.filters.get("zone") not in user.zones:
-            return "ERR this user must name one of its zones (-zone-<zone>)"
         key = (account, hashlib.sha256(password.encode()).digest())
         if key not in self._checked:
             if len(self._checked) >= MAX_REMEMBERED:
                 self._checked.clear()
-            self._checked[key] = verify(password, user.hash)
+            right = verify(password, self._unknown if user is None else user.hash)
+            self._checked[key] = right and user is not None
+        parsed = parse_gateway_username(username, account) if user else None
+        if user is None or parsed is None:
+            return None
         if not self._checked[key]:
             return "ERR wrong password"
+        if user.zones is not None and parsed.filters.get("zone") not in user.zones:
+            return "ERR this user must name one of its zones (-zone-<zone>)"
         # Marks the user's requests for the tunnel helper (gateway/tunnel_helper.py).
         return "OK" if user.tunnels is None else f"OK {TUNNEL_LIMIT_NOTE}={user.tunnels}"
 

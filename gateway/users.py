@@ -11,7 +11,10 @@ separator) and not the fleet's own username, which keeps working beside
 them. Each user's username forms are the fleet user's (`alice`,
 `alice-session-<key>`, `alice-zone-<zone>-proxy-<member>`, ...), checked
 against alice's hash. Passwords are hashed with scrypt (hashlib, a salt of
-SALT_BYTES per user, SCRYPT_N/R/P); a check compares in constant time.
+SALT_BYTES per user, SCRYPT_N/R/P); a check compares in constant time, and
+a name that is none of the file's is checked against a hash as costly
+(`unknown_user_hash`), so how long a refusal takes does not say whether
+an account exists.
 
 The gateway reads the file at start and follows it (its copy in the state
 directory is what Squid's auth helper reads); see gateway/auth_helper.py.
@@ -28,6 +31,8 @@ import os
 import re
 import secrets
 import sys
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 SCHEME = "scrypt"
@@ -98,6 +103,21 @@ class User:
     hash: str
     zones: frozenset[str] | None = None
     tunnels: int | None = None
+
+
+def unknown_user_hash(users: Iterable[User]) -> str:
+    """A hash no password verifies, as costly to check as the users' own.
+
+    Checked for a name that is none of the file's, so that an unknown name
+    takes as long to refuse as a known one with a wrong password: the
+    scrypt parameters most of the users' hashes have (hash_password's when
+    there are none), a salt as long as hash_password's, and a random key,
+    which no password's key matches but by a 2**-256 chance.
+    """
+    costs = Counter(parts[:3] for user in users if (parts := _parts(user.hash)) is not None)
+    n, r, p = costs.most_common(1)[0][0] if costs else (SCRYPT_N, SCRYPT_R, SCRYPT_P)
+    salt, key = secrets.token_bytes(SALT_BYTES), secrets.token_bytes(KEY_BYTES)
+    return f"{SCHEME}${n}${r}${p}${salt.hex()}${key.hex()}"
 
 
 def parse_users(text: str, source: str, fleet_user: str) -> dict[str, User]:

@@ -2,7 +2,9 @@
 
 Standard library only (urllib), so a scraper needs nothing beyond this
 package to report bans. Every call sends the bearer token and nothing else
-secret; the token never appears in an error, a repr or a log line of ours.
+secret, only to the address it was given: a redirect is refused, not
+followed (the API never redirects; see `_NoRedirects`). The token never
+appears in an error, a repr or a log line of ours.
 The endpoints are the gateway's (docs/operations.md, "The control API"):
 
 - `GET /v1/members`: the pool's members, their placement and pinned sessions;
@@ -58,6 +60,21 @@ class Member:
     sessions: tuple[str, ...] = field(default=())
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: the answer reaches `_call` as the HTTPError it is.
+
+    Why not follow one, dropping the token when it leaves the origin: the
+    API answers no path with a redirect, so one comes from something else at
+    that address (a load balancer moving http to https, a wrong base URL), and
+    following it would send the token on to wherever the redirect points, or
+    turn a ban's POST into a GET (urllib does, for 301 to 303). Saying where it
+    points lets the user fix the address instead.
+    """
+
+    def redirect_request(self, *_: Any) -> None:
+        return None
+
+
 class GatewayClient:
     """The control API at `base_url` (`http[s]://host:port`), authenticated by `token`."""
 
@@ -79,7 +96,9 @@ class GatewayClient:
         self.base_url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self._token = token
         self._timeout = timeout
-        self._ssl_context = ssl_context
+        self._opener = urllib.request.build_opener(
+            _NoRedirects, urllib.request.HTTPSHandler(context=ssl_context)
+        )
 
     def __repr__(self) -> str:
         return f"GatewayClient({self.base_url!r})"
@@ -137,13 +156,15 @@ class GatewayClient:
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(
-                request, timeout=self._timeout, context=self._ssl_context
-            ) as response:
+            with self._opener.open(request, timeout=self._timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as error:
             with error:
-                message = _error_message(error.read())
+                message = (
+                    _redirect_message(error.headers.get("Location", ""))
+                    if 300 <= error.code < 400
+                    else _error_message(error.read())
+                )
             kind = BanRefused if error.code == 429 and path == "/v1/bans" else GatewayApiError
             raise kind(error.code, message) from None
         except (OSError, ValueError) as error:
@@ -153,6 +174,19 @@ class GatewayClient:
             return json.loads(raw) if raw else {}
         except ValueError:
             raise GatewayApiError(0, f"{self.base_url}{path}: the answer is not JSON") from None
+
+
+def _redirect_message(location: str) -> str:
+    """Where a refused redirect points: its origin only (a path or query could carry anything)."""
+    parts = urlsplit(location)
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    host = parts.hostname or ""
+    where = f"{parts.scheme}://{f'[{host}]' if ':' in host else host}{port}" if host else ""
+    to = f" to {where[:MAX_REASON]}" if where else ""
+    return f"the API redirects{to}, which is not followed: give the API's own address"
 
 
 def _error_message(body: bytes) -> str:

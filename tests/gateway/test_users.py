@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.users import MAX_TUNNELS, UsersFileError, hash_password, parse_users, verify
+from gateway.users import (
+    MAX_TUNNELS,
+    UsersFileError,
+    hash_password,
+    parse_users,
+    unknown_user_hash,
+    verify,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HASH = hash_password("pw")
@@ -111,3 +118,18 @@ def test_a_tunnels_limit_is_read_beside_zones() -> None:
     assert (users["alice"].tunnels, users["alice"].zones) == (1, {"eu-b"})
     assert users["bob"].tunnels == MAX_TUNNELS
     assert users["carol"].tunnels is None
+
+
+def test_the_unknown_users_hash_costs_what_hash_password_costs_and_matches_nothing() -> None:
+    made = hash_password("pw").split("$")
+    unknown = unknown_user_hash(()).split("$")
+    # The scheme, N, r and p, and a salt and key of the same lengths.
+    assert unknown[:4] == made[:4]
+    assert [len(f) for f in unknown[4:]] == [len(f) for f in made[4:]]
+    assert not any(verify(guess, "$".join(unknown)) for guess in ("", "pw", "password"))
+
+
+def test_the_unknown_users_hash_costs_what_most_of_the_files_hashes_cost() -> None:
+    cheaper = "scrypt$1024$8$1$00112233445566778899aabbccddeeff$" + "00" * 32
+    users = parse_users(f"a:{cheaper}\nb:{cheaper}\nc:{HASH}\n", "users", "proxy")
+    assert unknown_user_hash(users.values()).split("$")[1:4] == ["1024", "8", "1"]

@@ -44,6 +44,8 @@ class StandIn:
     port: int
     bans: list[dict[str, Any]] = field(default_factory=list)
     refuse_bans: bool = False
+    # Every request's method, path and Authorization header, as it came.
+    requests: list[tuple[str, str, str | None]] = field(default_factory=list)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -72,6 +74,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(202, {"member": "web/0", "accepted": True})
 
     def _authorized(self) -> bool:
+        self.server.stand_in.requests.append(
+            (self.command, self.path, self.headers.get("Authorization"))
+        )
         if self.headers.get("Authorization") == f"Bearer {TOKEN}":
             return True
         self._answer(401, {"error": "unauthorized"})
@@ -187,3 +192,61 @@ def test_a_bad_address_or_token_is_named(base_url: str, token: str, field: str) 
         GatewayClient(base_url, token)
     assert str(raised.value).startswith(f"{field}:")
     assert "secret" not in str(raised.value)
+
+
+class _Redirecting(BaseHTTPRequestHandler):
+    """Answers every request with a redirect to `server.location` (on another origin)."""
+
+    server: _RedirectServer
+
+    def do_GET(self) -> None:
+        self.send_response(self.server.status)
+        self.send_header("Location", self.server.location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _RedirectServer(ThreadingHTTPServer):
+    daemon_threads = True
+    status: int
+    location: str
+
+
+@pytest.fixture
+def redirecting(api: StandIn) -> Iterator[_RedirectServer]:
+    """A server in front of the API's stand-in that redirects everything to it."""
+    server = _RedirectServer(("127.0.0.1", 0), _Redirecting)
+    server.location = f"http://localhost:{api.port}/v1/members"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("call", "status"),
+    [
+        (lambda g: g.members(), 302),
+        (lambda g: g.members(), 307),
+        (lambda g: g.report_ban(member="web/0", reason="captcha"), 303),
+        (lambda g: g.report_ban(member="web/0", reason="captcha"), 308),
+    ],
+)
+def test_a_redirect_is_refused_and_the_token_goes_nowhere_else(
+    api: StandIn, redirecting: _RedirectServer, call: Any, status: int
+) -> None:
+    redirecting.status = status
+    gateway = GatewayClient(f"http://127.0.0.1:{redirecting.server_address[1]}", TOKEN)
+    with pytest.raises(GatewayApiError) as raised:
+        call(gateway)
+    assert raised.value.status == status
+    assert f"redirects to http://localhost:{api.port}" in raised.value.message
+    assert TOKEN not in str(raised.value)
+    # The other origin heard nothing: no request, so no token.
+    assert api.requests == []
