@@ -29,6 +29,9 @@ RUN pip install . \
 
 # Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.
 USER 10001:10001
+# /metrics and /healthz listen on 127.0.0.1:9464 unless --metrics-address or
+# PROXY_OPERATOR_METRICS_ADDRESS says otherwise (the manifests and
+# docker-compose.yml set 0.0.0.0:9464 for their probes and Prometheus).
 EXPOSE 9464
 CMD ["proxy-operator-worker", "--providers-config", "/etc/proxy-operator/providers.yaml"]
 
@@ -54,5 +57,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && install -d -o 10001 -g 10001 -m 0750 /run/squid
 USER 10001:10001
+# The metrics listener is 127.0.0.1:9465 unless PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS
+# (or --metrics-address) says otherwise, as the manifests do.
 EXPOSE 8888 9465
 CMD ["proxy-operator-gateway", "--providers-config", "/etc/proxy-operator/providers.yaml"]

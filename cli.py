@@ -9,21 +9,34 @@ worker's workflows and activities.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 from temporalio.client import Client
 from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
 
+from providers.base import split_endpoint
+
 DEFAULT_TEMPORAL_ADDRESS = "localhost:7233"
+# The metrics listener's bounds (_MetricsListener says why each).
+METRICS_HEAD_SECONDS = 5.0
+METRICS_WRITE_SECONDS = 10.0
+METRICS_MAX_HEAD_BYTES = 8192
+METRICS_MAX_CONNECTIONS = 256
+METRICS_MAX_PER_ADDRESS = 8
+METRICS_RENDER_THREADS = 2
 
 log = logging.getLogger("proxy_operator.cli")
 
@@ -109,32 +122,119 @@ class Health:
     ready = False
 
 
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class MetricsAddressError(ValueError):
+    """`--metrics-address` names no address this process can listen on; the message says why."""
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def serve_metrics(address: str, health: Health, registry: CollectorRegistry, env: str) -> None:
+    """Serve `registry` on /metrics and `health` on /healthz, on a thread of their own.
 
-
-def serve_metrics(address: str, health: Health) -> None:
-    """Serve the default registry on /metrics and `health` on /healthz, in a thread."""
-    metrics_app = make_wsgi_app(REGISTRY)
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == "/healthz":
-            status = "200 OK" if health.ready else "503 Service Unavailable"
-            start_response(status, [("Content-Type", "text/plain")])
-            return [b"ok\n" if health.ready else b"starting\n"]
-        return metrics_app(environ, start_response)  # type: ignore[no-any-return]
-
-    host, _, port = address.rpartition(":")
-    server = make_server(
-        host or "0.0.0.0", int(port), app, _ThreadingWSGIServer, handler_class=_QuietHandler
-    )
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    The socket is bound here, before the thread starts, so an address in use
+    or not host:port is a MetricsAddressError naming the flag and `env`, the
+    variable that sets it, for the caller to print and exit 2.
+    """
+    flag = f"--metrics-address (or {env})"
+    parsed = split_endpoint(address)
+    if parsed is None:
+        raise MetricsAddressError(f"{flag}: {address!r} is not host:port (e.g. 127.0.0.1:9464)")
+    try:
+        sock = socket.create_server(parsed, family=_family(parsed[0]))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise MetricsAddressError(
+                f"{flag}: {address} is in use by another process (a second one on this "
+                "host?); give this one another host:port, or an empty value for no metrics"
+            ) from None
+        raise MetricsAddressError(f"{flag}: cannot listen on {address}: {err.strerror}") from None
+    listener = _MetricsListener(sock, health, registry)
+    threading.Thread(target=listener.run, name="metrics", daemon=True).start()
     log.info("serving /metrics and /healthz on %s", address)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class _MetricsListener:
+    """/metrics and /healthz on an event loop of their own: no thread per connection.
+
+    Whoever reaches the port costs a coroutine for at most METRICS_HEAD_SECONDS
+    unless it sends a request; at most METRICS_MAX_CONNECTIONS are open at
+    once, METRICS_MAX_PER_ADDRESS of them from one address, so one client's
+    idle sockets leave room for the kubelet's /healthz and Prometheus's scrape.
+    /healthz is answered on the loop; a scrape is rendered on one of
+    METRICS_RENDER_THREADS threads (the worker's collects the Temporal SDK's
+    series over HTTP), so a slow scrape never holds /healthz up.
+    """
+
+    def __init__(self, sock: socket.socket, health: Health, registry: CollectorRegistry) -> None:
+        self._sock = sock
+        self._health = health
+        self._registry = registry
+        self._open: collections.Counter[str] = collections.Counter()
+        self._render = ThreadPoolExecutor(METRICS_RENDER_THREADS, thread_name_prefix="metrics")
+
+    def run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(
+            self._connection, sock=self._sock, limit=METRICS_MAX_HEAD_BYTES
+        )
+        async with server:
+            await server.serve_forever()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        if (
+            self._open.total() >= METRICS_MAX_CONNECTIONS
+            or self._open[address] >= METRICS_MAX_PER_ADDRESS
+        ):
+            writer.transport.abort()  # over the bound: refused at once
+            return
+        self._open[address] += 1
+        try:
+            async with asyncio.timeout(METRICS_HEAD_SECONDS):
+                head = await reader.readuntil(b"\r\n\r\n")
+            status, content_type, body = await self._answer(head)
+            head_out = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head_out.encode() + body)
+            async with asyncio.timeout(METRICS_WRITE_SECONDS):
+                await writer.drain()
+            writer.close()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            writer.transport.abort()  # gone, stalled, or a head over the bound: cut
+        finally:
+            self._open[address] -= 1
+            if not self._open[address]:
+                del self._open[address]
+
+    async def _answer(self, head: bytes) -> tuple[str, str, bytes]:
+        """Status line's tail, Content-Type and body for one request head."""
+        request_line, *lines = head.decode("latin-1").split("\r\n")
+        method, _, rest = request_line.partition(" ")
+        path = rest.partition(" ")[0].partition("?")[0]
+        text = "text/plain; charset=utf-8"
+        if path not in ("/healthz", "/metrics"):
+            return "404 Not Found", text, b"not found: /metrics and /healthz are served here\n"
+        if method != "GET":
+            return "405 Method Not Allowed", text, b"GET only\n"
+        if path == "/healthz":
+            if self._health.ready:
+                return "200 OK", text, b"ok\n"
+            return "503 Service Unavailable", text, b"starting\n"
+        accept = next(
+            (v for k, _, v in (line.partition(":") for line in lines) if k.lower() == "accept"),
+            "",
+        )
+        encoder, content_type = choose_encoder(accept.strip())
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(self._render, encoder, self._registry)
+        return "200 OK", content_type, body
 
 
 def run(entry: Callable[[], int]) -> NoReturn:

@@ -55,7 +55,8 @@ from workflows.payloads import with_input_payload_converter
 from workflows.pool import ProxyPool
 from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
-DEFAULT_METRICS_ADDRESS = "0.0.0.0:9464"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
+METRICS_ENV = "PROXY_OPERATOR_METRICS_ADDRESS"
 # A proxy of its own holds one activity slot for its monitor as long as it
 # is Ready; a pool's members hold one per shard (policies.POOL_MONITOR_SHARD).
 DEFAULT_MAX_ACTIVITIES = 2000
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.argument_parser(
         "proxy-operator-worker",
         __doc__,
-        metrics_env="PROXY_OPERATOR_METRICS_ADDRESS",
+        metrics_env=METRICS_ENV,
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
     parser.add_argument(
@@ -215,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    health = cli.Health()
     try:
-        return asyncio.run(serve(config, args))
+        runtime = _runtime_with_metrics(args.metrics_address, health)
+    except cli.MetricsAddressError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config, args, health, runtime))
     except SearchAttributesMissing as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -224,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-async def serve(config: Config, args: argparse.Namespace) -> int:
+async def serve(
+    config: Config, args: argparse.Namespace, health: cli.Health, runtime: Runtime | None
+) -> int:
     providers = build_providers(config)
-    health = cli.Health()
-    runtime = _runtime_with_metrics(args.metrics_address, health)
     client = await cli.connect(runtime)
     await ensure_search_attributes(client)
     activities = ProviderActivities(providers, config)
@@ -398,8 +405,14 @@ class _SdkMetrics(Collector):
 
 
 def _runtime_with_metrics(address: str, health: cli.Health) -> Runtime | None:
+    """The SDK's runtime exporting to our listener on `address`; MetricsAddressError if taken.
+
+    Our listener is bound first, so a second worker on one host stops there,
+    before the SDK's runtime exists.
+    """
     if not address:
         return None
+    cli.serve_metrics(address, health, REGISTRY, METRICS_ENV)
     sdk_address = f"127.0.0.1:{_free_port()}"
     runtime = Runtime(
         telemetry=TelemetryConfig(
@@ -407,7 +420,6 @@ def _runtime_with_metrics(address: str, health: cli.Health) -> Runtime | None:
         )
     )
     REGISTRY.register(_SdkMetrics(f"http://{sdk_address}/metrics"))
-    cli.serve_metrics(address, health)
     return runtime
 
 

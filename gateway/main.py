@@ -53,7 +53,8 @@ from providers.config import Config, ConfigError, load_config
 from providers.squid import GatewayMember, ProxySettings
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
-DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9465"
+METRICS_ENV = "PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"
 # One client address's connections at the front, at most: room for a crawler's
 # worth of tunnels, not for one address holding the front's descriptors.
 DEFAULT_CLIENT_CONNECTIONS = 1000
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.argument_parser(
         "proxy-operator-gateway",
         __doc__,
-        metrics_env="PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS",
+        metrics_env=METRICS_ENV,
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
     cli.env_argument(parser, "--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id")
@@ -193,6 +194,7 @@ def member_networks(args: argparse.Namespace, config: Config) -> MemberNetworks:
 def main(argv: list[str] | None = None) -> int:
     cli.configure_logging()
     args = parse_args(argv)
+    health = Health()
     try:
         pool, listen = checked(args)
         config = load_config(args.providers_config)
@@ -203,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.users_file
             else None
         )
+        if args.metrics_address:
+            # Aggregates only: members and exits are the control API's, behind its token.
+            serve_metrics(args.metrics_address, health, metrics.PUBLIC, METRICS_ENV)
     except UsersFileError as err:
         print(f"error: --users-file (or PROXY_OPERATOR_GATEWAY_USERS_FILE): {err}", file=sys.stderr)
         return 2
@@ -210,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, pool, listen, config.proxy_settings(), allowed, api, users))
+        return asyncio.run(
+            serve(args, pool, listen, config.proxy_settings(), allowed, health, api, users)
+        )
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
@@ -227,6 +234,7 @@ async def serve(
     listen: tuple[str, int],
     settings: ProxySettings,
     allowed: MemberNetworks,
+    health: Health,
     api: api_settings.ApiSettings | None = None,
     users: str | None = None,
 ) -> int:
@@ -278,9 +286,6 @@ async def serve(
             follower.follow(back.access_log, on_back_line)
         follower.start()
         metrics.set_members(wake.real(members))
-        health = Health()
-        if args.metrics_address:
-            serve_metrics(args.metrics_address, health)
         if api is not None:
             pool_control = PoolControl(
                 client, pool, settings.username, sessions, lambda: wake.real(squid.members)

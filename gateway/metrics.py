@@ -7,16 +7,26 @@ The workers log every request in `providers.squid.GATEWAY_LOG_FORMAT`:
 The backs' lines say which member carried a request (the peer name, mapped
 back to the member id), the front's what the client was answered. Lines are
 read as Squid writes them, by a thread that follows each file.
+
+Two views of one registry. The control API's /metrics (gateway/api.py,
+behind its token) serves every series. PUBLIC, for the metrics listener
+that Prometheus and the kubelet reach without a token, names no member and
+no exit address (the map of the fleet a client could aim at): counters are
+summed over those labels, and gauges that name members are left out (their
+aggregates, MEMBERS and DISTINCT_EXITS, stay). The alert rules and
+dashboards use aggregates only, so they read the public listener.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from providers.squid import GatewayMember, Route, peer_name
 
@@ -111,6 +121,40 @@ WAKES = Counter(
 )
 
 POLL_SECONDS = 0.2
+# Labels that say which member, or where its traffic leaves from.
+MEMBER_LABELS = frozenset({"member", "exit_address"})
+
+
+class Aggregates(Collector):
+    """`registry`'s series with MEMBER_LABELS summed away (counters) or left out (the rest)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            if not any(MEMBER_LABELS & sample.labels.keys() for sample in family.samples):
+                yield family
+            elif family.type == "counter":
+                yield _summed(family)
+
+
+def _summed(family: Metric) -> Metric:
+    """A counter family summed over MEMBER_LABELS; `_created` goes (no one time fits a sum)."""
+    totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in family.samples:
+        if sample.name.endswith("_created"):
+            continue
+        labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in MEMBER_LABELS))
+        totals[sample.name, labels] = totals.get((sample.name, labels), 0.0) + sample.value
+    summed = Metric(family.name, family.documentation, family.type, family.unit)
+    for (name, labels), value in totals.items():
+        summed.add_sample(name, dict(labels), value)
+    return summed
+
+
+PUBLIC = CollectorRegistry()
+PUBLIC.register(Aggregates(REGISTRY))
 
 
 class MemberNames:

@@ -8,8 +8,10 @@ Temporal and on disk, not in the worker.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -34,7 +36,13 @@ from providers.local import LocalProvider
 from providers.naming import owner_tags
 from providers.procfs import processes_under
 from providers.squid import ProxySettings
-from tests.helpers.config import LOOPBACK_ORIGIN_DENIED, PASSWORD, local_entry, local_settings
+from tests.helpers.config import (
+    LOOPBACK_ORIGIN_DENIED,
+    PASSWORD,
+    PASSWORD_ENV,
+    local_entry,
+    local_settings,
+)
 from tests.helpers.network import free_port
 from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
@@ -90,6 +98,39 @@ def test_broken_config_exits_2_listing_every_problem(tmp_path: Path) -> None:
     ):
         assert fragment in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_second_worker_on_a_taken_metrics_address_exits_2_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    config = write_worker_config(
+        tmp_path / "providers.yaml", local_entry(tmp_path / "state"), 443, INSTALLATION
+    )
+    # What holds the address could be another worker; any listener is the same to this one.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        run = subprocess.run(
+            [sys.executable, "worker.py", "--providers-config", str(config)],
+            cwd=ROOT,
+            env={**os.environ, PASSWORD_ENV: PASSWORD, worker.METRICS_ENV: address},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    assert run.returncode == 2, run.stderr
+    assert f"--metrics-address (or PROXY_OPERATOR_METRICS_ADDRESS): {address} is in use" in (
+        run.stderr
+    )
+    assert "Traceback" not in run.stderr
+
+
+def test_metrics_listen_on_loopback_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/metrics and /healthz take no token: reaching them from elsewhere is asked for."""
+    monkeypatch.delenv(worker.METRICS_ENV, raising=False)
+    host, _, _ = worker.parse_args([]).metrics_address.rpartition(":")
+    assert ipaddress.ip_address(host).is_loopback
 
 
 async def healthy(metrics: str) -> bool:

@@ -176,13 +176,19 @@ def test_prometheus_scrapes_the_worker_and_the_gateway_and_loads_the_rules() -> 
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
     port = DEFAULT_METRICS_ADDRESS.rsplit(":", 1)[1]
+    # Both listen on loopback unless told; Prometheus is another container.
+    worker_host, _, worker_port = SERVICES["worker"]["environment"][
+        "PROXY_OPERATOR_METRICS_ADDRESS"
+    ].rpartition(":")
+    assert (worker_host, worker_port) == ("0.0.0.0", port)
     # The gateway's metrics port is the one its service is told, in the
     # worker's network namespace (it has none of its own).
     gateway = SERVICES["gateway"]
     assert gateway["network_mode"] == "service:worker"
-    gateway_port = gateway["environment"]["PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"].rpartition(":")[
-        2
-    ]
+    gateway_host, _, gateway_port = gateway["environment"][
+        "PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"
+    ].rpartition(":")
+    assert gateway_host == "0.0.0.0"
     assert jobs == {
         "proxy-operator-worker": [{"targets": [f"worker:{port}"]}],
         "proxy-operator-gateway": [{"targets": [f"worker:{gateway_port}"]}],

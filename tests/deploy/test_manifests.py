@@ -210,6 +210,9 @@ def test_the_worker_is_probed_and_scraped_on_its_metrics_port(name: str) -> None
     container = worker_container(name)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
+    # The listener defaults to loopback: the Pod's IP, where probes and
+    # Prometheus come, must be asked for.
+    assert worker_args(container["command"][1:]).metrics_address == "0.0.0.0:9464"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz", probe
         assert ports[container[probe]["httpGet"]["port"]] == 9464, probe
@@ -458,6 +461,8 @@ def test_the_gateway_is_reachable_through_its_service_and_reaches_the_proxies() 
     labels = deployment["spec"]["template"]["metadata"]["labels"]
 
     assert command[command.index("--listen") + 1] == f"0.0.0.0:{ports['proxy']}"
+    # Loopback unless asked: the probes below and Prometheus come to the Pod's IP.
+    assert parse_args(command[1:]).metrics_address == f"0.0.0.0:{ports['metrics']}"
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "proxy"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import yaml
 from temporalio.testing import WorkflowEnvironment
 
-from gateway.main import UsageError, checked, parse_args
+from gateway.main import METRICS_ENV, UsageError, checked, parse_args
 from gateway.membership import parse_endpoints
 from gateway.users import hash_password
 from providers.base import split_endpoint
@@ -47,6 +48,13 @@ def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         "web",
         ("::1", 8888),
     )
+
+
+def test_metrics_listen_on_loopback_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener takes no token: reaching it from elsewhere is asked for (the manifests do)."""
+    monkeypatch.delenv(METRICS_ENV, raising=False)
+    host, _, _ = parse_args(["--pool", "web"]).metrics_address.rpartition(":")
+    assert ipaddress.ip_address(host).is_loopback
 
 
 @pytest.mark.parametrize(

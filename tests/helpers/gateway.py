@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.testing import WorkflowEnvironment
 
+from tests.helpers.api import call
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
@@ -30,6 +32,7 @@ from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer, request
 
 ROOT = Path(__file__).resolve().parents[2]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 START_DEADLINE = 60.0
 # More than the gateway's own bounds on stopping (gateway/squid.py: up to
 # STOP_GRACE for Squid's process group, then as long for its watchdog), so a
@@ -88,6 +91,8 @@ class GatewayProcess:
             "PYTHONPATH": str(ROOT),
         }
         self.process: subprocess.Popen[bytes] | None = None
+        # The control API's port and a token of it, with pool_gateway(..., api=True).
+        self.api: tuple[int, str] | None = None
 
     def start(self) -> GatewayProcess:
         with self.output.open("ab") as out:
@@ -112,18 +117,24 @@ class GatewayProcess:
         except OSError:
             return False
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every gateway sample: (name, sorted labels) -> value."""
+    def metrics_text(self) -> str:
+        """The metrics listener's /metrics, as anyone who reaches it reads it."""
         with urllib.request.urlopen(
             f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
         ) as response:
-            text = response.read().decode()
-        return {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name.startswith("proxy_operator_gateway_")
-        }
+            return str(response.read().decode())
+
+    def metrics(self) -> Samples:
+        """Every gateway sample on the metrics listener (no member, no exit address)."""
+        return gateway_samples(self.metrics_text())
+
+    def member_metrics(self) -> Samples:
+        """Every gateway sample, members' included: the control API's /metrics, with its token."""
+        assert self.api is not None, "started without the control API (pool_gateway's api=)"
+        port, token = self.api
+        reply = call(port, "GET", "/metrics", token=token)
+        assert reply.status == 200, reply
+        return gateway_samples(reply.body.decode())
 
     def log(self) -> str:
         with contextlib.suppress(OSError):
@@ -140,6 +151,16 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def gateway_samples(text: str) -> Samples:
+    """The gateway's samples in a /metrics body: (name, sorted labels) -> value."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("proxy_operator_gateway_")
+    }
 
 
 def stack_gateway(
@@ -179,15 +200,30 @@ async def pool_gateway(
     stack: Stack,
     pool: str,
     flags: Callable[[Path], tuple[str, ...]] | None = None,
+    *,
+    api: bool = False,
 ) -> AsyncIterator[GatewayProcess]:
     """A gateway over `pool` of the stack's worker, stopped (and checked exit 0) afterwards.
 
     `flags`, given the gateway's directory, writes there what the gateway
-    needs (a tokens file, say) and returns the flags that point at it.
+    needs (a tokens file, say) and returns the flags that point at it. With
+    `api`, the control API is on (loopback, one token, no rate to speak of)
+    for `member_metrics`.
     """
     with local_state_dir("proxy-operator-gateway-test-") as directory:
         extra_args = flags(directory) if flags is not None else ()
+        token, api_port = secrets.token_urlsafe(24), free_port()
+        if api:
+            tokens = directory / "api-tokens"
+            tokens.write_text(f"{token}\n")
+            extra_args = (
+                *extra_args,
+                *("--api-listen", f"127.0.0.1:{api_port}", "--api-tokens-file", str(tokens)),
+                *("--api-rate", "1000", "--api-burst", "1000"),
+            )
         process = stack_gateway(env, stack, pool, directory, extra_args)
+        if api:
+            process.api = (api_port, token)
         # Started off the event loop: the worker in the test's process answers its queries.
         await asyncio.to_thread(process.start)
         yield process

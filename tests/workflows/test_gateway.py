@@ -117,7 +117,8 @@ async def pool(temporal_env: WorkflowEnvironment, stack: Stack) -> AsyncIterator
 async def gateway(
     temporal_env: WorkflowEnvironment, stack: Stack, pool: Pool
 ) -> AsyncIterator[GatewayProcess]:
-    async with pool_gateway(temporal_env, stack, pool.handle.id) as process:
+    # The API on: which member carried what is behind its token.
+    async with pool_gateway(temporal_env, stack, pool.handle.id, api=True) as process:
         yield process
 
 
@@ -169,7 +170,7 @@ async def test_one_endpoint_rotates_sticks_and_pins_over_a_pool_of_three(
 
     def carried() -> collections.Counter[str]:
         counts = collections.Counter[str]()
-        for (name, labels), value in gateway.metrics().items():
+        for (name, labels), value in gateway.member_metrics().items():
             if name == "proxy_operator_gateway_requests_total" and ("status", "200") in labels:
                 counts[dict(labels)["member"]] += int(value)
         return counts
