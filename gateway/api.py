@@ -14,16 +14,25 @@ forwarded to the pool's `report_ban`, whose own rate limit stays the judge.
 Errors are `{"error": "<what, naming the field>"}`.
 
 A small HTTP/1.1 server on asyncio, one request per connection: it is read
-under a deadline (HEAD_SECONDS for the request line and headers, BODY_SECONDS
-for the body), with bounded headers (MAX_HEAD_BYTES) and body
-(MAX_BODY_BYTES), and at most MAX_CONNECTIONS at once, so a slow or hostile
-client holds one connection for seconds, not the gateway.
+under deadlines counted from the connect (FIRST_BYTE_SECONDS to the request's
+first byte, a TLS handshake included; HEAD_SECONDS to the end of its
+headers; BODY_SECONDS more for the body), with bounded headers
+(MAX_HEAD_BYTES) and body (MAX_BODY_BYTES), so a slow or hostile client
+holds a connection for seconds. A client address (an IPv6 /64) holds at most
+`per_client` connections, and all together at most MAX_CONNECTIONS: at that
+bound a newcomer takes the place of the oldest connection no token has
+vouched for, of the address holding the most. So sockets that never send a
+token, from one address or a few, cannot keep a token holder out; only
+an attacker with about MAX_CONNECTIONS addresses, reconnecting faster than
+a client sends its head, still can (docs/gateway-api.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import itertools
 import json
 import logging
 import ssl
@@ -42,10 +51,17 @@ log = logging.getLogger("proxy_operator.gateway")
 
 MAX_HEAD_BYTES = 8192
 MAX_BODY_BYTES = 16 * 1024
-HEAD_SECONDS = 10.0
+# Both from the connect: a client that means to ask sends its head at once.
+FIRST_BYTE_SECONDS = 3.0
+HEAD_SECONDS = 5.0
 BODY_SECONDS = 10.0
 WRITE_SECONDS = 10.0
 MAX_CONNECTIONS = 128
+DEFAULT_PER_CLIENT = 16
+# One address may hold no more than half of MAX_CONNECTIONS (gateway/api_settings.py).
+MAX_PER_CLIENT = MAX_CONNECTIONS // 2
+# An IPv6 client is its /64: one host is commonly given a whole /64 to pick from.
+IPV6_CLIENT_PREFIX = 64
 MAX_REASON = 200
 MAX_MEMBER = 300
 # Python's http.server's bound, for the same reason: a header flood is not a request.
@@ -110,6 +126,36 @@ class Request:
 Handler = Callable[[Request], Awaitable[tuple[HTTPStatus, bytes, str]]]
 
 
+@dataclass(eq=False)
+class Connection:
+    """One open connection: whose, how old, and whether a token vouched for it.
+
+    A connection no token vouched for (still sending its head, or anonymous)
+    is what gives way when every slot is taken; a token holder's request,
+    waiting on the pool, is not cut for a stranger.
+    """
+
+    client: str
+    order: int
+    task: asyncio.Task[None] | None
+    vouched: bool = False
+    evicted: bool = False
+
+
+def client_of(peer: object) -> str:
+    """The address a connection counts against: its IP, or an IPv6 client's /64."""
+    host = peer[0] if isinstance(peer, tuple) and peer else ""
+    try:
+        address = ipaddress.ip_address(str(host).partition("%")[0])
+    except ValueError:
+        return str(host)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/{IPV6_CLIENT_PREFIX}", strict=False))
+    return str(address)
+
+
 class ControlApi:
     """Serves the control API on one address; `start` binds it, `close` stops it."""
 
@@ -121,25 +167,25 @@ class ControlApi:
         rate: float,
         burst: int,
         tls: ssl.SSLContext | None = None,
+        per_client: int = DEFAULT_PER_CLIENT,
     ) -> None:
         self._pool = pool
         self._tokens = tokens
         self._rate = rate
         self._burst = burst
         self._tls = tls
+        self._per_client = per_client
         self._buckets: dict[bytes, TokenBucket] = {}
+        # Each client's open connections, oldest first; and how many in all.
+        self._open: dict[str, list[Connection]] = {}
         self._connections = 0
+        self._order = itertools.count()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(
-            self._serve,
-            host,
-            port,
-            limit=MAX_HEAD_BYTES,
-            ssl=self._tls,
-            ssl_handshake_timeout=HEAD_SECONDS if self._tls else None,
-        )
+        # TLS is started per connection (`_read_head`), so a handshake is counted
+        # against its client and held to the first byte's deadline like any head.
+        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES)
         scheme = "https" if self._tls else "http"
         log.info("control API on %s://%s:%d", scheme, host, port)
 
@@ -155,29 +201,81 @@ class ControlApi:
     # ---- one connection -------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._connections >= MAX_CONNECTIONS:
-            writer.close()  # over the bound: refused at once, no answer to wait for
+        connection = self._admit(client_of(writer.get_extra_info("peername")))
+        if connection is None:
+            writer.close()  # over a bound: refused at once, no answer to wait for
             return
-        self._connections += 1
         try:
-            status, body, content_type, extra = await self._answer(reader)
+            status, body, content_type, extra = await self._answer(reader, writer, connection)
             await self._write(writer, status, body, content_type, extra)
         except (OSError, TimeoutError, ssl.SSLError):
             pass  # the client left or stalled: nothing to answer
+        except asyncio.CancelledError:
+            if not connection.evicted:
+                raise
+            # Its place went to a newcomer (`_evict`): the connection just closes.
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
         finally:
-            self._connections -= 1
+            self._forget(connection)
             writer.close()
             with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
                 await asyncio.wait_for(writer.wait_closed(), WRITE_SECONDS)
 
+    def _admit(self, client: str) -> Connection | None:
+        """A place for a new connection from `client`; None over its own bound, or when
+        every place is taken by connections a token vouched for."""
+        if len(self._open.get(client, ())) >= self._per_client:
+            return None
+        if self._connections >= MAX_CONNECTIONS and not self._evict():
+            return None
+        connection = Connection(client, next(self._order), asyncio.current_task())
+        self._open.setdefault(client, []).append(connection)
+        self._connections += 1
+        return connection
+
+    def _evict(self) -> bool:
+        """Make one place: cut the oldest connection no token vouched for, of the
+        client holding the most connections. False if there is none to cut."""
+        oldest = [
+            (len(held), -unvouched[0].order, unvouched[0])
+            for held in self._open.values()
+            if (unvouched := [c for c in held if not c.vouched])
+        ]
+        if not oldest:
+            return False
+        victim = max(oldest, key=lambda entry: entry[:2])[2]
+        victim.evicted = True
+        self._forget(victim)
+        if victim.task is not None:
+            victim.task.cancel()
+        return True
+
+    def _forget(self, connection: Connection) -> None:
+        held = self._open.get(connection.client, [])
+        if connection in held:
+            held.remove(connection)
+            self._connections -= 1
+            if not held:
+                del self._open[connection.client]
+
+    async def _read_head(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        """The request line and headers, TLS first if the API has it, under both deadlines."""
+        async with asyncio.timeout(HEAD_SECONDS):
+            async with asyncio.timeout(FIRST_BYTE_SECONDS):
+                if self._tls is not None:
+                    await writer.start_tls(self._tls)
+                first = await reader.readexactly(1)
+            if not first.isalpha():  # a request line starts with its method
+                raise ApiError(HTTPStatus.BAD_REQUEST, "request line: not `METHOD /path HTTP/1.1`")
+            return first + await reader.readuntil(b"\r\n\r\n")
+
     async def _answer(
-        self, reader: asyncio.StreamReader
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection: Connection
     ) -> tuple[HTTPStatus, bytes, str, dict[str, str]]:
         try:
-            async with asyncio.timeout(HEAD_SECONDS):
-                head = await reader.readuntil(b"\r\n\r\n")
-            request = _parse_head(head)
-            handler = self._authorized(request)
+            request = _parse_head(await self._read_head(reader, writer))
+            handler = self._authorized(request, connection)
             request = await _with_body(reader, request)
             status, body, content_type = await handler(request)
             return status, body, content_type, {}
@@ -196,13 +294,14 @@ class ControlApi:
             error = {"error": "internal error (logged by the gateway)"}
             return HTTPStatus.INTERNAL_SERVER_ERROR, _json(error), JSON_TYPE, {}
 
-    def _authorized(self, request: Request) -> Handler:
+    def _authorized(self, request: Request, connection: Connection) -> Handler:
         """The request's handler, once its token and rate allow it; ApiError otherwise."""
         if request.path == "/healthz":
             return _method(request, "GET", _healthz)
         digest = self._tokens.match(_bearer(request.headers.get("authorization", "")))
         if digest is None:
             raise ApiError(HTTPStatus.UNAUTHORIZED, "a valid bearer token is required")
+        connection.vouched = True
         bucket = self._buckets.setdefault(digest, TokenBucket(self._rate, self._burst))
         if not bucket.take():
             raise ApiError(

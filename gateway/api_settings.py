@@ -2,20 +2,28 @@
 
 Each flag falls back to an environment variable, as the gateway's others do,
 so a Deployment sets them from its env and mounts the tokens from a Secret.
-Every problem is named (flag and environment variable) before anything starts.
+Every problem is named (flag and environment variable) before anything starts,
+and a plain-HTTP listener beyond loopback is warned about: its bearer tokens
+would cross the network in clear text.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import math
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import cli
+from gateway.api import DEFAULT_PER_CLIENT, MAX_PER_CLIENT
 from gateway.api_tokens import TokenFileError, TokenStore
 from providers.base import split_endpoint
+
+log = logging.getLogger("proxy_operator.gateway")
 
 DEFAULT_RATE = 5.0
 DEFAULT_BURST = 20
@@ -29,6 +37,7 @@ class ApiSettings:
     tls: ssl.SSLContext | None
     rate: float
     burst: int
+    per_client: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,10 +79,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "requests an API token may make at once",
         str(DEFAULT_BURST),
     )
+    cli.env_argument(
+        parser,
+        "--api-connections-per-client",
+        "PROXY_OPERATOR_GATEWAY_API_CONNECTIONS_PER_CLIENT",
+        f"connections one client address (an IPv6 /64) may hold open on the API, "
+        f"1 to {MAX_PER_CLIENT}",
+        str(DEFAULT_PER_CLIENT),
+    )
 
 
 def api_settings(args: argparse.Namespace) -> ApiSettings | None:
-    """The API's settings, None when it is off; ValueError naming every bad flag."""
+    """The API's settings, None when it is off; ValueError naming every bad flag.
+
+    A plain-HTTP listener beyond loopback is logged as a warning here, at start.
+    """
     if not args.api_listen:
         return None
     problems: list[str] = []
@@ -84,6 +104,7 @@ def api_settings(args: argparse.Namespace) -> ApiSettings | None:
     burst = _number(args.api_burst, "--api-burst (or PROXY_OPERATOR_GATEWAY_API_BURST)", problems)
     if burst is not None and burst != int(burst):
         problems.append(f"--api-burst: {args.api_burst!r} is not a whole number")
+    per_client = _per_client(args.api_connections_per_client, problems)
     tokens = None
     if not args.api_tokens_file:
         problems.append(
@@ -99,7 +120,38 @@ def api_settings(args: argparse.Namespace) -> ApiSettings | None:
     if problems:
         raise ValueError("; ".join(problems))
     assert listen is not None and tokens is not None and rate is not None and burst is not None
-    return ApiSettings(listen, tokens, tls, rate, int(burst))
+    assert per_client is not None
+    if tls is None and not _loopback_only(listen[0]):
+        log.warning(
+            "--api-listen %s: the control API listens beyond loopback on plain HTTP, so its "
+            "bearer tokens and answers cross the network in clear text; give it a certificate "
+            "(--api-tls-cert and --api-tls-key) or listen on 127.0.0.1",
+            args.api_listen,
+        )
+    return ApiSettings(listen, tokens, tls, rate, int(burst), per_client)
+
+
+def _per_client(value: str, problems: list[str]) -> int | None:
+    if value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_PER_CLIENT:
+        return int(value)
+    problems.append(
+        "--api-connections-per-client (or PROXY_OPERATOR_GATEWAY_API_CONNECTIONS_PER_CLIENT): "
+        f"{value!r} is not a whole number from 1 to {MAX_PER_CLIENT} (half the API's "
+        "connections in all, so one address never holds them all)"
+    )
+    return None
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether every address `host` names is loopback; a name that does not resolve is not."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False
+    try:
+        return all(ipaddress.ip_address(str(a).partition("%")[0]).is_loopback for a in addresses)
+    except ValueError:
+        return False
 
 
 def _number(value: str, flag: str, problems: list[str]) -> float | None:

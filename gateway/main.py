@@ -291,7 +291,12 @@ async def serve(
                 client, pool, settings.username, sessions, lambda: wake.real(squid.members)
             )
             control = ControlApi(
-                pool_control, api.tokens, rate=api.rate, burst=api.burst, tls=api.tls
+                pool_control,
+                api.tokens,
+                rate=api.rate,
+                burst=api.burst,
+                tls=api.tls,
+                per_client=api.per_client,
             )
             await control.start(*api.listen)
             on_sighup.append(control.reload_tokens)

@@ -1,13 +1,15 @@
 """Requests to the gateway's control API (gateway/api.py), as a scraper's client sends them.
 
 `call` goes through http.client, a real HTTP client; `raw` sends bytes as
-they are, for what no well-behaved client would send.
+they are, for what no well-behaved client would send; `connect_from` opens a
+socket from another loopback address (127.0.0.2, ...), to be another client.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import ssl
 from dataclasses import dataclass
@@ -69,3 +71,27 @@ def raw(port: int, data: bytes) -> bytes:
         except ConnectionResetError:
             return b""
     return reply
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to the API on 127.0.0.1:`port` from address `source`, sending nothing."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((source, 0))
+        sock.settimeout(TIMEOUT)
+        sock.connect(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed `sock`, without waiting."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionResetError:
+        return True

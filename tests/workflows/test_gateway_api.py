@@ -9,22 +9,28 @@ checked against the members' own access logs, not the gateway's word.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import secrets
 import signal
+import socket
+import ssl
 import subprocess
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from temporalio.testing import WorkflowEnvironment
 
+from gateway.api import DEFAULT_PER_CLIENT, MAX_CONNECTIONS
 from gateway.users import hash_password
 from tests.docs.markdown import examples
-from tests.helpers.api import call, raw
+from tests.helpers.api import TIMEOUT, call, closed_by_peer, connect_from, raw
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway, through
 from tests.helpers.network import free_port
@@ -42,6 +48,9 @@ BOB = ("bob", "bob-password-2")
 # Enough for the test's own requests with one token; the other is drained.
 RATE = "0.2"
 BURST = 80
+# The API cuts a connection 3 s after the connect without a first byte, 5 s
+# without a whole head (docs/gateway-api.md); the rest is a loaded machine's margin.
+CUT_WITHIN = 8.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +64,12 @@ class ApiGateway:
     users_file: Path
 
 
-@pytest.fixture
-async def api_gateway(
-    temporal_env: WorkflowEnvironment,
-    stack: Stack,
-    pool: Pool,  # noqa: F811
+@contextlib.asynccontextmanager
+async def started(
+    temporal_env: WorkflowEnvironment, stack: Stack, pool_id: str, *extra: str
 ) -> AsyncIterator[ApiGateway]:
+    """A gateway over pool `pool_id` with the API on 127.0.0.1, two tokens, alice in its users
+    file; `extra` flags on top."""
     tokens = (secrets.token_urlsafe(24), secrets.token_urlsafe(24))
     port = free_port()
     files: list[Path] = []
@@ -73,10 +82,21 @@ async def api_gateway(
         return (
             *("--api-listen", f"127.0.0.1:{port}", "--api-tokens-file", str(tokens_file)),
             *("--api-rate", RATE, "--api-burst", str(BURST), "--users-file", str(users_file)),
+            *extra,
         )
 
-    async with pool_gateway(temporal_env, stack, pool.handle.id, flags) as process:
+    async with pool_gateway(temporal_env, stack, pool_id, flags) as process:
         yield ApiGateway(process, port, files[0], tokens, files[1])
+
+
+@pytest.fixture
+async def api_gateway(
+    temporal_env: WorkflowEnvironment,
+    stack: Stack,
+    pool: Pool,  # noqa: F811
+) -> AsyncIterator[ApiGateway]:
+    async with started(temporal_env, stack, pool.handle.id) as gateway:
+        yield gateway
 
 
 async def api(port: int, method: str, path: str, **kwargs: object) -> tuple[int, object]:
@@ -363,3 +383,137 @@ async def test_the_running_gateway_follows_its_users_file(
 
     await wait_for(swapped, "bob accepted and alice refused", deadline=120)
     assert (await asyncio.to_thread(through, gateway, stack, USERNAME)).ok
+
+
+@contextlib.contextmanager
+def holding(port: int, sources: Sequence[str], each: int) -> Iterator[None]:
+    """Anonymous clients at `sources` that keep `each` silent connections open apiece,
+    opening a new one as soon as the API closes one, as an attacker would. Entered once
+    every source has opened its connections."""
+    stop, ready = threading.Event(), threading.Event()
+
+    def attack() -> None:
+        held: dict[str, list[socket.socket]] = {source: [] for source in sources}
+        try:
+            while not stop.is_set():
+                for source, sockets in held.items():
+                    for sock in [s for s in sockets if closed_by_peer(s)]:
+                        sockets.remove(sock)
+                        sock.close()
+                    while len(sockets) < each:
+                        sockets.append(connect_from(source, port))
+                ready.set()
+                stop.wait(0.1)
+        finally:
+            for sockets in held.values():
+                for sock in sockets:
+                    sock.close()
+
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(TIMEOUT), "the attacker's connections opened"
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+async def only_the_excess_is_closed(
+    port: int, source: str, meanwhile: Callable[[], Awaitable[None]]
+) -> None:
+    """`source` gets DEFAULT_PER_CLIENT connections; the ones over are closed at once,
+    and `meanwhile` runs while the others are held."""
+    over = 5
+    sockets = [connect_from(source, port) for _ in range(DEFAULT_PER_CLIENT + over)]
+    try:
+
+        def closed() -> list[int]:
+            return [i for i, sock in enumerate(sockets) if closed_by_peer(sock)]
+
+        await wait_for(lambda: len(closed()) >= over, "the connections over the cap closed")
+        assert closed() == list(range(DEFAULT_PER_CLIENT, DEFAULT_PER_CLIENT + over))
+        await meanwhile()
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def test_idle_sockets_do_not_keep_a_token_holder_out(api_gateway: ApiGateway) -> None:
+    port, token = api_gateway.port, api_gateway.tokens[0]
+
+    async def served() -> None:
+        """A token holder (and a health check) on 127.0.0.1, served as if alone."""
+        for _ in range(3):
+            assert (await api(port, "GET", "/v1/members", token=token))[0] == 200
+            assert await api(port, "GET", "/healthz") == (200, {"status": "ok"})
+
+    await only_the_excess_is_closed(port, "127.0.0.3", served)
+
+    # One address trying to hold every connection the API has, and more.
+    with holding(port, ["127.0.0.2"], MAX_CONNECTIONS + 8):
+        await served()
+    # Ten addresses, filling more than every connection the API has between them:
+    # each newcomer takes the place of a silent socket of the address holding most.
+    attackers = [f"127.0.0.{10 + i}" for i in range(10)]
+    assert len(attackers) * DEFAULT_PER_CLIENT > MAX_CONNECTIONS
+    with holding(port, attackers, DEFAULT_PER_CLIENT + 4):
+        await served()
+
+
+async def test_silent_and_dribbling_clients_are_cut_within_seconds(
+    api_gateway: ApiGateway,
+) -> None:
+    silent = connect_from("127.0.0.4", port := api_gateway.port)
+    dribbling = connect_from("127.0.0.5", port)
+    dribbling.sendall(b"GET /healthz HTTP/1.1\r\n")
+
+    def dribble() -> bool:
+        """One more byte of a header that never ends; True once the API has closed."""
+        try:
+            dribbling.sendall(b"x")
+        except OSError:  # reset: the API closed it
+            return True
+        return closed_by_peer(dribbling)
+
+    try:
+        await wait_for(lambda: closed_by_peer(silent), "the silent client cut", CUT_WITHIN)
+        await wait_for(dribble, "the dribbling client cut", CUT_WITHIN)
+        assert (await asyncio.to_thread(call, port, "GET", "/healthz")).status == 200
+    finally:
+        silent.close()
+        dribbling.close()
+
+
+async def test_over_tls_a_handshake_counts_against_its_client_and_its_deadline(
+    temporal_env: WorkflowEnvironment,
+    stack: Stack,
+    pool: Pool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    ca = trustme.CA()
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued = ca.issue_cert("127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    tls = ("--api-tls-cert", str(cert), "--api-tls-key", str(key))
+    async with started(temporal_env, stack, pool.handle.id, *tls) as gateway:
+        port, token = gateway.port, gateway.tokens[0]
+
+        async def served() -> None:
+            members = await asyncio.to_thread(
+                call, port, "GET", "/v1/members", token=token, context=trusting
+            )
+            assert members.status == 200
+
+        # Connections that have not finished their handshake count against their address.
+        await only_the_excess_is_closed(port, "127.0.0.6", served)
+        # And one that never starts it is cut by the first byte's deadline.
+        silent = connect_from("127.0.0.7", port)
+        try:
+            await wait_for(lambda: closed_by_peer(silent), "the silent client cut", CUT_WITHIN)
+        finally:
+            silent.close()
+        await served()
