@@ -20,6 +20,13 @@ from providers import errors as taxonomy
 CAPACITY_CODES = frozenset(
     {"InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientAddressCapacity"}
 )
+# The instance type is not offered in that availability zone ("Troubleshoot
+# Amazon EC2 instance launch issues", Unsupported): another zone may offer it.
+UNSUPPORTED = "Unsupported"
+# The spot price in that zone is above max_price; another zone's may be lower.
+SPOT_PRICE_TOO_LOW = "SpotMaxPriceTooLow"
+# What sends a create on to its next subnet, in another availability zone.
+NEXT_ZONE_CODES = CAPACITY_CODES | {UNSUPPORTED, SPOT_PRICE_TOO_LOW}
 # Account quotas: retry after minutes, once instances have gone or the limit is raised.
 _QUOTA_CODES = CAPACITY_CODES | {
     "InstanceLimitExceeded",
@@ -28,8 +35,9 @@ _QUOTA_CODES = CAPACITY_CODES | {
     "SecurityGroupLimitExceeded",
     "RulesPerSecurityGroupLimitExceeded",
     # The spot price is above max_price now; it moves, so wait as for capacity.
-    "SpotMaxPriceTooLow",
+    SPOT_PRICE_TOO_LOW,
 }
+GROUP_NOT_FOUND = "InvalidGroup.NotFound"
 # Throttling and the server side: retry with backoff. RequestLimitExceeded is
 # EC2's throttle (HTTP 503); its request tokens refill every second.
 _TRANSIENT_CODES = frozenset(
@@ -41,9 +49,13 @@ _TRANSIENT_CODES = frozenset(
         "Unavailable",
         "IncorrectInstanceState",
         "IncorrectState",
+        # A security group EC2 does not show yet ("Eventual consistency in
+        # the Amazon EC2 API"), or one deleted by hand: the provider forgets
+        # the group it knew, and the retry finds or creates it again.
+        GROUP_NOT_FOUND,
     }
 )
-# The instance is gone: `delete` treats it as done, `get` reports NotFound.
+# The instance is not listed: gone, or not visible yet (providers.aws.consistency).
 INSTANCE_NOT_FOUND = "InvalidInstanceID.NotFound"
 # A RunInstances client token already used with other parameters: the
 # instance it made exists (the provider looks it up by token and adopts it).

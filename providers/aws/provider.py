@@ -18,7 +18,16 @@ import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from providers.aws.errors import CAPACITY_CODES, IDEMPOTENT_MISMATCH, INSTANCE_NOT_FOUND, code, edge
+from providers.aws.consistency import CONSISTENCY_WINDOW_SECONDS, Sightings
+from providers.aws.errors import (
+    GROUP_NOT_FOUND,
+    IDEMPOTENT_MISMATCH,
+    INSTANCE_NOT_FOUND,
+    NEXT_ZONE_CODES,
+    UNSUPPORTED,
+    code,
+    edge,
+)
 from providers.aws.instances import (
     NAME_TAG,
     PORT_TAG,
@@ -31,7 +40,13 @@ from providers.aws.instances import (
 )
 from providers.aws.security_group import InstallationGroup, group_name
 from providers.aws.settings import AwsConfig, config_problems
-from providers.aws.user_data import STARTUP_READY, console_state, interruption_notice, user_data
+from providers.aws.user_data import (
+    STARTUP_BOOTING,
+    STARTUP_READY,
+    console_state,
+    interruption_notice,
+    user_data,
+)
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
@@ -76,6 +91,7 @@ class AwsProvider:
         *,
         ec2: EC2Client,
         console_interval: float = CONSOLE_INTERVAL_SECONDS,
+        consistency_window: float = CONSISTENCY_WINDOW_SECONDS,
     ) -> None:
         self._settings = settings
         self._installation = installation
@@ -93,6 +109,8 @@ class AwsProvider:
         self._console: dict[str, tuple[str, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
+        # How old each instance is, for what EC2 does not show yet.
+        self._sightings = Sightings(consistency_window)
 
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> AwsProvider:
@@ -128,14 +146,18 @@ class AwsProvider:
             subnets = self._subnet_order(req)
             group = self._group.ensure(req.proxy, self._vpc_of(subnets))
             image = self._image_id()
-            for subnet in subnets[:-1]:
+            refused: list[ClientError] = []
+            for subnet in subnets:
                 try:
                     return self._launch(req, subnet, group, image)
                 except ClientError as exc:
-                    if code(exc) not in CAPACITY_CODES:
+                    if code(exc) == GROUP_NOT_FOUND:
+                        self._group.forget(group)
+                    if code(exc) not in NEXT_ZONE_CODES:
                         raise
-                    log.info("subnet %s has no capacity for %s, trying the next", subnet, req.name)
-            return self._launch(req, subnets[-1], group, image)
+                    log.info("subnet %s refused %s: %s; trying the next", subnet, req.name, exc)
+                    refused.append(exc)
+            raise self._no_zone_takes(subnets, refused)
 
     def get(self, provider_id: str) -> Instance:
         """The instance's state; a terminated one is NotFound, with why it ended.
@@ -148,6 +170,7 @@ class AwsProvider:
         with edge():
             found = self._describe(instance_id)
         if found is None:
+            self._unless_gone(instance_id)
             raise NotFound(f"EC2: instance {instance_id} is not listed")
         if found.get("State", {}).get("Name") == "terminated":
             why = to_instance(found).reason
@@ -159,23 +182,36 @@ class AwsProvider:
         """Terminate our instance, and only that one; an instance already gone is success.
 
         The instance is read first and its tags checked: one of another
-        installation, or one made by hand, is Permanent.
+        installation, or one made by hand, is Permanent. Gone means gone
+        only once EC2 could show it (providers.aws.consistency): an
+        instance not listed yet is looked for again by the client token and
+        name it was launched under, and while it is young, its absence is
+        Transient, so the delete is asked again instead of reported done.
         """
         instance_id = parse_provider_id(provider_id)
         with self._lock:
             self._console.pop(instance_id, None)
         with edge():
+            found = self._describe(instance_id) or self._found_again(instance_id)
+            if found is None:
+                self._unless_gone(instance_id)
+                return
+            if found.get("State", {}).get("Name") == "terminated":
+                return
+            mismatch = ownership_mismatch(tag_dict(found.get("Tags", [])), self._installation)
+            if mismatch:
+                raise Permanent(f"delete instance {instance_id}: refused, {mismatch}")
             try:
-                found = self._describe(instance_id)
-                if found is None or found.get("State", {}).get("Name") == "terminated":
-                    return
-                mismatch = ownership_mismatch(tag_dict(found.get("Tags", [])), self._installation)
-                if mismatch:
-                    raise Permanent(f"delete instance {instance_id}: refused, {mismatch}")
                 self._ec2.terminate_instances(InstanceIds=[instance_id])
             except ClientError as exc:
                 if code(exc) != INSTANCE_NOT_FOUND:
                     raise
+                # EC2 listed it a moment ago: a NotFound from TerminateInstances
+                # means it "might still be running", never that it ended.
+                raise Transient(
+                    f"delete instance {instance_id}: TerminateInstances says it does not exist, "
+                    "but EC2 listed it; terminating again"
+                ) from exc
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance not yet terminated carrying `key=value`, in the provider's region.
@@ -207,14 +243,21 @@ class AwsProvider:
             if code(exc) != IDEMPOTENT_MISMATCH:
                 raise
             # The token launched an instance with other parameters (another
-            # subnet, a newer image): that instance is this request's.
-            made = self._by_filter({"Name": "client-token", "Values": [req.name]})
-            if made is None:
+            # subnet, a newer image): that instance is this request's, in
+            # whatever state. One that has ended is adopted TERMINATED, and
+            # the workflow replaces it under a name (and token) of its own.
+            made = self._by_token(req.name)
+            if made is not None:
+                return self._adopt(req, made)
+            if self._sightings.young(f"client-token:{req.name}"):
                 raise Transient(
                     f"create {req.name}: EC2 says its client token was used, but the instance "
                     "is not listed yet"
                 ) from exc
-            return self._adopt(req, made)
+            raise NotFound(
+                f"create {req.name}: its client token was used by an instance EC2 no longer "
+                "lists (it ended over an hour ago); the name cannot launch again"
+            ) from exc
         return self._adopt(req, answer["Instances"][0])
 
     def _run_params(self, req: CreateRequest, subnet: str, group: str, image: str) -> Any:
@@ -226,7 +269,7 @@ class AwsProvider:
             "InstanceType": s.instance_type,
             "MinCount": 1,
             "MaxCount": 1,
-            "UserData": user_data(req.proxy, spot=s.market == "spot"),
+            "UserData": user_data(req.proxy, spot=s.market == "spot", name=req.name),
             "NetworkInterfaces": [
                 {
                     "DeviceIndex": 0,
@@ -270,7 +313,24 @@ class AwsProvider:
                 f"create instance {req.name}: an instance of that name exists "
                 f"({ec2.get('InstanceId')}) and is not this proxy's, {mismatch}"
             )
+        self._sightings.seen(ec2.get("InstanceId", ""), req.name, ec2.get("LaunchTime"))
         return self._with_readiness(ec2)
+
+    def _no_zone_takes(self, subnets: list[str], refused: list[ClientError]) -> Exception:
+        """What to raise when every subnet refused the launch (`refused`, one per subnet).
+
+        Capacity and spot price change by the minute (QuotaExceeded, from
+        the edge); a type offered in none of the zones is a config error.
+        """
+        waits = [exc for exc in refused if code(exc) != UNSUPPORTED]
+        if waits:
+            return waits[0]
+        return Permanent(
+            f"aws.instance_type: {self._settings.instance_type} is not offered in the "
+            f"availability zone of any of the subnets tried ({', '.join(subnets)}): "
+            f"{refused[-1].response.get('Error', {}).get('Message', '')}",
+            cause=refused[-1],
+        )
 
     def _subnet_order(self, req: CreateRequest) -> list[str]:
         """The pinned subnet, or all of them starting at one derived from the name.
@@ -325,7 +385,44 @@ class AwsProvider:
         return newest
 
     def _describe(self, instance_id: str) -> InstanceTypeDef | None:
-        answer = self._ec2.describe_instances(InstanceIds=[instance_id])
+        """The instance as EC2 lists it, None if it does not (yet, or any more)."""
+        try:
+            answer = self._ec2.describe_instances(InstanceIds=[instance_id])
+        except ClientError as exc:
+            if code(exc) != INSTANCE_NOT_FOUND:
+                raise
+            return None
+        found = first(list(answer["Reservations"]))
+        if found is not None:
+            name = tag_dict(found.get("Tags", [])).get(NAME_TAG, "")
+            self._sightings.seen(instance_id, name, found.get("LaunchTime"))
+        return found
+
+    def _found_again(self, instance_id: str) -> InstanceTypeDef | None:
+        """The instance not listed by its id, looked for by the client token and name it had."""
+        name = self._sightings.name_of(instance_id)
+        if not name:
+            return None
+        for selector in ("client-token", f"tag:{NAME_TAG}"):
+            answer = self._ec2.describe_instances(Filters=[{"Name": selector, "Values": [name]}])
+            for reservation in answer["Reservations"]:
+                for ec2 in reservation.get("Instances", []):
+                    if ec2.get("InstanceId") == instance_id:
+                        found: InstanceTypeDef = ec2
+                        return found
+        return None
+
+    def _unless_gone(self, instance_id: str) -> None:
+        """Transient while EC2 may not show the instance yet; returns once it is gone for good."""
+        if self._sightings.young(instance_id):
+            raise Transient(
+                f"EC2: instance {instance_id} is not listed yet (EC2 shows a new instance "
+                f"within minutes; gone only after {self._sightings.window:g}s)"
+            )
+
+    def _by_token(self, token: str) -> InstanceTypeDef | None:
+        """The instance RunInstances made with client token `token`, in any state."""
+        answer = self._ec2.describe_instances(Filters=[{"Name": "client-token", "Values": [token]}])
         return first(list(answer["Reservations"]))
 
     def _by_filter(self, selector: FilterTypeDef) -> InstanceTypeDef | None:
@@ -369,7 +466,13 @@ class AwsProvider:
             return known[0]
         # Latest: the console as it is now (Nitro instances), not the buffer
         # EC2 posts at state transitions only.
-        answer = self._ec2.get_console_output(InstanceId=instance_id, Latest=True)
+        try:
+            answer = self._ec2.get_console_output(InstanceId=instance_id, Latest=True)
+        except ClientError as exc:
+            if code(exc) != INSTANCE_NOT_FOUND:
+                raise
+            # DescribeInstances listed it: the console API does not show it yet.
+            return known[0] if known is not None else STARTUP_BOOTING
         state = console_state(answer.get("Output"))
         with self._lock:
             self._console[instance_id] = (state, time.monotonic())

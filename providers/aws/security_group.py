@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 
 from providers.aws.errors import code
 from providers.aws.instances import as_tag_list, tag_dict
-from providers.errors import Permanent
+from providers.errors import Permanent, Transient
 from providers.naming import (
     INSTALLATION_KEY,
     MANAGED_BY_KEY,
@@ -38,6 +38,11 @@ DESCRIPTION = "proxy-operator: the proxy port, from allowed_cidrs only"
 PORTS_TAG = "proxy-operator/ports"
 # One ingress rule: TCP on one port from one network.
 Rule = tuple[int, str]
+# What another worker (or provider entry) sharing the group may have done
+# between this one's describe and its change: the rule is already there, or
+# already gone. Either is the state asked for.
+RULE_THERE = "InvalidPermission.Duplicate"
+RULE_GONE = "InvalidPermission.NotFound"
 
 
 def group_name(installation: str) -> str:
@@ -89,15 +94,45 @@ class InstallationGroup:
             wanted = {(port, cidr) for port in ports for cidr in cidrs}
             unwanted = [p for p in (_without(perm, wanted) for perm in have) if p]
             if unwanted:
-                self._ec2.revoke_security_group_ingress(GroupId=group_id, IpPermissions=unwanted)
+                self._each_unless(
+                    self._ec2.revoke_security_group_ingress, group_id, unwanted, RULE_GONE
+                )
             missing = wanted - _rules(have)
             if missing:
-                self._ec2.authorize_security_group_ingress(
-                    GroupId=group_id,
-                    IpPermissions=[_permission(rule) for rule in sorted(missing)],
+                self._each_unless(
+                    self._ec2.authorize_security_group_ingress,
+                    group_id,
+                    [_permission(rule) for rule in sorted(missing)],
+                    RULE_THERE,
                 )
             self._ensured[key] = group_id
             return group_id
+
+    def forget(self, group_id: str) -> None:
+        """EC2 does not know `group_id` (any more): the next `ensure` looks for the group again."""
+        with self._lock:
+            for key in [k for k, known in self._ensured.items() if known == group_id]:
+                del self._ensured[key]
+
+    @staticmethod
+    def _each_unless(call: Any, group_id: str, permissions: list[Any], done: str) -> None:
+        """`call` for all `permissions`; one by one if EC2 answers `done` for the lot.
+
+        EC2 refuses the whole request when one rule is already as asked
+        (another worker got there first), so each is then sent alone and
+        `done` taken for success.
+        """
+        try:
+            call(GroupId=group_id, IpPermissions=permissions)
+        except ClientError as exc:
+            if code(exc) != done:
+                raise
+            for permission in permissions:
+                try:
+                    call(GroupId=group_id, IpPermissions=[permission])
+                except ClientError as each:
+                    if code(each) != done:
+                        raise
 
     def _get(self, vpc_id: str) -> SecurityGroupTypeDef | None:
         groups = self._ec2.describe_security_groups(
@@ -109,21 +144,32 @@ class InstallationGroup:
         return groups[0] if groups else None
 
     def _create(self, vpc_id: str) -> SecurityGroupTypeDef:
-        tags = {MANAGED_BY_KEY: MANAGED_BY_VALUE, INSTALLATION_KEY: self._installation}
+        """The new group as CreateSecurityGroup made it: its id, its tags, no ingress.
+
+        Not described again: EC2 may not list a group for a while after
+        creating it ("Eventual consistency in the Amazon EC2 API"), and its
+        id is good from the start. Calls naming the id may still answer
+        InvalidGroup.NotFound meanwhile, which is Transient (errors.py).
+        """
+        tags = as_tag_list({MANAGED_BY_KEY: MANAGED_BY_VALUE, INSTALLATION_KEY: self._installation})
         try:
-            self._ec2.create_security_group(
+            made = self._ec2.create_security_group(
                 GroupName=self._name,
                 Description=DESCRIPTION,
                 VpcId=vpc_id,
-                TagSpecifications=[{"ResourceType": "security-group", "Tags": as_tag_list(tags)}],
+                TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}],
             )
         except ClientError as exc:
             if code(exc) != "InvalidGroup.Duplicate":  # a racing worker made it
                 raise
-        group = self._get(vpc_id)
-        if group is None:
-            raise Permanent(f"security group {self._name!r} in {vpc_id} vanished after creation")
-        return group
+            group = self._get(vpc_id)
+            if group is None:
+                raise Transient(
+                    f"security group {self._name!r} in {vpc_id} exists, but EC2 does not list "
+                    "it yet"
+                ) from exc
+            return group
+        return {"GroupId": made["GroupId"], "GroupName": self._name, "Tags": tags}
 
 
 def _family(cidr: str) -> int:

@@ -24,6 +24,8 @@ credentials on the instance: a proxy VM has no IAM role to steal.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 from providers.boot_script import (
@@ -34,7 +36,7 @@ from providers.boot_script import (
     fill,
     load_template,
 )
-from providers.squid import ProxySettings
+from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
 
 # The console line the script writes at each step: `<marker> <state>`.
 STATE_MARKER = "proxy-operator-state:"
@@ -45,6 +47,11 @@ STARTUP_BOOTING = "booting"
 STARTUP_INTERRUPTED = "interrupted"
 # How often the spot watcher asks IMDS; AWS suggests every 5 seconds.
 SPOT_POLL_SECONDS = 5
+
+# A SHA-512-crypt hash as providers.squid writes it into the htpasswd.
+_HASH = re.compile(r"\$6\$rounds=[0-9]+\$[./0-9A-Za-z]{1,16}\$[./0-9A-Za-z]{86}")
+_SALT_ALPHABET = "./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_SALT_CHARS = 16
 
 TEMPLATE_FILE = "user_data.sh.tmpl"
 SPOT_WATCH_FILE = "spot_watch.sh.tmpl"
@@ -67,9 +74,33 @@ __all__ = [
 ]
 
 
-def user_data(proxy: ProxySettings, *, spot: bool) -> str:
-    """The boot script for an instance serving `proxy`; a `spot` one watches for its notice."""
-    return fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER, SPOT_WATCH=SPOT_WATCH if spot else "")
+def user_data(proxy: ProxySettings, *, spot: bool, name: str) -> str:
+    """The boot script for instance `name` serving `proxy`; a `spot` one watches for its notice.
+
+    The same for every render of one name: RunInstances compares a retried
+    request with its client token's first, parameter by parameter, and a
+    fresh salt in the htpasswd would make every retry a different request
+    (IdempotentParameterMismatch). So the hash's salt is `htpasswd_salt(name)`.
+    """
+    script = fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER, SPOT_WATCH=SPOT_WATCH if spot else "")
+    hashes = _HASH.findall(script)
+    if len(hashes) != 1:
+        raise ValueError(f"the user data template holds {len(hashes)} password hashes, not one")
+    setting = f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt(name)}"
+    return script.replace(hashes[0], sha512_crypt(proxy.password, setting))
+
+
+def htpasswd_salt(name: str) -> str:
+    """The htpasswd hash's salt for instance `name`: unique per instance, the same on a retry.
+
+    From the name alone, never the password: a salt is public (it is in the
+    hash), and one computed quickly from the password would let anyone who
+    reads the user data test guesses without SHA-512-crypt's rounds. Names
+    are unique per installation, namespace, owner and generation, so no
+    two instances share a salt, which is all a salt is for.
+    """
+    digest = hashlib.sha256(f"proxy-operator htpasswd salt\x00{name}".encode()).digest()
+    return "".join(_SALT_ALPHABET[b % len(_SALT_ALPHABET)] for b in digest[:_SALT_CHARS])
 
 
 def interruption_notice(report: str) -> str | None:

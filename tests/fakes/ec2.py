@@ -24,6 +24,19 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
   the fake plays the user data's watcher and writes its console line.
 - `auto_start_ip`: every instance's public IP is this address (127.0.0.1
   in front of a local Squid), as a real one has its own.
+- Eventual consistency (`instance_lag=N`, `group_lag=N`): a new instance
+  (or security group) is not there for the next N calls that name it or
+  would list it,
+  as "Eventual consistency in the Amazon EC2 API" describes
+  (https://docs.aws.amazon.com/ec2/latest/devguide/eventual-consistency.html):
+  DescribeInstances by id, TerminateInstances and GetConsoleOutput answer
+  InvalidInstanceID.NotFound (TerminateInstances leaves it running),
+  filtered describes leave it out, and calls naming the group answer
+  InvalidGroup.NotFound.
+- Rule races (`a_racing_worker(action)`): another worker makes the same
+  security group change just before the next `action` call, which then
+  gets what EC2 answers for it (moto's InvalidPermission.Duplicate or
+  InvalidPermission.NotFound).
 
 moto keeps its state in process-wide backends: one moto server per process,
 one FakeEc2 at a time, which resets it when it starts.
@@ -41,6 +54,7 @@ import logging
 import re
 import threading
 import uuid
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -120,6 +134,27 @@ ERROR_KINDS: dict[str, ErrorKind] = {
         401, "AuthFailure", "AWS was not able to validate the provided access credentials"
     ),
     "internal": ErrorKind(500, "InternalError", "An internal error has occurred"),
+    # The type is not offered in that zone ("Troubleshoot Amazon EC2 instance
+    # launch issues": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/troubleshooting-launch.html#troubleshooting-launch-unsupported).
+    "unsupported": ErrorKind(
+        400,
+        "Unsupported",
+        "Your requested instance type (t3.micro) is not supported in your requested "
+        "Availability Zone (eu-west-1a). Please retry your request by not specifying an "
+        "Availability Zone or choosing eu-west-1b, eu-west-1c.",
+    ),
+    # The zone's spot price is above MaxPrice (API reference, "Error codes").
+    "spot_price_too_low": ErrorKind(
+        400,
+        "SpotMaxPriceTooLow",
+        "Your Spot request price of 0.001 is lower than the minimum required Spot request "
+        "fulfillment price of 0.0035.",
+    ),
+    # A TerminateInstances whose instance "might still be running" ("Eventual
+    # consistency in the Amazon EC2 API"): the instance stays as it was.
+    "instance_not_found": ErrorKind(
+        400, "InvalidInstanceID.NotFound", "The instance ID does not exist"
+    ),
 }
 IDEMPOTENT_MISMATCH = ErrorKind(
     400,
@@ -128,6 +163,10 @@ IDEMPOTENT_MISMATCH = ErrorKind(
     "request(s).",
 )
 _INSTANCE_ID = re.compile(r"<instanceId>(i-[0-9a-f]+)</instanceId>")
+_GROUP_ID = re.compile(r"<groupId>(sg-[0-9a-f]+)</groupId>")
+# Request parameters that name an instance or a security group.
+_NAMES_INSTANCE = re.compile(r"InstanceId(\.\d+)?")
+_NAMES_GROUP = re.compile(r"GroupId|ResourceId\.\d+|NetworkInterface\.\d+\.SecurityGroupId\.\d+")
 _PUBLIC_IP = re.compile(r"<ipAddress>([0-9.]+)</ipAddress>")
 
 
@@ -184,10 +223,21 @@ class FakeEc2(ServedFake):
     """moto's EC2 behind the fault and fidelity layer; every public method is thread-safe."""
 
     def __init__(
-        self, *, auto_start_ip: str | None = None, ready_after_polls: int | None = None
+        self,
+        *,
+        auto_start_ip: str | None = None,
+        ready_after_polls: int | None = None,
+        instance_lag: int = 0,
+        group_lag: int = 0,
     ) -> None:
         self.auto_start_ip = auto_start_ip
         self.ready_after_polls = ready_after_polls
+        self.instance_lag = instance_lag
+        self.group_lag = group_lag
+        # Instance or group id -> calls it is still missing from.
+        self._hidden: dict[str, int] = {}
+        # Action -> how many of its next calls another worker makes first.
+        self._races: dict[str, int] = {}
         self._lock = threading.Lock()
         self._moto_port = 0
         self._errors: list[_Injection] = []
@@ -230,6 +280,11 @@ class FakeEc2(ServedFake):
         """Fail the next `times` calls of `action` (launching in `subnet`, if given) with `kind`."""
         with self._lock:
             self._errors.append(_Injection(action, ERROR_KINDS[kind], times, subnet))
+
+    def a_racing_worker(self, action: str, *, times: int = 1) -> None:
+        """Another worker makes the next `times` `action` calls' change just before them."""
+        with self._lock:
+            self._races[action] = self._races.get(action, 0) + times
 
     def clear_errors(self) -> None:
         with self._lock:
@@ -337,13 +392,80 @@ class FakeEc2(ServedFake):
             injected = self._injected(action, form)
         if injected is not None:
             return self._error(injected)
+        missing = self._named_but_hidden(form)
+        if missing is not None:
+            return self._error(missing)
+        with self._lock:
+            raced = self._races.get(action, 0) > 0
+            if raced:
+                self._races[action] -= 1
+        if raced:
+            self._forward(body, headers)  # the other worker's identical call
         if action == "RunInstances":
             return self._run_instances(form, headers)
         if action == "GetConsoleOutput":
             return self._console_output(form)
         if action == "DescribeInstances":
             body = urlencode(self._client_token_filter(form)).encode()
-        return self._forward(body, headers)
+            status, answer = self._forward(body, headers)
+            return status, self._unlisted(answer, "reservationSet", "instancesSet/item/instanceId")
+        if action == "DescribeSecurityGroups":
+            status, answer = self._forward(body, headers)
+            return status, self._unlisted(answer, "securityGroupInfo", "groupId")
+        status, answer = self._forward(body, headers)
+        if action == "CreateSecurityGroup" and status == 200:
+            self._hide(_GROUP_ID.search(answer.decode()), self.group_lag)
+        return status, answer
+
+    # -- eventual consistency ("Eventual consistency in the Amazon EC2 API") -----
+
+    def _hide(self, made: re.Match[str] | None, lag: int) -> None:
+        """A resource just made: missing from the next `lag` calls about it."""
+        if made is not None and lag > 0:
+            with self._lock:
+                self._hidden[made[1]] = lag
+
+    def _missing(self, resource_id: str) -> bool:
+        """Whether this call does not see `resource_id` yet (and one fewer call will not)."""
+        with self._lock:
+            left = self._hidden.get(resource_id, 0)
+            if left <= 0:
+                return False
+            if left == 1:
+                del self._hidden[resource_id]
+            else:
+                self._hidden[resource_id] = left - 1
+            return True
+
+    def _named_but_hidden(self, form: dict[str, str]) -> ErrorKind | None:
+        """The NotFound a call naming a resource EC2 does not show yet gets, as EC2 words it."""
+        for key, value in form.items():
+            if _NAMES_INSTANCE.fullmatch(key) and self._missing(value):
+                message = f"The instance ID '{value}' does not exist"
+                return ErrorKind(400, "InvalidInstanceID.NotFound", message)
+            if _NAMES_GROUP.fullmatch(key) and self._missing(value):
+                message = f"The security group '{value}' does not exist"
+                return ErrorKind(400, "InvalidGroup.NotFound", message)
+        return None
+
+    def _unlisted(self, answer: bytes, listing: str, id_path: str) -> bytes:
+        """A describe's `answer` without the items EC2 does not list yet."""
+        with self._lock:
+            if not self._hidden:
+                return answer
+        root = ET.fromstring(answer)
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        found = root.find(ns + listing)
+        if found is None:
+            return answer
+        path = "/".join(ns + step for step in id_path.split("/"))
+        for item in list(found):
+            ids = [e.text or "" for e in item.findall(path)]
+            if [i for i in ids if self._missing(i)]:
+                found.remove(item)
+        if ns:
+            ET.register_namespace("", ns[1:-1])
+        return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
     def _injected(self, action: str, form: dict[str, str]) -> ErrorKind | None:
         subnet = form.get("NetworkInterface.1.SubnetId") or form.get("SubnetId")
@@ -370,6 +492,7 @@ class FakeEc2(ServedFake):
         if status != 200 or found is None:
             return status, answer
         instance_id = found[1]
+        self._hide(found, self.instance_lag)
         if self.auto_start_ip is not None:
             self._backend().get_instance(instance_id).nics[0].public_ip = self.auto_start_ip
             answer = _PUBLIC_IP.sub(

@@ -20,12 +20,12 @@ import pytest
 
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
-from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice
+from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice, user_data
 from providers.base import CreateRequest, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
-from providers.squid import ProxySettings
+from providers.squid import ProxySettings, sha512_crypt
 from tests.fakes.ec2 import DEBIAN_IMAGES, NEWEST_DEBIAN_12, REGION, FakeEc2
 from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
 
@@ -66,10 +66,18 @@ def subnet_ids(fake: FakeEc2, count: int = 2) -> list[str]:
     return [subnet for subnet, _ in fake.subnets()[:count]]
 
 
-def make_provider(fake: FakeEc2, subnets: int = 1, **settings: Any) -> AwsProvider:
+def make_provider(
+    fake: FakeEc2, subnets: int = 1, *, consistency_window: float = 300.0, **settings: Any
+) -> AwsProvider:
     config = AwsConfig(region=REGION, subnets=subnet_ids(fake, subnets), **settings)
     # Every `get` asks the console: tests step through it without pacing.
-    return AwsProvider(config, INSTALLATION, ec2=fake.client(), console_interval=0)
+    return AwsProvider(
+        config,
+        INSTALLATION,
+        ec2=fake.client(),
+        console_interval=0,
+        consistency_window=consistency_window,
+    )
 
 
 @pytest.fixture
@@ -494,9 +502,16 @@ def test_ec2_errors_map_onto_the_taxonomy(
 
 
 def test_errors_of_get_and_delete(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
-    with pytest.raises(NotFound):
+    # An id EC2 does not list may be one it does not show yet: gone only
+    # once the consistency window since it was first missed has passed.
+    with pytest.raises(Transient, match="is not listed yet"):
         provider.get("i-0123456789abcdef0")
-    provider.delete("i-0123456789abcdef0")  # gone already: success
+    with pytest.raises(Transient, match="is not listed yet"):
+        provider.delete("i-0123456789abcdef0")
+    past_the_window = make_provider(fake_ec2, consistency_window=0)
+    with pytest.raises(NotFound):
+        past_the_window.get("i-0123456789abcdef0")
+    past_the_window.delete("i-0123456789abcdef0")  # gone already: success
     with pytest.raises(Permanent, match="malformed AWS provider_id"):
         provider.get("i-../../x")
     created = provider.create(make_request())
@@ -695,3 +710,157 @@ def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
         "squid",
     ]
     assert FakeImds.asks == 2  # asked again after the 404, stopped after the notice
+
+
+# -- eventual consistency ("Eventual consistency in the Amazon EC2 API") ---------------
+
+
+def test_a_new_instance_ec2_does_not_list_yet_is_waited_for_not_lost() -> None:
+    with FakeEc2(instance_lag=2) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())
+
+        for _ in range(2):
+            with pytest.raises(Transient, match="is not listed yet"):
+                provider.get(created.provider_id)
+        listed = provider.get(created.provider_id)
+
+    assert listed.state is InstanceState.PROVISIONING
+    assert listed.provider_id == created.provider_id
+
+
+def test_a_delete_right_after_create_finds_the_instance_by_its_token_and_terminates_it() -> None:
+    with FakeEc2(instance_lag=1) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())
+
+        provider.delete(created.provider_id)  # not listed by id: found by its client token
+
+        assert fake.instance(created.provider_id).state == "terminated"
+
+
+def test_a_delete_is_not_done_while_ec2_may_not_show_the_instance_yet() -> None:
+    with FakeEc2(instance_lag=6) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())
+
+        with pytest.raises(Transient, match="is not listed yet"):
+            provider.delete(created.provider_id)
+        assert fake.instance(created.provider_id).state == "running"  # not taken for gone
+        with pytest.raises(Transient):
+            provider.delete(created.provider_id)  # TerminateInstances: NotFound, still running
+        assert fake.instance(created.provider_id).state == "running"
+        provider.delete(created.provider_id)
+
+        assert fake.instance(created.provider_id).state == "terminated"
+
+
+def test_a_terminate_answered_not_found_is_asked_again(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    created = provider.create(make_request())
+    fake_ec2.inject_error("TerminateInstances", "instance_not_found")
+
+    with pytest.raises(Transient, match="TerminateInstances says it does not exist"):
+        provider.delete(created.provider_id)
+    assert fake_ec2.instance(created.provider_id).state == "running"
+    provider.delete(created.provider_id)
+
+    assert fake_ec2.instance(created.provider_id).state == "terminated"
+
+
+def test_a_new_security_group_is_used_by_its_id_until_ec2_lists_it() -> None:
+    with FakeEc2(group_lag=1) as fake:
+        provider = make_provider(fake)
+        req = make_request()
+
+        with pytest.raises(Transient, match=r"InvalidGroup\.NotFound"):
+            provider.create(req)  # the group's id is not known everywhere yet
+        created = provider.create(req)
+
+        assert fake.calls("RunInstances") and len(fake.calls("CreateSecurityGroup")) == 1
+        assert ingress(group_of(fake)) == {("tcp", 3128, cidr) for cidr in CIDRS}
+        assert fake.instance(created.provider_id).state == "running"
+
+
+def test_rules_another_worker_changed_first_are_as_asked(fake_ec2: FakeEc2) -> None:
+    fake_ec2.a_racing_worker("AuthorizeSecurityGroupIngress")
+    make_provider(fake_ec2).create(make_request("first"))
+    fake_ec2.open_by_hand(group_name(INSTALLATION), 22, ANYONE)
+    fake_ec2.a_racing_worker("RevokeSecurityGroupIngress")
+
+    make_provider(fake_ec2).create(make_request("second"))  # another worker's provider
+
+    assert ingress(group_of(fake_ec2)) == {("tcp", 3128, cidr) for cidr in CIDRS}
+    assert len(live(fake_ec2)) == 2
+
+
+# -- zones that refuse: Unsupported, the spot price --------------------------------
+
+
+def test_a_type_a_zone_does_not_offer_moves_to_the_next_subnet(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, subnets=2)
+    subnet_a, subnet_b = subnet_ids(fake_ec2, 2)
+    fake_ec2.inject_error("RunInstances", "unsupported", subnet=subnet_a, times=None)
+
+    landed = [provider.create(make_request(f"owner-{i}")) for i in range(4)]
+
+    assert {fake_ec2.instance(i.provider_id).subnet_id for i in landed} == {subnet_b}
+    with pytest.raises(Permanent, match=r"aws\.instance_type: t3\.micro is not offered"):
+        provider.create(make_request("pinned", subnet=subnet_a))
+
+
+def test_a_spot_price_above_max_price_moves_to_the_next_subnet(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, subnets=2, market="spot", max_price="0.0010")
+    subnet_a, subnet_b = subnet_ids(fake_ec2, 2)
+    fake_ec2.inject_error("RunInstances", "spot_price_too_low", subnet=subnet_a, times=None)
+
+    landed = [provider.create(make_request(f"owner-{i}")) for i in range(4)]
+
+    assert {fake_ec2.instance(i.provider_id).subnet_id for i in landed} == {subnet_b}
+    with pytest.raises(QuotaExceeded, match="SpotMaxPriceTooLow"):
+        provider.create(make_request("pinned", subnet=subnet_a))  # waits, as for capacity
+
+
+# -- a retried RunInstances ----------------------------------------------------------
+
+
+def test_the_user_data_of_one_name_is_the_same_on_every_render() -> None:
+    proxy = proxy_settings()
+    first = user_data(proxy, spot=False, name="proxy-aaaa")
+
+    assert user_data(proxy, spot=False, name="proxy-aaaa") == first
+    assert user_data(proxy, spot=False, name="proxy-bbbb") != first  # a salt per instance
+    [hashed] = [
+        line.split(":", 1)[1] for line in first.splitlines() if line.startswith("proxy:$6$")
+    ]
+    assert sha512_crypt(PASSWORD, hashed) == hashed  # Squid's helper accepts the password
+
+
+def test_a_create_retried_before_ec2_lists_the_instance_gets_the_same_one() -> None:
+    with FakeEc2(instance_lag=2) as fake:
+        provider = make_provider(fake)
+        req = make_request()
+        first = provider.create(req)
+
+        again = make_provider(fake).create(req)  # another worker: not listed by name yet
+
+        assert again.provider_id == first.provider_id
+        assert len(fake.calls("RunInstances")) == 2 and len(fake.instances()) == 1
+
+
+def test_a_client_token_whose_instance_ended_is_a_terminated_instance_not_a_wait(
+    fake_ec2: FakeEc2,
+) -> None:
+    provider = make_provider(fake_ec2, subnets=2)
+    subnet_a, subnet_b = subnet_ids(fake_ec2, 2)
+    ended = provider.create(make_request(subnet=subnet_a))
+    fake_ec2.client().terminate_instances(InstanceIds=[ended.provider_id])
+
+    # The same name, now asked in another subnet: EC2 answers
+    # IdempotentParameterMismatch, and the token's instance has ended.
+    again = provider.create(make_request(subnet=subnet_b))
+
+    assert again.provider_id == ended.provider_id
+    assert again.state is InstanceState.TERMINATED  # the workflow replaces it
+    assert len(fake_ec2.instances()) == 1
