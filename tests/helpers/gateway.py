@@ -225,6 +225,10 @@ async def pool_gateway(
         if api:
             process.api = (api_port, token)
         # Started off the event loop: the worker in the test's process answers its queries.
-        await asyncio.to_thread(process.start)
-        yield process
+        try:
+            await asyncio.to_thread(process.start)
+            yield process
+        except BaseException:
+            await asyncio.to_thread(process.stop)  # a failed test leaves no gateway running
+            raise
         assert await asyncio.to_thread(process.stop) == 0, process.log()
