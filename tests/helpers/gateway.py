@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class GatewayProcess:
         poll_seconds: float = 0.5,
         debounce_seconds: float = 0.5,
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
@@ -86,6 +87,7 @@ class GatewayProcess:
             "TEMPORAL_ADDRESS": temporal_address,
             "TEMPORAL_NAMESPACE": namespace,
             "PYTHONPATH": str(ROOT),
+            **(extra_env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -148,6 +150,7 @@ def stack_gateway(
     pool: str,
     directory: Path,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> GatewayProcess:
     """A gateway (not started) over `pool`: the stack's local provider, its origin's port."""
     return GatewayProcess(
@@ -157,6 +160,7 @@ def stack_gateway(
         namespace=env.client.namespace,
         directory=directory,
         extra_args=extra_args,
+        extra_env=extra_env,
     )
 
 
@@ -179,15 +183,17 @@ async def pool_gateway(
     stack: Stack,
     pool: str,
     flags: Callable[[Path], tuple[str, ...]] | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[GatewayProcess]:
     """A gateway over `pool` of the stack's worker, stopped (and checked exit 0) afterwards.
 
     `flags`, given the gateway's directory, writes there what the gateway
-    needs (a tokens file, say) and returns the flags that point at it.
+    needs (a tokens file, say) and returns the flags that point at it;
+    `extra_env` is added to its environment.
     """
     with local_state_dir("proxy-operator-gateway-test-") as directory:
         extra_args = flags(directory) if flags is not None else ()
-        process = stack_gateway(env, stack, pool, directory, extra_args)
+        process = stack_gateway(env, stack, pool, directory, extra_args, extra_env)
         # Started off the event loop: the worker in the test's process answers its queries.
         await asyncio.to_thread(process.start)
         yield process
