@@ -38,7 +38,11 @@ nothing:
 Every file lives in the gateway's state directory: the four configs, the
 htpasswd, one access log per worker, the shared cache.log, squid.out. The
 back configs hold the members' credentials (cache_peer login=), so the
-directory is private to the gateway and Squid's user.
+directory is private to the gateway and Squid's user, who may read it and
+not write it: the gateway runs as root, and a Squid worker a client took
+over must not plant a file or link there that the gateway or Squid's master
+(also root) would then write through or read as a config. What Squid's user
+writes (the logs, the tunnel helper's ledger) is made for it, as its own.
 """
 
 from __future__ import annotations
@@ -80,10 +84,13 @@ from providers.squid_process import (
     await_ready,
     bindable,
     clear_stale_pid_file,
+    environment,
     excerpt,
     find_binary,
     launch,
     log_excerpt,
+    make_dir,
+    make_writable,
     parse_errors,
     remove_shm,
     service_name,
@@ -261,6 +268,8 @@ class GatewaySquid:
         self._write_checked(self.conf, self._top_conf())
         remove_leftovers(self._service)
         clear_stale_pid_file(self._pid_file)
+        for log_file in (self.cache_log, *(worker.access_log for worker in self.workers)):
+            make_writable(log_file, self._account)
         offset = self._cache_log_size()
         # --foreground, not -N: -N runs no workers, hence no SMP.
         self.process = launch(
@@ -270,6 +279,7 @@ class GatewaySquid:
         )
         self.watchdog = subprocess.Popen(
             [sys.executable, "-m", "gateway.watchdog", str(self.process.pid), self._service],
+            env=_watchdog_environment(),
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
@@ -462,11 +472,8 @@ class GatewaySquid:
         write_file(path, text, 0o640, None if self._account is None else self._account[1])
 
     def _make_dir(self, path: Path) -> None:
-        """A directory of the gateway's that Squid's user may enter, and nobody else."""
-        path.mkdir(mode=0o750, parents=True, exist_ok=True)
-        if self._account is not None:
-            os.chown(path, -1, self._account[1])
-        path.chmod(0o770)
+        """A directory of the gateway's that Squid's user may enter and not write; nobody else."""
+        make_dir(path, None if self._account is None else self._account[1])
 
     def _install_helper(self) -> str:
         """Copy the helpers where Squid's user reads them; return an interpreter that runs them.
@@ -486,6 +493,7 @@ class GatewaySquid:
         checks = [[*self._helper_command(AUTH_HELPER), "true"]]
         if self._users is not None:
             self._tunnels_ledger.unlink(missing_ok=True)  # a previous run's tunnels are gone
+            make_writable(self._tunnels_ledger, self._account)
             checks.append(self._helper_command(TUNNEL_HELPER))
         system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
         failures = []
@@ -519,6 +527,7 @@ class GatewaySquid:
             result = subprocess.run(
                 command,
                 stdin=subprocess.DEVNULL,
+                env=environment(),  # what Squid gives the helpers
                 capture_output=True,
                 text=True,
                 timeout=HELPER_CHECK_TIMEOUT,
@@ -682,6 +691,12 @@ def remove_leftovers(service: str) -> None:
     for leftover in IPC_DIR.glob(f"{service}-*.ipc"):
         with contextlib.suppress(OSError):
             leftover.unlink()
+
+
+def _watchdog_environment() -> dict[str, str]:
+    """Squid's environment, and where Python finds this package: the watchdog needs no secret."""
+    found = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+    return {**environment(), **found}
 
 
 def _kid_pid(master: int, number: int) -> int | None:

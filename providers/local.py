@@ -18,7 +18,8 @@ SIGKILL leaves it serving, and the next worker recognises it by its pid and
 start time, or, when the worker died before recording the pid, by its
 command line, and adopts it: there is never a second Squid for one instance.
 Squid started as root drops to the `proxy` user, so the directories are
-shared with that user's group.
+shared with that user's group, which may read them and not write them
+(providers/squid_process.py says why); its logs are made for it.
 
 Only instances whose tags say they belong to this installation are deleted,
 and only the one a request's owner, generation and namespace made is adopted.
@@ -409,6 +410,7 @@ class LocalProvider:
         fresh = previous is None and not directory.exists()
         if fresh:
             self._make_dir(name, req.tags, group)
+        squid_process.make_dir(directory, group)  # whoever made it, Squid's user may not write it
 
         port = self._allocate_port(name, previous.port if previous else None)
         paths = SquidPaths(
@@ -444,6 +446,8 @@ class LocalProvider:
         created_at = previous.created_at if previous else datetime.now(UTC)
         starting = _Metadata(port=port, pid=None, started=None, created_at=created_at)
         squid_process.write_file(directory / METADATA_FILE, starting.to_json())
+        for log_file in (CACHE_LOG, ACCESS_LOG):
+            squid_process.make_writable(directory / log_file, account)
         # In a session of its own, Squid outlives a crashed or killed worker.
         process = squid_process.launch(
             [binary, "-N", "-f", str(conf), "-n", service], directory, directory / SQUID_OUT
@@ -460,10 +464,7 @@ class LocalProvider:
         """
         staging = self._state_dir / f"{NEW_DIR_PREFIX}{name}"
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(mode=0o770)
-        staging.chmod(0o770)  # mkdir's mode is narrowed by the umask
-        if group is not None:
-            os.chown(staging, -1, group)
+        squid_process.make_dir(staging, group)
         squid_process.write_file(
             staging / TAGS_FILE, json.dumps(tags, indent=2, sort_keys=True) + "\n"
         )

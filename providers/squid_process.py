@@ -2,8 +2,11 @@
 
 Both start the Debian `squid` binary from a directory of rendered files.
 Started as root, Squid drops to the `proxy` user (SQUID_USER), and that user
-must then reach the directory: it writes the logs there and its helpers read
-the htpasswd and, for the gateway, the auth helper. A checkout under a home
+must then reach the directory: its helpers read the htpasswd and, for the
+gateway, the auth helper, and it writes its logs. It may not write the
+directory itself (`make_dir`): its logs are made for it (`make_writable`),
+and every file is written so that nothing planted in its place is followed
+(`write_file`). A checkout under a home
 directory (mode 700, as /root is) is out of its reach, so such a directory is
 swapped for one under RUNTIME_ROOT, which this module creates for it
 (`squid_dir`). Run as anyone else, Squid stays that user and reaches
@@ -15,6 +18,13 @@ until it exits, then with what its logs say) and stop it the same way
 (`stop`: SIGTERM, SIGKILL after a bound). What is theirs stays with them:
 the local provider's records and adoption of a Squid across worker
 restarts, the gateway's SMP workers, reloads and watchdog.
+
+Squid parses whatever a client sends, and so do the helpers it starts; a
+Squid bug a client reaches runs as Squid's user, who may read the
+environment of every process of that user (/proc/<pid>/environ). Squid,
+and through it every helper, therefore starts with `environment()`: a
+fixed PATH and the locale and time zone, never what the caller was given
+(its Temporal key, the fleet's password, cloud credentials).
 
 Errors here are plain exceptions (OSError, SquidError, SquidExited); each
 caller turns them into its own taxonomy (the provider's, the gateway's).
@@ -28,6 +38,7 @@ import logging
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -54,6 +65,12 @@ PARSE_TIMEOUT_SECONDS = 60
 POLL_SECONDS = 0.01
 # One connect attempt of `accepts`; a listening Squid answers in microseconds.
 ACCEPT_CHECK_SECONDS = 0.5
+# Squid's PATH: it runs every helper by an absolute path, so this only has
+# to be a PATH that names system directories alone.
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What Squid and its helpers are given of the caller's environment when it
+# is set: how to read and write text, and which time its logs show.
+PASSED_ON = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
 # Lines of Squid's output that say what went wrong.
 _TROUBLE = re.compile(r"FATAL|ERROR|unrecognized|Bungled")
 
@@ -142,21 +159,90 @@ def _traversable(directory: Path, account: Account) -> bool:
 
 
 def write_file(path: Path, text: str, mode: int = 0o644, group: int | None = None) -> None:
-    """Replace a file atomically, so no reader (Squid included) ever sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(tmp, mode)  # os.open's mode is narrowed by the umask
+    """Replace a file atomically, so no reader (Squid included) ever sees half of it.
+
+    The text goes to a file of a fresh, unpredictable name, created with
+    O_EXCL and O_NOFOLLOW, which is then renamed over `path`. A symbolic
+    link (or anything else) planted at either name is replaced or refused,
+    never followed: no file it points at is written, chmodded or chowned.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(fd, mode)  # os.open's mode is narrowed by the umask
+            if group is not None:
+                os.fchown(fd, -1, group)
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def make_dir(path: Path, group: int | None) -> None:
+    """`path` as a directory Squid's user (in `group`) may read and enter but not write.
+
+    Squid's user can then plant nothing in it (a symbolic link where a
+    file is about to be written, a config of its own); what it writes has
+    to be made for it (`make_writable`). Anything but a directory at
+    `path` (a link planted while it was still writable) is removed first,
+    so nothing is created, chowned or chmodded through it. Nobody else may
+    enter: the configs hold the fleet's credentials.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            path.unlink()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if group is not None:
-        os.chown(tmp, -1, group)
-    os.replace(tmp, path)
+        os.chown(path, -1, group, follow_symlinks=False)
+    path.chmod(0o750)  # mkdir's mode is narrowed by the umask
+
+
+def remove_planted(path: Path) -> None:
+    """Remove `path` unless it is a file of one link: what is opened there as root is no link.
+
+    A link planted while the directory was still writable by Squid's user
+    would have the gateway, or Squid's master, write the file it names.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        found = os.lstat(path)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+            path.unlink()
+
+
+def make_writable(path: Path, account: Account | None) -> None:
+    """A file Squid's user may write (a log), in a directory of `make_dir`'s, which it cannot.
+
+    Squid's user cannot create it there, so it is created for it, as its
+    own; its content stays (`remove_planted` first).
+    """
+    remove_planted(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        if account is not None:
+            os.fchown(fd, *account)
+        os.fchmod(fd, 0o640)
+    finally:
+        os.close(fd)
+
+
+def environment() -> dict[str, str]:
+    """The whole environment of Squid and its helpers: nothing secret, nothing it does not use.
+
+    An allowlist, so a secret the caller is given later under any name
+    stays out of it too.
+    """
+    passed = {name: os.environ[name] for name in PASSED_ON if name in os.environ}
+    return {"PATH": SYSTEM_PATH, **passed}
 
 
 def parse_errors(binary: str, conf: Path) -> str | None:
     """`squid -k parse` (tens of milliseconds): None if accepted, else what Squid said."""
     result = subprocess.run(
         [binary, "-k", "parse", "-f", str(conf)],
+        env=environment(),
         capture_output=True,
         text=True,
         timeout=PARSE_TIMEOUT_SECONDS,
@@ -210,8 +296,10 @@ def clear_stale_pid_file(pid_file: Path) -> None:
 
     Squid refuses to start while its pid file names a process that exists,
     and a zombie exists: a Squid whose parent was killed stays one until
-    somebody reaps it, and in a container nobody may.
+    somebody reaps it, and in a container nobody may. Squid's master opens
+    the pid file as root: one that is not a plain file is removed too.
     """
+    remove_planted(pid_file)
     try:
         pid = int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
@@ -252,11 +340,15 @@ def launch(command: Sequence[str], directory: Path, output: Path) -> subprocess.
     it, so the caller stops it in its own order or leaves it serving; and
     its pid names its process group, which `stop` can kill whole.
     Squid's earliest errors (a bad flag, a missing file) are on `output`
-    only, before it opens its cache.log.
+    only, before it opens its cache.log. Its environment is `environment()`,
+    which its helpers inherit.
     """
-    with open(output, "ab") as out:
+    remove_planted(output)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(output, flags, 0o640), "ab") as out:
         return subprocess.Popen(
             list(command),
+            env=environment(),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ from providers.config import Config
 from providers.local import LocalProvider
 from providers.naming import owner_tags
 from providers.procfs import group_members
-from providers.squid import GatewayMember
+from providers.squid import SQUID_USER, GatewayMember
 from providers.squid_process import RUNTIME_ROOT
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import accepts_connections, closed_by_peer, free_port, read_head
@@ -858,3 +859,67 @@ def test_the_backs_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones
         assert sorted(gateway_squid._free_ports(2)) == sorted(window - taken)
         with pytest.raises(GatewayError, match=f"no 3 free loopback ports in {low - 5}"):
             gateway_squid._free_ports(3)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a boundary only when the gateway runs as root")
+def test_links_planted_in_the_state_dir_write_nothing_of_roots(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    """Squid's user, holding a worker a client took over, plants links where the gateway writes.
+
+    Followed, the gateway (root) would overwrite, chmod and chown the file a
+    link names. Squid's user cannot write the state directory; links that
+    are there all the same (as in a directory it could once write) are
+    replaced or removed, never followed, by a reload, a users change and a
+    restart.
+    """
+    target = state_dir / "root-only"
+    target.write_text("root's own\n")
+    target.chmod(0o600)
+    before = target.stat()
+    alice, bob = ("alice", "alice-password-1"), ("bob", "bob-password-2")
+    listen = ("127.0.0.1", free_port())
+    directory = state_dir / ".planted"
+    users = f"{alice[0]}:{hash_password(alice[1])} tunnels=2\n"
+    squid = GatewaySquid(config.proxy_settings(), directory, listen, users=users)
+    try:
+        squid.start(list(members.by_member.values()))
+        account = pwd.getpwnam(SQUID_USER)
+        planting = subprocess.run(
+            ["ln", "-s", str(target), str(directory / "planted")],
+            capture_output=True,
+            user=account.pw_uid,
+            group=account.pw_gid,
+            extra_groups=[],
+            check=False,
+        )
+        assert planting.returncode != 0, "Squid's user may write the state directory"
+        names = {p.name for p in directory.iterdir() if p.is_file()}
+        # What a reload and a users change write, then (for a restart) every file.
+        written = {back.conf.name for back in squid.backs} | {"htpasswd", "users"}
+        assert {"squid.conf", "back-2.conf", "htpasswd", "cache.log", "squid.pid"} <= names
+        plant(directory, written, target)
+        squid.install_users(users + f"{bob[0]}:{hash_password(bob[1])}\n")
+        squid.apply(list(members.by_member.values())[:2])
+        assert through(squid, tls_origin, USERNAME).ok
+        squid.stop()
+        plant(directory, names, target)
+        squid = GatewaySquid(config.proxy_settings(), directory, listen, users=users)
+        squid.start(list(members.by_member.values()))
+        assert through(squid, tls_origin, *alice).ok
+    finally:
+        squid.stop()
+    after = target.stat()
+    assert target.read_text() == "root's own\n"
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    )
+
+
+def plant(directory: Path, names: set[str], target: Path) -> None:
+    """Links to `target` at `names` in `directory`, and at the temporary names of each."""
+    for name in (*names, *(f".{n}.tmp" for n in names), *(f"{n}.new" for n in names)):
+        (directory / name).unlink(missing_ok=True)
+        (directory / name).symlink_to(target)

@@ -23,6 +23,15 @@ INSTALLATION = scoped("test")
 USERNAME = "proxy"
 PASSWORD = "test-password-7f3a"
 PASSWORD_ENV = "PROXY_PASSWORD"
+# What a worker or a gateway may hold in its environment besides the fleet's
+# password, none of which a process that parses clients' traffic may be
+# given. TEMPORAL_TLS=false lets a process with the key still reach the dev
+# server (a key alone turns TLS on).
+CALLER_SECRETS = {
+    "TEMPORAL_API_KEY": "temporal-api-key-5e1d0c",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-key-9b27e4",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/secret/gcp-service-account-41c8.json",
+}
 LOOPBACK = "127.0.0.0/8"
 # The default list minus loopback: tests tunnel to an origin on 127.0.0.1,
 # which a proxy refuses by default. Everything else stays refused.

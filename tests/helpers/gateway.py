@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class GatewayProcess:
         poll_seconds: float = 0.5,
         debounce_seconds: float = 0.5,
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
@@ -89,6 +90,7 @@ class GatewayProcess:
             "TEMPORAL_ADDRESS": temporal_address,
             "TEMPORAL_NAMESPACE": namespace,
             "PYTHONPATH": str(ROOT),
+            **(extra_env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None
         # The control API's port and a token of it, with pool_gateway(..., api=True).
@@ -169,6 +171,7 @@ def stack_gateway(
     pool: str,
     directory: Path,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> GatewayProcess:
     """A gateway (not started) over `pool`: the stack's local provider, its origin's port."""
     return GatewayProcess(
@@ -178,6 +181,7 @@ def stack_gateway(
         namespace=env.client.namespace,
         directory=directory,
         extra_args=extra_args,
+        extra_env=extra_env,
     )
 
 
@@ -200,15 +204,16 @@ async def pool_gateway(
     stack: Stack,
     pool: str,
     flags: Callable[[Path], tuple[str, ...]] | None = None,
+    extra_env: Mapping[str, str] | None = None,
     *,
     api: bool = False,
 ) -> AsyncIterator[GatewayProcess]:
     """A gateway over `pool` of the stack's worker, stopped (and checked exit 0) afterwards.
 
     `flags`, given the gateway's directory, writes there what the gateway
-    needs (a tokens file, say) and returns the flags that point at it. With
-    `api`, the control API is on (loopback, one token, no rate to speak of)
-    for `member_metrics`.
+    needs (a tokens file, say) and returns the flags that point at it;
+    `extra_env` is added to its environment. With `api`, the control API is
+    on (loopback, one token, no rate to speak of) for `member_metrics`.
     """
     with local_state_dir("proxy-operator-gateway-test-") as directory:
         extra_args = flags(directory) if flags is not None else ()
@@ -221,7 +226,7 @@ async def pool_gateway(
                 *("--api-listen", f"127.0.0.1:{api_port}", "--api-tokens-file", str(tokens)),
                 *("--api-rate", "1000", "--api-burst", "1000"),
             )
-        process = stack_gateway(env, stack, pool, directory, extra_args)
+        process = stack_gateway(env, stack, pool, directory, extra_args, extra_env)
         if api:
             process.api = (api_port, token)
         # Started off the event loop: the worker in the test's process answers its queries.

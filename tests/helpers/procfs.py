@@ -2,12 +2,13 @@
 
 Reading one process is providers.procfs's (the local provider and the
 gateway use it too); here is what only tests and benchmarks measure: CPU,
-memory, process trees, the machine's load.
+memory, process trees, what a process's environment holds, the machine's load.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from providers import procfs
@@ -43,6 +44,33 @@ def descendants(pid: int, tree: dict[int, list[int]]) -> list[int]:
         found.append(current)
         todo.extend(tree.get(current, []))
     return found
+
+
+def processes_below(pid: int) -> dict[int, str]:
+    """`pid` and every process below it that runs: pid -> its command line."""
+    found = {
+        p: b" ".join(procfs.command_line(p)).decode()
+        for p in descendants(pid, children_by_parent())
+    }
+    return {p: args for p, args in found.items() if args}
+
+
+def secrets_held(pids: Iterable[int], secrets: dict[str, str]) -> dict[int, list[str]]:
+    """Which of `secrets` (name -> value) the environment of each of `pids` holds; pid -> names.
+
+    A value counts under any name: what a process must not be able to read
+    is the secret, whatever variable carries it.
+    """
+    held = {p: [n for n, v in secrets.items() if v.encode() in environment(p)] for p in pids}
+    return {p: names for p, names in held.items() if names}
+
+
+def environment(pid: int) -> bytes:
+    """/proc/<pid>/environ: the environment the process started with; empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
 
 
 def comm(pid: int) -> str:

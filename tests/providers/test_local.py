@@ -42,12 +42,13 @@ from providers.local import (
     LocalProvider,
 )
 from providers.naming import NAMESPACE_KEY, owner_tags
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, NCSA_AUTH_HELPER, ProxySettings
 from providers.squid_process import RUNTIME_ROOT, SHM_DIR, service_name
-from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
+from tests.helpers.config import CALLER_SECRETS, LOOPBACK_ORIGIN_DENIED, PASSWORD_ENV
 from tests.helpers.network import raw_status
+from tests.helpers.procfs import environment, processes_below, secrets_held
 from tests.helpers.tls_origin import TlsOrigin
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import DEADLINE, wait_for, wait_until
 from tests.helpers.xdist import local_ports
 
 USERNAME = "probe"
@@ -250,6 +251,29 @@ def test_files_are_shared_with_squid_but_keep_the_secret(
         proxy_gid = grp.getgrnam("proxy").gr_gid
         assert htpasswd.st_gid == proxy_gid
         assert directory.stat().st_gid == proxy_gid
+
+
+def test_squid_and_its_helpers_get_no_secret_of_the_worker(
+    state_dir: Path, tls_origin: TlsOrigin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's own environment: its Temporal key, cloud credentials, the
+    # fleet's password. Squid's user may read a Squid's or helper's environment.
+    secrets = {**CALLER_SECRETS, PASSWORD_ENV: PASSWORD}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    provider_for(state_dir).create(request("proxy-env", tls_origin))
+    squid = squid_pid(state_dir, "proxy-env")
+    processes: dict[int, str] = {}
+
+    def helper_started() -> bool:
+        processes.update(processes_below(squid))
+        # Squid starts it as `(basic_ncsa_auth) <htpasswd>`.
+        return any(f"({Path(NCSA_AUTH_HELPER).name})" in a for a in processes.values())
+
+    wait_until(helper_started, DEADLINE, "Squid's auth helper")
+    assert squid in processes
+    assert all(environment(pid) for pid in processes), "an environment this test cannot read"
+    assert secrets_held(processes, secrets) == {}, processes
 
 
 def test_create_twice_adopts_one_process(state_dir: Path, tls_origin: TlsOrigin) -> None:

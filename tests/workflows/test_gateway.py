@@ -17,15 +17,18 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.config import PASSWORD, USERNAME
+from gateway.users import hash_password
+from tests.helpers.config import CALLER_SECRETS, PASSWORD, PASSWORD_ENV, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway, through
 from tests.helpers.loopback_peer import loopback_peer
+from tests.helpers.procfs import environment, processes_below, secrets_held
 from tests.helpers.stacks import Stack
 from tests.helpers.tunnel import request
 from tests.helpers.waiting import wait_for
@@ -336,3 +339,41 @@ async def test_a_forged_member_report_never_reaches_the_gateway(
         "replicas": REPLICAS,
         "previous": REPLICAS,
     }
+
+
+async def test_squid_and_its_helpers_get_no_secret_of_the_gateway(
+    temporal_env: WorkflowEnvironment, stack: Stack, pool: Pool
+) -> None:
+    """What the gateway holds (Temporal key, fleet password, cloud keys) stays out of Squid.
+
+    Squid's user may read the environment of each process it runs as
+    (/proc/<pid>/environ): a client that took over a Squid worker or a helper
+    would hold the namespace. A users file makes every kind of helper run.
+    """
+    alice = ("alice", "alice-password-1")
+    secrets = {**CALLER_SECRETS, PASSWORD_ENV: PASSWORD}
+
+    def users_file(directory: Path) -> tuple[str, ...]:
+        users = directory / "users"
+        users.write_text(f"{alice[0]}:{hash_password(alice[1])} tunnels=2\n")
+        return ("--users-file", str(users))
+
+    # A key alone would turn TLS on, which the dev server does not speak.
+    extra_env = {**CALLER_SECRETS, "TEMPORAL_TLS": "false"}
+    async with pool_gateway(temporal_env, stack, pool.handle.id, users_file, extra_env) as gateway:
+        assert gateway.process is not None
+        # Both kinds of users authenticate: the helpers work in what they are given.
+        assert (await asyncio.to_thread(through, gateway, stack, USERNAME)).ok
+        assert (await asyncio.to_thread(through, gateway, stack, *alice)).ok
+        processes: dict[int, str] = {}
+        wanted = ("squid-1", "squid-2", "squid-3", "auth_helper.py", "tunnel_helper.py")
+        wanted += ("basic_ncsa_auth", "gateway.watchdog")
+
+        def all_found() -> bool:
+            processes.update(processes_below(gateway.process.pid))  # type: ignore[union-attr]
+            return all(any(w in args for args in processes.values()) for w in wanted)
+
+        await wait_for(all_found, f"the gateway's processes: {wanted}")
+        del processes[gateway.process.pid]  # the gateway's own holds what it was given
+        assert all(environment(pid) for pid in processes), "an environment this test cannot read"
+        assert secrets_held(processes, secrets) == {}, processes
