@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import random
 import socket
+
+# Where free_port looks: below the kernel's ephemeral range (32768.. by default),
+# so only an explicit bind can take a port between the check and the server's
+# own bind. A port the kernel hands out for port 0 can meanwhile become the
+# local end of any outgoing connection (the server then fails "address in
+# use": seen in a loaded run). Clear of the local Squids' 21000..23999
+# (tests/helpers/xdist.py), the benchmarks' 25000.. and the gateway's backs'
+# 26000.. (gateway/squid.py).
+LISTEN_PORTS = range(24000, 25000)
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on loopback that nothing holds right now, from LISTEN_PORTS.
+
+    Chosen at random, so test processes running at once rarely pick the same
+    one; a port still in TIME_WAIT does not bind here, so it is passed over.
+    """
+    for port in random.sample(LISTEN_PORTS, len(LISTEN_PORTS)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {LISTEN_PORTS.start}..{LISTEN_PORTS.stop - 1}")
 
 
 def accepts_connections(port: int, host: str = "127.0.0.1") -> bool:

@@ -31,8 +31,9 @@ import re
 
 # "gw0", "gw1", ... in an xdist worker; unset in a plain run and in the controller.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-# Ports for local Squids: 21000.. in blocks, below the ephemeral range (32768..)
-# that free_port hands out, and clear of the benchmarks' 25000..25999.
+# Ports for local Squids: 21000.. in blocks, below the ephemeral range (32768..),
+# clear of free_port's 24000..24999 (tests/helpers/network.py) and of the
+# benchmarks' 25000..25999.
 PORT_BASE = 21000
 PORT_BLOCK = 200
 PORT_BLOCKS = 15  # 21000..23999; a 16th worker shares the first block
