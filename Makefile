@@ -38,8 +38,10 @@ test-tools:
 		chromium-headless-shell:chromium-headless-shell certutil:libnss3-tools
 
 ## Temporal dev server + worker + local Squid provider; Ctrl-C stops it all.
+## `make run CONFIG=path` runs the worker on another providers config.
+CONFIG ?= deploy/local/providers.yaml
 run: $(STAMP) tools bytecode
-	$(BIN)/python deploy/local/devenv.py
+	$(BIN)/python deploy/local/devenv.py --providers-config '$(CONFIG)'
 
 ## The whole suite, as CI runs it.
 test: $(STAMP) test-tools bytecode

@@ -49,7 +49,7 @@ ENDPOINT = SearchAttributeKey.for_keyword("ProxyEndpoint")
 INSTANCES = SearchAttributeKey.for_keyword_list("ProxyInstances")
 KEYWORDS = (STATE, PROVIDER, ENDPOINT)
 # The pool a ProxyLifecycle belongs to, set when the pool starts it; a
-# ProxyPool sets it to its own id, so `ProxyPool='web'` lists pool and members.
+# ProxyPool sets it to its own id, so `ProxyPool='pool-demo'` lists pool and members.
 POOL = SearchAttributeKey.for_keyword("ProxyPool")
 SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES, POOL)
 

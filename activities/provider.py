@@ -176,7 +176,8 @@ class ProviderActivities:
             problems += entry.settings.placement_problems(inp.placement)
         ports = self._config.proxy.allowed_connect_ports
         target_port = _port_of(inp.health_target)
-        if target_port is not None and target_port not in ports:
+        excepted = _authority_of(inp.health_target) in self._config.proxy.destination_exceptions
+        if target_port is not None and target_port not in ports and not excepted:
             problems.append(
                 f"health.target: port {target_port} is not in the proxies' "
                 f"allowed_connect_ports {ports}, so every probe would be refused"
@@ -673,6 +674,15 @@ def _port_of(url: str) -> int | None:
         return urlsplit(url).port or 443
     except ValueError:
         return None
+
+
+def _authority_of(url: str) -> str:
+    """`host:port` of the URL, as `proxy.destination_exceptions` spells a destination."""
+    try:
+        parts = urlsplit(url)
+        return f"{parts.hostname}:{parts.port or 443}"
+    except ValueError:
+        return ""
 
 
 def _summarise(result: ProbeResult) -> ProbeSummary:

@@ -1,6 +1,6 @@
 """proxy-operator-gateway: one stable proxy endpoint over a ProxyPool.
 
-    proxy-operator-gateway --pool web --listen 0.0.0.0:8888 --providers-config providers.yaml
+    proxy-operator-gateway --pool pool-demo --listen 0.0.0.0:8888 --providers-config providers.yaml
 
 Clients authenticate with the proxies' username and password (from the same
 providers config and PROXY_PASSWORD as the worker), or a users file's

@@ -86,6 +86,10 @@ class ProxyDefaults(StrictModel):
     # None: providers.squid.DEFAULT_DENIED_DESTINATIONS. A list replaces it
     # whole; [] lets CONNECT reach every address, private ones included.
     denied_destinations: list[str] | None = None
+    # `IPv4:port` pairs CONNECT may reach although `denied_destinations`
+    # covers the address and `allowed_connect_ports` lacks the port: one
+    # service (make run's demo site on loopback), not its network at large.
+    destination_exceptions: list[str] = []
 
     @field_validator("allowed_cidrs", "denied_destinations")
     @classmethod
@@ -108,6 +112,22 @@ class ProxyDefaults(StrictModel):
             raise ValueError("; ".join(bad))
         return canonical
 
+    @field_validator("destination_exceptions")
+    @classmethod
+    def _exceptions_are_address_and_port(cls, pairs: list[str]) -> list[str]:
+        """Every entry an IPv4 address and a port, kept as `address:port`."""
+        bad, canonical = [], []
+        for pair in pairs:
+            try:
+                address, port = destination_exception(pair)
+            except ValueError:
+                bad.append(f"{pair!r} is not an IPv4 address and port, such as 127.0.0.1:8443")
+                continue
+            canonical.append(f"{address}:{port}")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return canonical
+
     def warnings(self) -> list[str]:
         """Settings that are valid but open more than an operator may mean to."""
         found = [
@@ -122,6 +142,19 @@ class ProxyDefaults(StrictModel):
                 "the cloud metadata server and private networks through the proxies"
             )
         return found
+
+
+def destination_exception(pair: str) -> tuple[str, int]:
+    """`127.0.0.1:8443` as (address, port); ValueError unless an IPv4 address and a port.
+
+    IPv4 only: Squid matches the exception against the CONNECT's host as
+    written, and an IPv4 address has one spelling there.
+    """
+    host, _, port = pair.rpartition(":")
+    number = int(port) if port.isdigit() else 0
+    if not 1 <= number <= 65535:
+        raise ValueError(pair)
+    return str(ipaddress.IPv4Address(host)), number
 
 
 class ProviderEntry(StrictModel):
@@ -231,6 +264,9 @@ class Config(StrictModel):
                 DEFAULT_DENIED_DESTINATIONS
                 if self.proxy.denied_destinations is None
                 else tuple(self.proxy.denied_destinations)
+            ),
+            destination_exceptions=tuple(
+                destination_exception(pair) for pair in self.proxy.destination_exceptions
             ),
         )
 

@@ -12,6 +12,8 @@ so no provider can produce an open proxy. The rules, in order:
 4. CONNECT to an address in `denied_destinations` (loopback, link-local with
    the cloud metadata server, private ranges by default) is denied, also when
    the name asked for resolves there, with or without credentials;
+   `destination_exceptions` (address and port, asked for by that address)
+   escape this rule and rule 3, and nothing else does;
 5. without valid basic-auth credentials the answer is 407 (the gateway's
    front passes credentials on to back workers, which check them);
 6. everything else is denied.
@@ -76,6 +78,8 @@ class ProxySettings:
     allowed_connect_ports: tuple[int, ...]
     # Destinations CONNECT is refused for, whoever asks; () refuses none.
     denied_destinations: tuple[str, ...] = DEFAULT_DENIED_DESTINATIONS
+    # (IPv4 address, port) pairs rules 3 and 4 let through.
+    destination_exceptions: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,18 +184,24 @@ def render(
         # the list; the tunnel then connects to the addresses it checked.
         denied = " ".join(_squid_cidr(c) for c in settings.denied_destinations)
         lines.append(f"acl denied_destinations dst {denied}")
+    lines += _exception_acls(settings.destination_exceptions)
+    unless = " !destination_exceptions" if settings.destination_exceptions else ""
     lines += [
         "",
         "http_access deny !allowed_clients",
         "http_access deny !CONNECT",
-        "http_access deny CONNECT !allowed_ports",
+        f"http_access deny CONNECT !allowed_ports{unless}",
     ]
     if settings.denied_destinations:
         # Before auth: no credentials, not even the right ones, open these.
-        lines.append("http_access deny denied_destinations")
+        lines.append(f"http_access deny denied_destinations{unless}")
+    allowed = ["allowed_ports", *(["destination_exceptions"] if unless else [])]
     lines += [
         *access,
-        f"http_access allow CONNECT allowed_ports{' authenticated' if authenticate else ''}",
+        *(
+            f"http_access allow CONNECT {acl}{' authenticated' if authenticate else ''}"
+            for acl in allowed
+        ),
         "http_access deny all",
         "",
         "# A forward proxy for tunnels only: no cache, no identifying headers.",
@@ -211,6 +221,27 @@ def render(
     ]
     htpasswd = f"{settings.username}:{sha512_crypt(settings.password)}\n"
     return RenderedSquid(squid_conf="\n".join(lines), htpasswd=htpasswd)
+
+
+def _exception_acls(exceptions: Sequence[tuple[str, int]]) -> list[str]:
+    """The `destination_exceptions` ACL: any of the pairs, each its address and its port.
+
+    The address is matched as the CONNECT writes its host (`dstdomain -n`:
+    no lookup; Squid reads `[::ffff:a.b.c.d]` as a.b.c.d), so only that
+    address is reached; a name resolving to it is still a denied destination.
+    """
+    lines, pairs = [], []
+    for n, (address, port) in enumerate(exceptions):
+        lines += [
+            f"acl destination_exception_{n}_host dstdomain -n {address}",
+            f"acl destination_exception_{n}_port port {port}",
+            f"acl destination_exception_{n} all-of "
+            f"destination_exception_{n}_host destination_exception_{n}_port",
+        ]
+        pairs.append(f"destination_exception_{n}")
+    if pairs:
+        lines.append(f"acl destination_exceptions any-of {' '.join(pairs)}")
+    return lines
 
 
 def _client_limits(client_connections: int | None) -> list[str]:

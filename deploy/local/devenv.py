@@ -11,10 +11,20 @@ went to a pipe that the same Ctrl-C closed (`make run | tee log`). The
 workflows keep running in .data/temporal.db: the next `make run` picks them up
 and replaces the proxies that were stopped.
 
+It also serves a demo site, the health target and page of the commands it
+prints, so a first proxy works on a machine without internet: HTTPS on the
+loopback address and port that the providers config names in
+`proxy.destination_exceptions` (127.0.0.1:8443 in deploy/local/providers.yaml;
+no other loopback destination is allowed), with a CA and certificate created
+once in .data/demo-site/. The worker trusts that CA beside the system's: its
+SSL_CERT_FILE is .data/demo-site/trust.pem, the system bundle (or the
+SSL_CERT_FILE `make run` was given) plus ca.pem. The CA's key is never
+written down, so the CA vouches for the demo site and nothing else.
+
 At start it checks that the workflows' default health target
-(https://example.com) is reachable from this machine, and says how to set
-`health.target` when it is not: behind a firewall, a proxy started with the
-default never passes its first probe.
+(https://example.com) is reachable from this machine, and says so when it is
+not: behind a firewall, a proxy started with the default never passes its
+first probe.
 
 The flags exist so tests can run it beside a developer's own `make run`.
 """
@@ -22,23 +32,32 @@ The flags exist so tests can run it beside a developer's own `make run`.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
+
+import trustme
+from cryptography import x509
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from contract import SEARCH_ATTRIBUTES  # noqa: E402
-from providers.config import ConfigError, load_config  # noqa: E402
+from providers.config import Config, ConfigError, load_config  # noqa: E402
 from providers.errors import ProviderError  # noqa: E402
 from providers.local import LocalProvider  # noqa: E402
 from providers.naming import INSTALLATION_KEY  # noqa: E402
@@ -50,13 +69,35 @@ HOST = "127.0.0.1"
 STARTUP_DEADLINE = 60.0
 REACHABLE_TIMEOUT = 5.0
 CLI_TYPES = {"KEYWORD": "Keyword", "KEYWORD_LIST": "KeywordList"}
+DEMO_PAGE = (
+    b"<!doctype html>\n<title>proxy-operator demo site</title>\n"
+    b"<h1>proxy-operator demo site</h1>\n"
+    b"<p>This page came through your proxy from the site make run serves.</p>\n"
+)
+
+
+@dataclass(frozen=True)
+class DemoSite:
+    """Where the demo site listens, and the files a client trusts it by."""
+
+    host: str
+    port: int
+    ca_file: Path
+    cert_file: Path  # the site's key and certificate chain
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.host}:{self.port}"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--data-dir", type=Path, default=ROOT / ".data")
     parser.add_argument(
-        "--providers-config", type=Path, default=ROOT / "deploy" / "local" / "providers.yaml"
+        "--providers-config",
+        type=Path,
+        default=ROOT / "deploy" / "local" / "providers.yaml",
+        help="the worker's providers config (`make run CONFIG=path`)",
     )
     parser.add_argument("--port", type=int, default=7233, help="Temporal frontend (gRPC)")
     parser.add_argument("--ui-port", type=int, default=8233)
@@ -79,20 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     data.mkdir(parents=True, exist_ok=True)
     frontend = (HOST, args.port)
     metrics = f"{HOST}:{args.metrics_port}"
-    for port in (args.port, args.ui_port):
-        if _listening((HOST, port)):
-            _say(f"port {port} is already in use: is another `make run` (or Temporal) running?")
-            return 1
     password_file = data / "proxy-password"
     env = {**os.environ, "PROXY_PASSWORD": _password(password_file)}
+    # The worker runs in the repository; a relative CONFIG means from here.
+    args.providers_config = args.providers_config.resolve()
     try:
         config = load_config(args.providers_config, env)
     except ConfigError as err:
         _say(str(err))
         return 2
-    _warn_if_unreachable(args.check_target)
+    demo = demo_site_address(config)
+    for address in [(HOST, args.port), (HOST, args.ui_port), *([demo] if demo else [])]:
+        if _listening(address):
+            _say(
+                "{}:{} is already in use: is another `make run` (or Temporal) running?".format(
+                    *address
+                )
+            )
+            return 1
+    site = demo_site_files(data / "demo-site", *demo) if demo else None
+    if site is not None:
+        env["SSL_CERT_FILE"] = str(trust_file(site, env.get("SSL_CERT_FILE")))
+    target_reachable = _warn_if_unreachable(args.check_target, site)
 
     children: list[subprocess.Popen[bytes]] = []
+    server = serve_demo_site(site) if site is not None else None
     try:
         children.append(_start_dev_server(data, frontend, args.ui_port))
         _wait("the Temporal dev server", lambda: _listening(frontend))
@@ -112,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         children.append(worker)
         _wait("the worker", lambda: _healthy(worker, metrics))
-        _print_guide(args.ui_port, metrics, password_file)
+        _print_guide(
+            Guide(args.ui_port, metrics, password_file, args.providers_config, site),
+            args.check_target if target_reachable else None,
+        )
         # Either child exiting on its own is a failure worth stopping for.
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
@@ -124,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for child in reversed(children):
             _stop(child)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
         for entry in config.providers:
             if entry.type == "local":
                 _stop_local_proxies(LocalProvider.from_config(entry, config), config.installation)
@@ -150,8 +208,8 @@ def _say(text: str) -> None:
         os.close(devnull)
 
 
-def _warn_if_unreachable(target: str) -> None:
-    """Warn when this machine cannot open a TCP connection to the health target.
+def _warn_if_unreachable(target: str, site: DemoSite | None) -> bool:
+    """Whether this machine can open a TCP connection to the health target; warn if not.
 
     A local proxy's probe tunnels from Squid, on this machine, to the target:
     if the machine cannot reach it (a firewall, no route, no DNS), every
@@ -162,15 +220,122 @@ def _warn_if_unreachable(target: str) -> None:
     try:
         socket.create_connection((host, port), timeout=REACHABLE_TIMEOUT).close()
     except OSError as err:
+        instead = (
+            f"The commands below use the demo site {site.url} instead, which needs no internet."
+            if site is not None
+            else "Give them a target this machine can reach, with its port in "
+            "allowed_connect_ports\n(or its address and port in destination_exceptions):\n"
+            + """  --input '{"provider": "local", "health": """
+            + """{"target": "https://<a reachable host>"}}'"""
+        )
         _say(
             f"""
 warning: the default health target {target} is not reachable from this machine
 ({host}:{port}: {err}). Proxies started with it never pass their first
 probe: they are replaced again and again and end Failed after about 11 minutes.
-Give them a target this machine can reach, with its port in allowed_connect_ports:
-  --input '{{"provider": "local", "health": {{"target": "https://<a reachable host>"}}}}'
+{instead}
 """
         )
+        return False
+    return True
+
+
+def demo_site_address(config: Config) -> tuple[str, int] | None:
+    """The config's first loopback destination exception: where the demo site is served."""
+    for pair in config.proxy.destination_exceptions:
+        host, _, port = pair.rpartition(":")
+        if ipaddress.ip_address(host).is_loopback:
+            return host, int(port)
+    return None
+
+
+def demo_site_files(directory: Path, host: str, port: int) -> DemoSite:
+    """The demo site's CA and certificate for `host`, created once in `directory`.
+
+    Kept across runs, so a CA a user has imported (into a browser, say) stays
+    the one that signs the site. Made again only for another address.
+    """
+    site = DemoSite(host, port, directory / "ca.pem", directory / "site.pem")
+    if not _certifies(site.cert_file, host):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ca = trustme.CA(organization_name="proxy-operator make run")
+        issued = ca.issue_cert(host, common_name=host)
+        site.cert_file.touch(mode=0o600)
+        issued.private_key_and_cert_chain_pem.write_to_path(str(site.cert_file))
+        ca.cert_pem.write_to_path(str(site.ca_file))
+    return site
+
+
+def _certifies(cert_file: Path, host: str) -> bool:
+    """Whether the certificate in `cert_file` (if any) names the IP address `host`."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    except (OSError, ValueError):
+        return False
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return ipaddress.ip_address(host) in names.get_values_for_type(x509.IPAddress)
+
+
+def trust_file(site: DemoSite, given: str | None) -> Path:
+    """The worker's CA bundle: `given` (or the system's bundle) and the demo site's CA.
+
+    Written at each start, so updates to the system's bundle reach it.
+    """
+    base = given or ssl.get_default_verify_paths().cafile
+    bundle = Path(base).read_text() if base and Path(base).is_file() else ""
+    trust = site.ca_file.with_name("trust.pem")
+    trust.write_text(bundle.rstrip("\n") + "\n" + site.ca_file.read_text())
+    return trust
+
+
+class _DemoPage(BaseHTTPRequestHandler):
+    """DEMO_PAGE for every GET (and its head for HEAD, as probes send)."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 10  # a client that stalls must not pin a thread
+
+    def setup(self) -> None:
+        # The handshake on this connection's thread, not in the accept loop
+        # where one silent client would stall everyone.
+        self.request.settimeout(self.timeout)
+        self.request.do_handshake()
+        super().setup()
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def _answer(self, *, body: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(DEMO_PAGE)))
+        self.end_headers()
+        if body:
+            self.wfile.write(DEMO_PAGE)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a probe every few seconds would drown make run's output
+
+
+class _DemoServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that gives up mid-handshake is not make run's problem
+
+
+def serve_demo_site(site: DemoSite) -> ThreadingHTTPServer:
+    """Serve DEMO_PAGE over TLS at the site's address until `shutdown()`."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(site.cert_file)
+    server = _DemoServer((site.host, site.port), _DemoPage)
+    server.socket = context.wrap_socket(
+        server.socket, server_side=True, do_handshake_on_connect=False
+    )
+    threading.Thread(target=server.serve_forever, daemon=True, name="demo-site").start()
+    return server
 
 
 def _password(password_file: Path) -> str:
@@ -211,11 +376,45 @@ def _start_dev_server(
     )
 
 
-def _print_guide(ui_port: int, metrics: str, password_file: Path) -> None:
-    temporal = os.path.relpath(TEMPORAL, Path.cwd())
-    gateway = os.path.relpath(TEMPORAL.with_name("proxy-operator-gateway"), Path.cwd())
-    password = os.path.relpath(password_file, Path.cwd())
+@dataclass(frozen=True)
+class Guide:
+    """What the printed commands name: ports, files, and the site they probe and fetch."""
+
+    ui_port: int
+    metrics: str
+    password_file: Path
+    providers_config: Path
+    site: DemoSite | None
+
+
+def _print_guide(guide: Guide, internet: str | None) -> None:
+    """The commands to start, use and end a proxy and a pool, with this run's paths.
+
+    Their target is the demo site when there is one, so they work offline;
+    `internet` is the default health target when this machine reaches it.
+    """
+    here = Path.cwd()
+    temporal = os.path.relpath(TEMPORAL, here)
+    gateway = os.path.relpath(TEMPORAL.with_name("proxy-operator-gateway"), here)
+    password = os.path.relpath(guide.password_file, here)
+    config = os.path.relpath(guide.providers_config, here)
     secret = "$PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else f"$(cat {password})"
+    source = "from $PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else password
+    site = guide.site
+    target = site.url if site is not None else DEFAULT_HEALTH_TARGET
+    trust = f"--cacert {os.path.relpath(site.ca_file, here)} " if site is not None else ""
+    health = f'"health": {{"target": "{target}"}}'
+    served = (
+        f"\n  demo site         {site.url} (CA {os.path.relpath(site.ca_file, here)}, "
+        f"trusted by the worker)"
+        if site is not None
+        else ""
+    )
+    beyond = (
+        f'\n  curl -x "http://proxy:{secret}@$ENDPOINT" {internet}    # the internet, too'
+        if internet is not None and site is not None
+        else ""
+    )
     # The gateway's SMP Squid needs its IPC directory (docs/operations.md).
     unprivileged = (
         "\n  sudo chmod 1777 /var/run/squid    # once per boot, as you are not root"
@@ -225,16 +424,16 @@ def _print_guide(ui_port: int, metrics: str, password_file: Path) -> None:
     _say(
         f"""
 proxy-operator is running.
-  Temporal Web UI   http://localhost:{ui_port}
-  worker metrics    http://{metrics}/metrics
-  proxy password    {"from $PROXY_PASSWORD" if os.environ.get("PROXY_PASSWORD") else password}
+  Temporal Web UI   http://localhost:{guide.ui_port}
+  worker metrics    http://{guide.metrics}/metrics
+  proxy password    {source}{served}
 
 In another terminal:
 
   # start a proxy (its health target must be reachable from this machine)
   {temporal} workflow start --type ProxyLifecycle --task-queue proxy-operator \\
       --workflow-id proxy-demo \\
-      --input '{{"provider": "local", "health": {{"target": "https://example.com"}}}}'
+      --input '{{"provider": "local", {health}}}'
 
   # its state and endpoint (state becomes Ready once a probe to the target passes)
   {temporal} workflow query --workflow-id proxy-demo --name status
@@ -242,22 +441,22 @@ In another terminal:
   # use it
   ENDPOINT=$({temporal} workflow query --workflow-id proxy-demo --name status -o json \\
       | python3 -c 'import json,sys; print(json.load(sys.stdin)["queryResult"][0]["endpoint"])')
-  curl -x "http://proxy:{secret}@$ENDPOINT" https://example.com
+  curl -x "http://proxy:{secret}@$ENDPOINT" {trust}{target}{beyond}
 
   # the fleet, then the end of this proxy
   {temporal} workflow list --query "ProxyState = 'Ready'"
   {temporal} workflow signal --workflow-id proxy-demo --name terminate
 
   # a pool of three, and one endpoint in front of it (the gateway){unprivileged}
-  {temporal} workflow start --type ProxyPool --task-queue proxy-operator \\
-      --workflow-id pool-demo --input '{{"replicas": 3, "template": {{"provider": "local"}}}}'
+  {temporal} workflow start --type ProxyPool --task-queue proxy-operator --workflow-id pool-demo \\
+      --input '{{"replicas": 3, "template": {{"provider": "local", {health}}}}}'
   PROXY_PASSWORD={secret} {gateway} --pool pool-demo --listen 127.0.0.1:8888 \\
-      --providers-config deploy/local/providers.yaml --metrics-address 127.0.0.1:9465
+      --providers-config {config} --metrics-address 127.0.0.1:9465
 
   # through it: rotating per request, sticky per session key, pinned to a member
-  curl -x http://127.0.0.1:8888 --proxy-user "proxy:{secret}" https://example.com
-  curl -x http://127.0.0.1:8888 --proxy-user "proxy-session-cart42:{secret}" https://example.com
-  curl -x http://127.0.0.1:8888 --proxy-user "proxy-proxy-pool-demo/0:{secret}" https://example.com
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy:{secret}" {trust}{target}
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy-session-cart42:{secret}" {trust}{target}
+  curl -x http://127.0.0.1:8888 --proxy-user "proxy-proxy-pool-demo/0:{secret}" {trust}{target}
   {temporal} workflow signal --workflow-id pool-demo --name terminate
 
 Ctrl-C stops everything started here; the workflows keep running and the next

@@ -10,7 +10,11 @@ is the pip CLI and `.data/proxy-password` the proxy password.
 Nothing may leave this machine, so the one substitution made to the text is
 the docs' health target and test URL, https://example.com: it becomes a local
 TLS origin, which the worker's probes and curl trust through SSL_CERT_FILE
-and CURL_CA_BUNDLE.
+and CURL_CA_BUNDLE. The README's first proxy needs no such help: it uses the
+demo site `make run` serves (devenv's own, here on a port of this module's),
+trusted by the CA `make run` writes. The worker's config is `make run`'s
+(deploy/local/providers.yaml), whose only way to loopback is the demo site;
+the origin is let through the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from tests.docs.markdown import Example, console_commands, examples
-from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
+from tests.helpers.config import INSTALLATION, PASSWORD, PASSWORD_ENV
+from tests.helpers.devenv import DEMO_SITE, demo_config, load_devenv
 from tests.helpers.network import free_port
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import BIN, TEMPORAL_CLI, start_dev_server
@@ -58,13 +63,14 @@ class Reader:
     env: dict[str, str]
     client: Client
     origin: TlsOrigin
+    demo_site: str
 
     @property
     def target(self) -> str:
         return f"https://{self.origin.host}:{self.origin.port}"
 
     async def run(self, script: str) -> subprocess.CompletedProcess[str]:
-        script = script.replace(DOCS_TARGET, self.target)
+        script = script.replace(DOCS_TARGET, self.target).replace(DEMO_SITE, self.demo_site)
         # A new URL in the docs must not send the suite onto the internet.
         beyond = [host for host in URL_HOST.findall(script) if host not in LOOPBACK_HOSTS]
         assert not beyond, f"a docs command reaches beyond loopback: {beyond}"
@@ -147,14 +153,18 @@ async def reader(
     home = tmp_path_factory.mktemp("docs")
     ca_file = home / "ca.pem"
     tls_origin.ca.cert_pem.write_to_path(str(ca_file))
-    config = home / "providers.yaml"
-    raw = raw_config(local_entry(state_dir_for_docs), connect_ports=[tls_origin.port])
-    config.write_text(yaml.safe_dump(raw))
     workspace = home / "workspace"
     (workspace / ".venv" / "bin").mkdir(parents=True)
     (workspace / ".venv" / "bin" / "temporal").symlink_to(TEMPORAL_CLI)
     (workspace / ".data").mkdir()
     (workspace / ".data" / "proxy-password").write_text(PASSWORD + "\n")
+    devenv = load_devenv()
+    site = devenv.demo_site_files(workspace / ".data" / "demo-site", "127.0.0.1", free_port())
+    demo_site = f"{site.host}:{site.port}"
+    config = home / "providers.yaml"
+    origin = f"{tls_origin.host}:{tls_origin.port}"
+    raw = demo_config(state_dir_for_docs, INSTALLATION, demo_site, more_exceptions=(origin,))
+    config.write_text(yaml.safe_dump(raw))
     shell_env = {
         "PATH": f"{BIN}:{os.environ['PATH']}",
         "HOME": str(home),
@@ -162,11 +172,14 @@ async def reader(
         "CURL_CA_BUNDLE": str(ca_file),
     }
     metrics = f"127.0.0.1:{free_port()}"
-    worker = _worker(config, address, ca_file, metrics)
+    server = devenv.serve_demo_site(site)
+    worker = _worker(config, address, devenv.trust_file(site, str(ca_file)), metrics)
     try:
         await wait_for(lambda: _polling(worker, metrics), "the worker to poll its task queue")
-        yield Reader(workspace, shell_env, env.client, tls_origin)
+        yield Reader(workspace, shell_env, env.client, tls_origin, demo_site)
     finally:
+        server.shutdown()
+        server.server_close()
         worker.terminate()
         try:
             await asyncio.to_thread(worker.wait, 60)

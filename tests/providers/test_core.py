@@ -426,6 +426,22 @@ BROKEN_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], list[str]]] = {
             "'metadata.google' does not appear to be an IPv4 or IPv6 network",
         ],
     ),
+    "a destination exception that is not one IPv4 address and port": (
+        broken(
+            set_in(
+                "proxy.destination_exceptions",
+                ["127.0.0.1:8443", "127.0.0.0/8:8443", "localhost:8443", "[::1]:8443", "127.0.0.1"],
+            )
+        ),
+        ENVIRON,
+        [
+            "proxy.destination_exceptions: "
+            + "; ".join(
+                f"{bad!r} is not an IPv4 address and port, such as 127.0.0.1:8443"
+                for bad in ("127.0.0.0/8:8443", "localhost:8443", "[::1]:8443", "127.0.0.1")
+            )
+        ],
+    ),
     "denied destinations not a list": (
         broken(set_in("proxy.denied_destinations", "10.0.0.0/8")),
         ENVIRON,
@@ -473,6 +489,17 @@ def test_destinations_are_denied_by_default_and_a_configured_list_replaces_them(
     assert settings.denied_destinations == ("169.254.169.254/32", "fd00::/8")
     nothing = broken(set_in("proxy.denied_destinations", []))
     assert parse_config(nothing, environ=ENVIRON).proxy_settings().denied_destinations == ()
+
+
+def test_destination_exceptions_reach_squid_as_address_and_port() -> None:
+    assert (
+        parse_config(minimal_config(), environ=ENVIRON).proxy_settings().destination_exceptions
+        == ()
+    )
+    raw = broken(set_in("proxy.destination_exceptions", ["127.0.0.1:8443", "10.0.0.7:443"]))
+    settings = parse_config(raw, environ=ENVIRON).proxy_settings()
+    assert settings.destination_exceptions == (("127.0.0.1", 8443), ("10.0.0.7", 443))
+    assert settings.denied_destinations == DEFAULT_DENIED_DESTINATIONS
 
 
 def test_cidrs_reach_providers_in_one_spelling() -> None:

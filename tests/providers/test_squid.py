@@ -177,21 +177,34 @@ def test_no_rendering_is_an_open_proxy(seed: int) -> None:
     settings = random_settings(rng)
     if rng.random() < 0.2:
         settings = replace(settings, denied_destinations=())
+    if rng.random() < 0.2:
+        exceptions = tuple(
+            (str(ipaddress.IPv4Address(rng.getrandbits(32))), rng.randint(1, 65535))
+            for _ in range(rng.randint(1, 3))
+        )
+        settings = replace(settings, destination_exceptions=exceptions)
     rendered = render(settings)
     lines = rendered.squid_conf.splitlines()
 
     # The access rules, in order: only authenticated CONNECTs from the
-    # allowlist to allowed ports and destinations are let through,
-    # everything else is denied; denied destinations before credentials.
-    destination_rule = ["http_access deny denied_destinations"]
+    # allowlist to allowed ports and destinations (or to an exception) are
+    # let through, everything else is denied; denied destinations before
+    # credentials.
+    unless = " !destination_exceptions" if settings.destination_exceptions else ""
+    destination_rule = [f"http_access deny denied_destinations{unless}"]
+    exception_rule = ["http_access allow CONNECT destination_exceptions authenticated"]
     assert [line for line in lines if line.startswith("http_access")] == [
         "http_access deny !allowed_clients",
         "http_access deny !CONNECT",
-        "http_access deny CONNECT !allowed_ports",
+        f"http_access deny CONNECT !allowed_ports{unless}",
         *(destination_rule if settings.denied_destinations else []),
         "http_access allow CONNECT allowed_ports authenticated",
+        *(exception_rule if settings.destination_exceptions else []),
         "http_access deny all",
     ]
+    for n, (address, port) in enumerate(settings.destination_exceptions):
+        assert f"acl destination_exception_{n}_host dstdomain -n {address}" in lines
+        assert f"acl destination_exception_{n}_port port {port}" in lines
     (clients,) = [line.split()[3:] for line in lines if line.startswith("acl allowed_clients")]
     assert covered(clients) == covered(settings.allowed_cidrs)
     assert "0.0.0.0/0" not in clients  # Squid would widen it to IPv6 clients too
@@ -388,6 +401,34 @@ async def test_the_configured_list_replaces_the_default(start_squid: StartSquid)
         "10.1.2.3:443": 200,
     }
     assert peer.requests == ["CONNECT 10.1.2.3:443 HTTP/1.1"]
+
+
+@pytest.mark.slow
+async def test_a_destination_exception_opens_that_address_and_port_only(
+    start_squid: StartSquid,
+) -> None:
+    demo_site = "127.0.0.1:8443"  # make run's demo site, on a port not otherwise allowed
+    settings = replace(
+        SQUID_SETTINGS, allowed_connect_ports=(443,), destination_exceptions=(("127.0.0.1", 8443),)
+    )
+    squid, peer = await start_squid(settings)
+    still_denied = [
+        "127.0.0.1:443",  # the address on another port
+        "127.0.0.1:8444",
+        "127.0.0.2:8443",  # the port on another loopback address
+        "localhost:8443",  # a name that resolves to the address
+        "[::1]:8443",
+        "8.8.8.8:8443",  # the port elsewhere: still not an allowed port
+    ]
+    # Squid reads an IPv4-mapped address as the IPv4 one: the same destination.
+    mapped = "[::ffff:127.0.0.1]:8443"
+    assert await statuses(squid, [demo_site, mapped, *still_denied]) == {
+        demo_site: 200,
+        mapped: 200,
+        **{t: 403 for t in still_denied},
+    }
+    assert await statuses(squid, [demo_site], None) == {demo_site: 407}
+    assert peer.requests == [f"CONNECT {demo_site} HTTP/1.1"] * 2
 
 
 @pytest.mark.slow
