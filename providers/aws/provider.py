@@ -28,6 +28,7 @@ from providers.aws.errors import (
     code,
     edge,
 )
+from providers.aws.instance_type import offering_subnets
 from providers.aws.instances import (
     NAME_TAG,
     PORT_TAG,
@@ -109,6 +110,10 @@ class AwsProvider:
         self._console: dict[str, tuple[str, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
+        # Subnet -> availability zone, read with the VPC.
+        self._zones: dict[str, str] = {}
+        # The configured subnets whose zone offers the instance type, once checked.
+        self._offered: frozenset[str] | None = None
         # How old each instance is, for what EC2 does not show yet.
         self._sightings = Sightings(consistency_window)
 
@@ -143,8 +148,9 @@ class AwsProvider:
             existing = self._by_filter({"Name": f"tag:{NAME_TAG}", "Values": [req.name]})
             if existing is not None:
                 return self._adopt(req, existing)
-            subnets = self._subnet_order(req)
-            group = self._group.ensure(req.proxy, self._vpc_of(subnets))
+            vpc = self._vpc_of(self._settings.subnets)
+            subnets = self._offering(self._subnet_order(req))
+            group = self._group.ensure(req.proxy, vpc)
             image = self._image_id()
             refused: list[ClientError] = []
             for subnet in subnets:
@@ -347,17 +353,44 @@ class AwsProvider:
         return subnets[start:] + subnets[:start]
 
     def _vpc_of(self, subnets: list[str]) -> str:
-        """The VPC of the configured subnets; they must share one (the security group's)."""
+        """The VPC of the configured subnets; they must share one (the security group's).
+
+        Their availability zones are kept too, for the instance type's offerings.
+        """
         if self._vpc is not None:
             return self._vpc
-        found = self._ec2.describe_subnets(SubnetIds=self._settings.subnets)["Subnets"]
+        found = self._ec2.describe_subnets(SubnetIds=subnets)["Subnets"]
         vpcs = sorted({s["VpcId"] for s in found if "VpcId" in s})
         if len(vpcs) != 1:
             raise Permanent(
                 f"aws.subnets: the subnets must be in one VPC, they are in {', '.join(vpcs)}"
             )
+        self._zones = {
+            s["SubnetId"]: s.get("AvailabilityZone", "") for s in found if "SubnetId" in s
+        }
         self._vpc = vpcs[0]
         return self._vpc
+
+    def _offering(self, subnets: list[str]) -> list[str]:
+        """`subnets` in their order, without those whose zone does not offer the type.
+
+        The type is checked once per provider (providers.aws.instance_type):
+        a type that is not Nitro, or offered in no zone, fails the create
+        as a config error naming `aws.instance_type`.
+        """
+        if self._offered is None:
+            self._offered = frozenset(
+                offering_subnets(
+                    self._ec2, self._settings.instance_type, self._zones, self._settings.region
+                )
+            )
+        kept = [subnet for subnet in subnets if subnet in self._offered]
+        if not kept:
+            raise Permanent(
+                f"placement.subnet: {subnets[0]} is in {self._zones.get(subnets[0])}, which "
+                f"does not offer aws.instance_type {self._settings.instance_type}"
+            )
+        return kept
 
     def _image_id(self) -> str:
         """The configured image, or the newest available one of the owner and name."""
