@@ -110,6 +110,8 @@ class AwsProvider:
         self._console: dict[str, tuple[str, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
+        # Image id -> its root device's name and size (GiB), if the image says.
+        self._root_volumes: dict[str, tuple[str, int | None]] = {}
         # Subnet -> availability zone, read with the VPC.
         self._zones: dict[str, str] = {}
         # The configured subnets whose zone offers the instance type, once checked.
@@ -293,6 +295,10 @@ class AwsProvider:
                 "HttpPutResponseHopLimit": 1,
             },
             "InstanceInitiatedShutdownBehavior": "terminate",
+            # The root volume said in full, not left to the AMI and the
+            # account's defaults: a custom image could keep its volume
+            # after termination (billing on) or leave it unencrypted.
+            "BlockDeviceMappings": [self._root_volume(image)],
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tags},
                 # Billing and volume listings show whose disk it is.
@@ -301,6 +307,8 @@ class AwsProvider:
             # No IAM instance profile: a proxy needs no AWS API access, so a
             # compromised one has no credentials to steal.
         }
+        if s.instance_type.startswith("t"):
+            params["CreditSpecification"] = {"CpuCredits": s.cpu_credits}
         if s.market == "spot":
             spot: dict[str, Any] = {
                 "SpotInstanceType": "one-time",
@@ -416,6 +424,37 @@ class AwsProvider:
         with self._lock:
             self._image = (newest, time.monotonic())
         return newest
+
+    def _root_volume(self, image: str) -> Any:
+        """The image's root device as an encrypted gp3 volume deleted with the instance.
+
+        Its name and size are the image's (`/dev/xvda` and 8 GiB on Debian's):
+        a smaller size would be refused, the name is what the mapping replaces.
+        """
+        with self._lock:
+            known = self._root_volumes.get(image)
+        if known is None:
+            images = self._ec2.describe_images(ImageIds=[image])["Images"]
+            found = images[0] if images else {}
+            device = found.get("RootDeviceName", "")
+            if not device:
+                raise Permanent(f"aws.image_id: image {image} has no root device EC2 describes")
+            size = next(
+                (
+                    mapping.get("Ebs", {}).get("VolumeSize")
+                    for mapping in found.get("BlockDeviceMappings", [])
+                    if mapping.get("DeviceName") == device
+                ),
+                None,
+            )
+            known = (device, size)
+            with self._lock:
+                self._root_volumes[image] = known
+        device, size = known
+        ebs: dict[str, Any] = {"VolumeType": "gp3", "Encrypted": True, "DeleteOnTermination": True}
+        if size:
+            ebs["VolumeSize"] = size
+        return {"DeviceName": device, "Ebs": ebs}
 
     def _describe(self, instance_id: str) -> InstanceTypeDef | None:
         """The instance as EC2 lists it, None if it does not (yet, or any more)."""

@@ -931,3 +931,48 @@ def test_subnets_whose_zone_does_not_offer_the_type_are_never_tried(fake_ec2: Fa
     ] * 4
     with pytest.raises(Permanent, match=r"placement\.subnet: .* does not offer aws\.instance_type"):
         provider.create(make_request("pinned", subnet=subnet_a))
+
+
+# -- cost and hygiene: CPU credits, the root volume ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "credits"),
+    [
+        ({}, "standard"),
+        ({"cpu_credits": "unlimited"}, "unlimited"),
+        ({"instance_type": "t4g.micro", "image_name": "debian-12-*"}, "standard"),
+        ({"instance_type": "m5.large"}, None),
+    ],
+    ids=["t3-default", "t3-unlimited", "t4g", "not-burstable"],
+)
+def test_burstable_types_launch_in_the_configured_credit_mode(
+    fake_ec2: FakeEc2, settings: dict[str, Any], credits: str | None
+) -> None:
+    """EC2 launches t3, t3a and t4g unlimited unless told: surplus credits are billed."""
+    make_provider(fake_ec2, **settings).create(make_request())
+
+    assert fake_ec2.calls("RunInstances")[-1].params.get("CreditSpecification.CpuCredits") == (
+        credits
+    )
+
+
+def test_the_root_volume_is_encrypted_gp3_and_deleted_with_the_instance(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    """Said in full, so a custom image cannot leave volumes behind, or unencrypted."""
+    created = provider.create(make_request())
+
+    params = fake_ec2.calls("RunInstances")[-1].params
+    assert {k: v for k, v in params.items() if k.startswith("BlockDeviceMapping.1.")} == {
+        "BlockDeviceMapping.1.DeviceName": "/dev/xvda",
+        "BlockDeviceMapping.1.Ebs.VolumeType": "gp3",
+        "BlockDeviceMapping.1.Ebs.Encrypted": "true",
+        "BlockDeviceMapping.1.Ebs.DeleteOnTermination": "true",
+        # The image's own root size (moto gives the fake's Debian images 15 GiB).
+        "BlockDeviceMapping.1.Ebs.VolumeSize": "15",
+    }
+    [volume] = fake_ec2.client().describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [created.provider_id]}]
+    )["Volumes"]
+    assert (volume["VolumeType"], volume["Encrypted"]) == ("gp3", True)
