@@ -146,8 +146,10 @@ SPOOL_DIR = "/var/spool/squid"
 # /dev/shm (the runtime's tmpfs) and its spool directory (an emptyDir).
 UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 PRIVILEGED_PORTS_END = 1024
-# Bare Pods with an emptyDir block the Cluster Autoscaler's scale-down and
-# `kubectl drain`; a proxy's workflow replaces an evicted Pod, so say it is safe.
+# Bare Pods with an emptyDir block the Cluster Autoscaler's scale-down; a
+# proxy's workflow replaces an evicted Pod, so tell the autoscaler it is safe.
+# Only the autoscaler reads this: `kubectl drain` ignores it, and refuses bare
+# Pods (no controller) unless run with `--force` (docs/providers.md).
 SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 # Label values are capped at 63 characters, so the exact tags live here as JSON.
 TAGS_ANNOTATION = "proxy-operator/tags"
