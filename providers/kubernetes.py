@@ -77,9 +77,17 @@ class KubernetesConfig(ProviderSettings):
     # None leaves all three to the platform, as OpenShift's restricted SCC
     # requires (it assigns a uid from the namespace's range).
     run_as_user: Annotated[int, Field(ge=1, le=2147483647)] | None = 13
-    # A Pod the scheduler cannot place for this long is written off, so its
-    # workflow replaces it (and says why) instead of waiting for capacity.
+    # A Pod the scheduler cannot place is polled this long after its
+    # creation (an autoscaler may be adding a node); after that `get` reports
+    # a capacity wait (QuotaExceeded), which the workflow waits out on a timer
+    # while the Pod stays queued for the scheduler: a full cluster frees
+    # capacity later, and replacing the Pod would not place it sooner.
     unschedulable_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 300.0
+    # The kubelet retries a failed image pull (ErrImagePull, ImagePullBackOff)
+    # and a failed container creation with a backoff: a registry's 5xx or 429
+    # passes. For this long after the Pod's creation `get` reports them as
+    # Transient (waited out); after it the Pod is written off, naming the image.
+    image_pull_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 600.0
     # Every API call gives up after this long; Temporal's retry policy retries.
     request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
     service_account: str | None = None
@@ -138,8 +146,10 @@ SPOOL_DIR = "/var/spool/squid"
 # /dev/shm (the runtime's tmpfs) and its spool directory (an emptyDir).
 UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 PRIVILEGED_PORTS_END = 1024
-# Bare Pods with an emptyDir block the Cluster Autoscaler's scale-down and
-# `kubectl drain`; a proxy's workflow replaces an evicted Pod, so say it is safe.
+# Bare Pods with an emptyDir block the Cluster Autoscaler's scale-down; a
+# proxy's workflow replaces an evicted Pod, so tell the autoscaler it is safe.
+# Only the autoscaler reads this: `kubectl drain` ignores it, and refuses bare
+# Pods (no controller) unless run with `--force` (docs/providers.md).
 SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 # Label values are capped at 63 characters, so the exact tags live here as JSON.
 TAGS_ANNOTATION = "proxy-operator/tags"
@@ -170,10 +180,15 @@ RBAC_VERBS: dict[str, tuple[str, ...]] = {
 # Container waiting reasons that no amount of waiting fixes: the Pod is written
 # off at once (its workflow replaces it) with a readable reason.
 TERMINAL_WAITING_REASONS: dict[str, str] = {
-    "ErrImagePull": "image pull failed",
-    "ImagePullBackOff": "image pull failed",
     "InvalidImageName": "invalid image name",
     "CreateContainerConfigError": "container config error",
+}
+# Container waiting reasons the kubelet retries with a backoff (a registry's
+# 5xx or rate limit, a runtime hiccup): waited out for
+# `image_pull_timeout_seconds`, then written off with the image named.
+RETRIED_WAITING_REASONS: dict[str, str] = {
+    "ErrImagePull": "image pull failed",
+    "ImagePullBackOff": "image pull failed",
     "CreateContainerError": "container could not be created",
 }
 UNSCHEDULABLE = "Unschedulable"
@@ -299,9 +314,21 @@ class KubernetesProvider:
         return self._instance(pod)
 
     def get(self, provider_id: str) -> Instance:
+        """The Pod's state; a Pod waiting on the platform raises that wait instead.
+
+        An unschedulable Pod past `unschedulable_timeout_seconds` is a
+        capacity wait (QuotaExceeded), and a container whose image pull or
+        creation the kubelet is retrying is Transient within
+        `image_pull_timeout_seconds`: neither is the proxy's failure, and
+        the caller waits them out instead of replacing the Pod.
+        """
         namespace, name = _parse_provider_id(provider_id)
         with _edge(f"get pod {provider_id}"):
-            return self._instance(self._read_pod(namespace, name))
+            pod = self._read_pod(namespace, name)
+        seen = _state(pod, self._settings)
+        if seen.wait is not None:
+            raise seen.wait(f"pod {provider_id}: {seen.reason}")
+        return self._instance(pod)
 
     def delete(self, provider_id: str) -> None:
         """Delete our Pod, and only that one; the Secret goes with it (ownerReference).
@@ -375,7 +402,7 @@ class KubernetesProvider:
 
     def _instance(self, pod: client.V1Pod) -> Instance:
         """The Pod as an Instance, its exit address its node's external IP (if known)."""
-        instance = _instance(pod, self._settings.unschedulable_timeout_seconds)
+        instance = _instance(pod, self._settings)
         node = pod.spec.node_name if pod.spec else None
         if not node or instance.state in (InstanceState.STOPPED, InstanceState.TERMINATED):
             return instance
@@ -556,67 +583,111 @@ def label_value(key: str, value: str) -> str:
     return short_hash(value, _HASH_CHARS)
 
 
-def _instance(pod: client.V1Pod, unschedulable_timeout_seconds: float) -> Instance:
+@dataclasses.dataclass(frozen=True)
+class _PodState:
+    """What a Pod's status means for its proxy, and why, for users."""
+
+    state: InstanceState
+    reason: str = ""
+    # What `get` raises instead of an Instance: a wait on the platform, which
+    # the caller sits out (QuotaExceeded: capacity; Transient: a retry the
+    # kubelet is making), never a failure of the proxy.
+    wait: type[ProviderError] | None = None
+
+
+def _instance(pod: client.V1Pod, settings: KubernetesConfig) -> Instance:
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
-    state, reason = _state(pod, unschedulable_timeout_seconds)
+    seen = _state(pod, settings)
     namespace, name = meta.namespace or "", meta.name or ""
     return Instance(
         provider_id=f"{namespace}/{name}",
         name=name,
-        state=state,
-        ip=(status.pod_ip or "") if state is InstanceState.RUNNING else "",
+        state=seen.state,
+        ip=(status.pod_ip or "") if seen.state is InstanceState.RUNNING else "",
         port=_proxy_port(pod),
         tags=_tags(meta),
         # The API server always sets it; "now" keeps GC's grace period safe if not.
         created_at=meta.creation_timestamp or datetime.now(UTC),
-        reason=reason,
+        reason=seen.reason,
     )
 
 
-def _state(pod: client.V1Pod, unschedulable_timeout_seconds: float) -> tuple[InstanceState, str]:
-    """The phase table with what the phase does not say, and why, for users.
+def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
+    """The phase table with what the phase does not say.
 
     A deletionTimestamp means the Pod is going away for good, not pausing:
     TERMINATED, like the phases after it, rather than STOPPED. A Pending Pod
-    that can never start (its image cannot be pulled, its container cannot be
-    created) is TERMINATED at once, one the scheduler cannot place after
-    `unschedulable_timeout_seconds`. RUNNING needs an IP and the Ready
-    condition: Squid's port answers the readiness probe.
+    that can never start (an invalid image name, a broken container config)
+    is TERMINATED at once; one waiting on the platform is a wait (see
+    `_pending_state`). RUNNING needs an IP and the Ready condition: Squid's
+    port answers the readiness probe.
     """
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
     if meta.deletion_timestamp:
         reason = _stuck_reason(meta) if _stuck_terminating(meta) else "being deleted"
-        return InstanceState.TERMINATED, reason
+        return _PodState(InstanceState.TERMINATED, reason)
     state = INSTANCE_STATES.get(status.phase or "", InstanceState.PROVISIONING)
     if state is InstanceState.PROVISIONING:
-        return _pending_state(meta, status, unschedulable_timeout_seconds)
+        return _pending_state(pod, settings)
     if state is InstanceState.RUNNING:
         if not status.pod_ip:
-            return InstanceState.PROVISIONING, "waiting for a Pod IP"
+            return _PodState(InstanceState.PROVISIONING, "waiting for a Pod IP")
         if not _condition_true(status, "Ready"):
-            return InstanceState.PROVISIONING, "waiting for Squid to be ready"
-    return state, status.message or status.reason or ""
+            return _PodState(InstanceState.PROVISIONING, "waiting for Squid to be ready")
+    return _PodState(state, status.message or status.reason or "")
 
 
-def _pending_state(
-    meta: client.V1ObjectMeta, status: client.V1PodStatus, unschedulable_timeout_seconds: float
-) -> tuple[InstanceState, str]:
+def _pending_state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
+    """A Pending Pod: starting, never going to start, or waiting on the platform.
+
+    The kubelet retries image pulls and container creation with a backoff,
+    so those are Transient for `image_pull_timeout_seconds` after the Pod's
+    creation, then written off naming the image. The scheduler keeps an
+    unschedulable Pod queued and places it once capacity frees up (a node
+    added, another Pod gone): polled for `unschedulable_timeout_seconds`,
+    then a capacity wait (QuotaExceeded), never written off.
+    """
+    meta = pod.metadata or client.V1ObjectMeta()
+    status = pod.status or client.V1PodStatus()
+    since = meta.creation_timestamp or datetime.now(UTC)
+    waited = (datetime.now(UTC) - since).total_seconds()
     for container in status.container_statuses or []:
         waiting = container.state.waiting if container.state else None
-        if waiting and waiting.reason in TERMINAL_WAITING_REASONS:
+        if not waiting or not waiting.reason:
+            continue
+        why = f"{waiting.reason}: {waiting.message or ''}"
+        if waiting.reason in TERMINAL_WAITING_REASONS:
             summary = TERMINAL_WAITING_REASONS[waiting.reason]
-            return InstanceState.TERMINATED, f"{summary}: {waiting.reason}: {waiting.message or ''}"
+            return _PodState(InstanceState.TERMINATED, f"{summary}: {why}")
+        if waiting.reason in RETRIED_WAITING_REASONS:
+            summary = f"{RETRIED_WAITING_REASONS[waiting.reason]} for image {_image(pod)}"
+            if waited >= settings.image_pull_timeout_seconds:
+                return _PodState(InstanceState.TERMINATED, f"{summary} for {waited:.0f}s: {why}")
+            return _PodState(
+                InstanceState.PROVISIONING,
+                f"{summary}, the kubelet retries (for {waited:.0f}s of "
+                f"{settings.image_pull_timeout_seconds:g}s): {why}",
+                wait=Transient,
+            )
     scheduled = next((c for c in status.conditions or [] if c.type == "PodScheduled"), None)
     if scheduled and scheduled.status == "False" and scheduled.reason == UNSCHEDULABLE:
-        since = meta.creation_timestamp or datetime.now(UTC)
-        waited = (datetime.now(UTC) - since).total_seconds()
         reason = f"unschedulable: {scheduled.message or ''}"
-        if waited >= unschedulable_timeout_seconds:
-            return InstanceState.TERMINATED, f"{reason} (for {waited:.0f}s)"
-        return InstanceState.PROVISIONING, reason
-    return InstanceState.PROVISIONING, ""
+        if waited >= settings.unschedulable_timeout_seconds:
+            return _PodState(
+                InstanceState.PROVISIONING,
+                f"waiting for capacity, {reason} (for {waited:.0f}s)",
+                wait=QuotaExceeded,
+            )
+        return _PodState(InstanceState.PROVISIONING, reason)
+    return _PodState(InstanceState.PROVISIONING)
+
+
+def _image(pod: client.V1Pod) -> str:
+    """The Squid container's image, as the Pod asks for it."""
+    containers = pod.spec.containers if pod.spec else []
+    return next((c.image or "" for c in containers if c.name == CONTAINER_NAME), "")
 
 
 def _condition_true(status: client.V1PodStatus, kind: str) -> bool:

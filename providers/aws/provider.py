@@ -28,6 +28,7 @@ from providers.aws.errors import (
     code,
     edge,
 )
+from providers.aws.instance_type import offering_subnets
 from providers.aws.instances import (
     NAME_TAG,
     PORT_TAG,
@@ -109,6 +110,12 @@ class AwsProvider:
         self._console: dict[str, tuple[str, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
+        # Image id -> its root device's name and size (GiB), if the image says.
+        self._root_volumes: dict[str, tuple[str, int | None]] = {}
+        # Subnet -> availability zone, read with the VPC.
+        self._zones: dict[str, str] = {}
+        # The configured subnets whose zone offers the instance type, once checked.
+        self._offered: frozenset[str] | None = None
         # How old each instance is, for what EC2 does not show yet.
         self._sightings = Sightings(consistency_window)
 
@@ -143,8 +150,9 @@ class AwsProvider:
             existing = self._by_filter({"Name": f"tag:{NAME_TAG}", "Values": [req.name]})
             if existing is not None:
                 return self._adopt(req, existing)
-            subnets = self._subnet_order(req)
-            group = self._group.ensure(req.proxy, self._vpc_of(subnets))
+            vpc = self._vpc_of(self._settings.subnets)
+            subnets = self._offering(self._subnet_order(req))
+            group = self._group.ensure(req.proxy, vpc)
             image = self._image_id()
             refused: list[ClientError] = []
             for subnet in subnets:
@@ -287,6 +295,10 @@ class AwsProvider:
                 "HttpPutResponseHopLimit": 1,
             },
             "InstanceInitiatedShutdownBehavior": "terminate",
+            # The root volume said in full, not left to the AMI and the
+            # account's defaults: a custom image could keep its volume
+            # after termination (billing on) or leave it unencrypted.
+            "BlockDeviceMappings": [self._root_volume(image)],
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tags},
                 # Billing and volume listings show whose disk it is.
@@ -295,6 +307,8 @@ class AwsProvider:
             # No IAM instance profile: a proxy needs no AWS API access, so a
             # compromised one has no credentials to steal.
         }
+        if s.instance_type.startswith("t"):
+            params["CreditSpecification"] = {"CpuCredits": s.cpu_credits}
         if s.market == "spot":
             spot: dict[str, Any] = {
                 "SpotInstanceType": "one-time",
@@ -347,17 +361,44 @@ class AwsProvider:
         return subnets[start:] + subnets[:start]
 
     def _vpc_of(self, subnets: list[str]) -> str:
-        """The VPC of the configured subnets; they must share one (the security group's)."""
+        """The VPC of the configured subnets; they must share one (the security group's).
+
+        Their availability zones are kept too, for the instance type's offerings.
+        """
         if self._vpc is not None:
             return self._vpc
-        found = self._ec2.describe_subnets(SubnetIds=self._settings.subnets)["Subnets"]
+        found = self._ec2.describe_subnets(SubnetIds=subnets)["Subnets"]
         vpcs = sorted({s["VpcId"] for s in found if "VpcId" in s})
         if len(vpcs) != 1:
             raise Permanent(
                 f"aws.subnets: the subnets must be in one VPC, they are in {', '.join(vpcs)}"
             )
+        self._zones = {
+            s["SubnetId"]: s.get("AvailabilityZone", "") for s in found if "SubnetId" in s
+        }
         self._vpc = vpcs[0]
         return self._vpc
+
+    def _offering(self, subnets: list[str]) -> list[str]:
+        """`subnets` in their order, without those whose zone does not offer the type.
+
+        The type is checked once per provider (providers.aws.instance_type):
+        a type that is not Nitro, or offered in no zone, fails the create
+        as a config error naming `aws.instance_type`.
+        """
+        if self._offered is None:
+            self._offered = frozenset(
+                offering_subnets(
+                    self._ec2, self._settings.instance_type, self._zones, self._settings.region
+                )
+            )
+        kept = [subnet for subnet in subnets if subnet in self._offered]
+        if not kept:
+            raise Permanent(
+                f"placement.subnet: {subnets[0]} is in {self._zones.get(subnets[0])}, which "
+                f"does not offer aws.instance_type {self._settings.instance_type}"
+            )
+        return kept
 
     def _image_id(self) -> str:
         """The configured image, or the newest available one of the owner and name."""
@@ -383,6 +424,37 @@ class AwsProvider:
         with self._lock:
             self._image = (newest, time.monotonic())
         return newest
+
+    def _root_volume(self, image: str) -> Any:
+        """The image's root device as an encrypted gp3 volume deleted with the instance.
+
+        Its name and size are the image's (`/dev/xvda` and 8 GiB on Debian's):
+        a smaller size would be refused, the name is what the mapping replaces.
+        """
+        with self._lock:
+            known = self._root_volumes.get(image)
+        if known is None:
+            images = self._ec2.describe_images(ImageIds=[image])["Images"]
+            found = images[0] if images else {}
+            device = found.get("RootDeviceName", "")
+            if not device:
+                raise Permanent(f"aws.image_id: image {image} has no root device EC2 describes")
+            size = next(
+                (
+                    mapping.get("Ebs", {}).get("VolumeSize")
+                    for mapping in found.get("BlockDeviceMappings", [])
+                    if mapping.get("DeviceName") == device
+                ),
+                None,
+            )
+            known = (device, size)
+            with self._lock:
+                self._root_volumes[image] = known
+        device, size = known
+        ebs: dict[str, Any] = {"VolumeType": "gp3", "Encrypted": True, "DeleteOnTermination": True}
+        if size:
+            ebs["VolumeSize"] = size
+        return {"DeviceName": device, "Ebs": ebs}
 
     def _describe(self, instance_id: str) -> InstanceTypeDef | None:
         """The instance as EC2 lists it, None if it does not (yet, or any more)."""

@@ -46,6 +46,10 @@ class AwsConfig(ProviderSettings):
     image_owner: Annotated[str, Field(pattern=IMAGE_OWNER)] = DEBIAN_OWNER
     image_name: Annotated[str, Field(min_length=1, max_length=128)] = DEBIAN_12_AMD64
     market: Literal["on-demand", "spot"] = "on-demand"
+    # Burstable (T family) types launch with this CPU-credit mode. EC2's
+    # default for t3, t3a and t4g is unlimited, which bills surplus credits
+    # when a busy proxy runs above its baseline; standard throttles instead.
+    cpu_credits: Literal["standard", "unlimited"] = "standard"
     # The most to pay per instance hour, in USD; unset pays up to the
     # on-demand price (the EC2 default and AWS's recommendation).
     max_price: str | None = None

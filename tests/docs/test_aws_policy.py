@@ -54,7 +54,8 @@ def test_the_policy_is_valid_and_scopes_writes_to_the_installation() -> None:
     policy = documented_policy()
     assert policy["Version"] == "2012-10-17"
     for statement in policy["Statement"]:
-        assert statement["Effect"] == "Allow" and statement["Resource"] == "*"
+        assert statement["Effect"] == "Allow"
+        assert statement["Resource"] == "*" or statement["Action"] == "ec2:RunInstances"
     [scoped] = [s for s in policy["Statement"] if s["Sid"] == "TheInstallationsOwn"]
     condition = scoped["Condition"]["StringEquals"]
     assert condition == {f"aws:ResourceTag/{INSTALLATION_KEY}": INSTALLATION}
@@ -77,3 +78,37 @@ def test_the_policy_lists_exactly_the_actions_the_provider_calls(fake_ec2: FakeE
     called = {f"ec2:{c.action}" for c in fake_ec2.calls()}
 
     assert actions_of(documented_policy()) == called
+
+
+def test_runinstances_is_allowed_only_tagged_of_the_listed_types_with_imdsv2(
+    fake_ec2: FakeEc2,
+) -> None:
+    """What the conditions ask is what the provider's launch sends."""
+    statements = {s["Sid"]: s for s in documented_policy()["Statement"]}
+    instance = statements["LaunchTaggedInstances"]
+    volume = statements["LaunchTaggedVolumes"]
+    condition = instance["Condition"]["StringEquals"]
+    settings = AwsConfig(region=REGION, subnets=[fake_ec2.subnets()[0][0]])
+    provider = AwsProvider(settings, INSTALLATION, ec2=fake_ec2.client(), console_interval=0)
+    provider.create(request("first", 3128))
+    sent = fake_ec2.calls("RunInstances")[-1].params
+    tagged = {
+        (sent[f"TagSpecification.{n}.ResourceType"], sent[f"TagSpecification.{n}.Tag.{t}.Value"])
+        for n in (1, 2)
+        for t in range(1, 20)
+        if sent.get(f"TagSpecification.{n}.Tag.{t}.Key") == INSTALLATION_KEY
+    }
+
+    assert instance["Resource"] == "arn:aws:ec2:*:*:instance/*"
+    assert volume["Resource"] == "arn:aws:ec2:*:*:volume/*"
+    assert condition == {
+        f"aws:RequestTag/{INSTALLATION_KEY}": INSTALLATION,
+        "ec2:InstanceType": [settings.instance_type],
+        "ec2:MetadataHttpTokens": "required",
+    }
+    assert volume["Condition"]["StringEquals"] == {
+        f"aws:RequestTag/{INSTALLATION_KEY}": INSTALLATION
+    }
+    assert tagged == {("instance", INSTALLATION), ("volume", INSTALLATION)}
+    assert sent["InstanceType"] == settings.instance_type
+    assert sent["MetadataOptions.HttpTokens"] == "required"

@@ -33,6 +33,14 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
   InvalidInstanceID.NotFound (TerminateInstances leaves it running),
   filtered describes leave it out, and calls naming the group answer
   InvalidGroup.NotFound.
+- Offerings (`not_offered(instance_type, zone)`): the zone leaves the type
+  out of DescribeInstanceTypeOfferings and refuses to launch it there with
+  `Unsupported` ("Troubleshoot Amazon EC2 instance launch issues"). moto
+  answers DescribeInstanceTypes (with `Hypervisor`) itself.
+- The serial console of a type not built on Nitro: GetConsoleOutput
+  `Latest=true` is supported "only on instances built on the Nitro System"
+  (API reference, GetConsoleOutput), so on a Xen type (t2, m4, c4) nothing
+  the instance writes after its launch is shown, and "ready" never appears.
 - Rule races (`a_racing_worker(action)`): another worker makes the same
   security group change just before the next `action` call, which then
   gets what EC2 answers for it (moto's InvalidPermission.Duplicate or
@@ -246,6 +254,8 @@ class FakeEc2(ServedFake):
         self._tokens: dict[str, tuple[tuple[tuple[str, str], ...], bytes, str]] = {}
         self._console: dict[str, list[str]] = {}
         self._polls: dict[str, int] = {}
+        # (instance type, availability zone) pairs EC2 does not offer.
+        self._not_offered: set[tuple[str, str]] = set()
         self._request_ids = itertools.count(1)
 
     # -- lifecycle ------------------------------------------------------------
@@ -285,6 +295,11 @@ class FakeEc2(ServedFake):
         """Another worker makes the next `times` `action` calls' change just before them."""
         with self._lock:
             self._races[action] = self._races.get(action, 0) + times
+
+    def not_offered(self, instance_type: str, zone: str) -> None:
+        """The availability zone `zone` does not offer `instance_type`."""
+        with self._lock:
+            self._not_offered.add((instance_type, zone))
 
     def clear_errors(self) -> None:
         with self._lock:
@@ -402,7 +417,13 @@ class FakeEc2(ServedFake):
         if raced:
             self._forward(body, headers)  # the other worker's identical call
         if action == "RunInstances":
+            unsupported = self._unsupported_here(form)
+            if unsupported is not None:
+                return self._error(unsupported)
             return self._run_instances(form, headers)
+        if action == "DescribeInstanceTypeOfferings":
+            status, answer = self._forward(body, headers)
+            return status, self._offered_only(answer)
         if action == "GetConsoleOutput":
             return self._console_output(form)
         if action == "DescribeInstances":
@@ -467,6 +488,44 @@ class FakeEc2(ServedFake):
             ET.register_namespace("", ns[1:-1])
         return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
+    # -- offerings and the Nitro console --------------------------------------------
+
+    def _unsupported_here(self, form: dict[str, str]) -> ErrorKind | None:
+        """RunInstances of a type the subnet's zone does not offer: `Unsupported`."""
+        with self._lock:
+            if not self._not_offered:
+                return None
+        subnet = form.get("NetworkInterface.1.SubnetId") or form.get("SubnetId") or ""
+        zone = self._backend().get_subnet(subnet).availability_zone if subnet else ""
+        wanted = form.get("InstanceType", "m1.small")
+        with self._lock:
+            if (wanted, zone) not in self._not_offered:
+                return None
+        message = (
+            f"Your requested instance type ({wanted}) is not supported in your requested "
+            f"Availability Zone ({zone})."
+        )
+        return ErrorKind(400, "Unsupported", message)
+
+    def _offered_only(self, answer: bytes) -> bytes:
+        """DescribeInstanceTypeOfferings without the offerings `not_offered` took away."""
+        with self._lock:
+            withheld = set(self._not_offered)
+        if not withheld:
+            return answer
+        root = ET.fromstring(answer)
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        found = root.find(ns + "instanceTypeOfferingSet")
+        if found is None:
+            return answer
+        for item in list(found):
+            pair = (item.findtext(ns + "instanceType") or "", item.findtext(ns + "location") or "")
+            if pair in withheld:
+                found.remove(item)
+        if ns:
+            ET.register_namespace("", ns[1:-1])
+        return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
+
     def _injected(self, action: str, form: dict[str, str]) -> ErrorKind | None:
         subnet = form.get("NetworkInterface.1.SubnetId") or form.get("SubnetId")
         for injection in self._errors:
@@ -519,7 +578,11 @@ class FakeEc2(ServedFake):
     def _console_output(self, form: dict[str, str]) -> tuple[int, bytes]:
 
         instance_id = form.get("InstanceId", "")
-        self._backend().get_instance(instance_id)  # InvalidInstanceID.NotFound as moto says it
+        # InvalidInstanceID.NotFound as moto says it.
+        instance = self._backend().get_instance(instance_id)
+        latest = form.get("Latest", "").lower() == "true"
+        if latest and not self._nitro(instance.instance_type):
+            return 200, self._console_answer(instance_id, "")
         with self._lock:
             polls = self._polls[instance_id] = self._polls.get(instance_id, 0) + 1
             if self.ready_after_polls is not None and polls > self.ready_after_polls:
@@ -527,6 +590,15 @@ class FakeEc2(ServedFake):
                 if not lines or lines[-1] != f"{STATE_MARKER} {STARTUP_READY}":
                     lines.append(f"{STATE_MARKER} {STARTUP_READY}")
             text = "".join(f"{line}\n" for line in self._console.get(instance_id, []))
+        return 200, self._console_answer(instance_id, text)
+
+    def _nitro(self, instance_type: str) -> bool:
+        answer = make_client(f"http://127.0.0.1:{self._moto_port}").describe_instance_types(
+            InstanceTypes=[instance_type]
+        )
+        return bool(answer["InstanceTypes"][0].get("Hypervisor") == "nitro")
+
+    def _console_answer(self, instance_id: str, text: str) -> bytes:
         output = base64.b64encode(text.encode()).decode()
         xml = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -535,7 +607,7 @@ class FakeEc2(ServedFake):
             f"<timestamp>{datetime.now(UTC).isoformat()}</timestamp>"
             f"<output>{output}</output></GetConsoleOutputResponse>"
         )
-        return 200, xml.encode()
+        return xml.encode()
 
     def _error(self, kind: ErrorKind) -> tuple[int, bytes]:
         xml = (

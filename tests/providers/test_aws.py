@@ -864,3 +864,115 @@ def test_a_client_token_whose_instance_ended_is_a_terminated_instance_not_a_wait
     assert again.provider_id == ended.provider_id
     assert again.state is InstanceState.TERMINATED  # the workflow replaces it
     assert len(fake_ec2.instances()) == 1
+
+
+# -- the instance type: Nitro, offered in the subnets' zones -------------------------
+
+
+@pytest.mark.parametrize("instance_type", ["t2.micro", "m4.large", "c4.large"])
+def test_a_type_not_built_on_nitro_is_a_config_error_before_any_launch(
+    fake_ec2: FakeEc2, instance_type: str
+) -> None:
+    """Its serial console never shows "ready" to GetConsoleOutput Latest: a crash loop."""
+    provider = make_provider(fake_ec2, instance_type=instance_type)
+
+    with pytest.raises(Permanent) as raised:
+        provider.create(make_request())
+
+    assert raised.value.message.startswith(
+        f"aws.instance_type: {instance_type} is not built on the Nitro System (hypervisor xen)"
+    )
+    assert fake_ec2.calls("RunInstances") == []
+    assert fake_ec2.calls("CreateSecurityGroup") == []
+
+
+def test_the_console_of_a_xen_instance_never_shows_what_its_user_data_reports(
+    fake_ec2: FakeEc2,
+) -> None:
+    """The fake's side of the check above: why a Xen type cannot be used."""
+    xen = fake_ec2.client().run_instances(
+        ImageId=NEWEST_DEBIAN_12, MinCount=1, MaxCount=1, InstanceType="t2.micro"
+    )["Instances"][0]["InstanceId"]
+    fake_ec2.report(xen, "ready")
+
+    output = fake_ec2.client().get_console_output(InstanceId=xen, Latest=True).get("Output")
+
+    assert console_state(output) != "ready"
+
+
+def test_a_type_offered_in_none_of_the_subnets_zones_is_a_config_error(
+    fake_ec2: FakeEc2,
+) -> None:
+    (subnet_a, zone_a), (subnet_b, zone_b) = fake_ec2.subnets()[:2]
+    fake_ec2.not_offered("t3.micro", zone_a)
+    fake_ec2.not_offered("t3.micro", zone_b)
+    provider = make_provider(fake_ec2, subnets=2)
+
+    with pytest.raises(Permanent) as raised:
+        provider.create(make_request())
+
+    assert raised.value.message.startswith(
+        "aws.instance_type: t3.micro is not offered in the availability zone of any "
+        f"configured subnet: {subnet_a} ({zone_a}), {subnet_b} ({zone_b})"
+    )
+    assert fake_ec2.calls("RunInstances") == []
+
+
+def test_subnets_whose_zone_does_not_offer_the_type_are_never_tried(fake_ec2: FakeEc2) -> None:
+    (subnet_a, zone_a), (subnet_b, _) = fake_ec2.subnets()[:2]
+    fake_ec2.not_offered("t3.micro", zone_a)
+    provider = make_provider(fake_ec2, subnets=2)
+
+    landed = [provider.create(make_request(f"owner-{i}")) for i in range(4)]
+
+    assert {fake_ec2.instance(i.provider_id).subnet_id for i in landed} == {subnet_b}
+    assert [c.params["NetworkInterface.1.SubnetId"] for c in fake_ec2.calls("RunInstances")] == [
+        subnet_b
+    ] * 4
+    with pytest.raises(Permanent, match=r"placement\.subnet: .* does not offer aws\.instance_type"):
+        provider.create(make_request("pinned", subnet=subnet_a))
+
+
+# -- cost and hygiene: CPU credits, the root volume ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "credits"),
+    [
+        ({}, "standard"),
+        ({"cpu_credits": "unlimited"}, "unlimited"),
+        ({"instance_type": "t4g.micro", "image_name": "debian-12-*"}, "standard"),
+        ({"instance_type": "m5.large"}, None),
+    ],
+    ids=["t3-default", "t3-unlimited", "t4g", "not-burstable"],
+)
+def test_burstable_types_launch_in_the_configured_credit_mode(
+    fake_ec2: FakeEc2, settings: dict[str, Any], credits: str | None
+) -> None:
+    """EC2 launches t3, t3a and t4g unlimited unless told: surplus credits are billed."""
+    make_provider(fake_ec2, **settings).create(make_request())
+
+    assert fake_ec2.calls("RunInstances")[-1].params.get("CreditSpecification.CpuCredits") == (
+        credits
+    )
+
+
+def test_the_root_volume_is_encrypted_gp3_and_deleted_with_the_instance(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    """Said in full, so a custom image cannot leave volumes behind, or unencrypted."""
+    created = provider.create(make_request())
+
+    params = fake_ec2.calls("RunInstances")[-1].params
+    assert {k: v for k, v in params.items() if k.startswith("BlockDeviceMapping.1.")} == {
+        "BlockDeviceMapping.1.DeviceName": "/dev/xvda",
+        "BlockDeviceMapping.1.Ebs.VolumeType": "gp3",
+        "BlockDeviceMapping.1.Ebs.Encrypted": "true",
+        "BlockDeviceMapping.1.Ebs.DeleteOnTermination": "true",
+        # The image's own root size (moto gives the fake's Debian images 15 GiB).
+        "BlockDeviceMapping.1.Ebs.VolumeSize": "15",
+    }
+    [volume] = fake_ec2.client().describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [created.provider_id]}]
+    )["Volumes"]
+    assert (volume["VolumeType"], volume["Encrypted"]) == ("gp3", True)

@@ -439,24 +439,57 @@ def test_get_maps_the_pod_phase(
 @pytest.mark.parametrize(
     ("waiting_reason", "shown"),
     [
-        ("ErrImagePull", "image pull failed"),
-        ("ImagePullBackOff", "image pull failed"),
         ("InvalidImageName", "invalid image name"),
         ("CreateContainerConfigError", "container config error"),
-        ("CreateContainerError", "container could not be created"),
     ],
 )
 def test_a_pod_that_can_never_start_is_written_off_at_once_with_the_reason(
     fake: FakeKubernetes, provider: KubernetesProvider, waiting_reason: str, shown: str
 ) -> None:
     created = provider.create(request())
-    message = 'Back-off pulling image "ubuntu/squid:no-such-tag"'
+    message = 'couldn\'t parse image name "ubuntu/squid:BAD TAG"'
     fake.set_container_waiting(NAMESPACE, created.name, waiting_reason, message)
 
     instance = provider.get(created.provider_id)
 
     assert instance.state is InstanceState.TERMINATED
     assert instance.reason == f"{shown}: {waiting_reason}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("waiting_reason", "shown"),
+    [
+        ("ErrImagePull", "image pull failed"),
+        ("ImagePullBackOff", "image pull failed"),
+        ("CreateContainerError", "container could not be created"),
+    ],
+)
+def test_a_pull_the_kubelet_retries_is_transient_then_written_off_naming_the_image(
+    fake: FakeKubernetes, waiting_reason: str, shown: str
+) -> None:
+    """A registry's 5xx or 429 passes, and the kubelet pulls again: no crash at first sight."""
+    provider = provider_for(
+        fake.configuration(),
+        settings=SETTINGS.model_copy(update={"image_pull_timeout_seconds": 300}),
+    )
+    created = provider.create(request())
+    message = "toomanyrequests: You have reached your unauthenticated pull rate limit."
+    fake.set_container_waiting(NAMESPACE, created.name, waiting_reason, message)
+
+    retrying = raises_from(Transient, lambda: provider.get(created.provider_id))
+    listed = provider.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    fake.move_back(NAMESPACE, created.name, "creationTimestamp", 301)
+    given_up = provider.get(created.provider_id)
+
+    image = SETTINGS.image
+    assert retrying.message.startswith(
+        f"pod {created.provider_id}: {shown} for image {image}, the kubelet retries"
+    )
+    assert retrying.message.endswith(f"{waiting_reason}: {message}")
+    assert [i.state for i in listed] == [InstanceState.PROVISIONING]
+    assert given_up.state is InstanceState.TERMINATED
+    assert given_up.reason.startswith(f"{shown} for image {image} for 30")
+    assert given_up.reason.endswith(f"{waiting_reason}: {message}")
 
 
 def test_a_pod_waiting_for_a_reason_that_passes_stays_provisioning(
@@ -468,9 +501,10 @@ def test_a_pod_waiting_for_a_reason_that_passes_stays_provisioning(
     assert provider.get(created.provider_id).state is InstanceState.PROVISIONING
 
 
-def test_an_unschedulable_pod_is_written_off_after_the_configured_time(
+def test_an_unschedulable_pod_is_a_capacity_wait_after_the_configured_time_never_a_loss(
     fake: FakeKubernetes,
 ) -> None:
+    """A full cluster frees capacity later; the scheduler keeps the Pod queued meanwhile."""
     provider = provider_for(
         fake.configuration(),
         settings=SETTINGS.model_copy(update={"unschedulable_timeout_seconds": 120}),
@@ -480,15 +514,21 @@ def test_an_unschedulable_pod_is_written_off_after_the_configured_time(
     fake.set_unschedulable(NAMESPACE, created.name, message)
 
     waiting = provider.get(created.provider_id)
-    fake.move_back(NAMESPACE, created.name, "creationTimestamp", 121)
-    given_up = provider.get(created.provider_id)
+    fake.move_back(NAMESPACE, created.name, "creationTimestamp", 3600)
+    capacity = raises_from(QuotaExceeded, lambda: provider.get(created.provider_id))
+    listed = provider.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7")
+    placed = provider.get(created.provider_id)
 
     assert (waiting.state, waiting.reason) == (
         InstanceState.PROVISIONING,
         f"unschedulable: {message}",
     )
-    assert given_up.state is InstanceState.TERMINATED
-    assert given_up.reason.startswith(f"unschedulable: {message} (for 12")
+    shown = f"waiting for capacity, unschedulable: {message} (for 360"
+    assert capacity.message.startswith(f"pod {created.provider_id}: {shown}")
+    assert [i.state for i in listed] == [InstanceState.PROVISIONING]
+    assert listed[0].reason.startswith(shown)
+    assert (placed.state, placed.endpoint) == (InstanceState.RUNNING, "10.244.1.7:3128")
 
 
 def test_running_needs_the_ready_condition(

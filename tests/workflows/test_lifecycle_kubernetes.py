@@ -227,15 +227,42 @@ async def test_pod_that_fails_while_ready_is_replaced_by_a_new_generation(
     assert leftover_pods(provider) == []
 
 
-async def test_a_pod_whose_image_cannot_be_pulled_is_replaced_and_the_reason_shown(
+async def test_an_image_pull_the_kubelet_retries_is_waited_out_on_the_same_pod(
     stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
 ) -> None:
-    """Written off at once, not left Provisioning forever; status says why."""
+    """A registry's rate limit passes: no replacement, no failure counted; status says why."""
+    handle = await start_proxy(stack, kubelet)
+    first = lifecycle_instance_name(handle.id, 0)
+    await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
+    message = "toomanyrequests: You have reached your unauthenticated pull rate limit."
+    kubelet.fake.set_container_waiting(NAMESPACE, first, "ErrImagePull", message)
+
+    waiting = await wait_status(
+        handle, lambda s: "image pull failed" in (s.waiting_for or ""), "the pull wait in status"
+    )
+    await kubelet.run_pod(first)  # the kubelet's next pull succeeds
+    ready = await wait_status(handle, lambda s: s.state == "Ready", "generation 0 Ready")
+
+    assert "the kubelet retries (for " in (waiting.waiting_for or "")
+    assert f"ErrImagePull: {message}" in (waiting.waiting_for or "")
+    assert waiting.state == "Provisioning"
+    assert (ready.instance, ready.generation, ready.replacements) == (first, 0, 0)
+    await handle.signal("terminate")
+    await kubelet.finish_deletion(first)
+    await handle.result()
+    assert leftover_pods(provider) == []
+
+
+async def test_a_pod_whose_image_cannot_be_pulled_for_the_window_is_replaced_naming_it(
+    stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
+) -> None:
+    """Past `image_pull_timeout_seconds` the Pod is written off, and status names the image."""
     handle = await start_proxy(stack, kubelet)
     first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
     await wait_for(lambda: kubelet.pod(first) is not None, f"pod {first}")
     message = 'failed to pull image "ubuntu/squid:no-such-tag": not found'
     kubelet.fake.set_container_waiting(NAMESPACE, first, "ErrImagePull", message)
+    kubelet.fake.move_back(NAMESPACE, first, "creationTimestamp", 3600)
 
     replacing = await wait_status(
         handle, lambda s: "image pull failed" in (s.last_error or ""), "the reason in status"
@@ -244,7 +271,9 @@ async def test_a_pod_whose_image_cannot_be_pulled_is_replaced_and_the_reason_sho
     await kubelet.run_pod(second)
     ready = await wait_status(handle, lambda s: s.state == "Ready", "generation 1 Ready")
 
-    assert f"image pull failed: ErrImagePull: {message}" in (replacing.last_error or "")
+    image = KubernetesConfig().image
+    assert f"image pull failed for image {image} for 36" in (replacing.last_error or "")
+    assert f"ErrImagePull: {message}" in (replacing.last_error or "")
     assert (ready.instance, ready.generation) == (second, 1)
     assert kubelet.pod(first) is None
     await handle.signal("terminate")
