@@ -66,5 +66,9 @@ lint: $(STAMP)
 bench: $(STAMP) tools bytecode
 	$(BIN)/python -m bench
 
+## Removes .data (make run's workflows and proxies), the virtualenv and the
+## build's leftovers; refuses while workflows are open in .data or make run
+## runs from it (deploy/local/clean.py). `make clean FORCE=1` removes anyway.
 clean:
-	rm -rf $(VENV) .data .mypy_cache .ruff_cache .pytest_cache
+	$(PYTHON) deploy/local/clean.py $(if $(filter 1,$(FORCE)),--force)
+	rm -rf $(VENV)

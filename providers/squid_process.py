@@ -131,8 +131,7 @@ def squid_dir(preferred: Path, account: Account | None) -> Path:
     preferred = preferred.resolve()
     if account is None or _traversable(preferred, account):
         return preferred
-    digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:16]
-    moved = RUNTIME_ROOT / f"{preferred.name}-{digest}"
+    moved = runtime_dir(preferred)
     RUNTIME_ROOT.mkdir(mode=0o755, parents=True, exist_ok=True)
     RUNTIME_ROOT.chmod(0o755)  # mkdir's mode is narrowed by the umask
     log.info(
@@ -142,6 +141,12 @@ def squid_dir(preferred: Path, account: Account | None) -> Path:
         moved,
     )
     return moved
+
+
+def runtime_dir(preferred: Path) -> Path:
+    """Where `squid_dir` moves `preferred` (an absolute path) when Squid's user cannot reach it."""
+    digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:16]
+    return RUNTIME_ROOT / f"{preferred.name}-{digest}"
 
 
 def _traversable(directory: Path, account: Account) -> bool:

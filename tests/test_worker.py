@@ -34,7 +34,6 @@ from contract import POOL_QUEUE_SUFFIX
 from providers.base import CreateRequest
 from providers.local import LocalProvider
 from providers.naming import owner_tags
-from providers.procfs import processes_under
 from providers.squid import ProxySettings
 from tests.helpers.config import (
     LOOPBACK_ORIGIN_DENIED,
@@ -44,6 +43,7 @@ from tests.helpers.config import (
     local_settings,
 )
 from tests.helpers.network import free_port
+from tests.helpers.procfs import squid_pids
 from tests.helpers.tls_origin import serve_tls_origin
 from tests.helpers.waiting import status_of, wait_for, wait_status
 from tests.helpers.worker_process import (  # noqa: F401 (a fixture)
@@ -61,15 +61,6 @@ from workflows.pool import REPORTS_REFUSED_METRIC
 INSTALLATION = "worker-test"
 DEPLOYMENT_NAME_ENV = "PROXY_OPERATOR_DEPLOYMENT_NAME"
 BUILD_ID_ENV = "PROXY_OPERATOR_BUILD_ID"
-
-
-def squid_pids(state_dir: Path) -> list[int]:
-    """Squid main processes (not their auth helpers) serving from `state_dir`."""
-    return [
-        pid
-        for pid in processes_under(state_dir)
-        if Path(f"/proc/{pid}/comm").read_text().strip() == "squid"
-    ]
 
 
 def test_broken_config_exits_2_listing_every_problem(tmp_path: Path) -> None:

@@ -143,6 +143,14 @@ LONG_WAKES_PATCH = "member-hands-over-when-long"
 # Provisioning (generation 0) to the pool that had just started it and knew;
 # replaying them still does. Since, its first report is the first news.
 QUIET_START_PATCH = "members-start-quietly"
+# Histories recorded before this patch waited, at a terminate, for the
+# cancelled monitor to end however long that took: a monitor whose worker
+# was lost ends only at its heartbeat timeout (270 s by default), long after
+# its instance is gone. Since, once every instance is gone, a terminate waits
+# for it at most MONITOR_LET_GO after its next probe was due
+# (`_let_go_of_monitor`). Asked on its own, at a terminate that finds a
+# monitor to wait for, until the release marker of 0.3.11 covers it.
+LET_GO_OF_LOST_MONITOR_PATCH = "let-go-of-lost-monitor"
 # A run that records 0.3.9's marker takes every patch above, and those of the
 # input check and the early signals, without a marker each (workflows/patches.py).
 LIFECYCLE_RELEASE_0_3_9 = ReleaseMarker(
@@ -173,6 +181,15 @@ CONFIRM_TIMEOUT = timedelta(minutes=2)
 # not the server suggests it (its default suggestion comes at about 4,000
 # too; a test server may never suggest): far below the 51,200-event limit.
 EVENT_BUDGET = 4_000
+
+# A cancelled monitor on a live worker ends at its next probe after its
+# instance is gone (the probe fails and the provider says the instance is
+# gone) or at its next heartbeat, which brings it the cancel. At a terminate,
+# with every instance gone, the workflow waits for it a probe interval, the
+# probe's timeout and this much more for the provider's word; one that has
+# not ended by then lost its worker, and the server ends it at its heartbeat
+# timeout with nothing left for it to watch.
+MONITOR_LET_GO = timedelta(seconds=15)
 
 # The summaries of the monitor's two timers; the one that fired says which.
 LIFETIME_SUMMARY = "max lifetime reached"
@@ -236,6 +253,9 @@ class ProxyLifecycle:
         # A pool member's first run, whose start its pool knows (QUIET_START_PATCH).
         self._quiet_start = False
         self._one_upsert_a_task = False
+        # Whether a terminate stops waiting for a monitor lost with its worker
+        # (LET_GO_OF_LOST_MONITOR_PATCH): decided once the lifecycle has unwound.
+        self._let_go_of_lost_monitor = False
 
     # ---- the contract: run, signal, query ------------------------------------------
 
@@ -451,12 +471,16 @@ class ProxyLifecycle:
             deleting = asyncio.create_task(self._cleanup())
             with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
                 await lifecycle
+            monitor = self._retired_monitor
+            if monitor is not None and not monitor.done():
+                self._let_go_of_lost_monitor = self._patches.taken(LET_GO_OF_LOST_MONITOR_PATCH)
             await deleting
         else:
             with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
                 await lifecycle
         # Again: the lifecycle may have made or retired an instance while it unwound.
         await self._cleanup()
+        await self._let_go_of_monitor()
         await self._settle_retired_monitor()
         self._carried.current = None
         self._show_instance(None)
@@ -969,6 +993,10 @@ class ProxyLifecycle:
             await workflow.wait_condition(wake)
         except asyncio.CancelledError:
             handle.cancel()
+            if self._patched():
+                # As in _monitor: _terminating awaits it, once the instance is gone.
+                self._retired_monitor = handle
+                raise
             with contextlib.suppress(ActivityError, asyncio.CancelledError):
                 await handle
             raise
@@ -978,6 +1006,39 @@ class ProxyLifecycle:
         and is awaited then (_settle_retired_monitor)."""
         handle.cancel()
         self._retired_monitor = handle
+
+    async def _let_go_of_monitor(self) -> None:
+        """At a terminate, every instance gone: stop waiting for a monitor its worker lost.
+
+        A monitor on a live worker ends within its next probe (MONITOR_LET_GO);
+        one that has not is left to the server's heartbeat timeout, up to
+        600 s, which the proxy would otherwise spend in Terminating with
+        nothing left to do. While a delete is refused the instance still
+        answers, so its monitor is waited for as before.
+        """
+        handle = self._retired_monitor
+        if (
+            handle is None
+            or handle.done()
+            or not self._let_go_of_lost_monitor
+            or self._delete_refused is not None
+        ):
+            return
+        assert self._input is not None
+        health = self._input.health
+        grace = min(
+            timedelta(seconds=health.interval_seconds + health.timeout_seconds) + MONITOR_LET_GO,
+            policies.monitor_heartbeat(policies.MONITOR, health.heartbeat_timeout_seconds),
+        )
+        summary = f"monitor's end {int(grace.total_seconds())}s"
+        self._begin_wait(summary, "the cancelled monitor to end (its worker may be lost)")
+        try:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(handle.done, timeout=grace, timeout_summary=summary)
+        finally:
+            self._end_wait(summary)
+        if not handle.done():
+            self._retired_monitor = None  # lost with its worker: the server ends it
 
     async def _settle_retired_monitor(self) -> None:
         """Await a monitor cancelled for a rotation, so its ending is retrieved.

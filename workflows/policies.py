@@ -115,7 +115,8 @@ MONITOR_PERIOD = timedelta(hours=2)
 # cancelled monitor hears of it only at a heartbeat, but a terminate or a
 # rotation deletes its instance first: the monitor's next probe fails, it
 # finds the instance gone and ends, so waiting for it adds about a probe
-# interval to the deletion the workflow waits for anyway (docs/cost.md).
+# interval to the deletion the workflow waits for anyway, and a terminate
+# waits no longer than that for a monitor its worker lost (docs/cost.md).
 MONITOR = ActivityProfile(
     start_to_close=MONITOR_PERIOD + timedelta(minutes=10), heartbeat=timedelta(seconds=270)
 )

@@ -113,3 +113,12 @@ def listen_overflows() -> int:
             table = dict(zip(names.split()[1:], values.split()[1:], strict=True))
             return int(table.get("ListenOverflows", 0))
     return 0
+
+
+def squid_pids(state_dir: Path) -> list[int]:
+    """Squid main processes (not their auth helpers) serving from `state_dir`."""
+    return [
+        pid
+        for pid in procfs.processes_under(state_dir)
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "squid"
+    ]

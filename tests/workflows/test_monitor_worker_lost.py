@@ -3,7 +3,8 @@
 The server notices the lost worker only at the monitor's heartbeat timeout
 (4.5 minutes by default, docs/cost.md; this proxy chooses the shortest, 30 s);
 the retry then runs on the surviving worker, which must truly watch the
-proxy: when the proxy dies afterwards, it is replaced. Real `python
+proxy: when the proxy dies afterwards, it is replaced. A terminate in that
+meantime does not wait for the lost monitor's timeout. Real `python
 worker.py` processes, real Squid.
 """
 
@@ -22,7 +23,8 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from tests.helpers.waiting import wait_for, wait_status
+from tests.helpers.procfs import squid_pids
+from tests.helpers.waiting import DEADLINE, wait_for, wait_status
 from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     LocalWorker,
     local_worker,
@@ -30,6 +32,8 @@ from tests.helpers.worker_process import (  # noqa: F401 (fixtures)
     worker_process,
 )
 from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
+from workflows.lifecycle_carried import ProxyStatus
+from workflows.policies import MONITOR
 
 pytestmark = pytest.mark.slow
 
@@ -56,23 +60,18 @@ def identity(pid: int) -> str:
     return f"{pid}@{os.uname().nodename}"
 
 
-async def test_a_killed_monitor_worker_is_replaced_by_another_that_watches_the_same_instance(
+async def _ready_then_worker_killed(
     temporal_env: WorkflowEnvironment,
     local_worker: LocalWorker,  # noqa: F811
-    state_dir: Path,
-) -> None:
+    health: dict[str, Any],
+) -> tuple[WorkflowHandle[Any, Any], ProxyStatus]:
+    """A proxy Ready and monitored on the first worker, which is then SIGKILLed and restarted."""
     first = local_worker.process
     assert first is not None
+    target = f"https://127.0.0.1:{local_worker.origin_port}/"
     handle = await temporal_env.client.start_workflow(
         "ProxyLifecycle",
-        {
-            "provider": "local",
-            "health": {
-                "target": f"https://127.0.0.1:{local_worker.origin_port}/",
-                "interval_seconds": 2,
-                "heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT,
-            },
-        },
+        {"provider": "local", "health": {"target": target, "interval_seconds": 2, **health}},
         id=f"proxy-{uuid.uuid4().hex[:10]}",
         task_queue=local_worker.task_queue,
     )
@@ -84,7 +83,20 @@ async def test_a_killed_monitor_worker_is_replaced_by_another_that_watches_the_s
     await wait_for(monitored_by_first, "the monitor running on the first worker", 60)
     first.kill()  # SIGKILL: no drain, no goodbye to the server
     await asyncio.to_thread(first.wait)
-    second = local_worker.restart()
+    local_worker.restart()
+    return handle, ready
+
+
+async def test_a_killed_monitor_worker_is_replaced_by_another_that_watches_the_same_instance(
+    temporal_env: WorkflowEnvironment,
+    local_worker: LocalWorker,  # noqa: F811
+    state_dir: Path,
+) -> None:
+    handle, ready = await _ready_then_worker_killed(
+        temporal_env, local_worker, {"heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT}
+    )
+    second = local_worker.process
+    assert second is not None
 
     async def monitored_by_second() -> bool:
         return await monitor_worker(handle) == identity(second.pid)
@@ -102,6 +114,26 @@ async def test_a_killed_monitor_worker_is_replaced_by_another_that_watches_the_s
     assert replaced.replacements == 1
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
+
+
+async def test_a_proxy_terminated_after_its_monitors_worker_was_killed_closes_once_it_is_gone(
+    temporal_env: WorkflowEnvironment,
+    local_worker: LocalWorker,  # noqa: F811
+    state_dir: Path,
+) -> None:
+    # The default heartbeat timeout, 270 s: the lost monitor ends only then.
+    handle, _ = await _ready_then_worker_killed(temporal_env, local_worker, {})
+    await handle.signal("terminate")
+
+    await wait_for(lambda: squid_pids(state_dir) == [], "the instance deleted", DEADLINE)
+    # Closed well before the lost monitor's heartbeat timeout ends it.
+    assert MONITOR.heartbeat is not None
+    closing = MONITOR.heartbeat.total_seconds() / 2
+    result = await asyncio.wait_for(handle.result(), timeout=closing)
+    assert result["state"] == "Terminated"
+    assert squid_pids(state_dir) == []
+    left = await asyncio.to_thread(lambda: [p for p in state_dir.iterdir() if p.is_dir()])
+    assert not left, "the instance's state is left"
 
 
 async def test_a_killed_worker_running_a_pools_monitor_is_replaced_by_another(
