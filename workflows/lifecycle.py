@@ -71,15 +71,17 @@ with workflow.unsafe.imports_passed_through():
         ProxyState,
     )
     from providers.naming import instance_name
-    from workflows import failures, policies
+    from workflows import failures, lifecycle_view, policies
     from workflows.deletion import delete_until_gone
     from workflows.early_signals import EARLY_SIGNALS_PATCH, EarlySignals
     from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
+        InstanceCause,
         ProviderWait,
         ProxyStatus,
         from_older_release,
+        instance_cause,
         status_of,
     )
     from workflows.lifecycle_input import INSTALLATION_IN_NAMES, checked_input
@@ -234,6 +236,9 @@ class ProxyLifecycle:
         self._new_paths = False
         # Why Ready's monitor found the instance failing, for Unhealthy to record.
         self._unhealthy_cause = ""
+        # What the pool's monitor said of the instance the member last probed
+        # at its word (_confirm_failing).
+        self._pool_said: str | None = None
         # Set when the provider refused to delete an instance for good: the
         # proxy then ends as Failed with this reason (_give_up_deleting).
         self._delete_refused: str | None = None
@@ -338,7 +343,7 @@ class ProxyLifecycle:
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         Rotates sent while a rotation is under way are absorbed by it.
         """
-        self._carried.rotate_reason = signal_reason(request, "rotate signal")
+        self._carried.rotate_reason = signal_reason(request, lifecycle_view.ROTATE_SIGNAL_DEFAULT)
         self._early.hold(lambda: self.rotate(request))
 
     @workflow.signal(name=INSTANCE_FAILING_SIGNAL)
@@ -421,6 +426,8 @@ class ProxyLifecycle:
 
     async def _provisioning(self, inp: ProxyInput) -> ProxyState:
         """Provisioning: bring up the first generation."""
+        if self._carried.next_cause is None:
+            self._carried.next_cause = self._cause(lifecycle_view.FIRST_START)
         self._enter(ProxyState.PROVISIONING)
         return await self._new_generation(inp)
 
@@ -445,6 +452,10 @@ class ProxyLifecycle:
         elif outcome.reason in (MonitorReason.UNHEALTHY, MonitorReason.GONE):
             self._forgive_if_stable()
             self._unhealthy_cause = f"{outcome.reason}: {outcome.detail}"
+            said = self._pool_said if inp.monitor == "pool" else None
+            self._carried.next_cause = self._cause(
+                lifecycle_view.failed_probes(self._unhealthy_cause, said)
+            )
             return ProxyState.UNHEALTHY
         else:
             self._forgive_if_stable()  # a monitor period passed with nothing to report
@@ -518,6 +529,7 @@ class ProxyLifecycle:
         try:
             ref = await self._bring_up(inp)
         except _InstanceFailed as failed:
+            self._carried.next_cause = self._cause(lifecycle_view.failed_to_come_up(str(failed)))
             self._retire(failed.ref)
             await self._count_failure(str(failed))
             return ProxyState.REPLACING
@@ -531,6 +543,7 @@ class ProxyLifecycle:
         carried.current = ref
         carried.ready_since = workflow.now().isoformat()
         carried.rotate_reason = None  # a new instance is what a rotate asks for
+        carried.cause, carried.next_cause = carried.next_cause, None
         carried.shown = ref
         carried.generation = ref.generation
         self._set_state(ProxyState.READY)
@@ -826,6 +839,7 @@ class ProxyLifecycle:
     async def _confirm_failing(self, inp: ProxyInput, ref: InstanceRef) -> MonitorOutcome:
         """Probe `ref` once, as the pool's monitor said it fails: the member's own verdict."""
         said, self._failing = self._failing, None
+        self._pool_said = said
         outcome: MonitorOutcome = await workflow.execute_activity_method(
             ProviderActivities.monitor,
             MonitorInput(
@@ -854,9 +868,15 @@ class ProxyLifecycle:
         """
         old = self._carried.current
         assert old is not None
+        if self._carried.next_cause is None:  # else a rotation tried again after a failure
+            why = lifecycle_view.rotation(self._carried.rotate_reason, inp.max_lifetime_seconds)
+            self._carried.next_cause = self._cause(why)
         try:
             new = await self._bring_up_watching(inp, old)
         except _InstanceFailed as failed:
+            if self._carried.current is None:  # the old one failed meanwhile
+                why = lifecycle_view.failed_to_come_up(f"rotation failed: {failed}")
+                self._carried.next_cause = self._cause(why)
             self._retire(failed.ref)
             await self._count_failure(f"rotation failed: {failed}")
             if self._carried.current is None:
@@ -1446,6 +1466,11 @@ class ProxyLifecycle:
         """
         if self._terminate_reason is not None and self._patched():
             raise asyncio.CancelledError(self._terminate_reason)
+
+    @staticmethod
+    def _cause(why: str) -> InstanceCause:
+        """Why the next generation is made, decided now."""
+        return instance_cause(why, workflow.now().isoformat(timespec="seconds"))
 
     def _note_error(self, message: str) -> None:
         self._carried.last_error = message

@@ -18,6 +18,28 @@ from workflows.lifecycle_states import INITIAL
 
 
 @dataclass
+class InstanceCause:
+    """Why an instance was made, and when that was decided.
+
+    `why` is at most MAX_CAUSE characters (`instance_cause`): it is carried
+    across continue-as-new and may quote a reason someone else sent.
+    """
+
+    why: str
+    # ISO 8601, to the second.
+    at: str
+
+
+# The longest `InstanceCause.why`: a capped signal reason (500) with its wording.
+MAX_CAUSE = 700
+
+
+def instance_cause(why: str, at: str) -> InstanceCause:
+    """A cause, cut to MAX_CAUSE characters."""
+    return InstanceCause(why if len(why) <= MAX_CAUSE else why[: MAX_CAUSE - 1] + "…", at)
+
+
+@dataclass
 class ProxyStatus:
     """What the `status` query returns."""
 
@@ -38,6 +60,10 @@ class ProxyStatus:
     last_error_at: str | None = None
     # Where the instance's traffic leaves from, as its provider knows it.
     exit_address: str | None = None
+    # Why the instance shown exists (or is being brought up), and when that was decided.
+    cause: InstanceCause | None = None
+    # While a rotation is under way: why the instance shown is being replaced.
+    replaced_because: InstanceCause | None = None
 
 
 @dataclass
@@ -104,6 +130,12 @@ class CarriedState:
     # on the way (the proxy then ends Failed, naming it).
     terminating: str | None = None
     delete_refused: str | None = None
+    # Why the serving instance (`current`) was made; None for one made by
+    # a release that did not say.
+    cause: InstanceCause | None = None
+    # Why the next generation is (being) brought up: the first start, a
+    # rotation, a failure. It becomes `cause` when that generation is Ready.
+    next_cause: InstanceCause | None = None
 
     def own(self, ref: InstanceRef) -> None:
         """Remember an instance until it is gone; a newer view of one replaces it in place."""
@@ -123,6 +155,7 @@ def status_of(
 ) -> ProxyStatus:
     """The `status` query's answer: the carried state, plus what this run is doing."""
     shown = carried.shown
+    serving = carried.current is not None and shown == carried.current
     return ProxyStatus(
         state=carried.state,
         provider=carried.provider,
@@ -139,6 +172,8 @@ def status_of(
         terminate_reason=terminate_reason,
         last_error_at=carried.last_error_at,
         exit_address=(shown.exit_address or None) if shown else None,
+        cause=carried.cause if serving else carried.next_cause,
+        replaced_because=carried.next_cause if serving else None,
     )
 
 

@@ -37,6 +37,7 @@ from contract import (
     STATE,
     ProxyState,
 )
+from workflows import lifecycle_view
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
 
@@ -153,17 +154,8 @@ class StatusPublisher:
 
     @staticmethod
     def _set_current_details(status: ProxyStatus) -> None:
-        """The Web UI's summary of the proxy (no command: read with the workflow's metadata)."""
-        lines = [f"**{status.state}** on `{status.provider or '?'}`"]
-        if status.endpoint:
-            lines.append(
-                f"endpoint `{status.endpoint}` ({status.instance}, generation {status.generation})"
-            )
-        if status.waiting_for:
-            lines.append(status.waiting_for)
-        if status.last_error:
-            lines.append(f"last error ({status.last_error_at or '?'}): {status.last_error}")
-        workflow.set_current_details("\n\n".join(lines))
+        """The Web UI's account of the proxy (no command: read with the workflow's metadata)."""
+        workflow.set_current_details(lifecycle_view.current_details(status))
 
     def _tell_pool(self, status: ProxyStatus) -> None:
         """Signal the parent pool when state, endpoint or generation changed.

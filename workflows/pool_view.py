@@ -4,8 +4,9 @@ The pool's history and its page should tell its story as a member's do
 (docs/operations.md, "A pool in the Web UI"):
 
 - `current_details` is the pool's current details (the User Metadata tab):
-  its state and counts, then one table row per member, at most
-  `DETAIL_ROWS` of them, so a pool of hundreds keeps a small text;
+  its state, its size and counts, then one table row per member, at most
+  `DETAIL_ROWS` of them, so a pool of hundreds keeps a small text; a
+  reason too long for its cell is cut there and follows the table whole;
 - `start_summary` and `start_details` are a member start's static summary
   and details (the child workflow's row in the pool's history, and the
   member's own page): which member, and why it was started;
@@ -25,12 +26,13 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from contract import PoolState
+from workflows import markdown
 from workflows.pool_plan import ABANDONED, Member, MemberPhase
 
 # Member rows in the current details; the rest are counted, and listed by `status`.
 DETAIL_ROWS = 20
-# The longest text in one table cell, and in a static summary (the UI shows
-# one line of it).
+# The longest text in one table cell (a longer one follows the table whole),
+# and in a static summary (the UI shows one line of it).
 MAX_CELL = 80
 MAX_SUMMARY = 160
 
@@ -43,25 +45,32 @@ def current_details(
     waiting_for: str | None,
     last_error: str | None,
 ) -> str:
-    """The pool's state and counts, what it waits for, and a table of its first members."""
-    lines = [f"**{state}**: {ready} of {replicas} Ready, {len(members)} members"]
+    """The pool's state, size and counts, what it waits for, and a table of its first members.
+
+    The size leads: a pool's static summary is fixed when it starts and
+    goes stale with the first `scale`.
+    """
+    lines = [f"**{state}**: {replicas} replicas, {ready} Ready, {len(members)} members"]
     if waiting_for:
-        lines.append(f"waiting for {waiting_for}")
+        lines.append(f"waiting for {markdown.text(waiting_for)}")
     if last_error:
-        lines.append(f"last error: {last_error}")
+        lines.append(f"last error: {markdown.text(last_error)}")
     if members:
-        rows = [
-            "| member | state | endpoint | generation | last rotation or ban |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        rows += [_row(m) for m in members[:DETAIL_ROWS]]
-        lines.append("\n".join(rows))
+        shown = members[:DETAIL_ROWS]
+        header = ["member", "state", "endpoint", "generation", "last rotation or ban"]
+        lines.append(markdown.table(header, [_row(m) for m in shown]))
         if len(members) > DETAIL_ROWS:
             lines.append(f"and {len(members) - DETAIL_ROWS} more members: the `status` query")
+        cut = [(m.member, last_change(m)) for m in shown if len(last_change(m)) > MAX_CELL]
+        if cut:
+            lines.append("in full:")
+            lines.append(
+                "\n".join(f"- {markdown.text(name)}: {markdown.text(why)}" for name, why in cut)
+            )
     return "\n\n".join(lines)
 
 
-def _row(member: Member) -> str:
+def _row(member: Member) -> list[str]:
     state = member.state
     if member.phase is not MemberPhase.ACTIVE:
         state += f", {member.phase}"
@@ -70,7 +79,7 @@ def _row(member: Member) -> str:
     if member.endpoint and member.endpoint != member.verified:
         endpoint = f"{endpoint} (checking a new one)" if endpoint else "(checking)"
     cells = [member.member, state, endpoint, str(member.generation), last_change(member)]
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    return [_cell(c) for c in cells]
 
 
 def last_change(member: Member) -> str:
@@ -87,9 +96,9 @@ def last_change(member: Member) -> str:
 
 
 def _cell(text: str) -> str:
-    """One table cell: one line, no column separator, bounded."""
-    flat = " ".join(text.split()).replace("|", "/")
-    return flat if len(flat) <= MAX_CELL else flat[: MAX_CELL - 1] + "…"
+    """One table cell: one line, shown as written, bounded (whole below the table)."""
+    flat = " ".join(text.split())
+    return markdown.text(flat if len(flat) <= MAX_CELL else flat[: MAX_CELL - 1] + "…")
 
 
 def start_summary(member: Member, cause: str) -> str:
@@ -113,7 +122,7 @@ def start_details(pool_id: str, member: Member, cause: str) -> str:
     where = member.provider + "".join(f", {k}={v}" for k, v in sorted(member.placement.items()))
     lines = [
         f"**{member.member}**, member of pool `{pool_id}`",
-        f"why: {cause}",
+        f"why: {markdown.text(cause)}",
         f"on: {where}",
     ]
     if member.lifetime_seconds is not None:

@@ -15,7 +15,7 @@ from temporalio.converter import DataConverter, value_to_type
 
 from contract import ProxyState
 from workflows.lifecycle import CarriedState
-from workflows.lifecycle_carried import from_older_release, status_of
+from workflows.lifecycle_carried import MAX_CAUSE, from_older_release, instance_cause, status_of
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 HISTORY = HISTORIES / "0.1.0" / "continued_as_new_then_terminated.json"
@@ -46,6 +46,8 @@ def test_an_older_release_s_carried_state_gives_the_status_it_had() -> None:
     assert state.current is not None and state.current.name == old["instance"]
     assert [ref.name for ref in state.owned] == [old["instance"]]
     assert state.next_generation == 2
+    # That release did not say why its instance was made: nothing is made up.
+    assert state.cause is None and status.cause is None
 
 
 def test_carried_state_with_fields_since_removed_decodes() -> None:
@@ -60,6 +62,9 @@ def test_carried_state_with_fields_since_removed_decodes() -> None:
 def test_today_s_carried_state_decodes_as_it_was_written() -> None:
     state = decoded(recorded_carried_state())
     state.rotate_reason = "rotate signal"
+    state.cause = instance_cause("first start", "2026-01-01T00:00:00+00:00")
+    state.next_cause = instance_cause("a rotate signal: " + "x" * 2000, "2026-01-02T00:00:00+00:00")
+    assert len(state.next_cause.why) == MAX_CAUSE  # carried state stays bounded
     # What continue-as-new writes: the default converter's JSON.
     (payload,) = DataConverter.default.payload_converter.to_payloads([state])
     again = decoded(json.loads(payload.data))

@@ -7,12 +7,15 @@ test_pool_web_ui.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from contract import PoolState, ProxyState
+from workflows.markdown import CELL_GAP
 from workflows.pool_plan import Member, MemberPhase
 from workflows.pool_view import (
     DETAIL_ROWS,
+    MAX_CELL,
     MAX_SUMMARY,
     current_details,
     signal_label,
@@ -39,8 +42,13 @@ def member(index: int, **fields: Any) -> Member:
 
 
 def table_rows(details: str) -> list[list[str]]:
+    """Each table line's cells as the UI shows them: split at unescaped pipes, unescaped."""
     rows = [line for line in details.splitlines() if line.startswith("| ")]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    return [[unescaped(cell) for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+
+
+def unescaped(cell: str) -> str:
+    return re.sub(r"\\(.)", r"\1", cell).strip()
 
 
 def test_each_member_is_a_row_with_its_state_endpoint_generation_and_last_change() -> None:
@@ -52,10 +60,12 @@ def test_each_member_is_a_row_with_its_state_endpoint_generation_and_last_change
         PoolState.SCALING, 3, 2, [member(0), banned, rotated, leaving], "1 members to end", None
     )
 
-    assert details.startswith("**Scaling**: 2 of 3 Ready, 4 members\n\nwaiting for 1 members")
+    assert details.startswith(
+        "**Scaling**: 3 replicas, 2 Ready, 4 members\n\nwaiting for 1 members"
+    )
     assert table_rows(details)[2:] == [
         [f"{POOL}/0", "Ready", "127.0.0.1:4000", "1", ""],
-        [f"{POOL}/1", "Ready, queued", "127.0.0.1:4001", "1", "banned: 403 / from the shop"],
+        [f"{POOL}/1", "Ready, queued", "127.0.0.1:4001", "1", "banned: 403 | from the shop"],
         [
             f"{POOL}/2",
             "Ready",
@@ -93,7 +103,7 @@ def test_a_start_names_the_member_and_its_cause_in_one_bounded_line() -> None:
     assert summary.startswith(f"start {POOL}/7: replaces pool-a/2, ended Failed: crash loop")
     assert len(summary) == MAX_SUMMARY and "\n" not in summary
     assert f"member of pool `{POOL}`" in details
-    assert cause in details  # the details keep it whole
+    assert cause.strip() in details  # the details keep it whole
     assert "local, zone=europe-west1-b" in details
     assert "after 3600s Ready" in details
 
@@ -115,3 +125,40 @@ def test_a_signal_label_names_the_signal_member_and_cause_in_one_bounded_line() 
 
     assert label.startswith(f"rotate {POOL}/3: pool: ban: captcha on /search x")
     assert len(label) == MAX_SUMMARY and "\n" not in label
+
+
+def test_the_table_is_a_header_a_separator_and_a_row_per_member_with_spaced_cells() -> None:
+    """As the Web UI 2.54 renders GFM: its reset CSS gives cells no padding, so each cell
+    ends with an em space, which its renderer keeps; a pipe in a reason ends no cell."""
+    members = [member(0), member(1, banned="a | b"), member(2)]
+
+    details = current_details(PoolState.READY, 3, 2, members, None, None)
+
+    lines = [line for line in details.splitlines() if line.startswith("|")]
+    assert (
+        lines[0]
+        == "| "
+        + " | ".join(
+            f"{h}{CELL_GAP}"
+            for h in ("member", "state", "endpoint", "generation", "last rotation or ban")
+        )
+        + " |"
+    )
+    assert lines[1] == "| --- | --- | --- | --- | --- |"
+    assert len(lines) == 2 + len(members)
+    assert all(len(row) == 5 for row in table_rows(details))
+    assert all(f"{CELL_GAP} |" in line for line in lines[2:])
+    assert "a \\| b" in lines[3]
+
+
+def test_a_reason_too_long_for_its_cell_follows_the_table_whole() -> None:
+    reason = "403 from the shop: captcha page on /search?q=shoes " + "and more " * 40
+    members = [member(0), member(1, last_rotation=f"ban: {reason}(generation 0 to 1, now)")]
+
+    details = current_details(PoolState.READY, 2, 2, members, None, None)
+
+    cell = table_rows(details)[3][4]
+    assert len(cell) == MAX_CELL and cell.endswith("…")
+    _, after = details.rsplit("\n\nin full:\n\n", 1)
+    assert after == f"- {POOL}/1: rotated: ban: {reason.strip()} (generation 0 to 1, now)"
+    assert "in full" not in current_details(PoolState.READY, 1, 1, [member(0)], None, None)

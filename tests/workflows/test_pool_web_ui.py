@@ -20,6 +20,7 @@ from temporalio.converter import default
 
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
+from tests.workflows.test_pool_view import table_rows
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +39,10 @@ async def test_the_pools_history_and_page_name_each_member_and_why(stack: Stack)
     await wait_for(lambda: settled(pool, {0: 0, 1: 1, 2: 0}), "the banned member rotated")
     row = member_row(await current_details(pool), banned)
     assert row[-1].startswith("rotated: ban: 403 from the shop (generation 0 to 1, ")
+    # The member's own page says why its instance is there, and since when.
+    why = await current_details(stack.client.get_workflow_handle(banned))
+    assert "why this instance: the pool asked for a rotation: ban: 403 from the shop (" in why
+    assert "; Ready since " in why
 
     # Ended by hand, from outside the pool: the pool starts a member in its place.
     await stack.client.get_workflow_handle(f"{pool.id}/2").signal("terminate")
@@ -101,7 +106,7 @@ async def test_the_pools_history_and_page_name_each_member_and_why(stack: Stack)
     assert any(t.endswith(": reconcile members with visibility") for t in timers), timers
 
     details = await current_details(pool)
-    assert details.startswith("**Ready**: 3 of 3 Ready, 3 members")
+    assert details.startswith("**Ready**: 3 replicas, 3 Ready, 3 members")
     for member, generation in ((0, 1), (1, 2), (3, 1)):
         row = member_row(details, f"{pool.id}/{member}")
         assert row[1:4] == ["Ready", row[2], str(generation)] and row[2].startswith("127.0.0.1:")
@@ -130,14 +135,14 @@ async def settled(pool: WorkflowHandle[Any, Any], generations: dict[int, int]) -
 
 
 async def current_details(pool: WorkflowHandle[Any, Any]) -> str:
-    """What the Web UI's User Metadata tab shows as the pool's current details."""
+    """What the Web UI's User Metadata tab shows as a workflow's current details."""
     metadata = await pool.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
     return str(metadata.current_details)
 
 
 def member_row(details: str, member: str) -> list[str]:
-    (row,) = [line for line in details.splitlines() if line.startswith(f"| {member} |")]
-    return [cell.strip() for cell in row.strip("|").split("|")]
+    (row,) = [row for row in table_rows(details) if row[0] == member]
+    return row
 
 
 def text(payload: Any) -> Any:
