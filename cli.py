@@ -1,7 +1,8 @@
 """What every console script shares: the worker's (worker.py) and the gateway's (gateway/main.py).
 
-Flags that fall back to environment variables, the log format, the Temporal
-connection, /metrics and /healthz, and how the process leaves. Here, not in
+Flags that fall back to environment variables, the log format (the
+Temporal SDK's Core's lines included), the Temporal connection, /metrics,
+/healthz and /readyz, and how the process leaves. Here, not in
 worker.py, so the gateway takes the same settings without loading the
 worker's workflows and activities.
 """
@@ -12,11 +13,14 @@ import argparse
 import asyncio
 import collections
 import errno
+import functools
 import logging
 import os
+import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
@@ -25,7 +29,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from temporalio.client import Client
 from temporalio.envconfig import ClientConfig
-from temporalio.runtime import Runtime
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    PrometheusConfig,
+    Runtime,
+    TelemetryConfig,
+)
 
 from providers.base import split_endpoint
 
@@ -37,6 +47,12 @@ METRICS_MAX_HEAD_BYTES = 8192
 METRICS_MAX_CONNECTIONS = 256
 METRICS_MAX_PER_ADDRESS = 8
 METRICS_RENDER_THREADS = 2
+# The Temporal SDK's Core logs under this logger, and a kind of line (a
+# retried call, say) at most once per CORE_LOG_WINDOW: with Temporal away,
+# Core warns of every retry of every call, several a second.
+CORE_LOGGER = "temporalio.core"
+CORE_LOG_WINDOW = 60.0
+CORE_LOG_KINDS = 256
 
 log = logging.getLogger("proxy_operator.cli")
 
@@ -95,7 +111,7 @@ def argument_parser(
         parser,
         "--metrics-address",
         metrics_env,
-        "host:port for /metrics and /healthz; empty turns it off",
+        "host:port for /metrics, /healthz and /readyz; empty turns it off",
         metrics_default,
     )
     return parser
@@ -109,17 +125,97 @@ def configure_logging() -> None:
     )
 
 
+class OncePerWindow(logging.Filter):
+    """One record of a kind per `seconds`; the next one says how many were left out.
+
+    A kind is the logger, the level and the message with its numbers taken
+    out: Core's "retried 5 times" and "retried 6 times" are one kind. At most
+    CORE_LOG_KINDS kinds are remembered; past that the oldest is forgotten.
+    """
+
+    def __init__(self, seconds: float = CORE_LOG_WINDOW) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        # kind -> (when its last record went through, how many were left out since)
+        self._kinds: dict[tuple[str, int, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        core = getattr(record, "temporal_log", None)
+        text = core.message if core is not None else str(record.msg)
+        kind = (record.name, record.levelno, re.sub(r"\d+", "#", text))
+        now = time.monotonic()
+        with self._lock:
+            shown, left_out = self._kinds.pop(kind, (-self.seconds, 0))
+            if now - shown < self.seconds:
+                self._kinds[kind] = (shown, left_out + 1)
+                return False
+            self._kinds[kind] = (now, 0)
+            while len(self._kinds) > CORE_LOG_KINDS:
+                del self._kinds[next(iter(self._kinds))]
+        if left_out:
+            record.msg = f"{record.getMessage()} ({left_out} more like it left out)"
+            record.args = ()
+        return True
+
+
+_CORE_FILTER = OncePerWindow()
+
+
+def sdk_runtime(metrics: PrometheusConfig | None = None) -> Runtime:
+    """The Temporal SDK's runtime for a console script, exporting `metrics` if given.
+
+    Core writes its own lines to stderr unless forwarded, in colour codes
+    and as often as it retries; forwarded, they are our log lines
+    (CORE_LOGGER, at Core's default WARN), one of a kind per CORE_LOG_WINDOW.
+    """
+    core = logging.getLogger(CORE_LOGGER)
+    core.addFilter(_CORE_FILTER)
+    return Runtime(
+        telemetry=TelemetryConfig(
+            logging=LoggingConfig(
+                filter=LoggingConfig.default.filter,
+                forwarding=LogForwardingConfig(logger=core, append_target_to_name=False),
+            ),
+            metrics=metrics,
+        )
+    )
+
+
+@functools.cache
+def _plain_runtime() -> Runtime:
+    """One runtime without metrics per process, however many times `connect` is called."""
+    return sdk_runtime()
+
+
 async def connect(runtime: Runtime | None = None) -> Client:
-    """Connect with the standard env config; a bare dev setup gets localhost:7233."""
+    """Connect with the standard env config; a bare dev setup gets localhost:7233.
+
+    Without `runtime`, one from `sdk_runtime` (Core's lines into our log).
+    """
     connect_config = ClientConfig.load_client_connect_config()
     connect_config.setdefault("target_host", DEFAULT_TEMPORAL_ADDRESS)
-    return await Client.connect(**connect_config, runtime=runtime)
+    return await Client.connect(**connect_config, runtime=runtime or _plain_runtime())
 
 
 class Health:
-    """Whether /healthz answers 200: set once the process serves."""
+    """What /healthz (liveness) and /readyz (readiness) answer.
+
+    Set on the process's own loop and read on the metrics listener's thread:
+    each is a plain attribute or a method that reads some, whole under the GIL.
+    This class's readiness is its liveness (the worker's); the gateway's
+    adds what it routes by (gateway/health.py).
+    """
 
     ready = False
+
+    def not_live(self) -> str | None:
+        """Why /healthz answers 503, in one line; None while the process works."""
+        return None if self.ready else "starting"
+
+    def not_ready(self) -> str | None:
+        """Why /readyz answers 503, in one line; None while it should be sent work."""
+        return self.not_live()
 
 
 class MetricsAddressError(ValueError):
@@ -127,7 +223,7 @@ class MetricsAddressError(ValueError):
 
 
 def serve_metrics(address: str, health: Health, registry: CollectorRegistry, env: str) -> None:
-    """Serve `registry` on /metrics and `health` on /healthz, on a thread of their own.
+    """Serve `registry` on /metrics and `health` on /healthz and /readyz, on a thread of their own.
 
     The socket is bound here, before the thread starts, so an address in use
     or not host:port is a MetricsAddressError naming the flag and `env`, the
@@ -148,7 +244,7 @@ def serve_metrics(address: str, health: Health, registry: CollectorRegistry, env
         raise MetricsAddressError(f"{flag}: cannot listen on {address}: {err.strerror}") from None
     listener = _MetricsListener(sock, health, registry)
     threading.Thread(target=listener.run, name="metrics", daemon=True).start()
-    log.info("serving /metrics and /healthz on %s", address)
+    log.info("serving /metrics, /healthz and /readyz on %s", address)
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -156,15 +252,15 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class _MetricsListener:
-    """/metrics and /healthz on an event loop of their own: no thread per connection.
+    """/metrics, /healthz and /readyz on an event loop of their own: no thread per connection.
 
     Whoever reaches the port costs a coroutine for at most METRICS_HEAD_SECONDS
     unless it sends a request; at most METRICS_MAX_CONNECTIONS are open at
     once, METRICS_MAX_PER_ADDRESS of them from one address, so one client's
-    idle sockets leave room for the kubelet's /healthz and Prometheus's scrape.
-    /healthz is answered on the loop; a scrape is rendered on one of
-    METRICS_RENDER_THREADS threads (the worker's collects the Temporal SDK's
-    series over HTTP), so a slow scrape never holds /healthz up.
+    idle sockets leave room for the kubelet's probes and Prometheus's scrape.
+    /healthz and /readyz are answered on the loop; a scrape is rendered on one
+    of METRICS_RENDER_THREADS threads (the worker's collects the Temporal
+    SDK's series over HTTP), so a slow scrape never holds a probe up.
     """
 
     def __init__(self, sock: socket.socket, health: Health, registry: CollectorRegistry) -> None:
@@ -219,14 +315,20 @@ class _MetricsListener:
         method, _, rest = request_line.partition(" ")
         path = rest.partition(" ")[0].partition("?")[0]
         text = "text/plain; charset=utf-8"
-        if path not in ("/healthz", "/metrics"):
-            return "404 Not Found", text, b"not found: /metrics and /healthz are served here\n"
+        if path not in ("/healthz", "/readyz", "/metrics"):
+            return (
+                "404 Not Found",
+                text,
+                b"not found: /metrics, /healthz and /readyz are served here\n",
+            )
         if method != "GET":
             return "405 Method Not Allowed", text, b"GET only\n"
-        if path == "/healthz":
-            if self._health.ready:
-                return "200 OK", text, b"ok\n"
-            return "503 Service Unavailable", text, b"starting\n"
+        if path in ("/healthz", "/readyz"):
+            live = path == "/healthz"
+            problem = self._health.not_live() if live else self._health.not_ready()
+            if problem is None:
+                return "200 OK", text, b"ok\n" if live else b"ready\n"
+            return "503 Service Unavailable", text, f"{' '.join(problem.split())}\n".encode()
         accept = next(
             (v for k, _, v in (line.partition(":") for line in lines) if k.lower() == "accept"),
             "",

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from temporalio.client import Client
 from temporalio.common import WorkerDeploymentVersion
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import PrometheusConfig, Runtime
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 import cli
@@ -414,11 +414,7 @@ def _runtime_with_metrics(address: str, health: cli.Health) -> Runtime | None:
         return None
     cli.serve_metrics(address, health, REGISTRY, METRICS_ENV)
     sdk_address = f"127.0.0.1:{_free_port()}"
-    runtime = Runtime(
-        telemetry=TelemetryConfig(
-            metrics=PrometheusConfig(bind_address=sdk_address, durations_as_seconds=True)
-        )
-    )
+    runtime = cli.sdk_runtime(PrometheusConfig(bind_address=sdk_address, durations_as_seconds=True))
     REGISTRY.register(_SdkMetrics(f"http://{sdk_address}/metrics"))
     return runtime
 

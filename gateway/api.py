@@ -1,12 +1,13 @@
 """The gateway's control API: members, session lookups and bans, for scrapers.
 
     GET  /healthz                 no token; {"status": "ok"}
+    GET  /readyz                  no token; {"status": "ready"}, or 503 and the reason
     GET  /metrics                 the gateway's Prometheus metrics
     GET  /v1/members              the pool's members, each with the sessions it carried last
     GET  /v1/sessions/<key>       which member that session goes to (gateway/sessions.py)
     POST /v1/bans                 {"member": ...} or {"session": ...}, and a "reason"
 
-Every path but /healthz takes `Authorization: Bearer <token>`, a token of
+Every path but /healthz and /readyz takes `Authorization: Bearer <token>`, a token of
 the tokens file (gateway/api_tokens.py); anything else is 401 with nothing
 but `WWW-Authenticate: Bearer`, whatever the path. Each token has its own
 token bucket (`--api-rate` per second, `--api-burst`); over it, 429. A ban is
@@ -168,8 +169,12 @@ class ControlApi:
         burst: int,
         tls: ssl.SSLContext | None = None,
         per_client: int = DEFAULT_PER_CLIENT,
+        readiness: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """`readiness` says why the gateway should not be sent clients (gateway/health.py),
+        None when it should; /readyz answers it."""
         self._pool = pool
+        self._readiness = readiness
         self._tokens = tokens
         self._rate = rate
         self._burst = burst
@@ -298,6 +303,8 @@ class ControlApi:
         """The request's handler, once its token and rate allow it; ApiError otherwise."""
         if request.path == "/healthz":
             return _method(request, "GET", _healthz)
+        if request.path == "/readyz":
+            return _method(request, "GET", self._readyz)
         digest = self._tokens.match(_bearer(request.headers.get("authorization", "")))
         if digest is None:
             raise ApiError(HTTPStatus.UNAUTHORIZED, "a valid bearer token is required")
@@ -339,6 +346,13 @@ class ControlApi:
         await asyncio.wait_for(writer.drain(), WRITE_SECONDS)
 
     # ---- the endpoints ----------------------------------------------------------------
+
+    async def _readyz(self, _: Request) -> tuple[HTTPStatus, bytes, str]:
+        reason = self._readiness()
+        if reason is None:
+            return HTTPStatus.OK, _json({"status": "ready"}), JSON_TYPE
+        answer = {"status": "not ready", "reason": reason}
+        return HTTPStatus.SERVICE_UNAVAILABLE, _json(answer), JSON_TYPE
 
     async def _members(self, _: Request) -> tuple[HTTPStatus, bytes, str]:
         return HTTPStatus.OK, _json(await self._pool.members()), JSON_TYPE

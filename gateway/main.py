@@ -34,10 +34,11 @@ from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 import cli
-from cli import Health, connect, serve_metrics
+from cli import connect, serve_metrics
 from gateway import api_settings, demand, membership, metrics, wake
 from gateway.api import ControlApi
 from gateway.api_pool import PoolControl
+from gateway.health import GatewayHealth, stale_after
 from gateway.member_networks import (
     Gatekeeper,
     MemberNetworks,
@@ -194,7 +195,7 @@ def member_networks(args: argparse.Namespace, config: Config) -> MemberNetworks:
 def main(argv: list[str] | None = None) -> int:
     cli.configure_logging()
     args = parse_args(argv)
-    health = Health()
+    health = GatewayHealth(args.pool or "", stale_after(args.poll_interval, args.debounce))
     try:
         pool, listen = checked(args)
         config = load_config(args.providers_config)
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
         return 2
+    except membership.PoolClosed as err:
+        print(f"error: {err}; the gateway stops (docs/operations.md)", file=sys.stderr)
+        return 1
     except (GatewayError, RPCError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -234,7 +238,7 @@ async def serve(
     listen: tuple[str, int],
     settings: ProxySettings,
     allowed: MemberNetworks,
-    health: Health,
+    health: GatewayHealth,
     api: api_settings.ApiSettings | None = None,
     users: str | None = None,
 ) -> int:
@@ -243,12 +247,20 @@ async def serve(
     except RuntimeError as err:  # what the SDK raises for an unreachable server
         raise GatewayError(f"cannot connect to Temporal: {err}") from err
     gatekeeper = Gatekeeper(allowed)
+    await membership.pool_position(client, pool)  # a pool that is gone or closed stops us here
 
     async def pool_members() -> list[GatewayMember]:
         try:
-            return gatekeeper.admit(await membership.query_members(client, pool))
+            members = gatekeeper.admit(await membership.query_members(client, pool))
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
+        health.answered()
+        return members
+
+    async def pool_position() -> membership.Position:
+        position = await membership.pool_position(client, pool)
+        health.answered()
+        return position
 
     # An autoscaled pool's backs get the wake holder while it has no member.
     holding = contextlib.AsyncExitStack()
@@ -286,6 +298,7 @@ async def serve(
             follower.follow(back.access_log, on_back_line)
         follower.start()
         metrics.set_members(wake.real(members))
+        health.routes(members)
         if api is not None:
             pool_control = PoolControl(
                 client, pool, settings.username, sessions, lambda: wake.real(squid.members)
@@ -297,6 +310,7 @@ async def serve(
                 burst=api.burst,
                 tls=api.tls,
                 per_client=api.per_client,
+                readiness=health.not_ready,
             )
             await control.start(*api.listen)
             on_sighup.append(control.reload_tokens)
@@ -311,12 +325,13 @@ async def serve(
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread)
         health.ready = True
+        health.checked_squid()
         log.info(
             "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
         )
-        gate = membership.HistoryGate(lambda: membership.pool_position(client, pool))
+        gate = membership.HistoryGate(pool_position)
         async with demand.reporting(args, client, pool, meter, listen):
-            return await _run(args, squid, names, fetch, gate, members)
+            return await _run(args, squid, names, fetch, gate, members, health)
     finally:
         if following_users is not None:
             following_users.cancel()
@@ -336,23 +351,27 @@ async def _run(
     fetch: membership.Fetch,
     gate: membership.HistoryGate,
     members: Sequence[GatewayMember],
+    health: GatewayHealth,
 ) -> int:
     async def apply(new: Sequence[GatewayMember]) -> bool:
         for member in new:
             names.add(member.member)
         try:
-            await asyncio.to_thread(squid.apply, new)
+            with health.reloading():
+                await asyncio.to_thread(squid.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()
             log.error("reload failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.set_members(wake.real(new))
+        health.routes(new)
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
 
     def on_error(err: BaseException) -> None:
         metrics.MEMBERSHIP_ERRORS.inc()
+        health.failed(err)
         log.warning("endpoints query failed, keeping %d members: %s", len(squid.members), err)
 
     stop = asyncio.Event()
@@ -375,6 +394,7 @@ async def _run(
             if not squid.running():
                 log.error("the gateway's Squid exited; stopping")
                 return 1
+            health.checked_squid()
             if following.done():
                 following.result()  # raises what ended it
             with contextlib.suppress(TimeoutError):

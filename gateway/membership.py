@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from gateway.placement import region_of, zone_of
@@ -48,6 +48,22 @@ Describe = Callable[[], Awaitable[Position]]
 
 class PoolNotFound(Exception):
     """The pool id names no workflow (or one that cannot answer the endpoints query)."""
+
+
+class PoolClosed(Exception):
+    """The pool's latest run has closed: no member will come, no report or wake is taken."""
+
+
+# A run that continued as new has a successor, which a describe by id finds.
+CLOSED = frozenset(
+    {
+        WorkflowExecutionStatus.COMPLETED,
+        WorkflowExecutionStatus.FAILED,
+        WorkflowExecutionStatus.CANCELED,
+        WorkflowExecutionStatus.TERMINATED,
+        WorkflowExecutionStatus.TIMED_OUT,
+    }
+)
 
 
 def parse_endpoints(raw: Any) -> list[GatewayMember]:
@@ -97,13 +113,22 @@ async def query_members(client: Client, pool: str) -> list[GatewayMember]:
 
 
 async def pool_position(client: Client, pool: str) -> Position:
-    """The pool's current run and its history length: one describe, which Temporal does not bill."""
+    """The pool's current run and its history length: one describe, which Temporal does not bill.
+
+    PoolClosed if that run has closed (the message says how and when).
+    """
     try:
         described = await client.get_workflow_handle(pool).describe()
     except RPCError as err:
         if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
             raise PoolNotFound(f"pool {pool!r}: {err.message}") from err
         raise
+    if described.status in CLOSED:
+        when = f" at {described.close_time:%Y-%m-%d %H:%M:%S %Z}" if described.close_time else ""
+        raise PoolClosed(
+            f"pool {pool!r} has closed ({described.status.name.lower()}{when}): it lists no "
+            "member and takes no demand report or wake"
+        )
     return described.run_id or "", described.history_length
 
 
@@ -156,7 +181,8 @@ async def follow(
     fetches only when `gate` says the pool may have changed.
 
     A failed poll keeps the members the gateway has: a pool that cannot be
-    asked for a moment has not lost them.
+    asked for a moment has not lost them. A pool that has closed ends it
+    (PoolClosed): the gateway stops rather than poll a pool that is gone.
     """
     applied = set(current)
     while True:

@@ -466,8 +466,9 @@ def test_the_gateway_is_reachable_through_its_service_and_reaches_the_proxies() 
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "proxy"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # Live while it runs; ready while it can route (gateway/health.py).
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     # The proxies' NetworkPolicy admits Pods with this label (see above).
     assert labels["proxy-operator/client"] == "true"
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]

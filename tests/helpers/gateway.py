@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -118,6 +119,16 @@ class GatewayProcess:
                 return bool(response.status == 200)
         except OSError:
             return False
+
+    def probe(self, path: str) -> tuple[int, str]:
+        """The metrics listener's answer to GET `path` (/healthz, /readyz): status and body."""
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5
+            ) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
 
     def metrics_text(self) -> str:
         """The metrics listener's /metrics, as anyone who reaches it reads it."""
