@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import cast
 
 import google.auth
@@ -48,7 +49,12 @@ from providers.gcp.operations import (
 )
 from providers.gcp.settings import GcpConfig, config_problems
 from providers.gcp.startup import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, startup_script
-from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
+from providers.naming import (
+    INSTALLATION_KEY,
+    RFC1035_LABEL,
+    adoption_mismatch,
+    ownership_mismatch,
+)
 
 PROVIDER_TYPE = ProviderType(
     name="gcp",
@@ -184,6 +190,26 @@ class GcpProvider:
             if mismatch:
                 raise Permanent(f"delete instance {provider_id}: refused, {mismatch}")
             self._delete(zone, name)
+
+    def find(self, name: str, placement: Mapping[str, str]) -> Instance | None:
+        """The VM named `name` in the zones a create with `placement` tries (NamedLookup).
+
+        One zonal `get` per candidate zone, usually one in all: a read, where
+        `list_by_tag`'s aggregated list costs list quota and a filtered
+        list's overhead. The plain status mapping, no guest attribute query:
+        callers ask about a VM whose owner already found it ready.
+        """
+        problems = self._settings.placement_problems(placement)
+        if problems:
+            raise Permanent(f"find {name}: {'; '.join(problems)}")
+        if not RFC1035_LABEL.fullmatch(name):
+            raise Permanent(f"find {name!r}: not an instance name")
+        pinned = placement.get("zone")
+        with edge():
+            for zone in [pinned] if pinned else self._candidate_zones():
+                with contextlib.suppress(api_exceptions.NotFound):
+                    return to_instance(self._fetch(zone, name))
+        return None
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Select by label in every zone of the project, then match the exact tags.

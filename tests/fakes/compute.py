@@ -159,7 +159,18 @@ ERROR_KINDS: dict[str, ErrorKind] = {
         "Try a different zone, or try again later.",
         in_operation=True,
     ),
+    # A project's per-minute rate quota, or its concurrent operations
+    # (compute/api-quota, compute/operations-quota): "wait a minute".
     "rate_limit": ErrorKind(403, "rateLimitExceeded", "Rate Limit Exceeded"),
+    "user_rate_limit": ErrorKind(403, "userRateLimitExceeded", "User Rate Limit Exceeded"),
+    # Too many operations on one resource, reported by the operation
+    # (googleapis/python-compute#279: "403 FORBIDDEN RESOURCE_OPERATION_RATE_EXCEEDED").
+    "operation_rate": ErrorKind(
+        403,
+        "RESOURCE_OPERATION_RATE_EXCEEDED",
+        "Too frequent operations from the source resource.",
+        in_operation=True,
+    ),
     # An organisation policy refusing the request: HTTP 412, reason
     # conditionNotMet, e.g. gardener/gardener-extension-provider-gcp#415 and
     # fortinet/fortigate-terraform-deploy#34 ("googleapi: Error 412: Constraint

@@ -548,7 +548,10 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         ("get", "too_many_requests", Transient),
         ("get", "not_ready", Transient),
         ("get", "quota", QuotaExceeded),
-        ("get", "rate_limit", QuotaExceeded),
+        # Rate limits pass within a minute: waited out, never "quota".
+        ("get", "rate_limit", Transient),
+        ("get", "user_rate_limit", Transient),
+        ("aggregated_list", "rate_limit", Transient),
         ("get", "forbidden", Permanent),
         ("get", "bad_request", Permanent),
         ("insert", "quota", QuotaExceeded),
@@ -560,7 +563,9 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         # An organisation policy (no external IPs): no retry gets past it.
         ("insert", "org_policy", Permanent),
         ("insert", "org_policy_operation", Permanent),
-        ("insert", "rate_limit", QuotaExceeded),
+        ("insert", "rate_limit", Transient),
+        ("insert", "operation_rate", Transient),
+        ("delete", "operation_rate", Transient),
         ("insert", "unavailable", Transient),
         ("zone_operation_wait", "unavailable", Transient),
         ("delete", "unavailable", Transient),
@@ -601,7 +606,7 @@ def test_api_errors_are_mapped_onto_the_taxonomy(
     assert error.__cause__ is error.cause
     if kind == "too_many_requests":
         assert error.retry_after_seconds == 7
-    if kind == "rate_limit":
+    if kind in ("rate_limit", "user_rate_limit", "operation_rate"):
         # Rate quotas refill within a minute; a resource quota waits longer.
         assert error.retry_after_seconds == 60
     if kind in ("quota", "quota_operation", "stockout"):
@@ -735,7 +740,7 @@ def test_a_startup_failure_ends_the_instance_with_its_reason(
 
 @pytest.mark.parametrize(
     ("kind", "expected"),
-    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", QuotaExceeded)],
+    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", Transient)],
 )
 def test_a_failed_readiness_query_is_classified(
     fake_compute: FakeCompute,
@@ -842,6 +847,25 @@ def test_lookup_by_name_asks_each_candidate_zone(fake_compute: FakeCompute) -> N
         ("get", ZONE_B),
         ("get", ZONE_C),
     ]
+
+
+def test_find_is_a_zonal_get_never_an_aggregated_list(fake_compute: FakeCompute) -> None:
+    """The pool's endpoint check, per member: a read in its zone, not a project-wide list."""
+    provider = make_provider(fake_compute, zones=[ZONE_C])
+    made = provider.create(make_request())
+    pinned = provider.create(make_request("pinned", zone=ZONE_D))
+    before = len(fake_compute.calls())
+
+    found = provider.find(made.name, {})
+    found_pinned = provider.find(pinned.name, {"zone": ZONE_D})
+    missing = provider.find(instance_name("nobody", 1), {})
+
+    assert found is not None and found.provider_id == made.provider_id
+    assert found.tags == made.tags
+    assert found_pinned is not None and found_pinned.provider_id == pinned.provider_id
+    assert missing is None
+    asked = [(c.method, c.zone) for c in fake_compute.calls()[before:]]
+    assert asked == [("get", ZONE_B), ("get", ZONE_D), ("get", ZONE_B), ("get", ZONE_C)]
 
 
 def left_in_fallback_zone(fake: FakeCompute, req: CreateRequest) -> None:
