@@ -482,10 +482,15 @@ def test_stockout_falls_back_to_the_next_configured_zone(fake_compute: FakeCompu
     assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
     # A retry of the same create, now that ZONE_B has capacity again, adopts
-    # the VM in ZONE_C instead of starting a second one in ZONE_B.
+    # the VM in ZONE_C instead of starting a second one in ZONE_B: still
+    # PROVISIONING, it asks for ZONE_C's insert again under its requestId,
+    # which answers with the original operation and creates nothing.
     fake_compute.clear_errors()
     assert make_provider(fake_compute, zones=[ZONE_C, ZONE_D]).create(req) == instance
-    assert inserted_zones(fake_compute) == [ZONE_B, ZONE_C]
+    assert inserted_zones(fake_compute) == [ZONE_B, ZONE_C, ZONE_C]
+    ids = [call.query["requestId"][0] for call in fake_compute.calls("insert")]
+    assert ids[1] == ids[2] != ids[0]
+    assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
 
 def test_a_pinned_zone_does_not_fall_back(fake_compute: FakeCompute) -> None:
@@ -808,11 +813,38 @@ def test_a_failed_insert_is_reported_once_its_instance_is_gone(
         provider.create(req)
     assert fake_compute.instance(ZONE_B, req.name) is None
 
-    # The workflow's retry after its quota wait inserts afresh (no 409 adoption).
+    # The workflow's retry after its quota wait inserts afresh (no 409
+    # adoption): its requestId answers with the failed operation, so it
+    # inserts again under one derived from that.
     again = provider.create(req)
     assert fake_compute.instance(ZONE_B, req.name) is not None
     assert provider.get(again.provider_id).name == req.name
-    assert len(fake_compute.calls("insert")) == 2
+    ids = [call.query["requestId"][0] for call in fake_compute.calls("insert")]
+    assert len(ids) == 3 and ids[0] == ids[1] != ids[2]
+
+
+def test_a_retried_insert_waits_for_the_original_and_falls_back_on_its_stockout(
+    fake_compute: FakeCompute,
+) -> None:
+    """An attempt lost mid-insert: the retry sees the original operation's stockout."""
+    req = make_request()
+    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
+    fake_compute.set_operation_seconds(3.0, zone=ZONE_B)
+    slow = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B),
+        INSTALLATION,
+        operation_timeout=0.5,
+        **fake_compute.clients(),
+    )
+    with pytest.raises(Transient):  # its operation outlived the attempt
+        slow.create(req)
+    assert fake_compute.instance(ZONE_B, req.name)["status"] == "PROVISIONING"  # type: ignore[index]
+
+    instance = make_provider(fake_compute, zones=[ZONE_C]).create(req)
+
+    # Not adopted while PROVISIONING: the original insert failed, so zone C.
+    assert instance.provider_id == f"{ZONE_C}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
 
 def test_list_by_tag_refuses_to_answer_for_part_of_the_project(
