@@ -195,6 +195,11 @@ class VerifyEndpointInput:
     endpoint: str
     # The pool's `exit_echo_url`: asked through the proxy once it is confirmed.
     echo_url: str = ""
+    # The generation the report names and the member's placement: where a
+    # provider can look the instance up by name (providers.base.NamedLookup),
+    # one read instead of a list. None from pools that did not send it.
+    generation: int | None = None
+    placement: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,14 @@ from activities.models import (
 )
 from activities.probe import OTHER, ProbeResult, probe_connect
 from contract import ErrorType
-from providers.base import CreateRequest, Instance, InstanceState, Provider, split_endpoint
+from providers.base import (
+    CreateRequest,
+    Instance,
+    InstanceState,
+    NamedLookup,
+    Provider,
+    split_endpoint,
+)
 from providers.catalog import provider_type
 from providers.config import Config
 from providers.errors import Permanent, classify
@@ -459,21 +466,23 @@ class ProviderActivities:
         claim that does not hold is an answer, not an error.
         """
         provider = self._provider(inp.provider)
-        found = await self._call(provider.list_by_tag, OWNER_KEY, inp.owner_id)
         namespace = activity.info().workflow_namespace
-        for instance in found:
-            mismatch = ownership_mismatch(
-                instance.tags,
-                self._config.installation,
-                owner_id=inp.owner_id,
-                namespace=namespace,
-            )
-            if (
-                mismatch is None
-                and instance.state is InstanceState.RUNNING
-                and (instance.endpoint == inp.endpoint)
-            ):
-                return await self._exit_check(instance, inp.echo_url)
+        # A miss by name (a lifecycle on the old name formula, a claim about
+        # another generation) is asked of the full listing.
+        for lookup in (self._named_instance, self._owned_instances):
+            for instance in await lookup(provider, inp, namespace):
+                mismatch = ownership_mismatch(
+                    instance.tags,
+                    self._config.installation,
+                    owner_id=inp.owner_id,
+                    namespace=namespace,
+                )
+                if (
+                    mismatch is None
+                    and instance.state is InstanceState.RUNNING
+                    and (instance.endpoint == inp.endpoint)
+                ):
+                    return await self._exit_check(instance, inp.echo_url)
         return EndpointCheck(
             verified=False,
             problem=(
@@ -481,6 +490,28 @@ class ProviderActivities:
                 f"at {inp.endpoint[:100]!r}"
             ),
         )
+
+    async def _named_instance(
+        self, provider: Provider, inp: VerifyEndpointInput, namespace: str | None
+    ) -> list[Instance]:
+        """The member's instance of the reported generation, by name, when the provider
+        can look one up so (none otherwise): the name alone proves nothing, its tags do."""
+        if inp.generation is None or not isinstance(provider, NamedLookup):
+            return []
+        name = instance_name(
+            inp.owner_id,
+            inp.generation,
+            installation=self._config.installation,
+            namespace=namespace or "",
+        )
+        instance = await self._call(provider.find, name, inp.placement)
+        return [] if instance is None else [instance]
+
+    async def _owned_instances(
+        self, provider: Provider, inp: VerifyEndpointInput, _namespace: str | None
+    ) -> list[Instance]:
+        """Every instance tagged with the member as its owner."""
+        return await self._call(provider.list_by_tag, OWNER_KEY, inp.owner_id)
 
     async def _exit_check(self, instance: Instance, echo_url: str) -> EndpointCheck:
         """A confirmed endpoint and its exit: as the echo service saw it, else the provider's."""

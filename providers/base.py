@@ -126,3 +126,17 @@ class Provider(Protocol):
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance carrying tag `key=value`, in every zone or namespace it may use."""
         ...
+
+
+@runtime_checkable
+class NamedLookup(Protocol):
+    """A provider that can look an instance up by the name `create` gave it.
+
+    Optional: where the platform's list calls cost more quota than a read
+    (Compute Engine's aggregated list against a zonal `get`), callers that
+    know the name ask this first and list only when it finds nothing.
+    """
+
+    def find(self, name: str, placement: Mapping[str, str]) -> Instance | None:
+        """The instance named `name` where a create with `placement` may have put it, or None."""
+        ...

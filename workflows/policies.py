@@ -153,9 +153,10 @@ VALIDATE = ActivityProfile(
     start_to_close=timedelta(seconds=10), schedule_to_close=timedelta(seconds=30)
 )
 
-# A pool's check of a member's reported endpoint with its provider: one
-# provider list call, retried through a provider's hiccups for a while; past
-# that the member stays out of `endpoints` until its next report.
+# A pool's check of a member's reported endpoint with its provider: a lookup
+# by name where the provider has one, else a list call, retried through a
+# provider's hiccups for a while; past that the pool asks again at its next
+# step (after a QuotaExceeded's delay).
 VERIFY = ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=10)
 )

@@ -68,9 +68,11 @@ with workflow.unsafe.imports_passed_through():
         POOL,
         PROXY_LIFECYCLE,
         PROXY_POOL,
+        QUOTA_RETRY_DELAY,
         ROTATE_SIGNAL,
         STATE,
         TERMINATE_SIGNAL,
+        ErrorType,
         PoolState,
         ProxyState,
         members_task_queue,
@@ -161,6 +163,13 @@ SHORTER_RUNS_PATCH = "shorter-pool-runs"
 # 1,030 events. Since, a step starts no more than the events left hold
 # (pool_plan.Situation.room, EVENTS_PER_COMMAND each).
 COMMANDS_WITHIN_BUDGET_PATCH = "commands-within-budget"
+# Pools recorded before this patch refused a member's report when its
+# endpoint check failed with QuotaExceeded (a rate limit, to some providers),
+# as if asking again could not help: a Ready member stayed out of `endpoints`
+# until its next report. Since, the check is asked again once the error's
+# delay has passed. Asked where it decides, at such a failure, so a run that
+# meets none records no marker; not covered by 0.3.9's marker.
+VERIFY_WAITS_OUT_QUOTA_PATCH = "verify-waits-out-quota"
 # A run that records 0.3.9's marker takes every patch above, and the early
 # signals', without a marker each (workflows/patches.py).
 POOL_RELEASE = ReleaseMarker(
@@ -303,6 +312,8 @@ class ProxyPool:
         # those whose check is under way.
         self._unverified: set[str] = set()
         self._verifying: set[str] = set()
+        # Members whose check met a quota or rate limit: asked again from then.
+        self._verify_after: dict[str, datetime] = {}
         self._rejected_reports = 0
         self._last_rejected: str | None = None
         # Not carried: the next run's checks say it again if it still holds.
@@ -432,6 +443,9 @@ class ProxyPool:
                         workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
                     counted = None  # reports may have come in the wait
                 wake = self._next_wake(counted)
+                verify_wake = self._verify_wake()
+                if verify_wake is not None and (wake is None or verify_wake.at < wake.at):
+                    wake = verify_wake
                 if refresh_at is not None and (wake is None or refresh_at < wake.at):
                     wake = Wake(refresh_at, "refresh the members' monitor")
                 if more:
@@ -921,21 +935,38 @@ class ProxyPool:
 
     def _verify_endpoints(self) -> None:
         """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
+        now = workflow.now()
         for member_id in sorted(self._unverified - self._verifying):
             if self._paced and len(self._verifying) >= pool_plan.COMMAND_BATCH:
                 break  # the rest when these answer
             member = self._members.get(member_id)
             if member is None or member.state != ProxyState.READY or not member.endpoint:
                 self._unverified.discard(member_id)
+                self._verify_after.pop(member_id, None)
                 continue
+            if self._verify_after.get(member_id, now) > now:
+                continue  # waiting out a quota: `_verify_wake` steps then
+            self._verify_after.pop(member_id, None)
             self._verifying.add(member_id)
             self._spawn(self._verify(member, member.endpoint))
+
+    def _verify_wake(self) -> Wake | None:
+        """When the first check waiting out a quota is due again, if any is."""
+        due = [at for member, at in self._verify_after.items() if member in self._unverified]
+        return Wake(min(due), "check an endpoint again after a quota") if due else None
 
     async def _verify(self, member: Member, claimed: str) -> None:
         try:
             check: EndpointCheck = await workflow.execute_activity_method(
                 ProviderActivities.verify_endpoint,
-                VerifyEndpointInput(member.provider, member.member, claimed, self._echo_url()),
+                VerifyEndpointInput(
+                    member.provider,
+                    member.member,
+                    claimed,
+                    self._echo_url(),
+                    generation=member.generation,
+                    placement=dict(member.placement),
+                ),
                 summary=f"verify {member.member} at {claimed}",
                 task_queue=self._members_queue,
                 start_to_close_timeout=policies.VERIFY.start_to_close,
@@ -945,7 +976,16 @@ class ProxyPool:
         except FailureError as err:
             self._last_error = f"could not verify {member.member}'s endpoint: {err}"
             cause = err.cause
-            if isinstance(cause, ApplicationError) and (
+            if (
+                isinstance(cause, ApplicationError)
+                and cause.type == ErrorType.QUOTA_EXCEEDED
+                and self._patches.taken(VERIFY_WAITS_OUT_QUOTA_PATCH)
+            ):
+                # A quota or rate limit passes: still unverified, asked again
+                # once its delay is over (the provider's hint, else minutes).
+                delay = cause.next_retry_delay or QUOTA_RETRY_DELAY
+                self._verify_after[member.member] = workflow.now() + delay
+            elif isinstance(cause, ApplicationError) and (
                 cause.non_retryable or cause.type in policies.NON_RETRYABLE
             ):
                 # Asking again cannot help (a provider this worker does not

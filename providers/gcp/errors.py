@@ -9,6 +9,7 @@ the taxonomy escapes it.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import cast
 
 from google.api_core import exceptions as api_exceptions
@@ -16,16 +17,22 @@ from google.cloud import compute_v1
 
 from providers import errors as taxonomy
 
-# Compute Engine counts API rate quotas per minute (compute/docs/api-quota):
-# a rate limit is over within one, unlike a resource quota.
+# Compute Engine counts API rate quotas per minute and says to "wait a minute
+# then try your request again" (compute/api-quota): a rate limit is over
+# within one, unlike a resource quota, so it is Transient with this hint.
 RATE_LIMIT_RETRY_SECONDS = 60.0
 
 # Error reasons (REST `errors[].reason`, ErrorInfo reason, or an operation's
 # error code), compared without case and underscores: the REST API says
 # `quotaExceeded` where an operation says `QUOTA_EXCEEDED`.
 STOCKOUT_REASONS = frozenset({"zoneresourcepoolexhausted", "zoneresourcepoolexhaustedwithdetails"})
-_RATE_LIMIT_REASONS = frozenset({"ratelimitexceeded", "userratelimitexceeded"})
-_QUOTA_REASONS = STOCKOUT_REASONS | _RATE_LIMIT_REASONS | {"quotaexceeded"}
+_QUOTA_REASONS = STOCKOUT_REASONS | {"quotaexceeded"}
+# Rate limits: 403 `rateLimitExceeded` (a project's per-minute API quota),
+# `userRateLimitExceeded`, and operation codes such as
+# RESOURCE_OPERATION_RATE_EXCEEDED (too many operations on one resource).
+# Any reason that names an exceeded rate counts, so a new code of that
+# family is waited out, never taken for a bad request.
+_RATE_LIMIT = re.compile(r"rate(limit)?exceeded$")
 # "The resource ... is not ready": another operation on it is still running.
 _RETRYABLE_REASONS = frozenset({"resourcenotready"})
 # An organisation policy refusing the request (412 conditionNotMet, or
@@ -48,7 +55,9 @@ def normalise(
     """The one translation of Compute Engine failures into the taxonomy.
 
     Reasons beat status codes: Compute Engine reports quota and rate limits
-    as 403, which alone would read as permission denied. `missing` is what a
+    as 403, which alone would read as permission denied. A rate limit is
+    Transient with a minute's hint (the server's Retry-After if it sent one):
+    the pool's endpoint checks and the lifecycle's polls wait it out. `missing` is what a
     404 means to the caller (NotFound, or Permanent on insert).
     """
     if not isinstance(exc, api_exceptions.GoogleAPICallError):
@@ -56,7 +65,10 @@ def normalise(
     found = reasons(exc)
     code = exc.code or 0
     kind: type[taxonomy.ProviderError]
-    if found & _QUOTA_REASONS:
+    rate_limited = any(_RATE_LIMIT.search(r) for r in found)
+    if rate_limited:
+        kind = taxonomy.Transient
+    elif found & _QUOTA_REASONS:
         kind = taxonomy.QuotaExceeded
     elif found & _PERMANENT_REASONS:
         kind = taxonomy.Permanent
@@ -69,7 +81,7 @@ def normalise(
     else:
         kind = taxonomy.Permanent  # bad request, permission denied, invalid image or machine type
     retry_after = _retry_after(exc)
-    if retry_after is None and found & _RATE_LIMIT_REASONS:
+    if retry_after is None and (rate_limited or code == 429):
         retry_after = RATE_LIMIT_RETRY_SECONDS
     return kind(f"Compute Engine: {exc}", cause=exc, retry_after_seconds=retry_after)
 

@@ -12,6 +12,8 @@ import json
 import logging
 import threading
 import time
+import uuid
+from collections.abc import Mapping
 from typing import cast
 
 import google.auth
@@ -48,7 +50,13 @@ from providers.gcp.operations import (
 )
 from providers.gcp.settings import GcpConfig, config_problems
 from providers.gcp.startup import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, startup_script
-from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
+from providers.naming import (
+    GENERATION_KEY,
+    INSTALLATION_KEY,
+    RFC1035_LABEL,
+    adoption_mismatch,
+    ownership_mismatch,
+)
 
 PROVIDER_TYPE = ProviderType(
     name="gcp",
@@ -66,8 +74,29 @@ COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"
 # at most this often, the answer in between reused.
 GUEST_ATTRIBUTE_INTERVAL_SECONDS = 6.0
 
+# What `insert_request_id` derives its UUIDs from.
+REQUEST_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://proxy-operator/gcp/insert")
+
+# A requestId is remembered for at least an hour, so a retried insert walks
+# the inserts that failed under it (a quota waited out every few minutes)
+# before its own: at most this many.
+MAX_FAILED_INSERTS = 64
+
 # The warning code on an aggregated list's scope it could not reach.
 UNREACHABLE_WARNING = "UNREACHABLE"
+
+
+def insert_request_id(req: CreateRequest, zone: str) -> str:
+    """The `requestId` of `req`'s insert into `zone`: the same for every attempt.
+
+    Compute Engine answers a request repeated with its requestId (for at
+    least 60 minutes) with the operation the first one started, so a retry
+    whose first answer was lost, or that meets its VM still PROVISIONING,
+    waits on the original insert and sees its outcome, a stockout included.
+    Per zone: a fallback zone's insert is a request of its own.
+    """
+    generation = req.tags.get(GENERATION_KEY, "")
+    return str(uuid.uuid5(REQUEST_ID_NAMESPACE, f"{zone}/{req.name}/{generation}"))
 
 
 class GcpProvider:
@@ -152,9 +181,14 @@ class GcpProvider:
                 # earlier attempt reached; inserting into the first zone again
                 # would run a second VM under the same name.
                 existing = self._find_by_name(req, zones)
-                if existing is not None:
+                if existing is not None and existing.state is not InstanceState.PROVISIONING:
                     self._remove_twins(req, existing)
                     return existing
+                if existing is not None:
+                    # Its insert may still fail (a late stockout): wait on the
+                    # original operation, asked again under its requestId,
+                    # from its zone on.
+                    zones = zones[zones.index(existing.provider_id.partition("/")[0]) :]
             for zone in zones[:-1]:
                 try:
                     return self._create_in_zone(req, zone)
@@ -184,6 +218,26 @@ class GcpProvider:
             if mismatch:
                 raise Permanent(f"delete instance {provider_id}: refused, {mismatch}")
             self._delete(zone, name)
+
+    def find(self, name: str, placement: Mapping[str, str]) -> Instance | None:
+        """The VM named `name` in the zones a create with `placement` tries (NamedLookup).
+
+        One zonal `get` per candidate zone, usually one in all: a read, where
+        `list_by_tag`'s aggregated list costs list quota and a filtered
+        list's overhead. The plain status mapping, no guest attribute query:
+        callers ask about a VM whose owner already found it ready.
+        """
+        problems = self._settings.placement_problems(placement)
+        if problems:
+            raise Permanent(f"find {name}: {'; '.join(problems)}")
+        if not RFC1035_LABEL.fullmatch(name):
+            raise Permanent(f"find {name!r}: not an instance name")
+        pinned = placement.get("zone")
+        with edge():
+            for zone in [pinned] if pinned else self._candidate_zones():
+                with contextlib.suppress(api_exceptions.NotFound):
+                    return to_instance(self._fetch(zone, name))
+        return None
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Select by label in every zone of the project, then match the exact tags.
@@ -219,13 +273,14 @@ class GcpProvider:
         """
         deadline = time.monotonic() + self._operation_timeout
         try:
-            op = self._instances.insert_unary(
-                project=self._project,
-                zone=zone,
-                instance_resource=self._instance_resource(req, zone),
-                retry=None,
-                timeout=CALL_TIMEOUT_SECONDS,
-            )
+            op = self._insert(req, zone, insert_request_id(req, zone))
+            for _ in range(MAX_FAILED_INSERTS):
+                if not (op.status == compute_v1.Operation.Status.DONE and op.error.errors):
+                    break
+                # The answer to an insert that failed earlier (its failure
+                # already reported): insert again, under a requestId every
+                # attempt derives alike from the failed operation.
+                op = self._insert(req, zone, str(uuid.uuid5(REQUEST_ID_NAMESPACE, op.name)))
         except api_exceptions.Conflict:
             # Already exists: a retried create, or somebody else's VM.
             instance = self._adopt(req, zone, self._fetch(zone, req.name))
@@ -242,6 +297,18 @@ class GcpProvider:
         instance = self._with_readiness(zone, self._fetch(zone, req.name))
         self._remove_twins(req, instance)
         return instance
+
+    def _insert(self, req: CreateRequest, zone: str, request_id: str) -> compute_v1.Operation:
+        return self._instances.insert_unary(
+            request=compute_v1.InsertInstanceRequest(
+                project=self._project,
+                zone=zone,
+                instance_resource=self._instance_resource(req, zone),
+                request_id=request_id,
+            ),
+            retry=None,
+            timeout=CALL_TIMEOUT_SECONDS,
+        )
 
     def _adopt(self, req: CreateRequest, zone: str, gce: compute_v1.Instance) -> Instance:
         """The existing VM of the requested name, if it is the one this request made.

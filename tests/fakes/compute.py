@@ -35,6 +35,9 @@ Stable API (used by the provider tests and by workflow-level tests):
   run yet. Its guest attributes stay empty (`getGuestAttributes` answers 404)
   until a test writes them as the script would (`guest_write`), which is how
   the fake models the minutes a real first boot takes.
+- An insert carrying a `requestId` seen before is answered with the
+  operation the first one started, creating nothing (the API deduplicates
+  by it for at least 60 minutes).
 - A failed insert operation leaves its instance behind as PROVISIONING for
   the next FAILED_INSERT_LINGER_GETS `get`s (its name still taken: a second
   insert is a 409), then it vanishes, as on the real API.
@@ -99,6 +102,9 @@ LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 METADATA_KEY = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 METADATA_VALUE_MAX = 256 * 1024
 METADATA_TOTAL_MAX = 512 * 1024
+# instances.insert's `requestId`: a UUID, not the zero UUID (API reference).
+REQUEST_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+NIL_UUID = "00000000-0000-0000-0000-000000000000"
 # The one filter form the provider sends: `<field> = "<value>"`.
 FILTER = re.compile(r'^\s*(?P<field>[a-z][a-zA-Z0-9_.-]*)\s*=\s*"(?P<value>[^"]*)"\s*$')
 
@@ -159,7 +165,18 @@ ERROR_KINDS: dict[str, ErrorKind] = {
         "Try a different zone, or try again later.",
         in_operation=True,
     ),
+    # A project's per-minute rate quota, or its concurrent operations
+    # (compute/api-quota, compute/operations-quota): "wait a minute".
     "rate_limit": ErrorKind(403, "rateLimitExceeded", "Rate Limit Exceeded"),
+    "user_rate_limit": ErrorKind(403, "userRateLimitExceeded", "User Rate Limit Exceeded"),
+    # Too many operations on one resource, reported by the operation
+    # (googleapis/python-compute#279: "403 FORBIDDEN RESOURCE_OPERATION_RATE_EXCEEDED").
+    "operation_rate": ErrorKind(
+        403,
+        "RESOURCE_OPERATION_RATE_EXCEEDED",
+        "Too frequent operations from the source resource.",
+        in_operation=True,
+    ),
     # An organisation policy refusing the request: HTTP 412, reason
     # conditionNotMet, e.g. gardener/gardener-extension-provider-gcp#415 and
     # fortinet/fortigate-terraform-deploy#34 ("googleapi: Error 412: Constraint
@@ -312,6 +329,8 @@ class FakeCompute(ServedFake):
         # (zone, name) -> `get`s left before a failed insert's instance vanishes.
         self._lingering: dict[tuple[str, str], int] = {}
         self._guest: dict[tuple[str, str], dict[str, str]] = {}
+        # requestId -> the operation its first request started.
+        self._requests: dict[str, str] = {}
         self._ids = itertools.count(1000)
         self._routes = self._build_routes()
 
@@ -563,12 +582,27 @@ class FakeCompute(ServedFake):
     # -- instances ------------------------------------------------------------
 
     def _insert(
-        self, *, zone: str, body: dict[str, Any] | None, failure: ErrorKind | None, **_: Any
+        self,
+        *,
+        zone: str,
+        query: dict[str, list[str]],
+        body: dict[str, Any] | None,
+        failure: ErrorKind | None,
+        **_: Any,
     ) -> tuple[int, Any]:
         if body is None:
             raise _invalid("Required field 'resource' not specified")
         _validate_instance(zone, body)
         name = body["name"]
+        request_id = query.get("requestId", [""])[0]
+        if request_id:
+            if not REQUEST_ID.match(request_id) or request_id == NIL_UUID:
+                raise _invalid(f"Invalid value for field 'requestId': '{request_id}'")
+            earlier = self._requests.get(request_id)
+            if earlier is not None:
+                # A request repeated with its requestId is answered with the
+                # operation the first one started, however it has fared.
+                return 200, self._op_json(self._poll(earlier, zone))
         if (zone, name) in self._instances:
             raise ApiError(
                 ErrorKind(
@@ -591,9 +625,12 @@ class FakeCompute(ServedFake):
                 access = self._instances[zone, name]["networkInterfaces"][0]["accessConfigs"][0]
                 access["natIP"] = self.auto_start_ip
 
-        return 200, self._new_operation(
+        operation = self._new_operation(
             zone, "insert", f"zones/{zone}/instances/{name}", failure, started, lingered
         )
+        if request_id:
+            self._requests[request_id] = operation["name"]
+        return 200, operation
 
     def _get(self, *, zone: str, name: str, **_: Any) -> tuple[int, Any]:
         inst = self._require(zone, name)

@@ -482,10 +482,15 @@ def test_stockout_falls_back_to_the_next_configured_zone(fake_compute: FakeCompu
     assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
     # A retry of the same create, now that ZONE_B has capacity again, adopts
-    # the VM in ZONE_C instead of starting a second one in ZONE_B.
+    # the VM in ZONE_C instead of starting a second one in ZONE_B: still
+    # PROVISIONING, it asks for ZONE_C's insert again under its requestId,
+    # which answers with the original operation and creates nothing.
     fake_compute.clear_errors()
     assert make_provider(fake_compute, zones=[ZONE_C, ZONE_D]).create(req) == instance
-    assert inserted_zones(fake_compute) == [ZONE_B, ZONE_C]
+    assert inserted_zones(fake_compute) == [ZONE_B, ZONE_C, ZONE_C]
+    ids = [call.query["requestId"][0] for call in fake_compute.calls("insert")]
+    assert ids[1] == ids[2] != ids[0]
+    assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
 
 def test_a_pinned_zone_does_not_fall_back(fake_compute: FakeCompute) -> None:
@@ -548,7 +553,10 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         ("get", "too_many_requests", Transient),
         ("get", "not_ready", Transient),
         ("get", "quota", QuotaExceeded),
-        ("get", "rate_limit", QuotaExceeded),
+        # Rate limits pass within a minute: waited out, never "quota".
+        ("get", "rate_limit", Transient),
+        ("get", "user_rate_limit", Transient),
+        ("aggregated_list", "rate_limit", Transient),
         ("get", "forbidden", Permanent),
         ("get", "bad_request", Permanent),
         ("insert", "quota", QuotaExceeded),
@@ -560,7 +568,9 @@ def test_operation_wait_is_bounded(fake_compute: FakeCompute) -> None:
         # An organisation policy (no external IPs): no retry gets past it.
         ("insert", "org_policy", Permanent),
         ("insert", "org_policy_operation", Permanent),
-        ("insert", "rate_limit", QuotaExceeded),
+        ("insert", "rate_limit", Transient),
+        ("insert", "operation_rate", Transient),
+        ("delete", "operation_rate", Transient),
         ("insert", "unavailable", Transient),
         ("zone_operation_wait", "unavailable", Transient),
         ("delete", "unavailable", Transient),
@@ -601,7 +611,7 @@ def test_api_errors_are_mapped_onto_the_taxonomy(
     assert error.__cause__ is error.cause
     if kind == "too_many_requests":
         assert error.retry_after_seconds == 7
-    if kind == "rate_limit":
+    if kind in ("rate_limit", "user_rate_limit", "operation_rate"):
         # Rate quotas refill within a minute; a resource quota waits longer.
         assert error.retry_after_seconds == 60
     if kind in ("quota", "quota_operation", "stockout"):
@@ -735,7 +745,7 @@ def test_a_startup_failure_ends_the_instance_with_its_reason(
 
 @pytest.mark.parametrize(
     ("kind", "expected"),
-    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", QuotaExceeded)],
+    [("forbidden", Permanent), ("unavailable", Transient), ("rate_limit", Transient)],
 )
 def test_a_failed_readiness_query_is_classified(
     fake_compute: FakeCompute,
@@ -803,11 +813,38 @@ def test_a_failed_insert_is_reported_once_its_instance_is_gone(
         provider.create(req)
     assert fake_compute.instance(ZONE_B, req.name) is None
 
-    # The workflow's retry after its quota wait inserts afresh (no 409 adoption).
+    # The workflow's retry after its quota wait inserts afresh (no 409
+    # adoption): its requestId answers with the failed operation, so it
+    # inserts again under one derived from that.
     again = provider.create(req)
     assert fake_compute.instance(ZONE_B, req.name) is not None
     assert provider.get(again.provider_id).name == req.name
-    assert len(fake_compute.calls("insert")) == 2
+    ids = [call.query["requestId"][0] for call in fake_compute.calls("insert")]
+    assert len(ids) == 3 and ids[0] == ids[1] != ids[2]
+
+
+def test_a_retried_insert_waits_for_the_original_and_falls_back_on_its_stockout(
+    fake_compute: FakeCompute,
+) -> None:
+    """An attempt lost mid-insert: the retry sees the original operation's stockout."""
+    req = make_request()
+    fake_compute.inject_error("insert", "stockout", zone=ZONE_B)
+    fake_compute.set_operation_seconds(3.0, zone=ZONE_B)
+    slow = GcpProvider(
+        GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B),
+        INSTALLATION,
+        operation_timeout=0.5,
+        **fake_compute.clients(),
+    )
+    with pytest.raises(Transient):  # its operation outlived the attempt
+        slow.create(req)
+    assert fake_compute.instance(ZONE_B, req.name)["status"] == "PROVISIONING"  # type: ignore[index]
+
+    instance = make_provider(fake_compute, zones=[ZONE_C]).create(req)
+
+    # Not adopted while PROVISIONING: the original insert failed, so zone C.
+    assert instance.provider_id == f"{ZONE_C}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_C, req.name)}
 
 
 def test_list_by_tag_refuses_to_answer_for_part_of_the_project(
@@ -842,6 +879,25 @@ def test_lookup_by_name_asks_each_candidate_zone(fake_compute: FakeCompute) -> N
         ("get", ZONE_B),
         ("get", ZONE_C),
     ]
+
+
+def test_find_is_a_zonal_get_never_an_aggregated_list(fake_compute: FakeCompute) -> None:
+    """The pool's endpoint check, per member: a read in its zone, not a project-wide list."""
+    provider = make_provider(fake_compute, zones=[ZONE_C])
+    made = provider.create(make_request())
+    pinned = provider.create(make_request("pinned", zone=ZONE_D))
+    before = len(fake_compute.calls())
+
+    found = provider.find(made.name, {})
+    found_pinned = provider.find(pinned.name, {"zone": ZONE_D})
+    missing = provider.find(instance_name("nobody", 1), {})
+
+    assert found is not None and found.provider_id == made.provider_id
+    assert found.tags == made.tags
+    assert found_pinned is not None and found_pinned.provider_id == pinned.provider_id
+    assert missing is None
+    asked = [(c.method, c.zone) for c in fake_compute.calls()[before:]]
+    assert asked == [("get", ZONE_B), ("get", ZONE_D), ("get", ZONE_B), ("get", ZONE_C)]
 
 
 def left_in_fallback_zone(fake: FakeCompute, req: CreateRequest) -> None:

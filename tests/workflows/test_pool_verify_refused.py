@@ -1,4 +1,5 @@
-"""A member's endpoint its provider refuses to check, for good: refused once, not asked again.
+"""A member's endpoint its provider refuses to check, for good: refused once, not asked again;
+one it cannot check for now (a quota or rate limit): asked again once that passes.
 
 The pool lists a reported endpoint only once `verify_endpoint` confirms it
 with the member's provider. When that check fails non-retryably (the
@@ -18,7 +19,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 
-from providers.errors import Permanent
+from providers.errors import Permanent, QuotaExceeded
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
 
@@ -33,8 +34,8 @@ async def pool_status(handle: WorkflowHandle[Any, Any]) -> dict[str, Any]:
     return status
 
 
-async def checks_of(handle: WorkflowHandle[Any, Any], endpoint: str) -> int:
-    """How many `verify_endpoint` activities the pool scheduled for `endpoint`."""
+async def checks_of(handle: WorkflowHandle[Any, Any], endpoint: str | None) -> int:
+    """How many `verify_endpoint` activities the pool scheduled for `endpoint` (any: None)."""
     count = 0
     async for event in handle.fetch_history_events():
         if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
@@ -43,7 +44,7 @@ async def checks_of(handle: WorkflowHandle[Any, Any], endpoint: str) -> int:
         if scheduled.activity_type.name != "verify_endpoint":
             continue
         claim = json.loads(scheduled.input.payloads[0].data)
-        count += claim["endpoint"] == endpoint
+        count += endpoint in (None, claim["endpoint"])
     return count
 
 
@@ -101,6 +102,36 @@ async def test_an_endpoint_check_refused_for_good_is_counted_and_not_asked_again
     assert [e["endpoint"] for e in await handle.query("endpoints")] == [served_on]
 
     stack.provider.recover("list_by_tag")
+    await handle.signal("terminate")
+    assert (await handle.result())["state"] == "Terminated"
+    await wait_for(lambda: stack.instances() == [], "the member's instance deleted")
+
+
+async def test_an_endpoint_check_that_meets_a_quota_is_asked_again_not_refused(
+    stack: Stack,
+) -> None:
+    """A rate limit passes: the Ready member is listed once its check gets through."""
+    stack.provider.fail_until_recovered(
+        "list_by_tag", QuotaExceeded("Rate Limit Exceeded", retry_after_seconds=1)
+    )
+    handle = await stack.start_pool(1)
+
+    async def checked_twice() -> bool:
+        return await checks_of(handle, None) >= 2
+
+    await wait_for(checked_twice, "the member's endpoint checked against the limit", deadline=120)
+    stack.provider.recover("list_by_tag")
+
+    async def serving() -> bool:
+        return bool((await pool_status(handle))["ready"] == 1)
+
+    await wait_for(serving, "the member confirmed once the limit passed", deadline=120)
+    status = await pool_status(handle)
+    assert status["rejected_reports"] == 0, status
+    [member] = status["members"]
+    assert [e["endpoint"] for e in await handle.query("endpoints")] == [member["endpoint"]]
+    assert await checks_of(handle, member["endpoint"]) >= 3
+
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
     await wait_for(lambda: stack.instances() == [], "the member's instance deleted")
