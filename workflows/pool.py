@@ -168,7 +168,8 @@ COMMANDS_WITHIN_BUDGET_PATCH = "commands-within-budget"
 # as if asking again could not help: a Ready member stayed out of `endpoints`
 # until its next report. Since, the check is asked again once the error's
 # delay has passed. Asked where it decides, at such a failure, so a run that
-# meets none records no marker; not covered by 0.3.9's marker.
+# meets none records no marker; not covered by 0.3.9's marker. 0.3.11's pool
+# release marker covers it; it may be deprecated from 0.3.12.
 VERIFY_WAITS_OUT_QUOTA_PATCH = "verify-waits-out-quota"
 # A run that records 0.3.9's marker takes every patch above, and the early
 # signals', without a marker each (workflows/patches.py).

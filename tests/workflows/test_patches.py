@@ -28,7 +28,7 @@ from workflows.lifecycle import (
     LIFECYCLE_RELEASE_0_3_9,
 )
 from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10
-from workflows.pool import POOL_RELEASE
+from workflows.pool import POOL_RELEASE, VERIFY_WAITS_OUT_QUOTA_PATCH
 
 CHANGE_VERSION = "TemporalChangeVersion"
 
@@ -83,14 +83,16 @@ def test_each_release_marker_covers_exactly_what_its_runs_took() -> None:
 
 
 def test_patches_since_the_newest_marker_are_covered_by_the_next_release() -> None:
-    # Added after 0.3.10 and asked on its own (a marker and an upsert at a
-    # terminate) until a release marker covers it. Cutting 0.3.11 adds that
+    # Added after 0.3.10 and asked on its own (a marker and an upsert where
+    # each decides) until a release marker covers it. Cutting 0.3.11 adds that
     # marker (docs/upgrades.md, "To cut a release"); from 0.3.12 the patch
     # may be deprecated (docs/upgrades.md, "The patches").
     assert LET_GO_OF_LOST_MONITOR_PATCH not in LIFECYCLE_RELEASE.covers
+    assert VERIFY_WAITS_OUT_QUOTA_PATCH not in POOL_RELEASE.covers
     assert current_release() == "0.3.10", (
         f"release {current_release()}: give it a lifecycle ReleaseMarker that covers "
-        f"{LET_GO_OF_LOST_MONITOR_PATCH!r} and 0.3.10's, then update this test"
+        f"{LET_GO_OF_LOST_MONITOR_PATCH!r} and 0.3.10's, and a pool one that covers "
+        f"{VERIFY_WAITS_OUT_QUOTA_PATCH!r} and 0.3.9's, then update this test"
     )
 
 
