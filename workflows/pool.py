@@ -711,7 +711,9 @@ class ProxyPool:
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, continued: bool
     ) -> PoolInput:
-        inp, problems = parse_model(PoolInput, raw, "with at least 'replicas' and 'template'")
+        inp, problems = parse_model(
+            PoolInput, raw, "with at least 'template' and 'replicas' (or 'autoscale')"
+        )
         if continued and inp is not None and not argument_problems:
             return inp  # validated when the pool first started
         problems = argument_problems + problems + pool_id_problems(workflow.info().workflow_id)
