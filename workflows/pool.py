@@ -529,6 +529,9 @@ class ProxyPool:
             monitored=0 if self._monitor is None else self._monitor.watched,
             members_total=len(situation.members),
             next_page=next_page,
+            bans=pool_plan.ban_standing(self._bans, self._inp.bans, self._replicas, workflow.now())
+            if self._inp
+            else None,
         )
 
     @workflow.query(name="endpoints")
