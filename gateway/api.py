@@ -468,4 +468,5 @@ async def _metrics(_: Request) -> tuple[HTTPStatus, bytes, str]:
 
 
 def _json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    """A body of one JSON line: ended by a newline, so curl's next line starts on its own."""
+    return json.dumps(value, separators=(",", ":")).encode() + b"\n"

@@ -544,6 +544,9 @@ class ProxyPool:
             monitored=0 if self._monitor is None else self._monitor.watched,
             members_total=len(situation.members),
             next_page=next_page,
+            bans=pool_plan.ban_standing(self._bans, self._inp.bans, self._replicas, workflow.now())
+            if self._inp
+            else None,
         )
 
     @workflow.query(name="endpoints")
@@ -726,7 +729,9 @@ class ProxyPool:
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, continued: bool
     ) -> PoolInput:
-        inp, problems = parse_model(PoolInput, raw, "with at least 'replicas' and 'template'")
+        inp, problems = parse_model(
+            PoolInput, raw, "with at least 'template' and 'replicas' (or 'autoscale')"
+        )
         if continued and inp is not None and not argument_problems:
             return inp  # validated when the pool first started
         problems = argument_problems + problems + pool_id_problems(workflow.info().workflow_id)

@@ -76,7 +76,8 @@ class Autoscale(StrictInput):
 class PoolInput(StrictInput):
     """What a user passes to `temporal workflow start --type ProxyPool --input`."""
 
-    # With `autoscale`: the size the pool starts at, within its bounds.
+    # With `autoscale`: the size the pool starts at, within its bounds;
+    # `autoscale.min_replicas` when absent (`_autoscaled_starts_at_min`).
     replicas: Replicas
     template: ProxyInput
     spread: Annotated[list[SpreadEntry], Field(min_length=1, max_length=100)] | None = None
@@ -103,6 +104,26 @@ class PoolInput(StrictInput):
     # A member whose exit address another member already uses is replaced
     # (once in a row: a NAT shared by every instance would replace for ever).
     distinct_exits: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoscaled_starts_at_min(cls, data: Any) -> Any:
+        """An autoscaled pool without `replicas` starts at `autoscale.min_replicas`.
+
+        Its size is the autoscaler's to choose, so a first size is optional.
+        Both together stay allowed (`replicas` is then the first size, within
+        the bounds): pools have run with both since autoscaling came, and a
+        continued run validates its first run's input again.
+        """
+        if not isinstance(data, dict) or "replicas" in data:
+            return data
+        bounds = data.get("autoscale")
+        if not isinstance(bounds, dict):
+            return data  # a fixed pool: `replicas: field required`
+        least = bounds.get("min_replicas", Autoscale.model_fields["min_replicas"].default)
+        valid = type(least) is int and 0 <= least <= MAX_REPLICAS
+        # A bad min_replicas is named under `autoscale` alone, not twice.
+        return {**data, "replicas": least if valid else 0}
 
     @model_validator(mode="after")
     def _replicas_within_bounds(self) -> PoolInput:

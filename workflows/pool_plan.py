@@ -668,17 +668,46 @@ def recent_bans(bans: Sequence[str], limit: BanLimit, now: datetime) -> list[str
     return [at for at in bans if datetime.fromisoformat(at) > now - window]
 
 
-def ban_refusal(bans: Sequence[str], limit: BanLimit, replicas: int, now: datetime) -> str | None:
-    """Why one more ban is refused now (`bans`: when each was accepted), or None."""
+@dataclass(frozen=True)
+class BanStanding:
+    """The pool's ban rate limit and where it stands: `status.bans`, and a refusal's words."""
+
+    # Bans accepted per window: the input's `bans.max`, else a quarter of
+    # the replicas (at least 1), so it follows `scale`.
+    limit: int
+    window_seconds: int
+    # Accepted within the window before now.
+    accepted: int
+    # When the next ban is accepted; None: at once.
+    next_accepted_at: str | None
+
+
+def ban_standing(bans: Sequence[str], limit: BanLimit, replicas: int, now: datetime) -> BanStanding:
+    """Where the ban limit stands at `now` (`bans`: when each was accepted)."""
     most = limit.limit(replicas)
     recent = recent_bans(bans, limit, now)
-    if len(recent) < most:
+    next_at = None
+    if len(recent) >= most:
+        # The oldest that must leave the window for one more to fit.
+        freed = datetime.fromisoformat(recent[len(recent) - most])
+        next_at = (freed + timedelta(seconds=limit.window_seconds)).isoformat(timespec="seconds")
+    return BanStanding(most, limit.window_seconds, len(recent), next_at)
+
+
+def ban_refusal(bans: Sequence[str], limit: BanLimit, replicas: int, now: datetime) -> str | None:
+    """Why one more ban is refused now (`bans`: when each was accepted), or None."""
+    standing = ban_standing(bans, limit, replicas, now)
+    if standing.next_accepted_at is None:
         return None
-    free_at = datetime.fromisoformat(recent[0]) + timedelta(seconds=limit.window_seconds)
+    source = (
+        'the pool\'s "bans.max"'
+        if limit.max is not None
+        else f'a quarter of {replicas} replicas, at least 1; "bans" in the pool\'s input sets it'
+    )
     return (
-        f"ban rate limit: {len(recent)} bans accepted in the last "
-        f"{limit.window_seconds}s (limit {most}); the next is accepted "
-        f"from {free_at.isoformat(timespec='seconds')}"
+        f"ban rate limit: {standing.accepted} bans accepted in the last "
+        f"{standing.window_seconds}s (limit {standing.limit}: {source}); "
+        f"the next is accepted from {standing.next_accepted_at}"
     )
 
 

@@ -20,7 +20,7 @@ from contract import PoolState
 from workflows import pool_autoscale
 from workflows.pool_carried import within_budget
 from workflows.pool_input import StatusRequest
-from workflows.pool_plan import Member, MemberPhase, rotate_at
+from workflows.pool_plan import BanStanding, Member, MemberPhase, rotate_at
 
 # Bytes (as JSON) a page's member texts may take together.
 PAGE_TEXT_BUDGET = 256 * 1024
@@ -90,6 +90,8 @@ class PoolStatus:
     members_total: int = 0
     # The `status` argument that asks for the next page; None after the last.
     next_page: dict[str, int] | None = None
+    # The ban rate limit (`bans` in the input) and how much of it is used, as of `as_of`.
+    bans: BanStanding | None = None
 
 
 def member_status(m: Member) -> MemberStatus:

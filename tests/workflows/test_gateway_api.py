@@ -286,11 +286,16 @@ async def test_a_ban_through_the_api_moves_the_session_to_a_new_exit(
 
     # The pool's own limit (a quarter of three members: one ban per window) judges the next.
     other = next(m for m in endpoints if m != banned)
-    status, refusal = await api(
-        port, "POST", "/v1/bans", token=token, body={"member": other, "reason": "403"}
+    reply = await asyncio.to_thread(
+        call, port, "POST", "/v1/bans", token=token, body={"member": other, "reason": "403"}
     )
-    assert status == 429 and isinstance(refusal, dict)
-    assert "ban rate limit" in refusal["error"], refusal
+    # One line, so what curl prints of it ends its line.
+    assert reply.status == 429 and reply.body.endswith(b"}\n"), reply
+    refusal = reply.json()["error"]
+    assert "ban rate limit" in refusal, refusal
+    # The limit, where it comes from, and when the next ban is accepted.
+    assert "(limit 1: a quarter of 3 replicas" in refusal, refusal
+    assert "the next is accepted from" in refusal, refusal
 
     async def replaced() -> bool:
         now = await pool.endpoints()

@@ -171,6 +171,14 @@ async def test_a_pool_serves_scales_bans_rotates_and_terminates(
     # The ban limit (a quarter of 2 replicas, at least 1, per 10 minutes) is spent.
     code, out = await pool.update("report_ban", {"member": kept[1], "reason": "again"})
     assert code != 0 and "ban rate limit" in out, out
+    # `status` shows the limit and when the next ban is accepted, as the refusal says.
+    bans = (await pool.query("status"))["bans"]
+    assert {k: bans[k] for k in ("limit", "window_seconds", "accepted")} == {
+        "limit": 1,
+        "window_seconds": 600,
+        "accepted": 1,
+    }, bans
+    assert f"accepted from {bans['next_accepted_at']}" in out, (bans, out)
 
     # Rotate all: rolling, make before break, never fewer than 2 Ready.
     code, out = await pool.update("rotate", {"all": True})

@@ -265,6 +265,36 @@ def test_bad_autoscale_input_names_the_field(
     assert any(p.startswith(problem) for p in problems), problems
 
 
+def test_an_autoscaled_pool_without_replicas_starts_at_min_replicas() -> None:
+    autoscaled = {"template": {"provider": "local"}, "autoscale": {"max_replicas": 5}}
+    assert PoolInput.model_validate(autoscaled).replicas == 0
+    floor = autoscaled | {"autoscale": {"min_replicas": 2, "max_replicas": 5}}
+    assert PoolInput.model_validate(floor).replicas == 2
+    # Both: `replicas` is the first size, within the bounds.
+    assert PoolInput.model_validate(floor | {"replicas": 4}).replicas == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "problems"),
+    [
+        # A fixed pool's size is its own to give.
+        ({"template": {"provider": "local"}}, ["replicas: field required"]),
+        # A bad floor is named once, where it was given.
+        (
+            {
+                "template": {"provider": "local"},
+                "autoscale": {"min_replicas": -1, "max_replicas": 1},
+            },
+            ["autoscale.min_replicas: input should be greater than or equal to 0"],
+        ),
+    ],
+)
+def test_a_pool_without_replicas_is_refused_naming_the_field(
+    body: dict[str, Any], problems: list[str]
+) -> None:
+    assert parse_model(PoolInput, body, "(a pool)") == (None, problems)
+
+
 def test_scale_takes_a_size_or_bounds_never_both() -> None:
     assert ScaleRequest.model_validate({"max_replicas": 3}).max_replicas == 3
     assert ScaleRequest.model_validate({"replicas": 3}).replicas == 3

@@ -34,11 +34,15 @@ REPORT_SECONDS = 5
 DEADLINE = 240
 
 
-async def start_pool(stack: Stack, replicas: int, **autoscale: int) -> WorkflowHandle[Any, Any]:
+async def start_pool(
+    stack: Stack, replicas: int | None, **autoscale: int
+) -> WorkflowHandle[Any, Any]:
+    """An autoscaled pool of local members; without `replicas` when it is None."""
+    first_size = {} if replicas is None else {"replicas": replicas}
     return await stack.client.start_workflow(
         "ProxyPool",
         {
-            "replicas": replicas,
+            **first_size,
             "template": stack.proxy_input(
                 health=QUIET_HEALTH | {"target": stack.origin.url}, drain_seconds=2
             ),
@@ -83,6 +87,15 @@ def held_tunnels(gateway: GatewayProcess, stack: Stack, timeout: float = TIMEOUT
         (USERNAME, PASSWORD),
         timeout,
     )
+
+
+async def test_an_autoscaled_pool_without_replicas_starts_at_min_replicas(stack: Stack) -> None:
+    handle = await start_pool(stack, None, min_replicas=1, max_replicas=2)
+    status = await settled_at(handle, 1, "the pool at min_replicas, its first size")
+    assert status["scaling"]["mode"] == "autoscaled"
+    assert len(stack.instances()) == 1
+    await handle.signal("terminate")
+    await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
 
 
 async def test_a_load_ramp_scales_up_to_the_bound_and_back_down_after_it_stops(

@@ -29,6 +29,7 @@ from workflows.pool_plan import (
     RECONCILE_EVERY,
     RECONCILE_IDLE,
     START_BATCH,
+    BanStanding,
     Member,
     MemberPhase,
     Situation,
@@ -36,6 +37,7 @@ from workflows.pool_plan import (
     Wake,
     after_failure,
     ban_refusal,
+    ban_standing,
     census,
     distinct_exits,
     is_serving,
@@ -522,16 +524,38 @@ def test_bans_are_limited_per_window_and_the_refusal_says_from_when() -> None:
     assert ban_refusal([old, recent], limit, 8, T0 + timedelta(minutes=1)) is None
     refusal = ban_refusal([old, recent, recent], limit, 8, T0 + timedelta(minutes=1))
     assert refusal is not None
-    assert "2 bans accepted in the last 600s (limit 2)" in refusal
+    assert '2 bans accepted in the last 600s (limit 2: the pool\'s "bans.max")' in refusal
     assert "accepted from 2026-01-01T00:10:00+00:00" in refusal
 
 
 def test_the_default_ban_limit_is_a_quarter_of_the_replicas_at_least_one() -> None:
     limit = pool_input().bans
     bans = [T0.isoformat()] * 2
-    assert ban_refusal(bans[:1], limit, 3, T0) is not None
+    refusal = ban_refusal(bans[:1], limit, 3, T0)
+    assert refusal is not None
+    assert '(limit 1: a quarter of 3 replicas, at least 1; "bans" in the pool\'s input' in refusal
     assert ban_refusal(bans, limit, 12, T0) is None
     assert ban_refusal(bans * 2, limit, 12, T0) is not None
+
+
+def test_the_ban_standing_says_the_limit_what_is_used_and_when_the_next_is_accepted() -> None:
+    limit = pool_input(bans={"max": 2, "window_seconds": 600}).bans
+    first, second = T0.isoformat(), (T0 + timedelta(minutes=3)).isoformat()
+    assert ban_standing([], limit, 8, T0) == BanStanding(2, 600, 0, None)
+    assert ban_standing([first], limit, 8, T0) == BanStanding(2, 600, 1, None)
+    # Full: the next fits once the oldest leaves the window.
+    full = ban_standing([first, second], limit, 8, T0 + timedelta(minutes=4))
+    assert full == BanStanding(2, 600, 2, "2026-01-01T00:10:00+00:00")
+
+
+def test_after_a_scale_down_the_next_ban_waits_until_enough_have_left_the_window() -> None:
+    limit = pool_input().bans  # a quarter of the replicas
+    bans = [(T0 + timedelta(minutes=m)).isoformat() for m in (0, 1, 2)]
+    # Three accepted at 12 replicas (limit 3); scaled down to 4, the limit is 1.
+    standing = ban_standing(bans, limit, 4, T0 + timedelta(minutes=3))
+    assert standing == BanStanding(1, 600, 3, "2026-01-01T00:12:00+00:00")
+    assert ban_refusal(bans, limit, 4, T0 + timedelta(minutes=11)) is not None
+    assert ban_refusal(bans, limit, 4, T0 + timedelta(minutes=12, seconds=1)) is None
 
 
 # ---- timers and reconcile -----------------------------------------------------------------
