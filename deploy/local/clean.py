@@ -32,12 +32,15 @@ from providers.squid_process import RUNTIME_ROOT, runtime_dir  # noqa: E402
 
 # WorkflowExecutionStatus RUNNING, as Temporal's SQL persistence stores it.
 RUNNING = 1
-# Temporal's own workflows (its scanners) run in this namespace.
+# Temporal's own workflows (its scanners) run in this namespace, and a
+# schedule (orphan GC's) is a workflow of its own, open while the schedule
+# exists, whose id starts with this: neither runs a proxy.
 SYSTEM_NAMESPACE = "temporal-system"
+SYSTEM_WORKFLOW_PREFIX = "temporal-sys-"
 OPEN_WORKFLOWS = """
     SELECT n.name, c.workflow_id FROM current_executions c
     JOIN namespaces n ON n.id = c.namespace_id
-    WHERE c.status = ? AND n.name != ?
+    WHERE c.status = ? AND n.name != ? AND substr(c.workflow_id, 1, ?) != ?
     ORDER BY n.name, c.workflow_id
 """
 BUILD_LEFTOVERS = (".mypy_cache", ".ruff_cache", ".pytest_cache", "build")
@@ -51,7 +54,9 @@ def open_workflows(database: Path) -> list[str]:
         return []
     connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)
     try:
-        rows = connection.execute(OPEN_WORKFLOWS, (RUNNING, SYSTEM_NAMESPACE)).fetchall()
+        prefix = SYSTEM_WORKFLOW_PREFIX
+        query = (RUNNING, SYSTEM_NAMESPACE, len(prefix), prefix)
+        rows = connection.execute(OPEN_WORKFLOWS, query).fetchall()
     finally:
         connection.close()
     return [f"{namespace}/{workflow_id}" for namespace, workflow_id in rows]

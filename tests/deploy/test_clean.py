@@ -114,7 +114,7 @@ def test_clean_refuses_while_workflows_are_open_in_data_and_removes_everything_o
 
 
 @pytest.mark.slow
-def test_clean_goes_ahead_once_every_workflow_has_ended(tmp_path: Path) -> None:
+def test_clean_goes_ahead_once_every_workflow_has_ended_but_schedules(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"
     data = checkout / ".data"
     data.mkdir(parents=True)
@@ -125,6 +125,14 @@ def test_clean_goes_ahead_once_every_workflow_has_ended(tmp_path: Path) -> None:
             *("--workflow-id", "proxy-ended"),
         )
         temporal(address, "workflow", "terminate", "--workflow-id", "proxy-ended")
+        # A schedule, as the worker makes for orphan GC, is an open workflow of
+        # the server's own: no proxy of it is left running.
+        temporal(
+            address,
+            *("schedule", "create", "--schedule-id", "proxy-operator-orphan-gc"),
+            *("--interval", "1h", "--workflow-id", "gc", "--type", "OrphanGC"),
+            *("--task-queue", "none"),
+        )
 
     done = clean(checkout)
     assert done.returncode == 0, done.stderr
