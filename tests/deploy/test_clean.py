@@ -139,18 +139,20 @@ def test_clean_goes_ahead_once_every_workflow_has_ended_but_schedules(tmp_path: 
     assert not data.exists()
 
 
+def make_dry_run(*args: str) -> list[str]:
+    """What `make -n` would run, as a user's shell runs it (`make test` runs this test
+    inside make, whose MAKEFLAGS would have it print the directories it enters)."""
+    command = ["make", "--no-print-directory", "-n", *args]
+    dry = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return dry.stdout.splitlines()
+
+
 def test_make_clean_passes_force_on_and_removes_the_virtualenv_after() -> None:
-    dry = subprocess.run(
-        ["make", "-n", "clean", "FORCE=1"], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    assert dry.stdout.splitlines() == [
+    assert make_dry_run("clean", "FORCE=1") == [
         "python3 deploy/local/clean.py --force",
         "rm -rf .venv",
     ]
-    plain = subprocess.run(
-        ["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    assert plain.stdout.splitlines()[0] == "python3 deploy/local/clean.py "
+    assert make_dry_run("clean")[0] == "python3 deploy/local/clean.py "
 
 
 def test_the_files_the_docs_create_in_the_checkout_are_ignored_by_git() -> None:
