@@ -957,6 +957,40 @@ def test_burstable_types_launch_in_the_configured_credit_mode(
     )
 
 
+def credit_mode(fake_ec2: FakeEc2, instance_id: str) -> str:
+    answer = fake_ec2.client().describe_instance_credit_specifications(InstanceIds=[instance_id])
+    [spec] = answer["InstanceCreditSpecifications"]
+    return str(spec["CpuCredits"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "mode"),
+    [({}, "standard"), ({"cpu_credits": "unlimited"}, "unlimited")],
+    ids=["default", "unlimited"],
+)
+def test_a_t3_proxy_runs_in_the_configured_credit_mode_not_ec2s_unlimited_default(
+    fake_ec2: FakeEc2, settings: dict[str, Any], mode: str
+) -> None:
+    created = make_provider(fake_ec2, **settings).create(make_request())
+
+    assert credit_mode(fake_ec2, created.provider_id) == mode
+
+
+def test_the_fake_launches_t3_unlimited_and_t2_standard_without_a_credit_specification(
+    fake_ec2: FakeEc2,
+) -> None:
+    """As EC2 does: what the provider's credit mode must override."""
+    launched = {
+        instance_type: fake_ec2.client().run_instances(
+            ImageId=NEWEST_DEBIAN_12, InstanceType=instance_type, MinCount=1, MaxCount=1
+        )["Instances"][0]["InstanceId"]
+        for instance_type in ("t3.micro", "t2.micro")
+    }
+
+    assert credit_mode(fake_ec2, launched["t3.micro"]) == "unlimited"
+    assert credit_mode(fake_ec2, launched["t2.micro"]) == "standard"
+
+
 def test_the_root_volume_is_encrypted_gp3_and_deleted_with_the_instance(
     fake_ec2: FakeEc2, provider: AwsProvider
 ) -> None:
