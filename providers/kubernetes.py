@@ -30,6 +30,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Annotated, Any, TypeVar
 
 import pydantic
@@ -37,7 +38,8 @@ import urllib3
 from kubernetes import client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from pydantic import Field, model_validator
+from kubernetes.utils import parse_quantity
+from pydantic import AfterValidator, Field, model_validator
 
 from providers.base import CreateRequest, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
@@ -54,6 +56,30 @@ from providers.naming import (
     short_hash,
 )
 from providers.squid import RenderedSquid, SquidPaths, render
+
+# Object names such as a PriorityClass's: RFC 1123 subdomains.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_SUBDOMAIN_MAX = 253
+
+
+def _amount(quantity: str) -> Decimal:
+    """A resource quantity's value (`250m` is 0.25); ValueError if it is none."""
+    amount: Decimal = parse_quantity(quantity)  # type: ignore[no-untyped-call]
+    return amount
+
+
+def _quantity(value: str) -> str:
+    """`value` if the API server would read it as a resource quantity (250m, 256Mi)."""
+    try:
+        amount: Decimal | None = _amount(value)
+    except ValueError:
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 250m, 256Mi)")
+    return value
+
+
+Quantity = Annotated[str, AfterValidator(_quantity)]
 
 
 class KubernetesConfig(ProviderSettings):
@@ -91,10 +117,22 @@ class KubernetesConfig(ProviderSettings):
     # Every API call gives up after this long; Temporal's retry policy retries.
     request_timeout_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0
     service_account: str | None = None
-    cpu_request: str = "50m"
-    cpu_limit: str = "500m"
-    memory_request: str = "64Mi"
-    memory_limit: str = "256Mi"
+    # Requests equal to limits, for cpu and memory, make the Pod's QoS class
+    # Guaranteed: under node memory pressure the kubelet evicts BestEffort and
+    # Burstable Pods first, and the OOM killer spares Guaranteed ones longest.
+    # A request below its limit is allowed (more proxies per node) and makes
+    # the Pod Burstable; one above its limit the API server rejects.
+    cpu_request: Quantity = "250m"
+    cpu_limit: Quantity = "250m"
+    memory_request: Quantity = "256Mi"
+    memory_limit: Quantity = "256Mi"
+    # The Pods' PriorityClass: a higher priority than the cluster's other
+    # workloads keeps the scheduler from preempting proxies for them, and
+    # lets a proxy preempt them when the cluster is full. The class must
+    # exist, or the Priority admission plugin refuses every Pod (403).
+    priority_class_name: (
+        Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=DNS_SUBDOMAIN_MAX)] | None
+    ) = None
     node_selector: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -107,6 +145,20 @@ class KubernetesConfig(ProviderSettings):
                 )
             if len(set(self.allowed_namespaces)) != len(self.allowed_namespaces):
                 raise ValueError(f"allowed_namespaces has duplicates: {self.allowed_namespaces}")
+        return self
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> KubernetesConfig:
+        for resource in ("cpu", "memory"):
+            request, limit = (
+                getattr(self, f"{resource}_request"),
+                getattr(self, f"{resource}_limit"),
+            )
+            if _amount(request) > _amount(limit):
+                raise ValueError(
+                    f"{resource}_request {request} is above {resource}_limit {limit}, "
+                    "which the API server refuses"
+                )
         return self
 
     @property
@@ -219,7 +271,7 @@ QUOTA_MESSAGE = "exceeded quota"
 CONFLICT = 409
 
 _DNS_LABEL = re.compile(LABEL_VALUE)
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_NAME_INVALID = re.compile(r"[^-A-Za-z0-9_.]+")
 _LABEL_MAX = 63
@@ -530,6 +582,8 @@ class KubernetesProvider:
             spec["serviceAccountName"] = settings.service_account
         if settings.node_selector:
             spec["nodeSelector"] = dict(settings.node_selector)
+        if settings.priority_class_name:
+            spec["priorityClassName"] = settings.priority_class_name
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -559,7 +613,7 @@ def label_key(key: str) -> str:
     """
     prefix, slash, name = key.rpartition("/")
     if _LABEL_NAME.fullmatch(name) and (
-        not slash or (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))
+        not slash or (len(prefix) <= DNS_SUBDOMAIN_MAX and _DNS_SUBDOMAIN.fullmatch(prefix))
     ):
         return key
     suffix = short_hash(key, _HASH_CHARS)

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -93,7 +94,9 @@ class AwsProvider:
         ec2: EC2Client,
         console_interval: float = CONSOLE_INTERVAL_SECONDS,
         consistency_window: float = CONSISTENCY_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` dates the security group's port timestamps (the revocation grace)."""
         self._settings = settings
         self._installation = installation
         self._ec2 = ec2
@@ -102,6 +105,7 @@ class AwsProvider:
             ec2=ec2,
             name=settings.security_group or group_name(installation),
             installation=installation,
+            clock=clock,
         )
         self._lock = threading.Lock()
         # Console state per instance id: "ready" is kept for good on an

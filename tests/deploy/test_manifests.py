@@ -27,8 +27,8 @@ import yaml
 from gateway.main import UsageError, member_networks, parse_args
 from gateway.squid import IPC_DIR
 from providers.config import parse_config
-from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig
-from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE
+from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig, labels
+from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, owner_tags
 from worker import SERVE_POOLS, SERVE_PROXIES
 from worker import parse_args as worker_args
 
@@ -79,6 +79,8 @@ def render(base: Path = BASE) -> list[Object]:
 
 
 OBJECTS = render()
+# Optional: applied on its own after the operator sets minAvailable.
+DISRUPTION_BUDGET = render(BASE / "disruption-budget")
 WORKER = "proxy-operator-worker"
 # Pools on the pools' task queue, in a process of their own (docs/operations.md).
 POOLS_WORKER = "proxy-operator-worker-pools"
@@ -121,6 +123,30 @@ def test_the_renderer_agrees_with_kubectl_kustomize() -> None:
 @pytest.mark.parametrize("obj", OBJECTS, ids=["/".join(key(o)) for o in OBJECTS])
 def test_every_object_is_valid_kubernetes(obj: Object, version: str) -> None:
     kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize(
+    "obj", DISRUPTION_BUDGET, ids=["/".join(key(o)) for o in DISRUPTION_BUDGET]
+)
+def test_the_optional_disruption_budget_is_valid_kubernetes(obj: Object, version: str) -> None:
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_disruption_budget_covers_every_proxy_pod_and_never_blocks_a_drain_for_good() -> None:
+    (budget,) = DISRUPTION_BUDGET
+    spec = budget["spec"]
+    proxy_labels = labels(owner_tags("prod", "proxy-eu-1", 3, {"team": "crawl"}))
+
+    assert budget["kind"] == "PodDisruptionBudget"
+    assert budget["metadata"]["namespace"] in provider_settings().namespaces
+    assert spec["selector"] == {"matchLabels": {MANAGED_BY_KEY: MANAGED_BY_VALUE}}
+    assert spec["selector"]["matchLabels"].items() <= proxy_labels.items()
+    # Bare Pods have no controller to count them by: with maxUnavailable or a
+    # percentage the disruption controller allows no eviction at all.
+    assert "maxUnavailable" not in spec and isinstance(spec["minAvailable"], int)
+    # A proxy that is not Ready never holds up a drain.
+    assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_there_are_no_duplicates_and_no_secrets_in_git() -> None:

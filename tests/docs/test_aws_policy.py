@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from providers.aws import AwsConfig, AwsProvider, group_name
+from providers.aws.security_group import PORT_GRACE_SECONDS
 from providers.base import CreateRequest
 from providers.naming import INSTALLATION_KEY, instance_name, owner_tags
 from providers.squid import ProxySettings
@@ -70,10 +72,17 @@ def test_the_policy_lists_exactly_the_actions_the_provider_calls(fake_ec2: FakeE
     provider.get(created.provider_id)
     # A rule added by hand, which the next create revokes.
     fake_ec2.open_by_hand(group_name(INSTALLATION), 22, "0.0.0.0/0")
-    again = AwsProvider(settings, INSTALLATION, ec2=fake_ec2.client(), console_interval=0)
-    again.create(request("second", 8080))
+    # A worker past the grace: the first proxy's port, unused, is dropped (DeleteTags).
+    again = AwsProvider(
+        settings,
+        INSTALLATION,
+        ec2=fake_ec2.client(),
+        console_interval=0,
+        clock=lambda: time.time() + 2 * PORT_GRACE_SECONDS,
+    )
     again.list_by_tag(INSTALLATION_KEY, INSTALLATION)
     again.delete(created.provider_id)
+    again.create(request("second", 8080))
 
     called = {f"ec2:{c.action}" for c in fake_ec2.calls()}
 

@@ -41,6 +41,10 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
   `Latest=true` is supported "only on instances built on the Nitro System"
   (API reference, GetConsoleOutput), so on a Xen type (t2, m4, c4) nothing
   the instance writes after its launch is shown, and "ready" never appears.
+- CPU credits: a T3, T3a or T4g instance launched without a
+  CreditSpecification is unlimited, a T2 standard ("Unlimited mode
+  concepts", https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/burstable-performance-instances-unlimited-mode-concepts.html),
+  and DescribeInstanceCreditSpecifications says so; moto says standard for all.
 - Rule races (`a_racing_worker(action)`): another worker makes the same
   security group change just before the next `action` call, which then
   gets what EC2 answers for it (moto's InvalidPermission.Duplicate or
@@ -176,6 +180,9 @@ _GROUP_ID = re.compile(r"<groupId>(sg-[0-9a-f]+)</groupId>")
 _NAMES_INSTANCE = re.compile(r"InstanceId(\.\d+)?")
 _NAMES_GROUP = re.compile(r"GroupId|ResourceId\.\d+|NetworkInterface\.\d+\.SecurityGroupId\.\d+")
 _PUBLIC_IP = re.compile(r"<ipAddress>([0-9.]+)</ipAddress>")
+# Burstable families that launch unlimited unless RunInstances says otherwise;
+# T2 launches standard ("Unlimited mode concepts").
+UNLIMITED_BY_DEFAULT = ("t3.", "t3a.", "t4g.")
 
 
 @dataclass
@@ -256,6 +263,8 @@ class FakeEc2(ServedFake):
         self._polls: dict[str, int] = {}
         # (instance type, availability zone) pairs EC2 does not offer.
         self._not_offered: set[tuple[str, str]] = set()
+        # instance id -> its CPU-credit mode, as EC2 launched it.
+        self._credits: dict[str, str] = {}
         self._request_ids = itertools.count(1)
 
     # -- lifecycle ------------------------------------------------------------
@@ -426,6 +435,9 @@ class FakeEc2(ServedFake):
             return status, self._offered_only(answer)
         if action == "GetConsoleOutput":
             return self._console_output(form)
+        if action == "DescribeInstanceCreditSpecifications":
+            status, answer = self._forward(body, headers)
+            return status, self._credit_modes(answer)
         if action == "DescribeInstances":
             body = urlencode(self._client_token_filter(form)).encode()
             status, answer = self._forward(body, headers)
@@ -552,6 +564,10 @@ class FakeEc2(ServedFake):
             return status, answer
         instance_id = found[1]
         self._hide(found, self.instance_lag)
+        wanted = form.get("InstanceType", "m1.small")
+        default = "unlimited" if wanted.startswith(UNLIMITED_BY_DEFAULT) else "standard"
+        with self._lock:
+            self._credits[instance_id] = form.get("CreditSpecification.CpuCredits", default)
         if self.auto_start_ip is not None:
             self._backend().get_instance(instance_id).nics[0].public_ip = self.auto_start_ip
             answer = _PUBLIC_IP.sub(
@@ -561,6 +577,20 @@ class FakeEc2(ServedFake):
             with self._lock:
                 self._tokens[token] = (others, answer, instance_id)
         return status, answer
+
+    def _credit_modes(self, answer: bytes) -> bytes:
+        """DescribeInstanceCreditSpecifications with each instance's mode as it was launched."""
+        root = ET.fromstring(answer)
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        for item in root.iter(ns + "item"):
+            mode = item.find(ns + "cpuCredits")
+            with self._lock:
+                launched = self._credits.get(item.findtext(ns + "instanceId") or "")
+            if mode is not None and launched is not None:
+                mode.text = launched
+        if ns:
+            ET.register_namespace("", ns[1:-1])
+        return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
     def _client_token_filter(self, form: dict[str, str]) -> dict[str, str]:
         """The `client-token` filter, which moto lacks, as the instance id the token made."""

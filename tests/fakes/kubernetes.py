@@ -11,6 +11,9 @@ on and kmock does not model:
   `kubernetes-validate`, and the server-set fields: uid, creationTimestamp,
   resourceVersion, and `status.phase: Pending` for a new Pod;
 - namespaces: a create into one that does not exist is a 404;
+- the Priority admission plugin: a Pod naming a PriorityClass that does not
+  exist is refused (403), and a Pod gets its class's `spec.priority`;
+- the Pod's QoS class (`status.qosClass`) from its containers' resources;
 - label selectors (equality and existence) and limit/continue paging on lists;
 - graceful deletion of a Pod bound to a node: it gets a deletionTimestamp (the
   end of its grace period) and stays until the kubelet (the test) confirms, as
@@ -51,6 +54,7 @@ import attrs
 import kmock
 import kubernetes
 import kubernetes_validate
+from kubernetes.utils import parse_quantity
 
 T = TypeVar("T")
 
@@ -63,6 +67,14 @@ NODE_NAME = "fake-node"
 # What every cluster has from the start; tests add the namespaces they use.
 BUILTIN_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 SCHEMA_VERSION = kubernetes_validate.latest_version()
+# The PriorityClasses every cluster has, and their values
+# (kubernetes.io/docs/concepts/scheduling-eviction/pod-priority-preemption/).
+BUILTIN_PRIORITY_CLASSES = {
+    "system-cluster-critical": 2000000000,
+    "system-node-critical": 2000001000,
+}
+# The resources that decide a Pod's QoS class.
+QOS_RESOURCES = ("cpu", "memory")
 
 # kmock's action for a request -> the RBAC verb a real API server checks.
 RBAC_VERBS = {
@@ -140,6 +152,34 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+def qos_class(spec: dict[str, Any]) -> str:
+    """The QoS class the API server gives a Pod with this spec.
+
+    BestEffort: no container requests or limits cpu or memory. Guaranteed:
+    every container has cpu and memory limits, and its requests (which default
+    to its limits) equal them. Anything else is Burstable
+    (kubernetes.io/docs/concepts/workloads/pods/pod-qos/).
+    """
+    containers = spec.get("containers") or []
+    resources = [c.get("resources") or {} for c in containers]
+    if not any(
+        name in (r.get(kind) or {})
+        for r in resources
+        for kind in ("requests", "limits")
+        for name in QOS_RESOURCES
+    ):
+        return "BestEffort"
+    for r in resources:
+        limits, requests = r.get("limits") or {}, r.get("requests") or {}
+        for name in QOS_RESOURCES:
+            if name not in limits:
+                return "Burstable"
+            request = requests.get(name, limits[name])
+            if parse_quantity(request) != parse_quantity(limits[name]):
+                return "Burstable"
+    return "Guaranteed"
+
+
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     """The request handler: kmock's emulator with the behaviour listed above."""
@@ -147,6 +187,7 @@ class ApiServer(kmock.KubernetesEmulator):
     failures: list[Failure] = attrs.field(factory=list)
     verbs_used: set[tuple[str, str]] = attrs.field(factory=set)
     namespaces: set[str] = attrs.field(factory=lambda: set(BUILTIN_NAMESPACES))
+    priority_classes: dict[str, int] = attrs.field(factory=lambda: dict(BUILTIN_PRIORITY_CLASSES))
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
 
     def __attrs_post_init__(self) -> None:
@@ -172,6 +213,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 message = f'namespaces "{request.namespace}" not found'
                 body = status_body(404, message, "NotFound")
                 return aiohttp.web.json_response(body, status=404)
+            forbidden = self._priority_class_missing(request)
+            if forbidden:
+                body = status_body(403, forbidden, "Forbidden")
+                return aiohttp.web.json_response(body, status=403)
             problem = self._admit(request)
             if problem:
                 return aiohttp.web.json_response(status_body(422, problem, "Invalid"), status=422)
@@ -232,6 +277,23 @@ class ApiServer(kmock.KubernetesEmulator):
         self.stamp(obj, request.namespace)
         return ""
 
+    def _priority_class_missing(self, request: kmock.Request) -> str:
+        """The Priority admission plugin's refusal of an unknown PriorityClass; '' if none.
+
+        "If you submit a Pod that has a priorityClassName which is not found,
+        the Pod is rejected by the admission controller" (kubernetes.io/docs/
+        concepts/scheduling-eviction/pod-priority-preemption/); the message is
+        the plugin's.
+        """
+        obj = request.data
+        if request.resource != PODS or not isinstance(obj, dict):
+            return ""
+        name = (obj.get("spec") or {}).get("priorityClassName")
+        if not name or name in self.priority_classes:
+            return ""
+        pod = (obj.get("metadata") or {}).get("name")
+        return f'pods "{pod}" is forbidden: no PriorityClass with name {name} was found'
+
     def _record_owner_reference_checks(self, request: kmock.Request, obj: dict[str, Any]) -> None:
         """The extra authorization OwnerReferencesPermissionEnforcement makes.
 
@@ -257,7 +319,9 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["creationTimestamp"] = now()
         meta["resourceVersion"] = str(next(self._versions))
         if obj.get("kind") == "Pod":
-            obj["status"] = {"phase": "Pending"}
+            spec = obj.setdefault("spec", {})
+            spec["priority"] = self.priority_classes.get(spec.get("priorityClassName", ""), 0)
+            obj["status"] = {"phase": "Pending", "qosClass": qos_class(spec)}
 
     def _delete_options(self, request: kmock.Request) -> dict[str, Any]:
         """DeleteOptions from the body, with `gracePeriodSeconds` also taken as a query."""
@@ -453,6 +517,10 @@ class FakeKubernetes:
             self.api.objects[NODES, None, name] = node
 
         self._on_loop(store)
+
+    def add_priority_class(self, name: str, value: int) -> None:
+        """A PriorityClass as an admin creates it (cluster-scoped; only its value matters)."""
+        self._on_loop(lambda: self.api.priority_classes.__setitem__(name, value))
 
     def set_pod_status(
         self, namespace: str, name: str, phase: str, pod_ip: str = "", *, ready: bool | None = None

@@ -11,6 +11,9 @@ import os
 import shutil
 import subprocess
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ import pytest
 
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
+from providers.aws.security_group import PORT_GRACE_SECONDS, PORTS_TAG
 from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice, user_data
 from providers.base import CreateRequest, InstanceState
 from providers.config import ConfigError, parse_config
@@ -67,7 +71,12 @@ def subnet_ids(fake: FakeEc2, count: int = 2) -> list[str]:
 
 
 def make_provider(
-    fake: FakeEc2, subnets: int = 1, *, consistency_window: float = 300.0, **settings: Any
+    fake: FakeEc2,
+    subnets: int = 1,
+    *,
+    consistency_window: float = 300.0,
+    clock: Callable[[], float] = time.time,
+    **settings: Any,
 ) -> AwsProvider:
     config = AwsConfig(region=REGION, subnets=subnet_ids(fake, subnets), **settings)
     # Every `get` asks the console: tests step through it without pacing.
@@ -77,6 +86,7 @@ def make_provider(
         ec2=fake.client(),
         console_interval=0,
         consistency_window=consistency_window,
+        clock=clock,
     )
 
 
@@ -440,6 +450,98 @@ def test_the_security_group_admits_the_proxy_ports_from_allowed_cidrs_only(
 
     # The widened rule is put back; the first proxy's port stays open.
     assert ingress(group_of(fake_ec2)) == {("tcp", p, c) for p in (3128, 8080) for c in CIDRS}
+
+
+@dataclass
+class Clock:
+    """The workers' wall clock, moved on by the test."""
+
+    now: float = field(default_factory=time.time)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def proxy_ports(fake: FakeEc2) -> set[int]:
+    return {port for _, port, _ in ingress(group_of(fake))}
+
+
+def group_tags(fake: FakeEc2) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in group_of(fake).get("Tags", [])}
+
+
+def test_a_port_no_instance_listens_on_is_revoked_once_unasked_for_the_grace(
+    fake_ec2: FakeEc2,
+) -> None:
+    clock = Clock()
+    before = make_provider(fake_ec2, clock=clock)  # the worker's config said 8080
+    old = before.create(make_request("old-port", port=8080))
+    before.delete(old.provider_id)
+    after = make_provider(fake_ec2, clock=clock)  # restarted with 3128
+
+    clock.now += PORT_GRACE_SECONDS / 2
+    after.create(make_request("first", port=3128))
+    assert proxy_ports(fake_ec2) == {3128, 8080}  # another worker may still launch on it
+
+    clock.now += PORT_GRACE_SECONDS
+    after.create(make_request("second", port=3128))
+
+    assert ingress(group_of(fake_ec2)) == {("tcp", 3128, cidr) for cidr in CIDRS}
+    tags = group_tags(fake_ec2)
+    assert tags[PORTS_TAG] == "3128"
+    assert not [key for key in tags if key.endswith("/8080")]
+
+
+def test_a_port_an_instance_listens_on_stays_open_past_the_grace(fake_ec2: FakeEc2) -> None:
+    clock = Clock()
+    make_provider(fake_ec2, clock=clock).create(make_request("old-port", port=8080))
+
+    clock.now += 2 * PORT_GRACE_SECONDS
+    make_provider(fake_ec2, clock=clock).create(make_request("new-port", port=3128))
+
+    assert proxy_ports(fake_ec2) == {3128, 8080}
+    assert group_tags(fake_ec2)[PORTS_TAG] == "3128,8080"
+
+
+def test_a_port_another_worker_just_asked_for_stays_open_before_ec2_lists_its_instance() -> None:
+    with FakeEc2(instance_lag=3) as fake:
+        clock = Clock()
+        make_provider(fake, clock=clock).create(make_request("old-port", port=8080))
+
+        # Another worker, whose listing does not show that instance yet.
+        make_provider(fake, clock=clock).create(make_request("new-port", port=3128))
+
+        assert proxy_ports(fake) == {3128, 8080}
+
+
+def test_ports_an_older_worker_recorded_get_the_grace_and_stay_readable_to_it(
+    fake_ec2: FakeEc2,
+) -> None:
+    clock = Clock()
+    provider = make_provider(fake_ec2, clock=clock)
+    provider.create(make_request("first", port=3128))
+    group_id = group_of(fake_ec2)["GroupId"]
+    # What a worker without timestamps leaves: the list, and the rules.
+    fake_ec2.client().create_tags(
+        Resources=[group_id], Tags=[{"Key": PORTS_TAG, "Value": "3128,8080"}]
+    )
+    fake_ec2.client().authorize_security_group_ingress(
+        GroupId=group_id,
+        IpPermissions=[
+            {"IpProtocol": "tcp", "FromPort": 8080, "ToPort": 8080, "IpRanges": [{"CidrIp": c}]}
+            for c in CIDRS
+        ],
+    )
+
+    clock.now += PORT_GRACE_SECONDS / 2
+    provider.create(make_request("second", port=3128))
+    listed = group_tags(fake_ec2)[PORTS_TAG]
+    assert 8080 in proxy_ports(fake_ec2) and listed == "3128,8080"  # an older worker's format
+
+    clock.now += PORT_GRACE_SECONDS
+    provider.create(make_request("third", port=3128))
+
+    assert proxy_ports(fake_ec2) == {3128} and group_tags(fake_ec2)[PORTS_TAG] == "3128"
 
 
 def test_a_security_group_of_that_name_that_is_not_ours_is_refused(fake_ec2: FakeEc2) -> None:
@@ -955,6 +1057,40 @@ def test_burstable_types_launch_in_the_configured_credit_mode(
     assert fake_ec2.calls("RunInstances")[-1].params.get("CreditSpecification.CpuCredits") == (
         credits
     )
+
+
+def credit_mode(fake_ec2: FakeEc2, instance_id: str) -> str:
+    answer = fake_ec2.client().describe_instance_credit_specifications(InstanceIds=[instance_id])
+    [spec] = answer["InstanceCreditSpecifications"]
+    return str(spec["CpuCredits"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "mode"),
+    [({}, "standard"), ({"cpu_credits": "unlimited"}, "unlimited")],
+    ids=["default", "unlimited"],
+)
+def test_a_t3_proxy_runs_in_the_configured_credit_mode_not_ec2s_unlimited_default(
+    fake_ec2: FakeEc2, settings: dict[str, Any], mode: str
+) -> None:
+    created = make_provider(fake_ec2, **settings).create(make_request())
+
+    assert credit_mode(fake_ec2, created.provider_id) == mode
+
+
+def test_the_fake_launches_t3_unlimited_and_t2_standard_without_a_credit_specification(
+    fake_ec2: FakeEc2,
+) -> None:
+    """As EC2 does: what the provider's credit mode must override."""
+    launched = {
+        instance_type: fake_ec2.client().run_instances(
+            ImageId=NEWEST_DEBIAN_12, InstanceType=instance_type, MinCount=1, MaxCount=1
+        )["Instances"][0]["InstanceId"]
+        for instance_type in ("t3.micro", "t2.micro")
+    }
+
+    assert credit_mode(fake_ec2, launched["t3.micro"]) == "unlimited"
+    assert credit_mode(fake_ec2, launched["t2.micro"]) == "standard"
 
 
 def test_the_root_volume_is_encrypted_gp3_and_deleted_with_the_instance(

@@ -70,9 +70,9 @@ SETTINGS = KubernetesConfig(
     namespace=NAMESPACE,
     allowed_namespaces=[NAMESPACE, *OTHER_NAMESPACES],
     image="ubuntu/squid:6.6-24.04_beta",
-    cpu_request="25m",
-    cpu_limit="250m",
-    memory_request="32Mi",
+    cpu_request="100m",
+    cpu_limit="100m",
+    memory_request="128Mi",
     memory_limit="128Mi",
     # The provider's default, 10 s: the fake answers in milliseconds on an
     # idle machine, but took over 2 s (this used to be 2) with both cores busy.
@@ -195,8 +195,8 @@ def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
     assert container["ports"] == [{"name": "proxy", "containerPort": 3128, "protocol": "TCP"}]
     assert container["readinessProbe"]["tcpSocket"] == {"port": "proxy"}
     assert container["resources"] == {
-        "requests": {"cpu": "25m", "memory": "32Mi"},
-        "limits": {"cpu": "250m", "memory": "128Mi"},
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"cpu": "100m", "memory": "128Mi"},
     }
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
@@ -226,6 +226,63 @@ def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
     # The only writable path on a read-only root: Squid's working directory.
     assert mounts["spool"]["mountPath"] == SPOOL_DIR
     assert "emptyDir" in volumes["spool"]
+
+
+def test_proxy_pods_are_guaranteed_qos_by_default_so_memory_pressure_evicts_them_last(
+    fake: FakeKubernetes,
+) -> None:
+    provider = provider_for(fake.configuration(), settings=KubernetesConfig(namespace=NAMESPACE))
+    req = request()
+
+    provider.create(req)
+
+    pod = stored_pod(fake, req.name)
+    assert pod["status"]["qosClass"] == "Guaranteed"
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+
+
+def test_a_request_below_its_limit_makes_the_pod_burstable(fake: FakeKubernetes) -> None:
+    settings = SETTINGS.model_copy(update={"memory_request": "64Mi"})
+    req = request()
+
+    provider_for(fake.configuration(), settings=settings).create(req)
+
+    assert stored_pod(fake, req.name)["status"]["qosClass"] == "Burstable"
+
+
+def test_the_priority_class_goes_on_the_pod_and_the_cluster_gives_its_priority(
+    fake: FakeKubernetes,
+) -> None:
+    fake.add_priority_class("proxies-high", 1000000)
+    settings = SETTINGS.model_copy(update={"priority_class_name": "proxies-high"})
+    req = request()
+
+    provider_for(fake.configuration(), settings=settings).create(req)
+
+    spec = stored_pod(fake, req.name)["spec"]
+    assert (spec["priorityClassName"], spec["priority"]) == ("proxies-high", 1000000)
+
+
+def test_without_a_priority_class_the_pod_has_the_default_priority(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    req = request()
+
+    provider.create(req)
+
+    spec = stored_pod(fake, req.name)["spec"]
+    assert "priorityClassName" not in spec and spec["priority"] == 0
+
+
+def test_a_priority_class_the_cluster_lacks_is_permanent_naming_it(fake: FakeKubernetes) -> None:
+    settings = SETTINGS.model_copy(update={"priority_class_name": "proxies-hihg"})
+    provider = provider_for(fake.configuration(), settings=settings)
+
+    error = raises_from(Permanent, lambda: provider.create(request()))
+
+    assert "no PriorityClass with name proxies-hihg" in str(error)
+    assert fake.get(PODS, NAMESPACE, request().name) is None
 
 
 def test_create_labels_every_tag_and_keeps_the_exact_tags_in_an_annotation(
@@ -1197,8 +1254,37 @@ def test_placement_is_allowed_only_in_the_allowed_namespaces() -> None:
             {"unschedulable_timeout_seconds": 1e9},
             "providers[0].kubernetes.unschedulable_timeout_seconds: input should be less",
         ),
+        (
+            {"priority_class_name": "Proxies_High"},
+            "providers[0].kubernetes.priority_class_name: string should match pattern",
+        ),
+        (
+            {"priority_class_name": "p" * 254},
+            "providers[0].kubernetes.priority_class_name: string should have at most 253",
+        ),
+        (
+            {"cpu_request": "500m", "cpu_limit": "250m"},
+            "providers[0].kubernetes: cpu_request 500m is above cpu_limit 250m",
+        ),
+        (
+            {"memory_limit": "256MB of RAM"},
+            "providers[0].kubernetes.memory_limit: '256MB of RAM' is not a Kubernetes quantity",
+        ),
+        ({"cpu_limit": "-1"}, "providers[0].kubernetes.cpu_limit: '-1' is not"),
     ],
-    ids=["namespace-not-allowed", "empty", "not-a-dns-label", "duplicate", "root", "huge-timeout"],
+    ids=[
+        "namespace-not-allowed",
+        "empty",
+        "not-a-dns-label",
+        "duplicate",
+        "root",
+        "huge-timeout",
+        "priority-class-not-a-dns-subdomain",
+        "priority-class-too-long",
+        "request-above-limit",
+        "not-a-quantity",
+        "negative-quantity",
+    ],
 )
 def test_bad_kubernetes_settings_are_config_errors_naming_the_field(
     settings: dict[str, Any], problem: str
