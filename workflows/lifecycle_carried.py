@@ -38,6 +38,9 @@ class ProxyStatus:
     last_error_at: str | None = None
     # Where the instance's traffic leaves from, as its provider knows it.
     exit_address: str | None = None
+    # Instances the platform took away (preempted, interrupted, evicted) and
+    # the proxy replaced: counted apart from failures, never a crash.
+    disruptions: int = 0
 
 
 @dataclass
@@ -86,6 +89,8 @@ class CarriedState:
     last_probe: ProbeSummary | None = None
     replacements: int = 0
     failures_in_a_row: int = 0
+    # Instances the platform took away, over the proxy's life (ProxyStatus.disruptions).
+    disruptions: int = 0
     last_error: str | None = None
     last_error_at: str | None = None
     # The installation instance names are hashed with; None for a lifecycle
@@ -139,6 +144,7 @@ def status_of(
         terminate_reason=terminate_reason,
         last_error_at=carried.last_error_at,
         exit_address=(shown.exit_address or None) if shown else None,
+        disruptions=carried.disruptions,
     )
 
 

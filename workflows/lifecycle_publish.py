@@ -161,6 +161,11 @@ class StatusPublisher:
             )
         if status.waiting_for:
             lines.append(status.waiting_for)
+        if status.disruptions:
+            lines.append(
+                f"{status.disruptions} taken away by the platform (preempted, interrupted, "
+                f"evicted) and replaced, not counted as crashes"
+            )
         if status.last_error:
             lines.append(f"last error ({status.last_error_at or '?'}): {status.last_error}")
         workflow.set_current_details("\n\n".join(lines))
