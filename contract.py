@@ -97,6 +97,9 @@ class ErrorType(StrEnum):
     PERMANENT = "Permanent"
     # Raised by activities: the instance died or vanished while provisioning.
     INSTANCE_LOST = "InstanceLost"
+    # Raised by activities: the platform took the instance away (a preemption,
+    # a spot interruption, an eviction), no failure of the proxy's.
+    INSTANCE_DISRUPTED = "InstanceDisrupted"
     # Raised by activities and workflows: bad input, naming the field.
     INVALID_INPUT = "InvalidInput"
     # Raised by activities on a draining worker, so the server retries elsewhere.

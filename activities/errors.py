@@ -11,7 +11,8 @@ from datetime import timedelta
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from contract import QUOTA_RETRY_DELAY, ErrorType
-from providers.errors import Permanent, ProviderError, QuotaExceeded
+from providers.base import Disruption
+from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded
 
 
 def to_application_error(err: ProviderError) -> ApplicationError:
@@ -21,8 +22,11 @@ def to_application_error(err: ProviderError) -> ApplicationError:
         delay = timedelta(seconds=err.retry_after_seconds)
     if isinstance(err, QuotaExceeded) and delay is None:
         delay = QUOTA_RETRY_DELAY
+    # A NotFound's disruption travels as its one detail (`disruption_of`).
+    details = (err.disruption.value,) if isinstance(err, NotFound) and err.disruption else ()
     return ApplicationError(
         err.message,
+        *details,
         type=type(err).__name__,  # an ErrorType of the provider taxonomy
         non_retryable=isinstance(err, Permanent),
         next_retry_delay=delay,
@@ -32,6 +36,26 @@ def to_application_error(err: ProviderError) -> ApplicationError:
 def is_not_found(err: ApplicationError) -> bool:
     """Whether a provider call failed because the instance does not exist."""
     return err.type == ErrorType.NOT_FOUND
+
+
+def disruption_of(err: ApplicationError) -> Disruption | None:
+    """The disruption a NotFound carries: the platform took the instance away."""
+    if not is_not_found(err) or not err.details:
+        return None
+    return Disruption(err.details[0])
+
+
+def instance_disrupted(message: str) -> ApplicationError:
+    """The platform took the instance away while we waited on it: replace, spend no crash.
+
+    Benign, as InstanceLost: the workflow shows it and acts on it.
+    """
+    return ApplicationError(
+        message,
+        type=ErrorType.INSTANCE_DISRUPTED,
+        non_retryable=True,
+        category=ApplicationErrorCategory.BENIGN,
+    )
 
 
 def instance_lost(message: str) -> ApplicationError:

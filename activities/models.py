@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from providers.base import endpoint
+from providers.base import Disruption, endpoint
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,8 @@ class MonitorOutcome:
     consecutive_failures: int = 0
     probes: int = 0
     detail: str = ""
+    # `gone` only: set when the platform took the instance away (no crash of the proxy's).
+    disruption: Disruption | None = None
 
 
 @dataclass(frozen=True)

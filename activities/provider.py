@@ -26,7 +26,14 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.errors import instance_lost, invalid_input, is_not_found, to_application_error
+from activities.errors import (
+    disruption_of,
+    instance_disrupted,
+    instance_lost,
+    invalid_input,
+    is_not_found,
+    to_application_error,
+)
 from activities.exit_echo import EchoFailed, observe_exit
 from activities.metrics import POOL_MONITOR_LATE_SECONDS, PROBE_SECONDS, PROBES
 from activities.models import (
@@ -51,6 +58,7 @@ from activities.probe import OTHER, ProbeResult, probe_connect
 from contract import ErrorType
 from providers.base import (
     CreateRequest,
+    Disruption,
     Instance,
     InstanceState,
     NamedLookup,
@@ -106,6 +114,21 @@ MONITOR_HEARTBEAT_SLACK = timedelta(seconds=60)
 UNTIMED_HEARTBEAT = timedelta(seconds=60)
 # A failing member's detail, as the pool's signal to the member carries it.
 MAX_DETAIL = 200
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Why an instance can no longer serve, and whether its platform took it away."""
+
+    detail: str
+    disruption: Disruption | None = None
+
+    def error(self, when: str) -> ApplicationError:
+        """What a wait on the instance raises: InstanceDisrupted, else InstanceLost."""
+        message = f"{self.detail} {when}"
+        if self.disruption is not None:
+            return instance_disrupted(message)
+        return instance_lost(message)
 
 
 @dataclass(frozen=True)
@@ -250,6 +273,10 @@ class ProviderActivities:
             try:
                 instance = await self._call(provider.get, ref.provider_id)
             except ApplicationError as err:
+                if is_not_found(err) and disruption_of(err) is not None:
+                    raise instance_disrupted(
+                        f"{ref.name} is gone while provisioning, {err.message}"
+                    ) from err
                 if is_not_found(err):
                     raise instance_lost(f"{ref.name} vanished while provisioning") from err
                 raise
@@ -257,9 +284,8 @@ class ProviderActivities:
                 return _ref(ref.provider, ref.generation, instance)
             because = f": {instance.reason}" if instance.reason else ""
             if instance.state in GONE_STATES:
-                raise instance_lost(
-                    f"{ref.name} is {instance.state.value} while provisioning{because}"
-                )
+                lost = instance_disrupted if instance.disruption else instance_lost
+                raise lost(f"{ref.name} is {instance.state.value} while provisioning{because}")
             if datetime.now(UTC) >= deadline:
                 raise instance_lost(
                     f"{ref.name} not running after {WAIT_RUNNING_DEADLINE_SECONDS:g}s "
@@ -292,9 +318,9 @@ class ProviderActivities:
                 return replace(summary, attempts=attempts)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + GONE_CHECK_SECONDS
-                gone = await self._gone_reason(inp.instance)
-                if gone:
-                    raise instance_lost(f"{gone} while waiting for its first probe")
+                gone = await self._gone(inp.instance)
+                if gone is not None:
+                    raise gone.error("while waiting for its first probe")
             activity.heartbeat(summary)
             await _pause(delay)
             delay = min(delay * 2, MAX_POLL_SECONDS)
@@ -342,9 +368,16 @@ class ProviderActivities:
                 # Show the first probe now, not one heartbeat period later.
                 activity.heartbeat(dict(details))
             if not summary.ok:
-                gone = await self._gone_reason(inp.instance)
-                if gone:
-                    return MonitorOutcome(MonitorReason.GONE, summary, failures, probes, gone)
+                gone = await self._gone(inp.instance)
+                if gone is not None:
+                    return MonitorOutcome(
+                        MonitorReason.GONE,
+                        summary,
+                        failures,
+                        probes,
+                        gone.detail,
+                        disruption=gone.disruption,
+                    )
                 if failures >= inp.failure_threshold:
                     return MonitorOutcome(
                         MonitorReason.UNHEALTHY,
@@ -581,18 +614,21 @@ class ProviderActivities:
             PROBE_SECONDS.labels(ref.provider).observe(result.total_ms / 1000)
         return result
 
-    async def _gone_reason(self, ref: InstanceRef) -> str:
-        """Why the instance can no longer serve, or "" while it still exists."""
+    async def _gone(self, ref: InstanceRef) -> Gone | None:
+        """Why the instance can no longer serve, or None while it still exists."""
         try:
             instance = await self._call(self._provider(ref.provider).get, ref.provider_id)
         except ApplicationError as err:
-            if is_not_found(err):
-                return f"{ref.name} no longer exists"
-            return ""  # cannot tell right now: keep counting failed probes
+            if not is_not_found(err):
+                return None  # cannot tell right now: keep counting failed probes
+            disruption = disruption_of(err)
+            if disruption is None:
+                return Gone(f"{ref.name} no longer exists")
+            return Gone(f"{ref.name} is gone, {err.message}", disruption)
         if instance.state in GONE_STATES:
             because = f": {instance.reason}" if instance.reason else ""
-            return f"{ref.name} is {instance.state.value}{because}"
-        return ""
+            return Gone(f"{ref.name} is {instance.state.value}{because}", instance.disruption)
+        return None
 
     def _provider(self, name: str) -> Provider:
         try:

@@ -25,6 +25,23 @@ class InstanceState(enum.StrEnum):
     TERMINATED = "TERMINATED"
 
 
+class Disruption(enum.StrEnum):
+    """How a platform took away an instance that did nothing wrong.
+
+    Not the proxy's failure: its workflow replaces the instance without
+    spending the crash budget, counts it apart (`status.disruptions`) and
+    names it in the reason. An instance gone for a reason its provider cannot
+    tell (deleted by hand, a VM that crashed) is no disruption.
+    """
+
+    # Compute Engine reclaimed a Spot or preemptible VM (a `compute.instances.preempted` operation).
+    PREEMPTED = "preempted"
+    # EC2 reclaimed a spot instance (its notice, or `Server.SpotInstanceTermination`).
+    SPOT_INTERRUPTED = "spot interruption"
+    # Kubernetes evicted the Pod (node pressure, a drain, the scheduler's preemption).
+    EVICTED = "evicted"
+
+
 def state_table(meaning: Mapping[InstanceState, Iterable[str]]) -> dict[str, InstanceState]:
     """A provider's `INSTANCE_STATES`, written as each common state and the states it covers."""
     return {name: state for state, names in meaning.items() for name in names}
@@ -53,6 +70,9 @@ class Instance:
     # not (a local proxy, a Pod behind a cluster NAT). What a request through
     # the proxy actually shows may differ (a NAT the provider cannot see).
     exit_address: str | None = None
+    # Set when the platform is taking (or took) the instance away: a
+    # STOPPED or TERMINATED instance that is no failure of the proxy's.
+    disruption: Disruption | None = None
 
     @property
     def endpoint(self) -> str:
@@ -116,7 +136,11 @@ class Provider(Protocol):
         ...
 
     def get(self, provider_id: str) -> Instance:
-        """Return the current state; raise NotFound when the instance is gone."""
+        """Return the current state; raise NotFound when the instance is gone.
+
+        A NotFound for an instance its platform took away says so
+        (`NotFound.disruption`), when the provider can tell.
+        """
         ...
 
     def delete(self, provider_id: str) -> None:

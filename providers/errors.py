@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from providers.base import Disruption
+
 
 class ProviderError(Exception):
     """Base of the taxonomy; never raised itself."""
@@ -31,7 +33,18 @@ class ProviderError(Exception):
 
 
 class NotFound(ProviderError):
-    """The instance does not exist."""
+    """The instance does not exist; `disruption` says so when its platform took it away."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        cause: BaseException | None = None,
+        retry_after_seconds: float | None = None,
+        disruption: Disruption | None = None,
+    ) -> None:
+        super().__init__(message, cause=cause, retry_after_seconds=retry_after_seconds)
+        self.disruption = disruption
 
 
 class QuotaExceeded(ProviderError):

@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 from pydantic import AfterValidator, Field, model_validator
 
-from providers.base import CreateRequest, Instance, InstanceState, state_table
+from providers.base import CreateRequest, Disruption, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
 from providers.config import LABEL_VALUE, Config, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
@@ -244,6 +244,11 @@ RETRIED_WAITING_REASONS: dict[str, str] = {
     "CreateContainerError": "container could not be created",
 }
 UNSCHEDULABLE = "Unschedulable"
+# How Kubernetes marks a Pod it evicts: the kubelet's status reason under node
+# pressure, and the condition the Eviction API, the scheduler's preemption and
+# the taint manager set before deleting it.
+EVICTED = "Evicted"
+DISRUPTION_TARGET = "DisruptionTarget"
 # A Pod still there this long after its deletionTimestamp (the end of its grace
 # period) sits on a node that stopped reporting: it is deleted with grace 0.
 STUCK_DELETION_MARGIN_SECONDS = 60.0
@@ -647,6 +652,8 @@ class _PodState:
     # the caller sits out (QuotaExceeded: capacity; Transient: a retry the
     # kubelet is making), never a failure of the proxy.
     wait: type[ProviderError] | None = None
+    # Set when Kubernetes took the Pod away (`_disruption`): no failure of the proxy's.
+    disruption: Disruption | None = None
 
 
 def _instance(pod: client.V1Pod, settings: KubernetesConfig) -> Instance:
@@ -664,6 +671,7 @@ def _instance(pod: client.V1Pod, settings: KubernetesConfig) -> Instance:
         # The API server always sets it; "now" keeps GC's grace period safe if not.
         created_at=meta.creation_timestamp or datetime.now(UTC),
         reason=seen.reason,
+        disruption=seen.disruption,
     )
 
 
@@ -679,6 +687,9 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
     """
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
+    evicted = _disruption(status)
+    if evicted is not None:
+        return evicted
     if meta.deletion_timestamp:
         reason = _stuck_reason(meta) if _stuck_terminating(meta) else "being deleted"
         return _PodState(InstanceState.TERMINATED, reason)
@@ -691,6 +702,29 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
         if not _condition_true(status, "Ready"):
             return _PodState(InstanceState.PROVISIONING, "waiting for Squid to be ready")
     return _PodState(state, status.message or status.reason or "")
+
+
+def _disruption(status: client.V1PodStatus) -> _PodState | None:
+    """A Pod Kubernetes is taking away, or took away: TERMINATED, a disruption.
+
+    The kubelet's node-pressure eviction leaves the Pod Failed with reason
+    `Evicted`; the Eviction API (a drain), the scheduler's preemption and the
+    taint manager first set the `DisruptionTarget` condition, then delete the
+    Pod (Kubernetes' "Pod disruption conditions"). A Pod already deleted
+    says nothing any more: its NotFound is no disruption.
+    """
+    if status.reason == EVICTED:
+        return _PodState(
+            InstanceState.TERMINATED, f"evicted: {status.message or ''}", None, Disruption.EVICTED
+        )
+    target = next(
+        (c for c in status.conditions or [] if c.type == DISRUPTION_TARGET and c.status == "True"),
+        None,
+    )
+    if target is None:
+        return None
+    why = f"{target.reason or DISRUPTION_TARGET}: {target.message or ''}"
+    return _PodState(InstanceState.TERMINATED, f"evicted: {why}", None, Disruption.EVICTED)
 
 
 def _pending_state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:

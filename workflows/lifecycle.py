@@ -153,6 +153,14 @@ QUIET_START_PATCH = "members-start-quietly"
 # (`_let_go_of_monitor`). Asked on its own, at a terminate that finds a
 # monitor to wait for, until the release marker of 0.3.11 covers it.
 LET_GO_OF_LOST_MONITOR_PATCH = "let-go-of-lost-monitor"
+# Histories recorded before this patch spent the crash budget on an instance
+# its platform took away (a preemption, a spot interruption, an eviction);
+# replaying them still does. Since, such a disruption is replaced at once,
+# counted apart (`status.disruptions`) and named in the reason; only the
+# proxy's own failures spend the budget. Asked on its own, at the first
+# disruption of a run, until 0.3.11's release marker covers it; it may be
+# deprecated from 0.3.12.
+DISRUPTION_PATCH = "disruptions-spare-the-crash-budget"
 # A run that records 0.3.9's marker takes every patch above, and those of the
 # input check and the early signals, without a marker each (workflows/patches.py).
 LIFECYCLE_RELEASE_0_3_9 = ReleaseMarker(
@@ -211,9 +219,13 @@ class ProxyResult:
 class _InstanceFailed(Exception):
     """An instance could not be brought to Ready; the workflow replaces it."""
 
-    def __init__(self, reason: str, ref: InstanceRef | None = None) -> None:
+    def __init__(
+        self, reason: str, ref: InstanceRef | None = None, *, disrupted: bool = False
+    ) -> None:
         super().__init__(reason)
         self.ref = ref
+        # The platform took the instance away: no failure of the proxy's.
+        self.disrupted = disrupted
 
 
 @workflow.defn(name=PROXY_LIFECYCLE)
@@ -234,11 +246,13 @@ class ProxyLifecycle:
         self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
         # Whether this run takes CLEAN_STOP_PATCH's paths: decided in run().
         self._new_paths = False
-        # Why Ready's monitor found the instance failing, for Unhealthy to record.
+        # Why Ready's monitor found the instance failing, for Unhealthy to record,
+        # and whether its platform took it away.
         self._unhealthy_cause = ""
         # What the pool's monitor said of the instance the member last probed
         # at its word (_confirm_failing).
         self._pool_said: str | None = None
+        self._unhealthy_disrupted = False
         # Set when the provider refused to delete an instance for good: the
         # proxy then ends as Failed with this reason (_give_up_deleting).
         self._delete_refused: str | None = None
@@ -456,6 +470,7 @@ class ProxyLifecycle:
             self._carried.next_cause = self._cause(
                 lifecycle_view.failed_probes(self._unhealthy_cause, said)
             )
+            self._unhealthy_disrupted = outcome.disruption is not None
             return ProxyState.UNHEALTHY
         else:
             self._forgive_if_stable()  # a monitor period passed with nothing to report
@@ -463,10 +478,11 @@ class ProxyLifecycle:
         return ProxyState.READY
 
     async def _unhealthy(self, inp: ProxyInput) -> ProxyState:
-        """Unhealthy: retire the failed instance and spend the crash budget on it."""
+        """Unhealthy: retire the failed instance and spend the crash budget on it
+        (not on one its platform took away)."""
         self._enter(ProxyState.UNHEALTHY)
         self._retire(self._carried.current)
-        await self._count_failure(self._unhealthy_cause)
+        await self._count_failure(self._unhealthy_cause, disrupted=self._unhealthy_disrupted)
         await self._continue_as_new_if_suggested()
         return ProxyState.REPLACING
 
@@ -531,7 +547,7 @@ class ProxyLifecycle:
         except _InstanceFailed as failed:
             self._carried.next_cause = self._cause(lifecycle_view.failed_to_come_up(str(failed)))
             self._retire(failed.ref)
-            await self._count_failure(str(failed))
+            await self._count_failure(str(failed), disrupted=failed.disrupted)
             return ProxyState.REPLACING
         self._become_ready(ref)
         return ProxyState.READY
@@ -602,7 +618,11 @@ class ProxyLifecycle:
             if failures.cancelled(err) or failures.cause_type(err) == ErrorType.PERMANENT:
                 raise
             self._carried.bringing_up = None
-            raise _InstanceFailed(f"{ref.name}: {failures.message(err)}", ref) from err
+            raise _InstanceFailed(
+                f"{ref.name}: {failures.message(err)}",
+                ref,
+                disrupted=failures.cause_type(err) == ErrorType.INSTANCE_DISRUPTED,
+            ) from err
         self._carried.last_probe = probe
         self._carried.bringing_up = None
         if not probe.ok:
@@ -878,7 +898,7 @@ class ProxyLifecycle:
                 why = lifecycle_view.failed_to_come_up(f"rotation failed: {failed}")
                 self._carried.next_cause = self._cause(why)
             self._retire(failed.ref)
-            await self._count_failure(f"rotation failed: {failed}")
+            await self._count_failure(f"rotation failed: {failed}", disrupted=failed.disrupted)
             if self._carried.current is None:
                 return ProxyState.REPLACING  # the old one failed meanwhile: none serves
             return ProxyState.READY  # keep serving from the old one; try again after a backoff
@@ -1096,13 +1116,19 @@ class ProxyLifecycle:
         if self._ready_for() >= STABLE_AFTER:
             self._carried.failures_in_a_row = 0
 
-    async def _count_failure(self, reason: str) -> None:
+    async def _count_failure(self, reason: str, *, disrupted: bool = False) -> None:
         """Spend the crash budget; fail the workflow when it is gone, else back off.
 
         The first failure after a healthy spell is replaced at once; repeated
-        ones wait longer each time.
+        ones wait longer each time. An instance its platform took away
+        (`disrupted`: preempted, interrupted, evicted) is no failure of the
+        proxy's: it is counted apart and replaced at once (DISRUPTION_PATCH).
         """
         self._raise_if_stopping()
+        if disrupted and self._patches.taken(DISRUPTION_PATCH):
+            self._carried.disruptions += 1
+            self._note_error(f"platform disruption, no crash counted: {reason}")
+            return
         self._carried.failures_in_a_row += 1
         self._note_error(reason)
         in_a_row = self._carried.failures_in_a_row

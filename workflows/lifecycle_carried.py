@@ -64,6 +64,9 @@ class ProxyStatus:
     cause: InstanceCause | None = None
     # While a rotation is under way: why the instance shown is being replaced.
     replaced_because: InstanceCause | None = None
+    # Instances the platform took away (preempted, interrupted, evicted) and
+    # the proxy replaced: counted apart from failures, never a crash.
+    disruptions: int = 0
 
 
 @dataclass
@@ -112,6 +115,8 @@ class CarriedState:
     last_probe: ProbeSummary | None = None
     replacements: int = 0
     failures_in_a_row: int = 0
+    # Instances the platform took away, over the proxy's life (ProxyStatus.disruptions).
+    disruptions: int = 0
     last_error: str | None = None
     last_error_at: str | None = None
     # The installation instance names are hashed with; None for a lifecycle
@@ -174,6 +179,7 @@ def status_of(
         exit_address=(shown.exit_address or None) if shown else None,
         cause=carried.cause if serving else carried.next_cause,
         replaced_because=carried.next_cause if serving else None,
+        disruptions=carried.disruptions,
     )
 
 

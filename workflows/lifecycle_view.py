@@ -70,6 +70,11 @@ def current_details(status: ProxyStatus) -> str:
         lines.append(f"being replaced: {_cause(status.replaced_because)}")
     if status.waiting_for:
         lines.append(markdown.text(status.waiting_for))
+    if status.disruptions:
+        lines.append(
+            f"{status.disruptions} taken away by the platform (preempted, interrupted, "
+            "evicted) and replaced, not counted as crashes"
+        )
     if status.last_error:
         at = status.last_error_at or "?"
         lines.append(f"last error ({at}): {markdown.text(status.last_error)}")

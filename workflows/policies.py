@@ -14,6 +14,7 @@ policy of their own.
 | Permanent      | fails fast with the provider's message (non-retryable)           |
 | NotFound       | delete: success; while provisioning: the instance vanished, and  |
 |                | the activity reports InstanceLost so the workflow replaces it    |
+|                | (InstanceDisrupted when its platform took it: no crash counted)  |
 
 Deletes never give up: Temporal retries Transient forever, and the workflow
 loops on Quota and Permanent with a long delay, because a leaked VM bills
@@ -38,6 +39,7 @@ NON_RETRYABLE: list[str] = [
     ErrorType.PERMANENT,
     ErrorType.QUOTA_EXCEEDED,
     ErrorType.INSTANCE_LOST,
+    ErrorType.INSTANCE_DISRUPTED,
     ErrorType.INVALID_INPUT,
 ]
 TRANSIENT_RETRY = RetryPolicy(

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from providers.base import Instance, InstanceState, public_exit, state_table
+from providers.base import Disruption, Instance, InstanceState, public_exit, state_table
 from providers.errors import Permanent
 
 if TYPE_CHECKING:
@@ -52,17 +52,19 @@ INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8}([0-9a-f]{9})?$")
 def to_instance(ec2: InstanceTypeDef) -> Instance:
     """The state table applied; readiness is `AwsProvider._with_readiness`'s.
 
-    A spot instance EC2 reclaimed is TERMINATED with the reason said, so
-    its workflow replaces it as any lost instance.
+    A spot instance EC2 reclaimed is TERMINATED with the reason said, a
+    disruption: its workflow replaces it without spending the crash budget.
     """
     tags = tag_dict(ec2.get("Tags", []))
     ip = ec2.get("PublicIpAddress", "")
     state = INSTANCE_STATES.get(ec2.get("State", {}).get("Name", ""), _UNKNOWN_STATE)
     reason = ""
+    disruption: Disruption | None = None
     state_reason = ec2.get("StateReason", {})
     if state_reason.get("Code") == SPOT_TERMINATION:
         state = InstanceState.TERMINATED
         reason = f"spot interruption: {state_reason.get('Message', SPOT_TERMINATION)}"
+        disruption = Disruption.SPOT_INTERRUPTED
     if state is InstanceState.RUNNING and not ip:
         state = InstanceState.PROVISIONING  # never publish an empty endpoint
     launched = ec2.get("LaunchTime")
@@ -75,6 +77,7 @@ def to_instance(ec2: InstanceTypeDef) -> Instance:
         tags=owner_tags_of(tags),
         created_at=launched if isinstance(launched, datetime) else datetime.now(UTC),
         reason=reason,
+        disruption=disruption,
         # The subnet routes through an internet gateway: no NAT in between.
         exit_address=public_exit(ec2.get("PublicIpAddress", ""), state),
     )

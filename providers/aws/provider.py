@@ -49,7 +49,7 @@ from providers.aws.user_data import (
     interruption_notice,
     user_data,
 )
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Disruption, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
@@ -185,8 +185,11 @@ class AwsProvider:
             self._unless_gone(instance_id)
             raise NotFound(f"EC2: instance {instance_id} is not listed")
         if found.get("State", {}).get("Name") == "terminated":
-            why = to_instance(found).reason
-            raise NotFound(f"EC2: instance {instance_id} is terminated{': ' + why if why else ''}")
+            ended = to_instance(found)
+            why = f": {ended.reason}" if ended.reason else ""
+            raise NotFound(
+                f"EC2: instance {instance_id} is terminated{why}", disruption=ended.disruption
+            )
         with edge():
             return self._with_readiness(found)
 
@@ -529,7 +532,12 @@ class AwsProvider:
             # probes, and the lifecycle retires it and brings up the next
             # generation, up to two minutes before EC2 reclaims it.
             return dataclasses.replace(
-                instance, state=InstanceState.TERMINATED, ip="", exit_address=None, reason=notice
+                instance,
+                state=InstanceState.TERMINATED,
+                ip="",
+                exit_address=None,
+                reason=notice,
+                disruption=Disruption.SPOT_INTERRUPTED,
             )
         return with_report(instance, report, script="user data", machine="instance")
 

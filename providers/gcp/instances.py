@@ -88,6 +88,12 @@ def tags_of(gce: compute_v1.Instance) -> dict[str, str]:
     return {}
 
 
+def preemptible(gce: compute_v1.Instance) -> bool:
+    """Whether Compute Engine may preempt the VM: a Spot or a preemptible one."""
+    scheduling = gce.scheduling
+    return scheduling.provisioning_model == "SPOT" or bool(scheduling.preemptible)
+
+
 def reports_readiness(gce: compute_v1.Instance) -> bool:
     """Whether the VM's startup script can report (VMs made before that cannot)."""
     return _metadata(gce).get(GUEST_ATTRIBUTES_KEY, "").upper() == "TRUE"

@@ -14,17 +14,18 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import cast
 
 import google.auth
 from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Disruption, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
-from providers.errors import Permanent, Transient
+from providers.errors import NotFound, Permanent, Transient
 from providers.gcp.errors import STOCKOUT_REASONS, edge, normalise, operation_error, reasons
 from providers.gcp.firewall import InstallationFirewall
 from providers.gcp.instances import (
@@ -34,6 +35,7 @@ from providers.gcp.instances import (
     STARTUP_SCRIPT_KEY,
     TAGS_METADATA_KEY,
     parse_provider_id,
+    preemptible,
     reports_readiness,
     tags_of,
     to_instance,
@@ -82,6 +84,13 @@ REQUEST_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://proxy-operator/gc
 # before its own: at most this many.
 MAX_FAILED_INSERTS = 64
 
+# The operation Compute Engine records when it preempts a Spot or preemptible
+# VM (compute/docs/instances/spot, "Detect if a Spot VM was preempted").
+PREEMPTED_OPERATION = "compute.instances.preempted"
+# A stopping Spot VM's zone operations are listed at most this often while
+# no preemption is found (a VM we delete ourselves stops for a while too).
+PREEMPTION_CHECK_SECONDS = 10.0
+
 # The warning code on an aggregated list's scope it could not reach.
 UNREACHABLE_WARNING = "UNREACHABLE"
 
@@ -113,6 +122,7 @@ class GcpProvider:
         global_operations: compute_v1.GlobalOperationsClient,
         operation_timeout: float = OPERATION_TIMEOUT_SECONDS,
         guest_attribute_interval: float = GUEST_ATTRIBUTE_INTERVAL_SECONDS,
+        preemption_check_interval: float = PREEMPTION_CHECK_SECONDS,
     ) -> None:
         self._settings = settings
         self._project = settings.project
@@ -137,6 +147,10 @@ class GcpProvider:
         # good; anything else with when it was read, to pace the queries.
         self._startup: dict[tuple[str, str, int], tuple[str, float]] = {}
         self._startup_lock = threading.Lock()
+        # Preemptions per VM (zone, name): the reason ("" none yet), and when read.
+        self._preempted: dict[tuple[str, str], tuple[str, float]] = {}
+        self._preempted_lock = threading.Lock()
+        self._preemption_interval = preemption_check_interval
 
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> GcpProvider:
@@ -199,9 +213,32 @@ class GcpProvider:
             return self._create_in_zone(req, zones[-1])
 
     def get(self, provider_id: str) -> Instance:
+        """The VM's state; a Spot VM Compute Engine preempted says so, gone or going.
+
+        A Spot VM is deleted on preemption (`instance_termination_action`),
+        after some 30 s of STOPPING: both the STOPPED state and the NotFound
+        after it carry the disruption when the zone's operations show a
+        preemption of the VM.
+        """
         zone, name = parse_provider_id(provider_id)
         with edge():
-            return self._with_readiness(zone, self._fetch(zone, name))
+            try:
+                gce = self._fetch(zone, name)
+            except api_exceptions.NotFound as exc:
+                preempted = self._preemption(zone, name) if self._settings.spot else ""
+                if not preempted:
+                    raise
+                raise NotFound(
+                    preempted,
+                    cause=exc,
+                    disruption=Disruption.PREEMPTED,
+                ) from exc
+            instance = self._with_readiness(zone, gce)
+            if instance.state is InstanceState.STOPPED and preemptible(gce):
+                preempted = self._preemption(zone, name)
+                if preempted:
+                    return replace(instance, reason=preempted, disruption=Disruption.PREEMPTED)
+            return instance
 
     def delete(self, provider_id: str) -> None:
         """Delete our VM, and only that one; an instance already gone is success.
@@ -525,6 +562,42 @@ class GcpProvider:
         with self._startup_lock:
             self._startup[key] = (state, time.monotonic())
         return state
+
+    # -- preemptions --------------------------------------------------------
+
+    def _preemption(self, zone: str, name: str) -> str:
+        """Why the VM was preempted, from its zone's operations; "" if it was not.
+
+        A preemption found is kept; none found is asked again only after
+        PREEMPTION_CHECK_SECONDS, so polling a VM we are deleting ourselves
+        costs few list calls.
+        """
+        key = (zone, name)
+        with self._preempted_lock:
+            known = self._preempted.get(key)
+        if known is not None and (
+            known[0] or time.monotonic() - known[1] < self._preemption_interval
+        ):
+            return known[0]
+        found = ""
+        for op in self._operations.list(
+            request=compute_v1.ListZoneOperationsRequest(
+                project=self._project,
+                zone=zone,
+                filter=f'operationType = "{PREEMPTED_OPERATION}"',
+            ),
+            retry=None,
+            timeout=CALL_TIMEOUT_SECONDS,
+        ):
+            if op.target_link.rsplit("/", 1)[-1] == name:
+                found = (
+                    f"preempted: Compute Engine reclaimed the Spot VM at {op.insert_time} "
+                    f"({op.status_message or PREEMPTED_OPERATION})"
+                )
+                break
+        with self._preempted_lock:
+            self._preempted[key] = (found, time.monotonic())
+        return found
 
     # -- operations ---------------------------------------------------------
 

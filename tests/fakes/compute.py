@@ -22,6 +22,7 @@ Stable API (used by the provider tests and by workflow-level tests):
         fake.set_operation_seconds(3.0, zone=zone)  # operations there take 3 s
         fake.guest_write(zone, name, "proxy-operator/state", "ready")  # as the VM would
         fake.set_zone_unreachable(zone, True)  # aggregated lists cannot see it
+        fake.preempt(zone, name)              # Compute Engine reclaims a Spot VM
         fake.instance(zone, name)             # stored resource (dict) or None
         fake.calls("insert")                  # requests received, oldest first
 
@@ -46,6 +47,11 @@ Stable API (used by the provider tests and by workflow-level tests):
   `stockout`, `quota_operation` and `org_policy_operation` fail the
   operation (as Compute Engine reports them) and are accepted only for
   methods that return one.
+- `preempt(zone, name)` reclaims a Spot VM as Compute Engine does: it records
+  a `compute.instances.preempted` operation in the zone (listed by
+  `zoneOperations.list`, filtered by `operationType`) and deletes the VM, its
+  `instanceTerminationAction`; `stopping=True` leaves it STOPPING instead, the
+  notice before the delete. A VM that is not Spot is refused (ValueError).
 - From another process: `python -m tests.fakes.compute --port 8089` serves
   it, and `remote(url, "inject_error", method="insert", kind="quota")`
   (a POST to `/_fake/<name>` with the keyword arguments as JSON) calls any of
@@ -117,6 +123,7 @@ METHODS = (
     "firewall_get",
     "zone_operation_get",
     "zone_operation_wait",
+    "zone_operation_list",
     "global_operation_get",
     "global_operation_wait",
 )
@@ -129,6 +136,7 @@ CONTROL_METHODS = frozenset(
         "set_operation_seconds",
         "set_zone_unreachable",
         "guest_write",
+        "preempt",
         "add_instance",
         "put_firewall",
         "instance",
@@ -292,6 +300,10 @@ class _Operation:
     status: str = "RUNNING"
     # time.monotonic() before which polls still find it RUNNING.
     not_before: float = 0.0
+    status_message: str = ""
+    insert_time: str = field(
+        default_factory=lambda: datetime.now(UTC).isoformat(timespec="milliseconds")
+    )
 
 
 @dataclass
@@ -421,6 +433,33 @@ class FakeCompute(ServedFake):
                 raise ValueError(f"guest attribute path {path!r}: expected <namespace>/<key>")
             self._guest.setdefault((zone, name), {})[path] = value
 
+    def preempt(self, zone: str, name: str, *, stopping: bool = False) -> None:
+        """Reclaim a Spot VM: a `compute.instances.preempted` operation, then the VM deleted.
+
+        `stopping`: the VM stays STOPPING (its external IP released), as
+        during the notice before Compute Engine deletes it.
+        """
+        with self._cond:
+            inst = self._require(zone, name)
+            if inst.get("scheduling", {}).get("provisioningModel") != "SPOT":
+                raise ValueError(
+                    f"{zone}/{name} is not a Spot VM: Compute Engine never preempts it"
+                )
+            op = _Operation(
+                name=f"operation-{next(self._ids)}-fake",
+                zone=zone,
+                op_type="compute.instances.preempted",
+                target=f"zones/{zone}/instances/{name}",
+                status="DONE",
+                status_message="Instance was preempted.",
+            )
+            self._operations[op.name] = op
+            if stopping:
+                self.set_status(zone, name, "STOPPING")
+            else:
+                self._forget(zone, name)
+            self._cond.notify_all()
+
     def add_instance(
         self,
         zone: str,
@@ -490,6 +529,7 @@ class FakeCompute(ServedFake):
             ("GET", project + r"/aggregated/instances", "aggregated_list", self._aggregated),
             ("GET", zone_op, "zone_operation_get", self._op_get),
             ("POST", zone_op + "/wait", "zone_operation_wait", self._op_wait),
+            ("GET", zone + r"/operations", "zone_operation_list", self._op_list),
             ("GET", global_op, "global_operation_get", self._op_get),
             ("POST", global_op + "/wait", "global_operation_wait", self._op_wait),
             ("GET", firewall, "firewall_get", self._fw_get),
@@ -798,6 +838,23 @@ class FakeCompute(ServedFake):
                 operation = self._poll(op, zone)
         return 200, self._op_json(operation)
 
+    def _op_list(self, *, zone: str, query: dict[str, list[str]], **_: Any) -> tuple[int, Any]:
+        """zoneOperations.list, one page, with a `field = "value"` filter on the operation."""
+        listed = [self._op_json(op) for op in self._operations.values() if op.zone == zone]
+        expression = query.get("filter", [""])[0]
+        if expression:
+            match = FILTER.match(expression)
+            if match is None:
+                raise _invalid(f"Invalid list filter expression '{expression}'")
+            listed = [op for op in listed if op.get(match["field"]) == match["value"]]
+        base = f"{SELF_LINK_BASE}/projects/{self.project}/zones/{zone}"
+        return 200, {
+            "kind": "compute#operationList",
+            "id": f"{base}/operations",
+            "items": listed,
+            "selfLink": f"{base}/operations",
+        }
+
     def _poll(self, name: str, zone: str | None) -> _Operation:
         op = self._operations.get(name)
         if op is None or op.zone != zone:
@@ -821,7 +878,10 @@ class FakeCompute(ServedFake):
             "selfLink": f"{base}/{scope}/operations/{op.name}",
             "status": op.status,
             "progress": 100 if op.status == "DONE" else 0,
+            "insertTime": op.insert_time,
         }
+        if op.status_message:
+            payload["statusMessage"] = op.status_message
         if op.zone:
             payload["zone"] = f"{base}/zones/{op.zone}"
         if op.status == "DONE" and op.error is not None:

@@ -48,6 +48,7 @@ from tests.helpers.stacks import ProviderStack, StackFactory
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import status_of, wait_for, wait_status
+from workflows.lifecycle import CRASH_BUDGET
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
@@ -57,11 +58,12 @@ PASSWORD = "gcp-workflow-password"
 VM_IP = "127.0.0.1"
 
 
-def gcp_config(origin_port: int) -> Config:
+def gcp_config(origin_port: int, *, spot: bool = False) -> Config:
+    settings: dict[str, Any] = {"project": DEFAULT_PROJECT, "zone": ZONE}
+    if spot:
+        settings["spot"] = True
     return proxy_config(
-        origin_port,
-        {"name": PROVIDER, "type": "gcp", "gcp": {"project": DEFAULT_PROJECT, "zone": ZONE}},
-        password=PASSWORD,
+        origin_port, {"name": PROVIDER, "type": "gcp", "gcp": settings}, password=PASSWORD
     )
 
 
@@ -71,10 +73,8 @@ def fake() -> Iterator[FakeCompute]:
         yield server
 
 
-@pytest.fixture
-def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
+def gcp_provider(fake: FakeCompute, config: Config) -> GcpProvider:
     """The provider as `from_config` builds it, but on clients pointed at the fake."""
-    config = gcp_config(tls_origin.port)
     settings = config.provider(PROVIDER).settings
     assert isinstance(settings, GcpConfig)
     return GcpProvider(settings, config.installation, guest_attribute_interval=0, **fake.clients())
@@ -84,12 +84,25 @@ def provider(fake: FakeCompute, tls_origin: TlsOrigin) -> GcpProvider:
 async def stack(
     fake: FakeCompute,
     provider_stack_on: StackFactory,
-    provider: GcpProvider,
     time_skipping_env: WorkflowEnvironment,
     tls_origin: TlsOrigin,
 ) -> ProviderStack:
+    config = gcp_config(tls_origin.port)
     return await provider_stack_on(
-        time_skipping_env, {PROVIDER: provider}, gcp_config(tls_origin.port)
+        time_skipping_env, {PROVIDER: gcp_provider(fake, config)}, config
+    )
+
+
+@pytest.fixture
+async def spot_stack(
+    fake: FakeCompute,
+    provider_stack_on: StackFactory,
+    time_skipping_env: WorkflowEnvironment,
+    tls_origin: TlsOrigin,
+) -> ProviderStack:
+    config = gcp_config(tls_origin.port, spot=True)
+    return await provider_stack_on(
+        time_skipping_env, {PROVIDER: gcp_provider(fake, config)}, config
     )
 
 
@@ -245,3 +258,46 @@ async def test_a_vm_whose_startup_fails_is_replaced_and_the_reason_shown(
     squid = await serve(fake, squid_upstreams, handle, second)
     await wait_status(handle, lambda s: s.state == "Ready", "the replacement Ready")
     await terminate(handle, fake, second, squid)
+
+
+async def serve_ready(
+    fake: FakeCompute, squid_upstreams: SquidUpstreams, handle: WorkflowHandle[Any, Any], name: str
+) -> LocalSquid:
+    """Wait for the VM `name`, serve it, and wait for the proxy to be Ready on it."""
+    await wait_for(lambda: vm_status(fake, name) == "RUNNING", f"{name} running")
+    squid = await serve(fake, squid_upstreams, handle, name)
+    await wait_status(handle, lambda s: s.state == "Ready" and s.instance == name, f"{name} Ready")
+    return squid
+
+
+async def test_preempted_spot_vms_are_replaced_without_spending_the_crash_budget(
+    spot_stack: ProviderStack, fake: FakeCompute, squid_upstreams: SquidUpstreams
+) -> None:
+    """Issue 46: five preemptions within minutes leave the proxy Ready, counted apart;
+    a VM that ends for no reason Compute Engine gives still spends the budget."""
+    handle = await spot_stack.start(PROVIDER, port=free_port())
+    for generation in range(CRASH_BUDGET):
+        name = lifecycle_instance_name(handle.id, generation)
+        squid = await serve_ready(fake, squid_upstreams, handle, name)
+        fake.preempt(ZONE, name)
+        await squid.terminate()
+        replacing = await wait_status(
+            handle, lambda s, n=generation + 1: s.disruptions == n, "the preemption counted"
+        )
+        assert replacing.failures_in_a_row == 0, replacing
+        assert replacing.last_error is not None and "preempted" in replacing.last_error
+
+    # A VM stopped by hand (no preemption recorded) is the proxy's loss: a crash.
+    lost = lifecycle_instance_name(handle.id, CRASH_BUDGET)
+    squid = await serve_ready(fake, squid_upstreams, handle, lost)
+    fake.set_status(ZONE, lost, "TERMINATED")
+    await squid.terminate()
+    crashed = await wait_status(handle, lambda s: s.failures_in_a_row == 1, "the loss counted")
+    assert crashed.disruptions == CRASH_BUDGET
+    assert crashed.last_error is not None and "preempted" not in crashed.last_error
+
+    last = lifecycle_instance_name(handle.id, CRASH_BUDGET + 1)
+    squid = await serve_ready(fake, squid_upstreams, handle, last)
+    ready = await status_of(handle)
+    assert (ready.disruptions, ready.failures_in_a_row) == (CRASH_BUDGET, 1)
+    await terminate(handle, fake, last, squid)

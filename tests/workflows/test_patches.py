@@ -23,6 +23,7 @@ from tests.helpers.histories import current_release
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import pending_activities, rotated, wait_for, wait_status
 from workflows.lifecycle import (
+    DISRUPTION_PATCH,
     LET_GO_OF_LOST_MONITOR_PATCH,
     LIFECYCLE_RELEASE,
     LIFECYCLE_RELEASE_0_3_9,
@@ -88,10 +89,12 @@ def test_patches_since_the_newest_marker_are_covered_by_the_next_release() -> No
     # marker (docs/upgrades.md, "To cut a release"); from 0.3.12 the patch
     # may be deprecated (docs/upgrades.md, "The patches").
     assert LET_GO_OF_LOST_MONITOR_PATCH not in LIFECYCLE_RELEASE.covers
+    assert DISRUPTION_PATCH not in LIFECYCLE_RELEASE.covers
     assert VERIFY_WAITS_OUT_QUOTA_PATCH not in POOL_RELEASE.covers
     assert current_release() == "0.3.10", (
         f"release {current_release()}: give it a lifecycle ReleaseMarker that covers "
-        f"{LET_GO_OF_LOST_MONITOR_PATCH!r} and 0.3.10's, and a pool one that covers "
+        f"{LET_GO_OF_LOST_MONITOR_PATCH!r}, {DISRUPTION_PATCH!r} and 0.3.10's, and a pool "
+        "one that covers "
         f"{VERIFY_WAITS_OUT_QUOTA_PATCH!r} and 0.3.9's, then update this test"
     )
 
