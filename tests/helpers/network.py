@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
+
+from tests.helpers.xdist import worker_number
 
 # Where free_port looks: below the kernel's ephemeral range (32768.. by default),
 # so only an explicit bind can take a port between the check and the server's
@@ -13,15 +16,24 @@ import socket
 # (tests/helpers/xdist.py), the benchmarks' 25000.. and the gateway's backs'
 # 26000.. (gateway/squid.py).
 LISTEN_PORTS = range(24000, 25000)
+# Each test process walks the range from a place of its own (xdist worker N
+# from N sixths in), so a port comes round again in a process only after
+# every other one has, and two processes meet only after hundreds of ports.
+_WORKER = worker_number()
+_cursor = itertools.count(
+    (random.randrange(6) if _WORKER is None else _WORKER) * len(LISTEN_PORTS) // 6
+)
 
 
 def free_port() -> int:
     """A TCP port on loopback that nothing holds right now, from LISTEN_PORTS.
 
-    Chosen at random, so test processes running at once rarely pick the same
-    one; a port still in TIME_WAIT does not bind here, so it is passed over.
+    Not one this process was given lately (several may be taken before any
+    is bound); a port still in TIME_WAIT does not bind here, so it is passed
+    over.
     """
-    for port in random.sample(LISTEN_PORTS, len(LISTEN_PORTS)):
+    for _ in LISTEN_PORTS:
+        port = LISTEN_PORTS[next(_cursor) % len(LISTEN_PORTS)]
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
