@@ -60,4 +60,6 @@ def test_an_unknown_name_costs_the_scrypt_check_a_known_one_does(helper: AuthHel
 
     assert helper.ask("zed", "a guess") == "ERR unknown user"
 
-    assert status_value(helper.process.pid, "VmHWM") - before >= SCRYPT_KIB
+    # Most of it: pages the process had resident already (a few KiB of the
+    # allocator's) are no new peak. Without the check it grows by nothing.
+    assert status_value(helper.process.pid, "VmHWM") - before >= SCRYPT_KIB * 3 // 4
