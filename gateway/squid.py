@@ -205,11 +205,14 @@ class GatewaySquid:
         self.watchdog: subprocess.Popen[bytes] | None = None
         host, port = listen
         self.front = self._worker("front", FRONT, host, port)
+        self.backs = self._new_backs()
+        self.members: tuple[GatewayMember, ...] = ()
+
+    def _new_backs(self) -> list[Worker]:
         ports = _free_ports(len(BACKS))
-        self.backs = [
+        return [
             self._worker(f"back-{n}", n, "127.0.0.1", p) for n, p in zip(BACKS, ports, strict=True)
         ]
-        self.members: tuple[GatewayMember, ...] = ()
 
     def _worker(self, role: str, number: int, address: str, port: int) -> Worker:
         conf, access_log = self.directory / f"{role}.conf", self.directory / f"{role}.log"
@@ -263,6 +266,27 @@ class GatewaySquid:
         if not bindable(front.address, front.port):
             # Squid would start without it and log nothing: say so now.
             raise GatewayError(f"--listen {front.address}:{front.port}: the address is in use")
+        try:
+            self._launch()
+        except GatewayTimeout:
+            taken = [b for b in self.backs if not bindable(b.address, b.port)]
+            if not taken:
+                raise
+            # Between _free_ports' check and Squid's bind another process took
+            # a back's port (Squid then starts that worker without it): once more,
+            # on other ports.
+            log.warning(
+                "the %s worker's port %d was taken before Squid bound it; starting again",
+                taken[0].role,
+                taken[0].port,
+            )
+            self.backs = self._new_backs()
+            self._launch()
+        log.info("started Squid on %s:%s", self.front.address, self.front.port)
+
+    def _launch(self) -> None:
+        """Write the configs, start Squid and its watchdog; return once every worker serves
+        (stopped again, with nothing left running, if they do not)."""
         self._write_checked(self.front.conf, self._front_conf())
         self._write_backs()
         self._write_checked(self.conf, self._top_conf())
@@ -288,7 +312,6 @@ class GatewaySquid:
         except BaseException:
             self.stop()  # a gateway that did not start leaves no Squid behind
             raise
-        log.info("started Squid on %s:%s", self.front.address, self.front.port)
 
     def _await_serving(self, offset: int) -> None:
         """Every worker accepts, every peer was probed, and the front's probes found the backs."""

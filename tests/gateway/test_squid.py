@@ -433,6 +433,21 @@ def test_a_listen_address_in_use_fails_at_once_naming_it(state_dir: Path, config
     assert squid.process is None, "no Squid was started"
 
 
+def test_a_back_port_taken_before_squid_binds_it_is_traded_for_another(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+) -> None:
+    squid = GatewaySquid(config.proxy_settings(), state_dir / ".raced", ("127.0.0.1", free_port()))
+    # Another process binds a back's port between the gateway's check and Squid's bind.
+    with socket.create_server(("127.0.0.1", squid.backs[0].port)) as thief:
+        taken = thief.getsockname()[1]
+        try:
+            squid.start(list(members.by_member.values()))
+            assert taken not in {back.port for back in squid.backs}
+            assert all(through(squid, tls_origin, USERNAME).ok for _ in range(3))
+        finally:
+            squid.stop()
+
+
 def test_a_membership_squid_rejects_keeps_the_gateway_on_the_previous_one(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
