@@ -23,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from cli import METRICS_HEAD_SECONDS, METRICS_MAX_PER_ADDRESS, METRICS_RENDER_THREADS
 from tests.helpers.gateway import GatewayProcess, pool_gateway, through
-from tests.helpers.network import free_port
+from tests.helpers.network import closed_by_peer, free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.tls_origin import ECHO_PATH
 from tests.helpers.waiting import wait_for
@@ -103,17 +103,6 @@ def idle_sockets(port: int) -> Iterator[list[socket.socket]]:
             sock.close()
 
 
-def cut(sock: socket.socket) -> bool:
-    """Whether the listener closed `sock` (EOF or reset) within the head deadline and a margin."""
-    sock.settimeout(METRICS_HEAD_SECONDS + 30)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def healthz(port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
         return int(response.status)
@@ -130,7 +119,11 @@ async def test_idle_sockets_cost_no_thread_are_cut_and_leave_healthz_answering(
         held = threads(pid)
         assert await asyncio.to_thread(healthz, port) == 200
         assert held <= before + THREAD_SLACK, (before, held)
-        assert all(await asyncio.to_thread(lambda: [cut(s) for s in sockets]))
+        await wait_for(
+            lambda: all(closed_by_peer(s) for s in sockets),
+            "every idle socket cut by the listener",
+            deadline=METRICS_HEAD_SECONDS + 30,
+        )
     assert await asyncio.to_thread(healthz, port) == 200
 
 
