@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import select
 import socket
 import ssl
 from dataclasses import dataclass
@@ -84,14 +83,3 @@ def connect_from(source: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the other end has closed `sock`, without waiting."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
-        return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except ConnectionResetError:
-        return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import socket
 
@@ -16,12 +17,15 @@ from tests.helpers.xdist import worker_number
 # (tests/helpers/xdist.py), the benchmarks' 25000.. and the gateway's backs'
 # 26000.. (gateway/squid.py).
 LISTEN_PORTS = range(24000, 25000)
-# Each test process walks the range from a place of its own (xdist worker N
-# from N sixths in), so a port comes round again in a process only after
-# every other one has, and two processes meet only after hundreds of ports.
+# Each test process walks the range from a place of its own (xdist worker N of
+# M from N/M in), so a port comes round again in a process only after every
+# other one has, and two processes meet only after hundreds of ports.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "6"))
 _WORKER = worker_number()
 _cursor = itertools.count(
-    (random.randrange(6) if _WORKER is None else _WORKER) * len(LISTEN_PORTS) // 6
+    (random.randrange(_WORKERS) if _WORKER is None else _WORKER % _WORKERS)
+    * len(LISTEN_PORTS)
+    // _WORKERS
 )
 
 

@@ -120,5 +120,5 @@ def squid_pids(state_dir: Path) -> list[int]:
     return [
         pid
         for pid in procfs.processes_under(state_dir)
-        if Path(f"/proc/{pid}/comm").read_text().strip() == "squid"
+        if comm(pid) == "squid"  # one that exits meanwhile is no Squid serving
     ]

@@ -30,10 +30,10 @@ from temporalio.testing import WorkflowEnvironment
 from gateway.api import DEFAULT_PER_CLIENT, MAX_CONNECTIONS
 from gateway.users import hash_password
 from tests.docs.markdown import examples
-from tests.helpers.api import TIMEOUT, call, closed_by_peer, connect_from, raw
+from tests.helpers.api import TIMEOUT, call, connect_from, raw
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway, through
-from tests.helpers.network import free_port
+from tests.helpers.network import closed_by_peer, free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for
 from tests.workflows.test_gateway import Pool, pool  # noqa: F401  (the pool fixture)
