@@ -193,7 +193,7 @@ def test_prometheus_scrapes_the_worker_and_the_gateway_and_loads_the_rules() -> 
         "proxy-operator-worker": [{"targets": [f"worker:{port}"]}],
         "proxy-operator-gateway": [{"targets": [f"worker:{gateway_port}"]}],
     }
-    assert f"{port}:{port}" in SERVICES["worker"]["ports"]
+    assert f"127.0.0.1:{port}:{port}" in SERVICES["worker"]["ports"], "tokenless: loopback only"
     rules = mount_target("prometheus", "./deploy/prometheus/proxy-operator-rules.yml")
     (pattern,) = config["rule_files"]
     assert Path(rules).match(pattern)
