@@ -38,10 +38,11 @@ test-tools:
 		chromium-headless-shell:chromium-headless-shell certutil:libnss3-tools
 
 ## Temporal dev server + worker + local Squid provider; Ctrl-C stops it all.
-## `make run CONFIG=path` runs the worker on another providers config.
-CONFIG ?= deploy/local/providers.yaml
+## `make run CONFIG=path` runs the worker on another providers config (given
+## on the command line only: a CONFIG in the environment may mean anything).
 run: $(STAMP) tools bytecode
-	$(BIN)/python deploy/local/devenv.py --providers-config '$(CONFIG)'
+	$(BIN)/python deploy/local/devenv.py \
+		$(if $(filter command line,$(origin CONFIG)),--providers-config '$(CONFIG)')
 
 ## The whole suite, as CI runs it.
 test: $(STAMP) test-tools bytecode

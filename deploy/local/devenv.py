@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from contract import SEARCH_ATTRIBUTES  # noqa: E402
-from providers.config import Config, ConfigError, load_config  # noqa: E402
+from providers.config import Config, ConfigError, destination_exception, load_config  # noqa: E402
 from providers.errors import ProviderError  # noqa: E402
 from providers.local import LocalProvider  # noqa: E402
 from providers.naming import INSTALLATION_KEY  # noqa: E402
@@ -130,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         _say(str(err))
         return 2
     demo = demo_site_address(config)
-    for address in [(HOST, args.port), (HOST, args.ui_port), *([demo] if demo else [])]:
+    used_for = {(HOST, args.port): "Temporal", (HOST, args.ui_port): "the Temporal Web UI"}
+    if demo:
+        used_for[demo] = "the demo site (the config's first loopback destination_exceptions)"
+    for address, use in used_for.items():
         if _listening(address):
+            host, port = address
             _say(
-                "{}:{} is already in use: is another `make run` (or Temporal) running?".format(
-                    *address
-                )
+                f"{host}:{port}, for {use}, is already in use: is another `make run` "
+                "(or that service) running?"
             )
             return 1
     site = demo_site_files(data / "demo-site", *demo) if demo else None
@@ -243,9 +246,9 @@ probe: they are replaced again and again and end Failed after about 11 minutes.
 def demo_site_address(config: Config) -> tuple[str, int] | None:
     """The config's first loopback destination exception: where the demo site is served."""
     for pair in config.proxy.destination_exceptions:
-        host, _, port = pair.rpartition(":")
+        host, port = destination_exception(pair)
         if ipaddress.ip_address(host).is_loopback:
-            return host, int(port)
+            return host, port
     return None
 
 
@@ -256,7 +259,7 @@ def demo_site_files(directory: Path, host: str, port: int) -> DemoSite:
     the one that signs the site. Made again only for another address.
     """
     site = DemoSite(host, port, directory / "ca.pem", directory / "site.pem")
-    if not _certifies(site.cert_file, host):
+    if not (site.ca_file.is_file() and _certifies(site.cert_file, host)):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         ca = trustme.CA(organization_name="proxy-operator make run")
         issued = ca.issue_cert(host, common_name=host)
@@ -270,9 +273,9 @@ def _certifies(cert_file: Path, host: str) -> bool:
     """Whether the certificate in `cert_file` (if any) names the IP address `host`."""
     try:
         cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
-    except (OSError, ValueError):
-        return False
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return False  # none, unreadable, or not ours: made again
     return ipaddress.ip_address(host) in names.get_values_for_type(x509.IPAddress)
 
 
@@ -281,9 +284,11 @@ def trust_file(site: DemoSite, given: str | None) -> Path:
 
     Written at each start, so updates to the system's bundle reach it.
     """
+    trust = site.ca_file.with_name("trust.pem")
+    if given and Path(given).resolve() == trust.resolve():
+        given = None  # a previous run's bundle: built again from the system's, not grown
     base = given or ssl.get_default_verify_paths().cafile
     bundle = Path(base).read_text() if base and Path(base).is_file() else ""
-    trust = site.ca_file.with_name("trust.pem")
     trust.write_text(bundle.rstrip("\n") + "\n" + site.ca_file.read_text())
     return trust
 
