@@ -580,21 +580,27 @@ class GcpProvider:
         ):
             return known[0]
         found = ""
-        for op in self._operations.list(
-            request=compute_v1.ListZoneOperationsRequest(
-                project=self._project,
-                zone=zone,
-                filter=f'operationType = "{PREEMPTED_OPERATION}"',
-            ),
-            retry=None,
-            timeout=CALL_TIMEOUT_SECONDS,
-        ):
-            if op.target_link.rsplit("/", 1)[-1] == name:
-                found = (
-                    f"preempted: Compute Engine reclaimed the Spot VM at {op.insert_time} "
-                    f"({op.status_message or PREEMPTED_OPERATION})"
-                )
-                break
+        try:
+            for op in self._operations.list(
+                request=compute_v1.ListZoneOperationsRequest(
+                    project=self._project,
+                    zone=zone,
+                    filter=f'operationType = "{PREEMPTED_OPERATION}"',
+                ),
+                retry=None,
+                timeout=CALL_TIMEOUT_SECONDS,
+            ):
+                if op.target_link.rsplit("/", 1)[-1] == name:
+                    found = (
+                        f"preempted: Compute Engine reclaimed the Spot VM at {op.insert_time} "
+                        f"({op.status_message or PREEMPTED_OPERATION})"
+                    )
+                    break
+        except api_exceptions.GoogleAPICallError as err:
+            # What the VM's state says stands (gone is gone), only the reason is
+            # unknown: a worker without compute.zoneOperations.list (an older
+            # role) or an API hiccup must not turn a deleted VM into an error.
+            log.warning("cannot tell whether %s/%s was preempted: %s", zone, name, err)
         with self._preempted_lock:
             self._preempted[key] = (found, time.monotonic())
         return found

@@ -338,6 +338,20 @@ def test_create_adopts_an_instance_that_already_exists(fake_compute: FakeCompute
     assert inserted_zones(fake_compute) == [ZONE_B, ZONE_B]  # the second one got a 409
 
 
+def test_a_spot_vm_gone_is_not_found_even_where_preemptions_cannot_be_listed(
+    fake_compute: FakeCompute,
+) -> None:
+    # A role without compute.zoneOperations.list: the reason is unknown, the VM still gone.
+    provider = make_provider(fake_compute, spot=True)
+    created = provider.create(make_request())
+    provider.delete(created.provider_id)
+    fake_compute.inject_error("zone_operation_list", "forbidden", times=None)
+
+    with pytest.raises(NotFound) as gone:
+        provider.get(created.provider_id)
+    assert gone.value.disruption is None
+
+
 def test_delete_waits_for_the_operation_and_is_idempotent(
     fake_compute: FakeCompute, provider: GcpProvider
 ) -> None:
