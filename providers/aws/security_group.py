@@ -143,24 +143,28 @@ class InstallationGroup:
     def _ports_to_keep(
         self, group: SecurityGroupTypeDef, vpc_id: str, port: int, now: float
     ) -> set[int]:
-        """`port`, the ports asked for within the grace, and those instances listen on.
+        """`port`, the ports asked for within the grace, and the listed ones instances
+        listen on.
 
         A listed port without a timestamp was recorded by a worker that
         keeps none: its grace starts now. An instance without a port tag
         could listen on any listed port, so then every listed port stays.
+        Only listed ports are kept: an instance in another group (another
+        entry's) keeps a port open here, never opens one.
         """
         listed = _ports_of(group)
         asked = _asked_of(group)
         recent = {p for p, at in asked.items() if now - at < self._grace}
         in_use = self._ports_in_use(vpc_id)
-        return {port} | recent | (listed - asked.keys()) | (listed if in_use is None else in_use)
+        in_use_here = listed if in_use is None else listed & in_use
+        return {port} | recent | (listed - asked.keys()) | in_use_here
 
     def _ports_in_use(self, vpc_id: str) -> set[int] | None:
         """The ports of the installation's live instances in the VPC; None if one does not say.
 
         Every instance of the installation in the VPC (of any provider
-        entry) counts, so an entry naming another group keeps ports open
-        here at worst, never closes one.
+        entry) counts, so an entry naming another group keeps its listed
+        ports open here at worst, never closes one.
         """
         ports: set[int] = set()
         pages = self._ec2.get_paginator("describe_instances").paginate(

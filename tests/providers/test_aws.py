@@ -503,6 +503,16 @@ def test_a_port_an_instance_listens_on_stays_open_past_the_grace(fake_ec2: FakeE
     assert group_tags(fake_ec2)[PORTS_TAG] == "3128,8080"
 
 
+def test_an_instance_in_another_entrys_group_opens_no_port_here(fake_ec2: FakeEc2) -> None:
+    clock = Clock()
+    other = make_provider(fake_ec2, clock=clock, security_group="entry-b-group")
+    other.create(make_request("entry-b", port=8080))
+
+    make_provider(fake_ec2, clock=clock).create(make_request("entry-a", port=3128))
+
+    assert proxy_ports(fake_ec2) == {3128}
+
+
 def test_a_port_another_worker_just_asked_for_stays_open_before_ec2_lists_its_instance() -> None:
     with FakeEc2(instance_lag=3) as fake:
         clock = Clock()
