@@ -9,9 +9,12 @@ What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
   connection per CONNECT it passes on, and it lives as long as the tunnel; a
   back that refuses the CONNECT (no or wrong credentials, a user over its
   `tunnels=` limit, a username no member admits) answers and the connection
-  closes. So a socket that sends nothing, or whose CONNECT was refused, is
-  no demand, though the front holds it until its timeout: only a client
-  holding credentials can hold a pool up. Squid logs a CONNECT only when it
+  closes, once its credentials are checked. A connection counts only once
+  two looks in a row (SAMPLE_SECONDS apart) found it open, so one that lives
+  only for that check, even under a flood of them, is never counted. So a
+  socket that sends nothing, or whose CONNECT was refused, is no demand,
+  though the front holds it until its timeout: only a client holding
+  credentials can hold a pool up. Squid logs a CONNECT only when it
   ends, so its access log cannot say what is open now;
 - new tunnels: the CONNECTs the front granted (200) since the last report
   (its access log, which the gateway follows for its metrics anyway; Squid
@@ -50,7 +53,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
-from gateway.socket_table import TCP_TABLES, established, unmapped
+from gateway.socket_table import TCP_TABLES, Connection, established, unmapped
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -64,14 +67,16 @@ HEARTBEAT = 300.0
 MOVED_SHARE = 0.1
 
 
-def connections_to(ends: Collection[tuple[str, int]], tables: Iterable[Path] = TCP_TABLES) -> int:
+def connections_to(
+    ends: Collection[tuple[str, int]], tables: Iterable[Path] = TCP_TABLES
+) -> set[Connection]:
     """ESTABLISHED connections whose remote end is one of `ends` (address, port).
 
     Only the dialling side of a connection has the listener as its remote
-    end: the listener's own sockets, in the same table, are not counted.
+    end: the listener's own sockets, in the same table, are not among them.
     """
     wanted = {(unmapped(ipaddress.ip_address(host)), port) for host, port in ends}
-    return sum(1 for _, _, address, port in established(tables) if (address, port) in wanted)
+    return {c for c in established(tables) if (c[2], c[3]) in wanted}
 
 
 def gateway_name(listen: tuple[str, int]) -> str:
@@ -108,9 +113,17 @@ class DemandMeter:
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
+        self._last_seen: set[Connection] = set()
+
+    def _held(self) -> int:
+        """Connections open now that the previous look found open too."""
+        now = connections_to(self.backs)
+        with self._lock:
+            held, self._last_seen = len(now & self._last_seen), now
+        return held
 
     def sample(self) -> int:
-        now = connections_to(self.backs)
+        now = self._held()
         with self._lock:
             self._peak = max(self._peak, now)
         return now
@@ -137,7 +150,7 @@ class DemandMeter:
 
     def take(self) -> Sample:
         """What was seen since the last take; starts the next window at what is open now."""
-        current = connections_to(self.backs)
+        current = self._held()
         with self._lock:
             sample = Sample(max(self._peak, current), self._answered)
             self._peak, self._answered = current, 0

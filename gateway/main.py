@@ -281,7 +281,6 @@ async def serve(
     for member in members:
         names.add(member.member)
     follower = metrics.LogFollower()
-    meter = demand.DemandMeter([(back.address, back.port) for back in squid.backs])
     sessions = SessionMap()
     control: ControlApi | None = None
     following_users: asyncio.Task[None] | None = None
@@ -293,6 +292,8 @@ async def serve(
 
     try:
         await asyncio.to_thread(squid.start, members)
+        # The backs' ports are known once Squid serves (a start may trade a taken one).
+        meter = demand.DemandMeter([(back.address, back.port) for back in squid.backs])
         follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
         for back in squid.backs:
             follower.follow(back.access_log, on_back_line)

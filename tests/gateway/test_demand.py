@@ -40,24 +40,39 @@ def listener_with_clients(count: int, host: str = HOST, port: int = 0) -> Iterat
 def test_connections_to_counts_the_dialling_side_of_each_connection_to_the_ends() -> None:
     with listener_with_clients(3) as port:
         # The listener's three accepted sockets have the port as their *local* port.
-        assert connections_to([(HOST, port)]) == 3
+        assert len(connections_to([(HOST, port)])) == 3
         # Another address with the same port number is another listener.
         with listener_with_clients(2, OTHER_HOST, port):
-            assert connections_to([(HOST, port)]) == 3
-            assert connections_to([(HOST, port), (OTHER_HOST, port)]) == 5
+            assert len(connections_to([(HOST, port)])) == 3
+            assert len(connections_to([(HOST, port), (OTHER_HOST, port)])) == 5
     with listener_with_clients(0) as port:
-        assert connections_to([(HOST, port)]) == 0
+        assert len(connections_to([(HOST, port)])) == 0
 
 
 def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
     with listener_with_clients(2) as port:
         meter = DemandMeter([(HOST, port)])
+        assert meter.sample() == 0, "counted once two looks in a row found them open"
         assert meter.sample() == 2
         count = meter.counting(lambda line: None)
         for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):
             count(line)  # only a granted tunnel is demand: not a refused client
     assert meter.take() == Sample(open_tunnels=2, new_tunnels=1)
     assert meter.take() == Sample(open_tunnels=0, new_tunnels=0)
+
+
+def test_a_connection_that_lives_between_two_looks_is_no_demand() -> None:
+    """A refused CONNECT's connection to a back lives while its credentials are
+    checked: however many there are, none lasts from one look to the next."""
+    with listener_with_clients(1) as port:
+        meter = DemandMeter([(HOST, port)])
+        meter.sample()
+        with contextlib.ExitStack() as stack:  # five more, open at one look only
+            for _ in range(5):
+                stack.enter_context(socket.create_connection((HOST, port)))
+            assert meter.sample() == 1
+        assert meter.sample() == 1
+    assert meter.take() == Sample(open_tunnels=1, new_tunnels=0)
 
 
 @pytest.mark.parametrize(
