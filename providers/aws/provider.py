@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +69,9 @@ PROVIDER_TYPE = ProviderType(
     config_problems=config_problems,
 )
 log = logging.getLogger(__name__)
+# The burstable families, the only ones with CPU credits (others refuse a
+# CreditSpecification).
+BURSTABLE = re.compile(r"t\d")
 
 # The SDK's own retries are off (total_max_attempts 1): Temporal's activity
 # retry policy is the one retry layer, derived from the error taxonomy.
@@ -314,7 +318,7 @@ class AwsProvider:
             # No IAM instance profile: a proxy needs no AWS API access, so a
             # compromised one has no credentials to steal.
         }
-        if s.instance_type.startswith("t"):
+        if BURSTABLE.match(s.instance_type):  # t2, t3, t3a, t4g; not trn1 (no credits)
             params["CreditSpecification"] = {"CpuCredits": s.cpu_credits}
         if s.market == "spot":
             spot: dict[str, Any] = {
