@@ -20,7 +20,7 @@ from tests.activities.test_probe import (
 from tests.helpers.tls_origin import ECHO_PATH, TlsOrigin, TlsRequestHandler, serve_tls_origin
 
 # What a page a pool names as its echo service might hold, that its status must never show.
-SECRET = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+SECRET = "not-an-address-but-a-secret-4eC39HqLyjWDarjt"
 
 
 @pytest.mark.parametrize(
