@@ -559,6 +559,7 @@ class ProxyLifecycle:
         carried.current = ref
         carried.ready_since = workflow.now().isoformat()
         carried.rotate_reason = None  # a new instance is what a rotate asks for
+        carried.disruptions_in_a_row = 0
         carried.cause, carried.next_cause = carried.next_cause, None
         carried.shown = ref
         carried.generation = ref.generation
@@ -1033,8 +1034,11 @@ class ProxyLifecycle:
             await workflow.wait_condition(wake)
         except asyncio.CancelledError:
             handle.cancel()
-            if self._patched():
-                # As in _monitor: _terminating awaits it, once the instance is gone.
+            if self._patched() and self._patches.taken(LET_GO_OF_LOST_MONITOR_PATCH):
+                # As in _monitor: _terminating awaits it, once the instance is gone
+                # (a run before the patch awaited it here, and replays so: its
+                # terminate could hand over meanwhile, as one with a monitor
+                # pending does not).
                 self._retired_monitor = handle
                 raise
             with contextlib.suppress(ActivityError, asyncio.CancelledError):
@@ -1122,27 +1126,37 @@ class ProxyLifecycle:
         The first failure after a healthy spell is replaced at once; repeated
         ones wait longer each time. An instance its platform took away
         (`disrupted`: preempted, interrupted, evicted) is no failure of the
-        proxy's: it is counted apart and replaced at once (DISRUPTION_PATCH).
+        proxy's: it is counted apart and never fails the proxy
+        (DISRUPTION_PATCH), but a platform that keeps taking instances away
+        before one is Ready is backed off from the same way, so it costs a
+        create every few minutes, not a loop of them.
         """
         self._raise_if_stopping()
+        carried = self._carried
         if disrupted and self._patches.taken(DISRUPTION_PATCH):
-            self._carried.disruptions += 1
+            carried.disruptions += 1
+            carried.disruptions_in_a_row += 1
             self._note_error(f"platform disruption, no crash counted: {reason}")
+            await self._back_off(carried.disruptions_in_a_row, "instances taken away")
             return
-        self._carried.failures_in_a_row += 1
+        carried.failures_in_a_row += 1
         self._note_error(reason)
-        in_a_row = self._carried.failures_in_a_row
+        in_a_row = carried.failures_in_a_row
         if in_a_row >= CRASH_BUDGET:
             raise ApplicationError(
                 f"gave up after {in_a_row} failed instances in a row; last: {reason}",
                 type=ErrorType.CRASH_LOOP,
                 non_retryable=True,
             )
+        await self._back_off(in_a_row, "failed instances")
+
+    async def _back_off(self, in_a_row: int, what: str) -> None:
+        """Replace the first of a row at once; wait REPLACE_BACKOFF before each after."""
         if in_a_row == 1:
             return
         delay = REPLACE_BACKOFF.delay(in_a_row - 2)
         await self._wait(
-            f"backing off after {in_a_row} failed instances in a row",
+            f"backing off after {in_a_row} {what} in a row",
             delay,
             summary=f"back off {int(delay.total_seconds())}s",
             interruptible=False,  # the lifecycle is cancelled on terminate, and this timer with it

@@ -115,8 +115,10 @@ class CarriedState:
     last_probe: ProbeSummary | None = None
     replacements: int = 0
     failures_in_a_row: int = 0
-    # Instances the platform took away, over the proxy's life (ProxyStatus.disruptions).
+    # Instances the platform took away, over the proxy's life (ProxyStatus.disruptions),
+    # and since an instance last became Ready (what paces their replacement).
     disruptions: int = 0
+    disruptions_in_a_row: int = 0
     last_error: str | None = None
     last_error_at: str | None = None
     # The installation instance names are hashed with; None for a lifecycle
