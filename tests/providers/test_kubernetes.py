@@ -1270,7 +1270,7 @@ def test_placement_is_allowed_only_in_the_allowed_namespaces() -> None:
             {"memory_limit": "256MB of RAM"},
             "providers[0].kubernetes.memory_limit: '256MB of RAM' is not a Kubernetes quantity",
         ),
-        ({"cpu_limit": "-1"}, "providers[0].kubernetes.cpu_limit: '-1' is not"),
+        ({"cpu_limit": "-1"}, "providers[0].kubernetes.cpu_limit: '-1' is negative"),
     ],
     ids=[
         "namespace-not-allowed",
@@ -1293,6 +1293,70 @@ def test_bad_kubernetes_settings_are_config_errors_naming_the_field(
         parse_config(kubernetes_block(**settings), environ={"PW": PASSWORD})
 
     assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+# What the API server's `ParseQuantity` (k8s.io/apimachinery pkg/api/resource)
+# takes: a signed decimal number, then one binary-SI, decimal-SI or exponent suffix.
+QUANTITIES_THE_API_SERVER_TAKES = [
+    "0", "1", "+1", "1.5", "1.", ".5", "250m", "0.1m", "100n", "5u", "2k", "1M",
+    "1G", "1T", "1P", "1E", "1e3", "1E-2", "5e+2", "64Ki", "256Mi", "1Gi", "1Ti",
+    "1Pi", "1Ei",
+]  # fmt: skip
+# ... and what it refuses, though Python's number parsing would take some of them.
+QUANTITIES_THE_API_SERVER_REFUSES = [
+    "", "1K", "1mi", "1ki", "1Kib", "1e", "1e+", "1e1.5", "1e3Mi", "1Mi3", ".", "+",
+    "--1", "1..5", "e3", "Mi", "1_000", " 1", "1 ", "\uff11", "\u0661", "NaN",
+    "Infinity", "0x10", "256MB", "1e99999999999999999999999",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES_THE_API_SERVER_TAKES)
+def test_resource_quantities_the_api_server_takes_are_accepted(quantity: str) -> None:
+    config = parse_config(
+        kubernetes_block(memory_request=quantity, memory_limit=quantity),
+        environ={"PW": PASSWORD},
+    )
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig)
+    assert (settings.memory_request, settings.memory_limit) == (quantity, quantity)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES_THE_API_SERVER_REFUSES)
+def test_resource_quantities_the_api_server_refuses_are_config_errors_naming_the_field(
+    quantity: str,
+) -> None:
+    """A Pod with such a quantity would be refused (422) on every create: caught at start."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(cpu_request=quantity), environ={"PW": PASSWORD})
+
+    assert any(
+        p.startswith(f"providers[0].kubernetes.cpu_request: {quantity!r} is ")
+        for p in raised.value.problems
+    ), raised.value.problems
+
+
+def test_a_yaml_number_is_a_quantity_as_in_a_pod_manifest() -> None:
+    config = parse_config(kubernetes_block(cpu_request=0.5, cpu_limit=1), environ={"PW": PASSWORD})
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig)
+    assert (settings.cpu_request, settings.cpu_limit) == ("0.5", "1")
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(cpu_limit=True), environ={"PW": PASSWORD})
+    assert any(
+        p.startswith("providers[0].kubernetes.cpu_limit: input should be a valid string")
+        for p in raised.value.problems
+    ), raised.value.problems
+
+
+def test_quantities_compare_by_value_across_suffixes() -> None:
+    """1Gi is 1024Mi, and 1G (10^9) is below it: the request/limit check reads values."""
+    assert KubernetesConfig(memory_request="1024Mi", memory_limit="1Gi").memory_limit == "1Gi"
+    assert KubernetesConfig(cpu_request="0.5", cpu_limit="500m").cpu_request == "0.5"
+    assert KubernetesConfig(cpu_request="5e-1", cpu_limit="500m").cpu_request == "5e-1"
+    with pytest.raises(ValueError, match="memory_request 1Gi is above memory_limit 1G"):
+        KubernetesConfig(memory_request="1Gi", memory_limit="1G")
 
 
 def test_run_as_user_null_is_accepted_for_openshift() -> None:
