@@ -712,7 +712,7 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
     """
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
-    evicted = _disruption(status)
+    evicted = _disruption(pod)
     if evicted is not None:
         return evicted
     if meta.deletion_timestamp:
@@ -729,15 +729,20 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
     return _PodState(state, status.message or status.reason or "")
 
 
-def _disruption(status: client.V1PodStatus) -> _PodState | None:
+def _disruption(pod: client.V1Pod) -> _PodState | None:
     """A Pod Kubernetes is taking away, or took away: TERMINATED, a disruption.
 
     The kubelet's node-pressure eviction leaves the Pod Failed with reason
     `Evicted`; the Eviction API (a drain), the scheduler's preemption and the
     taint manager first set the `DisruptionTarget` condition, then delete the
-    Pod (Kubernetes' "Pod disruption conditions"). A Pod already deleted
-    says nothing any more: its NotFound is no disruption.
+    Pod (Kubernetes' "Pod disruption conditions"). That condition alone, on a
+    Pod neither deleted nor ended, is a disruption that was interrupted: "that
+    Pod might then not actually be deleted", and the condition is cleared
+    later, so such a Pod is taken at its phase. A Pod already deleted says
+    nothing any more: its NotFound is no disruption.
     """
+    meta = pod.metadata or client.V1ObjectMeta()
+    status = pod.status or client.V1PodStatus()
     if status.reason == EVICTED:
         return _PodState(
             InstanceState.TERMINATED, f"evicted: {status.message or ''}", None, Disruption.EVICTED
@@ -746,7 +751,8 @@ def _disruption(status: client.V1PodStatus) -> _PodState | None:
         (c for c in status.conditions or [] if c.type == DISRUPTION_TARGET and c.status == "True"),
         None,
     )
-    if target is None:
+    ended = INSTANCE_STATES.get(status.phase or "") is InstanceState.TERMINATED
+    if target is None or not (meta.deletion_timestamp or ended):
         return None
     why = f"{target.reason or DISRUPTION_TARGET}: {target.message or ''}"
     return _PodState(InstanceState.TERMINATED, f"evicted: {why}", None, Disruption.EVICTED)

@@ -38,7 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 import providers.kubernetes as kubernetes_provider
 from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Disruption, Instance, InstanceState
 from providers.config import Config, ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
@@ -55,7 +55,13 @@ from providers.kubernetes import (
 )
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
 from providers.squid import ProxySettings, render, sha512_crypt
-from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
+from tests.fakes.kubernetes import (
+    DELETION_BY_TAINT_MANAGER,
+    PODS,
+    PREEMPTION_BY_SCHEDULER,
+    SECRETS,
+    FakeKubernetes,
+)
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.network import accepts_connections, free_port
 from tests.helpers.squid_upstream import SQUID, requires_squid
@@ -611,6 +617,119 @@ def test_an_ipv6_pod_ip_gives_a_bracketed_endpoint(
     instance = provider.get(created.provider_id)
 
     assert (instance.ip, instance.endpoint) == ("fd00:10:244::7", "[fd00:10:244::7]:3128")
+
+
+# --- disruptions: Kubernetes takes the Pod away -----------------------------
+
+POD_IP = "10.244.1.7"
+
+
+def running_pod(fake: FakeKubernetes, provider: KubernetesProvider) -> Instance:
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", POD_IP)
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+    return created
+
+
+def test_a_pod_evicted_through_the_eviction_api_is_a_disruption_not_a_failure(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """A drain: the Eviction API marks the Pod DisruptionTarget, then deletes it."""
+    created = running_pod(fake, provider)
+
+    fake.evict(NAMESPACE, created.name)
+
+    evicted = provider.get(created.provider_id)
+    assert (evicted.state, evicted.ip) == (InstanceState.TERMINATED, "")
+    assert evicted.disruption is Disruption.EVICTED
+    assert evicted.reason == "evicted: EvictionByEvictionAPI: Eviction API: evicting"
+    assert stored_pod(fake, created.name)["metadata"]["deletionTimestamp"]
+    assert ("pods/eviction", "create") in fake.verbs_used()
+
+    provider.delete(created.provider_id)  # the workflow's delete: already going, fine
+    fake.finish_deletion(NAMESPACE, created.name)
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
+    assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "message"),
+    [
+        (
+            PREEMPTION_BY_SCHEDULER,
+            "default-scheduler: preempting to accommodate a higher priority pod",
+        ),
+        (DELETION_BY_TAINT_MANAGER, "Taint manager: deleting due to NoExecute taint"),
+    ],
+    ids=["preempted", "tainted-node"],
+)
+def test_a_pod_the_control_plane_deletes_for_a_disruption_is_one_naming_why(
+    fake: FakeKubernetes, provider: KubernetesProvider, reason: str, message: str
+) -> None:
+    created = running_pod(fake, provider)
+
+    fake.disrupt(NAMESPACE, created.name, reason, message)
+
+    disrupted = provider.get(created.provider_id)
+    assert (disrupted.state, disrupted.disruption) == (
+        InstanceState.TERMINATED,
+        Disruption.EVICTED,
+    )
+    assert disrupted.reason == f"evicted: {reason}: {message}"
+
+
+def test_a_pod_the_kubelet_evicts_under_node_pressure_is_a_disruption_naming_it(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """The Pod stays in the API, Failed with reason Evicted, until someone deletes it."""
+    created = running_pod(fake, provider)
+    message = (
+        "The node was low on resource: memory. Threshold quantity: 100Mi, available: 51200Ki. "
+    )
+
+    fake.evict_for_node_pressure(NAMESPACE, created.name, message)
+
+    evicted = provider.get(created.provider_id)
+    assert (evicted.state, evicted.ip) == (InstanceState.TERMINATED, "")
+    assert (evicted.disruption, evicted.reason) == (Disruption.EVICTED, f"evicted: {message}")
+    (listed,) = provider.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    assert listed.disruption is Disruption.EVICTED
+
+
+def test_an_interrupted_disruption_leaves_a_ready_pod_running(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """The condition was set but the Pod never deleted: it still serves, nothing to replace."""
+    created = running_pod(fake, provider)
+
+    fake.start_disruption(
+        NAMESPACE, created.name, PREEMPTION_BY_SCHEDULER, "default-scheduler: preempting"
+    )
+
+    instance = provider.get(created.provider_id)
+    assert (instance.state, instance.ip, instance.disruption) == (
+        InstanceState.RUNNING,
+        POD_IP,
+        None,
+    )
+
+
+@pytest.mark.parametrize("ending", ["squid-exited", "deleted-by-hand"])
+def test_a_pod_that_fails_or_is_deleted_without_a_disruption_is_none(
+    fake: FakeKubernetes, provider: KubernetesProvider, ending: str
+) -> None:
+    """Only what Kubernetes says it took away is a disruption; the rest is the proxy's loss."""
+    created = running_pod(fake, provider)
+    if ending == "squid-exited":
+        fake.set_pod_status(NAMESPACE, created.name, "Failed", POD_IP)
+    else:
+        with kubernetes.client.ApiClient(fake.configuration()) as api:
+            kubernetes.client.CoreV1Api(api).delete_namespaced_pod(created.name, NAMESPACE)
+
+    ended = provider.get(created.provider_id)
+
+    assert (ended.state, ended.disruption) == (InstanceState.TERMINATED, None)
+    assert "evicted" not in ended.reason
 
 
 def test_get_of_a_missing_pod_is_not_found(provider: KubernetesProvider) -> None:
