@@ -218,7 +218,7 @@ def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
         "fsGroup": SQUID_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    # A drain or the Cluster Autoscaler may evict it: the workflow replaces it.
+    # The Cluster Autoscaler may evict it (drain ignores this): the workflow replaces it.
     assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == (
         "true"
     )
