@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, TypeVar
 
 import pydantic
@@ -38,8 +38,7 @@ import urllib3
 from kubernetes import client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from kubernetes.utils import parse_quantity
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from providers.base import CreateRequest, Disruption, Instance, InstanceState, state_table
 from providers.catalog import ProviderType
@@ -62,24 +61,50 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 DNS_SUBDOMAIN_MAX = 253
 
 
+# A resource quantity as the API server parses it (k8s.io/apimachinery
+# pkg/api/resource, `ParseQuantity`): an optionally signed decimal number
+# (`1`, `1.5`, `1.`, `.5`), then at most one suffix: binary SI (Ki .. Ei),
+# decimal SI (n, u, m, k, M .. E; `K` is not one) or a decimal exponent
+# (`e3`, `E-2`, whose power is an integer). ASCII only: Python's own number
+# parsing would also take `1_000`, surrounding spaces or other scripts' digits.
+_QUANTITY = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<binary>[KMGTPE])i|(?P<decimal>[numkMGTPE])|[eE](?P<exponent>[+-]?[0-9]+))?",
+    re.ASCII,
+)
+_DECIMAL_SI = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_BINARY_SI = {"K": 10, "M": 20, "G": 30, "T": 40, "P": 50, "E": 60}
+
+
 def _amount(quantity: str) -> Decimal:
-    """A resource quantity's value (`250m` is 0.25); ValueError if it is none."""
-    amount: Decimal = parse_quantity(quantity)  # type: ignore[no-untyped-call]
-    return amount
+    """A resource quantity's value (`250m` is 0.25); ValueError where the API server says no."""
+    parsed = _QUANTITY.fullmatch(quantity)
+    if parsed is None:
+        raise ValueError(f"{quantity!r} is not a Kubernetes quantity (e.g. 250m, 256Mi)")
+    if parsed["binary"]:
+        return Decimal(parsed["number"]) * (1 << _BINARY_SI[parsed["binary"]])
+    power = _DECIMAL_SI[parsed["decimal"]] if parsed["decimal"] else parsed["exponent"] or 0
+    try:
+        return Decimal(f"{parsed['number']}E{power}")
+    except InvalidOperation:  # an exponent beyond what any number holds
+        raise ValueError(f"{quantity!r} is out of range for a Kubernetes quantity") from None
 
 
 def _quantity(value: str) -> str:
-    """`value` if the API server would read it as a resource quantity (250m, 256Mi)."""
-    try:
-        amount: Decimal | None = _amount(value)
-    except ValueError:
-        amount = None
-    if amount is None or not amount.is_finite() or amount < 0:
-        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 250m, 256Mi)")
+    """`value` if the API server would read it as a resource quantity and it is not negative."""
+    if _amount(value) < 0:
+        raise ValueError(f"{value!r} is negative; a resource quantity must not be")
     return value
 
 
-Quantity = Annotated[str, AfterValidator(_quantity)]
+def _number_as_quantity(value: object) -> object:
+    """A YAML number (`cpu_limit: 1`) as its quantity string: the API server takes both."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[str, BeforeValidator(_number_as_quantity), AfterValidator(_quantity)]
 
 
 class KubernetesConfig(ProviderSettings):
@@ -687,7 +712,7 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
     """
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
-    evicted = _disruption(status)
+    evicted = _disruption(pod)
     if evicted is not None:
         return evicted
     if meta.deletion_timestamp:
@@ -704,15 +729,20 @@ def _state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:
     return _PodState(state, status.message or status.reason or "")
 
 
-def _disruption(status: client.V1PodStatus) -> _PodState | None:
+def _disruption(pod: client.V1Pod) -> _PodState | None:
     """A Pod Kubernetes is taking away, or took away: TERMINATED, a disruption.
 
     The kubelet's node-pressure eviction leaves the Pod Failed with reason
     `Evicted`; the Eviction API (a drain), the scheduler's preemption and the
     taint manager first set the `DisruptionTarget` condition, then delete the
-    Pod (Kubernetes' "Pod disruption conditions"). A Pod already deleted
-    says nothing any more: its NotFound is no disruption.
+    Pod (Kubernetes' "Pod disruption conditions"). That condition alone, on a
+    Pod neither deleted nor ended, is a disruption that was interrupted: "that
+    Pod might then not actually be deleted", and the condition is cleared
+    later, so such a Pod is taken at its phase. A Pod already deleted says
+    nothing any more: its NotFound is no disruption.
     """
+    meta = pod.metadata or client.V1ObjectMeta()
+    status = pod.status or client.V1PodStatus()
     if status.reason == EVICTED:
         return _PodState(
             InstanceState.TERMINATED, f"evicted: {status.message or ''}", None, Disruption.EVICTED
@@ -721,7 +751,8 @@ def _disruption(status: client.V1PodStatus) -> _PodState | None:
         (c for c in status.conditions or [] if c.type == DISRUPTION_TARGET and c.status == "True"),
         None,
     )
-    if target is None:
+    ended = INSTANCE_STATES.get(status.phase or "") is InstanceState.TERMINATED
+    if target is None or not (meta.deletion_timestamp or ended):
         return None
     why = f"{target.reason or DISRUPTION_TARGET}: {target.message or ''}"
     return _PodState(InstanceState.TERMINATED, f"evicted: {why}", None, Disruption.EVICTED)

@@ -24,6 +24,10 @@ on and kmock does not model:
   when an object is created with them;
 - the scheduler's and the kubelet's reports (helpers): Ready and PodScheduled
   conditions, container waiting reasons, and clocks moved back for timeouts;
+- disruptions: the Eviction subresource (`POST .../pods/<name>/eviction`,
+  what `kubectl drain` sends), and as helpers the scheduler's preemption, the
+  taint manager's deletion and the kubelet's node-pressure eviction, each with
+  the DisruptionTarget condition Kubernetes sets;
 - injected failures answered *before* any state change (kmock's own reactions
   run after the emulator has stored the object), with any status, message and
   headers, optionally after a delay;
@@ -75,6 +79,14 @@ BUILTIN_PRIORITY_CLASSES = {
 }
 # The resources that decide a Pod's QoS class.
 QOS_RESOURCES = ("cpu", "memory")
+# The condition the control plane sets on a Pod it is about to take away, and
+# the reason each component gives (kubernetes.io/docs/concepts/workloads/pods/
+# disruptions/#pod-disruption-conditions).
+DISRUPTION_TARGET = "DisruptionTarget"
+EVICTION_BY_EVICTION_API = "EvictionByEvictionAPI"
+PREEMPTION_BY_SCHEDULER = "PreemptionByScheduler"
+DELETION_BY_TAINT_MANAGER = "DeletionByTaintManager"
+TERMINATION_BY_KUBELET = "TerminationByKubelet"
 
 # kmock's action for a request -> the RBAC verb a real API server checks.
 RBAC_VERBS = {
@@ -200,6 +212,8 @@ class ApiServer(kmock.KubernetesEmulator):
         resource = request.resource
         if resource is not None and request.action is not None:
             self.verbs_used.add((str(resource.plural), RBAC_VERBS[request.action]))
+        if resource is not None and request.subresource and request.method.value == "POST":
+            self.verbs_used.add((f"{resource.plural}/{request.subresource}", "create"))
         failure = self._take_failure(request)
         if failure is not None:
             await asyncio.sleep(failure.delay)
@@ -220,6 +234,8 @@ class ApiServer(kmock.KubernetesEmulator):
             problem = self._admit(request)
             if problem:
                 return aiohttp.web.json_response(status_body(422, problem, "Invalid"), status=422)
+        if resource == PODS and request.subresource == "eviction":
+            return self._evict(request)
         if request.action == kmock.action.DELETE and resource == PODS:
             conflict = self._precondition_failure(request)
             if conflict:
@@ -344,6 +360,15 @@ class ApiServer(kmock.KubernetesEmulator):
         return f"Precondition failed: UID in precondition: {wanted}, UID in object meta: {actual}"
 
     def _delete_gracefully(self, request: kmock.Request) -> dict[str, Any] | None:
+        """The Pod marked for deletion, or None when kmock may remove it at once."""
+        if request.name is None:
+            return None
+        key = (PODS, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return self.mark_deleted(key, self._delete_options(request).get("gracePeriodSeconds"))
+
+    def mark_deleted(self, key: Any, grace: int | None) -> dict[str, Any] | None:
         """A Pod on a node stays, marked for deletion, until its kubelet confirms.
 
         Its deletionTimestamp is when the grace period ends: ObjectMeta's API
@@ -351,15 +376,10 @@ class ApiServer(kmock.KubernetesEmulator):
         deleted", and a repeated delete may only shorten it. Grace period 0 is
         a force deletion: the Pod leaves the API at once, whether or not its
         kubelet ever confirms (kubernetes.io/docs/concepts/workloads/pods/
-        pod-lifecycle/#pod-termination-forced).
+        pod-lifecycle/#pod-termination-forced). Returns the marked Pod, or
+        None when it is to be removed at once (unbound, or grace period 0).
         """
-        if request.name is None:
-            return None
-        key = (PODS, request.namespace, request.name)
-        if key not in self.objects or self.objects[key].deleted:
-            return None
         pod = self.objects[key]
-        grace = self._delete_options(request).get("gracePeriodSeconds")
         if not pod.get("spec", {}).get("nodeName") or grace == 0:
             return None
         if not pod["metadata"].get("deletionTimestamp"):
@@ -374,6 +394,53 @@ class ApiServer(kmock.KubernetesEmulator):
                 }
             )
         return copy.deepcopy(pod.raw)
+
+    def disrupt(self, key: Any, reason: str, message: str, grace: int | None = None) -> None:
+        """Take a Pod away as the control plane does: condition first, then deletion.
+
+        "A dedicated Pod DisruptionTarget condition is added to indicate that
+        the Pod is about to be deleted due to a disruption" (kubernetes.io/docs/
+        concepts/workloads/pods/disruptions/#pod-disruption-conditions); the
+        Eviction API, the scheduler's preemption and the taint manager then
+        delete it gracefully.
+        """
+        self.set_disruption_target(key, reason, message)
+        if self.mark_deleted(key, grace) is None:
+            self.objects[key].delete()
+            self.collect_garbage()
+
+    def set_disruption_target(self, key: Any, reason: str, message: str) -> None:
+        """Add the DisruptionTarget condition (True) to the Pod's conditions."""
+        pod = self.objects[key]
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        others = [c for c in conditions if c.get("type") != DISRUPTION_TARGET]
+        condition = {
+            "type": DISRUPTION_TARGET,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": now(),
+        }
+        pod.patch({"status": {"conditions": [*others, condition]}})
+
+    def _evict(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """`POST .../pods/<name>/eviction`, as `kubectl drain` sends it.
+
+        An allowed eviction deletes the Pod gracefully after setting its
+        DisruptionTarget condition (reason EvictionByEvictionAPI), honouring
+        the Eviction's `deleteOptions`; a Pod that does not exist is a 404
+        (kubernetes.io/docs/concepts/scheduling-eviction/api-eviction/).
+        PodDisruptionBudgets are not modelled: every eviction is allowed.
+        """
+        key = (PODS, request.namespace, request.name)
+        if request.method.value != "POST" or key not in self.objects or self.objects[key].deleted:
+            message = f'pods "{request.name}" not found'
+            return aiohttp.web.json_response(status_body(404, message, "NotFound"), status=404)
+        body = request.data if isinstance(request.data, dict) else {}
+        grace = (body.get("deleteOptions") or {}).get("gracePeriodSeconds")
+        self.disrupt(key, EVICTION_BY_EVICTION_API, "Eviction API: evicting", grace)
+        success = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success"}
+        return aiohttp.web.json_response({**success, "code": 201}, status=201)
 
     def collect_garbage(self) -> None:
         """Delete every object whose owners are all gone, until nothing changes."""
@@ -577,6 +644,48 @@ class FakeKubernetes:
         self._patch(
             PODS, namespace, name, {"status": {"phase": "Pending", "conditions": [condition]}}
         )
+
+    def evict(self, namespace: str, name: str) -> None:
+        """Evict the Pod as `kubectl drain` does: POST an Eviction to its subresource."""
+        with kubernetes.client.ApiClient(self.configuration()) as api:
+            eviction = kubernetes.client.V1Eviction(
+                metadata=kubernetes.client.V1ObjectMeta(name=name, namespace=namespace)
+            )
+            kubernetes.client.CoreV1Api(api).create_namespaced_pod_eviction(
+                name, namespace, eviction
+            )
+
+    def disrupt(self, namespace: str, name: str, reason: str, message: str) -> None:
+        """Play the scheduler preempting the Pod (`PREEMPTION_BY_SCHEDULER`) or the
+        taint manager deleting it (`DELETION_BY_TAINT_MANAGER`): the DisruptionTarget
+        condition, then a graceful deletion the kubelet (`finish_deletion`) completes."""
+        self._on_loop(lambda: self.api.disrupt((PODS, namespace, name), reason, message))
+
+    def start_disruption(self, namespace: str, name: str, reason: str, message: str) -> None:
+        """Only the DisruptionTarget condition, as when a disruption is interrupted:
+        "that Pod might then not actually be deleted" (kubernetes.io/docs/concepts/
+        workloads/pods/disruptions/#pod-disruption-conditions)."""
+        self._on_loop(
+            lambda: self.api.set_disruption_target((PODS, namespace, name), reason, message)
+        )
+
+    def evict_for_node_pressure(self, namespace: str, name: str, message: str) -> None:
+        """Play the kubelet evicting the Pod under node pressure: phase Failed, reason
+        Evicted, and the DisruptionTarget condition with reason TerminationByKubelet
+        (kubernetes.io/docs/concepts/scheduling-eviction/node-pressure-eviction/; the
+        Pod stays in the API, stopped, until it is deleted)."""
+
+        def evict() -> None:
+            key = (PODS, namespace, name)
+            self.api.set_disruption_target(key, TERMINATION_BY_KUBELET, message)
+            conditions = [
+                {**c, "status": "False"} if c.get("type") == "Ready" else c
+                for c in self.api.objects[key]["status"].get("conditions") or []
+            ]
+            status = {"phase": "Failed", "reason": "Evicted", "message": message}
+            self.api.objects[key].patch({"status": {**status, "conditions": conditions}})
+
+        self._on_loop(evict)
 
     def move_back(self, namespace: str, name: str, field: str, seconds: float) -> None:
         """Move the Pod's `creationTimestamp` or `deletionTimestamp` into the past,

@@ -38,7 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 import providers.kubernetes as kubernetes_provider
 from activities.probe import PROXY_AUTH_REQUIRED, probe_connect
-from providers.base import CreateRequest, Instance, InstanceState
+from providers.base import CreateRequest, Disruption, Instance, InstanceState
 from providers.config import Config, ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
@@ -55,7 +55,13 @@ from providers.kubernetes import (
 )
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
 from providers.squid import ProxySettings, render, sha512_crypt
-from tests.fakes.kubernetes import PODS, SECRETS, FakeKubernetes
+from tests.fakes.kubernetes import (
+    DELETION_BY_TAINT_MANAGER,
+    PODS,
+    PREEMPTION_BY_SCHEDULER,
+    SECRETS,
+    FakeKubernetes,
+)
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.network import accepts_connections, free_port
 from tests.helpers.squid_upstream import SQUID, requires_squid
@@ -212,7 +218,7 @@ def test_create_makes_a_pod_that_runs_squid_as_pid_1_locked_down(
         "fsGroup": SQUID_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    # A drain or the Cluster Autoscaler may evict it: the workflow replaces it.
+    # The Cluster Autoscaler may evict it (drain ignores this): the workflow replaces it.
     assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == (
         "true"
     )
@@ -611,6 +617,119 @@ def test_an_ipv6_pod_ip_gives_a_bracketed_endpoint(
     instance = provider.get(created.provider_id)
 
     assert (instance.ip, instance.endpoint) == ("fd00:10:244::7", "[fd00:10:244::7]:3128")
+
+
+# --- disruptions: Kubernetes takes the Pod away -----------------------------
+
+POD_IP = "10.244.1.7"
+
+
+def running_pod(fake: FakeKubernetes, provider: KubernetesProvider) -> Instance:
+    created = provider.create(request())
+    fake.set_pod_status(NAMESPACE, created.name, "Running", POD_IP)
+    assert provider.get(created.provider_id).state is InstanceState.RUNNING
+    return created
+
+
+def test_a_pod_evicted_through_the_eviction_api_is_a_disruption_not_a_failure(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """A drain: the Eviction API marks the Pod DisruptionTarget, then deletes it."""
+    created = running_pod(fake, provider)
+
+    fake.evict(NAMESPACE, created.name)
+
+    evicted = provider.get(created.provider_id)
+    assert (evicted.state, evicted.ip) == (InstanceState.TERMINATED, "")
+    assert evicted.disruption is Disruption.EVICTED
+    assert evicted.reason == "evicted: EvictionByEvictionAPI: Eviction API: evicting"
+    assert stored_pod(fake, created.name)["metadata"]["deletionTimestamp"]
+    assert ("pods/eviction", "create") in fake.verbs_used()
+
+    provider.delete(created.provider_id)  # the workflow's delete: already going, fine
+    fake.finish_deletion(NAMESPACE, created.name)
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
+    assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "message"),
+    [
+        (
+            PREEMPTION_BY_SCHEDULER,
+            "default-scheduler: preempting to accommodate a higher priority pod",
+        ),
+        (DELETION_BY_TAINT_MANAGER, "Taint manager: deleting due to NoExecute taint"),
+    ],
+    ids=["preempted", "tainted-node"],
+)
+def test_a_pod_the_control_plane_deletes_for_a_disruption_is_one_naming_why(
+    fake: FakeKubernetes, provider: KubernetesProvider, reason: str, message: str
+) -> None:
+    created = running_pod(fake, provider)
+
+    fake.disrupt(NAMESPACE, created.name, reason, message)
+
+    disrupted = provider.get(created.provider_id)
+    assert (disrupted.state, disrupted.disruption) == (
+        InstanceState.TERMINATED,
+        Disruption.EVICTED,
+    )
+    assert disrupted.reason == f"evicted: {reason}: {message}"
+
+
+def test_a_pod_the_kubelet_evicts_under_node_pressure_is_a_disruption_naming_it(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """The Pod stays in the API, Failed with reason Evicted, until someone deletes it."""
+    created = running_pod(fake, provider)
+    message = (
+        "The node was low on resource: memory. Threshold quantity: 100Mi, available: 51200Ki. "
+    )
+
+    fake.evict_for_node_pressure(NAMESPACE, created.name, message)
+
+    evicted = provider.get(created.provider_id)
+    assert (evicted.state, evicted.ip) == (InstanceState.TERMINATED, "")
+    assert (evicted.disruption, evicted.reason) == (Disruption.EVICTED, f"evicted: {message}")
+    (listed,) = provider.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    assert listed.disruption is Disruption.EVICTED
+
+
+def test_an_interrupted_disruption_leaves_a_ready_pod_running(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """The condition was set but the Pod never deleted: it still serves, nothing to replace."""
+    created = running_pod(fake, provider)
+
+    fake.start_disruption(
+        NAMESPACE, created.name, PREEMPTION_BY_SCHEDULER, "default-scheduler: preempting"
+    )
+
+    instance = provider.get(created.provider_id)
+    assert (instance.state, instance.ip, instance.disruption) == (
+        InstanceState.RUNNING,
+        POD_IP,
+        None,
+    )
+
+
+@pytest.mark.parametrize("ending", ["squid-exited", "deleted-by-hand"])
+def test_a_pod_that_fails_or_is_deleted_without_a_disruption_is_none(
+    fake: FakeKubernetes, provider: KubernetesProvider, ending: str
+) -> None:
+    """Only what Kubernetes says it took away is a disruption; the rest is the proxy's loss."""
+    created = running_pod(fake, provider)
+    if ending == "squid-exited":
+        fake.set_pod_status(NAMESPACE, created.name, "Failed", POD_IP)
+    else:
+        with kubernetes.client.ApiClient(fake.configuration()) as api:
+            kubernetes.client.CoreV1Api(api).delete_namespaced_pod(created.name, NAMESPACE)
+
+    ended = provider.get(created.provider_id)
+
+    assert (ended.state, ended.disruption) == (InstanceState.TERMINATED, None)
+    assert "evicted" not in ended.reason
 
 
 def test_get_of_a_missing_pod_is_not_found(provider: KubernetesProvider) -> None:
@@ -1270,7 +1389,7 @@ def test_placement_is_allowed_only_in_the_allowed_namespaces() -> None:
             {"memory_limit": "256MB of RAM"},
             "providers[0].kubernetes.memory_limit: '256MB of RAM' is not a Kubernetes quantity",
         ),
-        ({"cpu_limit": "-1"}, "providers[0].kubernetes.cpu_limit: '-1' is not"),
+        ({"cpu_limit": "-1"}, "providers[0].kubernetes.cpu_limit: '-1' is negative"),
     ],
     ids=[
         "namespace-not-allowed",
@@ -1293,6 +1412,70 @@ def test_bad_kubernetes_settings_are_config_errors_naming_the_field(
         parse_config(kubernetes_block(**settings), environ={"PW": PASSWORD})
 
     assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+# What the API server's `ParseQuantity` (k8s.io/apimachinery pkg/api/resource)
+# takes: a signed decimal number, then one binary-SI, decimal-SI or exponent suffix.
+QUANTITIES_THE_API_SERVER_TAKES = [
+    "0", "1", "+1", "1.5", "1.", ".5", "250m", "0.1m", "100n", "5u", "2k", "1M",
+    "1G", "1T", "1P", "1E", "1e3", "1E-2", "5e+2", "64Ki", "256Mi", "1Gi", "1Ti",
+    "1Pi", "1Ei",
+]  # fmt: skip
+# ... and what it refuses, though Python's number parsing would take some of them.
+QUANTITIES_THE_API_SERVER_REFUSES = [
+    "", "1K", "1mi", "1ki", "1Kib", "1e", "1e+", "1e1.5", "1e3Mi", "1Mi3", ".", "+",
+    "--1", "1..5", "e3", "Mi", "1_000", " 1", "1 ", "\uff11", "\u0661", "NaN",
+    "Infinity", "0x10", "256MB", "1e99999999999999999999999",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES_THE_API_SERVER_TAKES)
+def test_resource_quantities_the_api_server_takes_are_accepted(quantity: str) -> None:
+    config = parse_config(
+        kubernetes_block(memory_request=quantity, memory_limit=quantity),
+        environ={"PW": PASSWORD},
+    )
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig)
+    assert (settings.memory_request, settings.memory_limit) == (quantity, quantity)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES_THE_API_SERVER_REFUSES)
+def test_resource_quantities_the_api_server_refuses_are_config_errors_naming_the_field(
+    quantity: str,
+) -> None:
+    """A Pod with such a quantity would be refused (422) on every create: caught at start."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(cpu_request=quantity), environ={"PW": PASSWORD})
+
+    assert any(
+        p.startswith(f"providers[0].kubernetes.cpu_request: {quantity!r} is ")
+        for p in raised.value.problems
+    ), raised.value.problems
+
+
+def test_a_yaml_number_is_a_quantity_as_in_a_pod_manifest() -> None:
+    config = parse_config(kubernetes_block(cpu_request=0.5, cpu_limit=1), environ={"PW": PASSWORD})
+
+    settings = config.provider("cluster").settings
+    assert isinstance(settings, KubernetesConfig)
+    assert (settings.cpu_request, settings.cpu_limit) == ("0.5", "1")
+    with pytest.raises(ConfigError) as raised:
+        parse_config(kubernetes_block(cpu_limit=True), environ={"PW": PASSWORD})
+    assert any(
+        p.startswith("providers[0].kubernetes.cpu_limit: input should be a valid string")
+        for p in raised.value.problems
+    ), raised.value.problems
+
+
+def test_quantities_compare_by_value_across_suffixes() -> None:
+    """1Gi is 1024Mi, and 1G (10^9) is below it: the request/limit check reads values."""
+    assert KubernetesConfig(memory_request="1024Mi", memory_limit="1Gi").memory_limit == "1Gi"
+    assert KubernetesConfig(cpu_request="0.5", cpu_limit="500m").cpu_request == "0.5"
+    assert KubernetesConfig(cpu_request="5e-1", cpu_limit="500m").cpu_request == "5e-1"
+    with pytest.raises(ValueError, match="memory_request 1Gi is above memory_limit 1G"):
+        KubernetesConfig(memory_request="1Gi", memory_limit="1G")
 
 
 def test_run_as_user_null_is_accepted_for_openshift() -> None:

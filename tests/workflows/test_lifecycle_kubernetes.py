@@ -227,6 +227,47 @@ async def test_pod_that_fails_while_ready_is_replaced_by_a_new_generation(
     assert leftover_pods(provider) == []
 
 
+async def test_evicted_pods_are_replaced_as_disruptions_without_spending_the_crash_budget(
+    stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
+) -> None:
+    """Issue 46: a drain's eviction and the kubelet's node-pressure eviction are counted
+    apart (`disruptions`), named in the reason, and never counted as failures."""
+    handle = await start_proxy(stack, kubelet)
+    first, second, third = (lifecycle_instance_name(handle.id, g) for g in range(3))
+    await kubelet.run_pod(first)
+    await wait_status(handle, lambda s: s.state == "Ready", "generation 0 Ready")
+
+    # A drain evicts it: the Pod is marked for deletion and its Squid gets SIGTERM.
+    kubelet.fake.evict(NAMESPACE, first)
+    await kubelet.containers[first].terminate()
+    drained = await wait_status(handle, lambda s: s.disruptions == 1, "the eviction counted")
+    await kubelet.finish_deletion(first)
+    await kubelet.run_pod(second)
+    await wait_status(handle, lambda s: s.state == "Ready" and s.instance == second, "gen 1 Ready")
+
+    # Node pressure: the kubelet kills Squid and leaves the Pod Failed, reason Evicted.
+    message = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 50Mi. "
+    await kubelet.containers[second].crash()
+    kubelet.fake.evict_for_node_pressure(NAMESPACE, second, message)
+    pressed = await wait_status(handle, lambda s: s.disruptions == 2, "the eviction counted")
+    await kubelet.finish_deletion(second)  # the workflow deletes the evicted Pod
+    await kubelet.run_pod(third)
+    ready = await wait_status(
+        handle, lambda s: s.state == "Ready" and s.instance == third, "generation 2 Ready"
+    )
+
+    assert drained.failures_in_a_row == 0, drained
+    assert "platform disruption, no crash counted:" in (drained.last_error or ""), drained
+    assert "evicted: EvictionByEvictionAPI" in (drained.last_error or ""), drained
+    assert pressed.failures_in_a_row == 0, pressed
+    assert f"evicted: {message}" in (pressed.last_error or ""), pressed
+    assert (ready.disruptions, ready.failures_in_a_row, ready.replacements) == (2, 0, 2)
+    await handle.signal("terminate")
+    await kubelet.finish_deletion(third)
+    await handle.result()
+    assert leftover_pods(provider) == []
+
+
 async def test_an_image_pull_the_kubelet_retries_is_waited_out_on_the_same_pod(
     stack: ProviderStack, kubelet: Kubelet, provider: KubernetesProvider
 ) -> None:
