@@ -10,6 +10,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+# The application's locked dependencies first, each file checked against its
+# hash (requirements/app.txt, `make lock`), in a layer of their own that a
+# change to the code leaves cached. The project then goes in on top with
+# nothing more resolved, built by the locked setuptools.
+COPY requirements/app.txt requirements/
+RUN pip install --require-hashes -r requirements/app.txt
 COPY pyproject.toml README.md ./
 COPY providers/ providers/
 COPY activities/ activities/
@@ -23,7 +29,7 @@ COPY worker.py contract.py cli.py ./
 # for every new workflow run: without .pyc files each run compiles them again
 # (a seventh of a busy worker's CPU while a 1,000-member pool starts;
 # docs/benchmarks.md). Compiled here, once, whatever pip the image has.
-RUN pip install . \
+RUN pip install --no-deps --no-build-isolation . \
     && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
 

@@ -11,12 +11,16 @@ STAMP   = $(VENV)/.installed
 PYTEST_WORKERS ?= 6
 PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: run test test-quick histories lint bench tools test-tools clean bytecode
+.PHONY: run test test-quick histories lint bench tools test-tools clean bytecode lock
 
-$(STAMP): pyproject.toml
+## The virtualenv holds exactly the locked versions (requirements/dev.txt,
+## every file checked against its hash), so a clone installs next month what
+## it installs today; the project itself goes in on top, without resolving
+## anything more. `make lock` moves the pins.
+$(STAMP): pyproject.toml requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --require-hashes -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 ## The workflow sandbox re-imports the workflow modules for every new
@@ -66,6 +70,26 @@ lint: $(STAMP)
 
 bench: $(STAMP) tools bytecode
 	$(BIN)/python -m bench
+
+## Refreshes the locks to the newest releases pyproject.toml's ranges allow:
+## requirements/app.txt (the application, as the Dockerfile installs it) and
+## requirements/dev.txt (it and the test extra, held to app.txt's pins).
+## `make lock UPGRADE='temporalio scrapy'` moves only those and keeps every
+## other pin (also the way to take in a dependency added to pyproject.toml).
+## Markers are evaluated for the machine that runs it, so it runs only where
+## CI and the image run, Python 3.11 on Linux; the hashes cover the files of
+## every platform.
+UPGRADE ?=
+PIP_COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(BIN)/pip-compile -q --generate-hashes \
+	--allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links \
+	$(if $(strip $(UPGRADE)),$(addprefix --upgrade-package ,$(UPGRADE)),--upgrade)
+lock: $(STAMP)
+	@$(BIN)/python -c 'import sys; sys.exit(None if sys.platform == "linux" and \
+		sys.version_info[:2] == (3, 11) else "make lock runs on Python 3.11 on Linux only")'
+	$(PIP_COMPILE) --all-build-deps -o requirements/app.txt pyproject.toml
+	$(PIP_COMPILE) --extra test -o requirements/dev.txt pyproject.toml requirements/dev.in
+	sed -i '2a # on Linux, where CI and the image run it (the hashes cover every platform)' \
+		requirements/app.txt requirements/dev.txt
 
 ## Removes .data (make run's workflows and proxies), the virtualenv and the
 ## build's leftovers; refuses while workflows are open in .data or make run
