@@ -10,6 +10,9 @@ ProxyLifecycle lists every instance it owns or is creating in its
 `ProxyInstances` search attribute, and publishes a name there before it asks a
 provider to create it. So an instance is owned exactly while its owner
 workflow (the `proxy-operator/owner` tag) is running and lists its name.
+Names are unique per zone only: of two instances of one name (a twin a
+create left in another zone), the owner's is the one it serves from (its
+`ProxyEndpoint`), and the other is an orphan once past the grace period.
 
 Two steps keep this cheap and safe:
 
@@ -38,7 +41,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import invalid_input, to_application_error
 from activities.metrics import ORPHANS_DELETED, ORPHANS_FOUND
-from contract import INSTANCES, PROVIDER, PROXY_LIFECYCLE, STATE
+from contract import ENDPOINT, INSTANCES, PROVIDER, PROXY_LIFECYCLE, STATE
 from providers.base import Instance, Provider
 from providers.errors import classify
 from providers.naming import (
@@ -81,9 +84,12 @@ class Candidate:
     owner: str
     generation: int
     created_at: str
+    # Set when its owner lists its name but serves that name from another
+    # instance, at this endpoint: a twin (a same-name VM in another zone).
+    twin_served_at: str = ""
 
     @classmethod
-    def of(cls, provider: str, instance: Instance) -> Candidate:
+    def of(cls, provider: str, instance: Instance, *, twin_served_at: str = "") -> Candidate:
         """The candidate `instance` of `provider` is, read from its tags."""
         generation = instance.tags.get(GENERATION_KEY, "")
         return cls(
@@ -93,6 +99,7 @@ class Candidate:
             owner=instance.tags.get(OWNER_KEY, ""),
             generation=int(generation) if generation.isdigit() else -1,
             created_at=_aware(instance.created_at).isoformat(),
+            twin_served_at=twin_served_at,
         )
 
 
@@ -169,6 +176,15 @@ class DeletedInput:
 
 
 @dataclass(frozen=True)
+class _Listed:
+    """A running owner as visibility lists it: its instance names, and where it serves."""
+
+    names: frozenset[str]
+    # ProxyEndpoint: set only while the owner is Ready.
+    endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class _Owner:
     """What a direct describe says about one owner workflow id; status None: no such id."""
 
@@ -178,6 +194,8 @@ class _Owner:
     # Whether it has published its state, which it does in its first task
     # together with the instance it is about to create or adopt.
     published: bool = False
+    # ProxyEndpoint: where it serves, while Ready.
+    endpoint: str = ""
 
 
 class GcActivities:
@@ -207,6 +225,7 @@ class GcActivities:
         instances, (owners, lookups) = await asyncio.gather(
             self._list(inp.provider), self._running_owners(inp.provider)
         )
+        served = _twins_served(instances, owners)
         now = datetime.now(UTC)
         grace = timedelta(seconds=inp.grace_period_seconds)
         limit = inp.limit or SURVEY_LIMIT
@@ -215,7 +234,9 @@ class GcActivities:
         untagged_ids: dict[str, str] = {}
         candidates: list[Candidate] = []
         for instance in instances:
-            if instance.name in owners.get(instance.tags.get(OWNER_KEY, ""), frozenset()):
+            listed = owners.get(instance.tags.get(OWNER_KEY, ""))
+            twin_served_at = served.get(instance.provider_id, "")
+            if listed is not None and instance.name in listed.names and not twin_served_at:
                 owned += 1
                 continue
             if NAMESPACE_KEY not in instance.tags:
@@ -234,7 +255,9 @@ class GcActivities:
                         f"created {int(age.total_seconds())} s ago, within the grace period"
                     )
             elif instance.provider_id > inp.after:
-                candidates.append(Candidate.of(inp.provider, instance))
+                candidates.append(
+                    Candidate.of(inp.provider, instance, twin_served_at=twin_served_at)
+                )
         candidates.sort(key=lambda c: c.provider_id)
         return Survey(
             seen=len(instances),
@@ -297,8 +320,8 @@ class GcActivities:
             and i.tags.get(NAMESPACE_KEY, namespace) == namespace
         ]
 
-    async def _running_owners(self, provider_name: str) -> tuple[dict[str, frozenset[str]], int]:
-        """Running lifecycles on this provider -> the instance names each lists; pages used.
+    async def _running_owners(self, provider_name: str) -> tuple[dict[str, _Listed], int]:
+        """Running lifecycles on this provider -> what each lists; pages used.
 
         One query, paged: the cost grows with the fleet's size over a thousand,
         not with the number of instances.
@@ -308,14 +331,16 @@ class GcActivities:
             f"AND {PROVIDER.name} = '{_quote(provider_name)}'"
         )
         listing = self._client.list_workflows(query, page_size=VISIBILITY_PAGE_SIZE)
-        owners: dict[str, frozenset[str]] = {}
+        owners: dict[str, _Listed] = {}
         pages = 0
         while True:
             await listing.fetch_next_page()
             pages += 1
             for execution in listing.current_page or ():
-                names = execution.typed_search_attributes.get(INSTANCES)
-                owners[execution.id] = frozenset(names or ())
+                attributes = execution.typed_search_attributes
+                owners[execution.id] = _Listed(
+                    frozenset(attributes.get(INSTANCES) or ()), attributes.get(ENDPOINT) or ""
+                )
             if not listing.next_page_token:
                 return owners, pages
 
@@ -336,7 +361,33 @@ def _owner(description: WorkflowExecutionDescription) -> _Owner:
         workflow_type=description.workflow_type,
         instances=frozenset(attributes.get(INSTANCES) or ()),
         published=attributes.get(STATE) is not None,
+        endpoint=attributes.get(ENDPOINT) or "",
     )
+
+
+def _twins_served(instances: list[Instance], owners: Mapping[str, _Listed]) -> dict[str, str]:
+    """Twins -> the endpoint their owner serves their name from, on another instance.
+
+    Names are unique per zone only: a create that reached a fallback zone
+    and then adopted or inserted elsewhere can leave the same name in two
+    zones, and the name the owner lists covers one of them. Which one is
+    told by where the owner serves (its ProxyEndpoint): the others are not
+    its instances. Without a served endpoint among them (the owner not
+    Ready, or serving another generation) they are all kept.
+    """
+    by_name: dict[tuple[str, str], list[Instance]] = {}
+    for instance in instances:
+        by_name.setdefault((instance.tags.get(OWNER_KEY, ""), instance.name), []).append(instance)
+    served: dict[str, str] = {}
+    for (owner, name), same in by_name.items():
+        listed = owners.get(owner)
+        if len(same) < 2 or listed is None or name not in listed.names or not listed.endpoint:
+            continue
+        if any(i.endpoint == listed.endpoint for i in same):
+            served.update(
+                (i.provider_id, listed.endpoint) for i in same if i.endpoint != listed.endpoint
+            )
+    return served
 
 
 def _verdict(c: Candidate, owner: _Owner | None) -> Verdict:
@@ -348,6 +399,20 @@ def _verdict(c: Candidate, owner: _Owner | None) -> Verdict:
         return Verdict(c, Decision.ORPHAN, f"owner {c.owner} is {owner.status.name.lower()}")
     if owner.workflow_type != PROXY_LIFECYCLE:
         return Verdict(c, Decision.ORPHAN, f"{c.owner} is now a {owner.workflow_type}, not a proxy")
+    if c.name in owner.instances and c.twin_served_at and owner.endpoint == c.twin_served_at:
+        return Verdict(
+            c,
+            Decision.ORPHAN,
+            f"owner {c.owner} serves {c.name} from another instance of that name, at "
+            f"{c.twin_served_at}: a twin in another zone",
+        )
+    if c.name in owner.instances and c.twin_served_at:
+        return Verdict(
+            c,
+            Decision.SKIPPED,
+            f"owner {c.owner} lists {c.name} but no longer serves it at {c.twin_served_at}: "
+            "cannot tell which instance of that name is its own",
+        )
     if c.name in owner.instances:
         return Verdict(c, Decision.OWNED, f"owner {c.owner} lists it (visibility was behind)")
     if not owner.published:

@@ -57,6 +57,7 @@ from activities.models import (
 from activities.probe import OTHER, ProbeResult, probe_connect
 from contract import ErrorType
 from providers.base import (
+    AccessCheck,
     CreateRequest,
     Disruption,
     Instance,
@@ -310,20 +311,31 @@ class ProviderActivities:
         next_check = started + GONE_CHECK_SECONDS
         delay = FIRST_POLL_SECONDS
         attempts = 0
-        while True:
-            summary = _summarise(await self._probe(inp.instance, inp.target, inp.timeout_seconds))
-            attempts += 1
-            now = time.monotonic()
-            if summary.ok or now >= deadline or (report_at is not None and now >= report_at):
-                return replace(summary, attempts=attempts)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + GONE_CHECK_SECONDS
-                gone = await self._gone(inp.instance)
-                if gone is not None:
-                    raise gone.error("while waiting for its first probe")
-            activity.heartbeat(summary)
-            await _pause(delay)
-            delay = min(delay * 2, MAX_POLL_SECONDS)
+        recheck: asyncio.Task[None] | None = None
+        try:
+            while True:
+                summary = _summarise(
+                    await self._probe(inp.instance, inp.target, inp.timeout_seconds)
+                )
+                attempts += 1
+                now = time.monotonic()
+                if summary.ok or now >= deadline or (report_at is not None and now >= report_at):
+                    return replace(summary, attempts=attempts)
+                if recheck is None:
+                    # Alongside the probes, which heartbeat: a repair waits on
+                    # an operation longer than the heartbeat timeout.
+                    recheck = asyncio.create_task(self._recheck_access(inp.instance))
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + GONE_CHECK_SECONDS
+                    gone = await self._gone(inp.instance)
+                    if gone is not None:
+                        raise gone.error("while waiting for its first probe")
+                activity.heartbeat(summary)
+                await _pause(delay)
+                delay = min(delay * 2, MAX_POLL_SECONDS)
+        finally:
+            if recheck is not None:
+                recheck.cancel()
 
     @activity.defn(name="monitor")
     async def monitor(self, inp: MonitorInput) -> MonitorOutcome:
@@ -378,6 +390,9 @@ class ProviderActivities:
                         gone.detail,
                         disruption=gone.disruption,
                     )
+                if failures == 1:
+                    # The heartbeats run on their own clock meanwhile.
+                    await self._recheck_access(inp.instance)
                 if failures >= inp.failure_threshold:
                     return MonitorOutcome(
                         MonitorReason.UNHEALTHY,
@@ -613,6 +628,22 @@ class ProviderActivities:
         if result.ok and result.total_ms is not None:
             PROBE_SECONDS.labels(ref.provider).observe(result.total_ms / 1000)
         return result
+
+    async def _recheck_access(self, ref: InstanceRef) -> None:
+        """Tell a provider that keeps a firewall rule (AccessCheck) that `ref` failed a probe.
+
+        Best effort: a failed check is logged and the probes go on; the
+        provider's next create checks the rule again anyway.
+        """
+        provider = self._provider(ref.provider)
+        if not isinstance(provider, AccessCheck):
+            return
+        try:
+            await self._call(
+                provider.recheck_access, ref.provider_id, self._config.proxy_settings(ref.port)
+            )
+        except ApplicationError as err:
+            activity.logger.warning("cannot check access to %s: %s", ref.name, err.message)
 
     async def _gone(self, ref: InstanceRef) -> Gone | None:
         """Why the instance can no longer serve, or None while it still exists."""

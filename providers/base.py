@@ -164,3 +164,18 @@ class NamedLookup(Protocol):
     def find(self, name: str, placement: Mapping[str, str]) -> Instance | None:
         """The instance named `name` where a create with `placement` may have put it, or None."""
         ...
+
+
+@runtime_checkable
+class AccessCheck(Protocol):
+    """A provider that keeps what admits clients to its instances (a cloud firewall rule).
+
+    Optional: such a rule can be deleted or narrowed behind the provider's
+    back, and a proxy behind it fails its probes however healthy it is.
+    Callers tell the provider when an instance's probe fails, and it checks
+    (and repairs) the rule then instead of waiting for its next create.
+    """
+
+    def recheck_access(self, provider_id: str, proxy: ProxySettings) -> None:
+        """The instance failed a probe on `proxy`'s port: check that clients are admitted."""
+        ...

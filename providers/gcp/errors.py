@@ -99,15 +99,18 @@ def _retry_after(exc: api_exceptions.GoogleAPICallError) -> float | None:
     return float(value) if isinstance(value, str) and value.isdigit() else None
 
 
-def operation_error(op: compute_v1.Operation) -> api_exceptions.GoogleAPICallError:
+def operation_error(
+    op: compute_v1.Operation, *, note: str = ""
+) -> api_exceptions.GoogleAPICallError:
     """A failed operation as the API error the same failure would be if synchronous.
 
     Its error codes become the reasons and its HTTP status the class, so
-    `normalise` (and the stockout check in `create`) read both alike.
+    `normalise` (and the stockout check in `create`) read both alike. `note`
+    goes before the operation's own message.
     """
     errors = [{"reason": e.code, "message": e.message} for e in op.error.errors]
     message = "; ".join(f"{e.code}: {e.message}" for e in op.error.errors)
     error = api_exceptions.from_http_status(  # type: ignore[no-untyped-call]  # untyped in api_core
-        op.http_error_status_code, f"operation {op.name} failed: {message}", errors=errors
+        op.http_error_status_code, f"{note}operation {op.name} failed: {message}", errors=errors
     )
     return cast(api_exceptions.GoogleAPICallError, error)

@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 import google.auth
 from google.api_core import exceptions as api_exceptions
@@ -27,6 +28,8 @@ from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
 from providers.errors import NotFound, Permanent, Transient
 from providers.gcp.errors import STOCKOUT_REASONS, edge, normalise, operation_error, reasons
+from providers.gcp.firewall import DOUBT_INTERVAL_SECONDS as FIREWALL_DOUBT_SECONDS
+from providers.gcp.firewall import RECHECK_SECONDS as FIREWALL_RECHECK_SECONDS
 from providers.gcp.firewall import InstallationFirewall
 from providers.gcp.instances import (
     BLOCK_PROJECT_SSH_KEYS_KEY,
@@ -59,6 +62,7 @@ from providers.naming import (
     adoption_mismatch,
     ownership_mismatch,
 )
+from providers.squid import ProxySettings
 
 PROVIDER_TYPE = ProviderType(
     name="gcp",
@@ -81,8 +85,11 @@ REQUEST_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://proxy-operator/gc
 
 # A requestId is remembered for at least an hour, so a retried insert walks
 # the inserts that failed under it (a quota waited out every few minutes)
-# before its own: at most this many.
-MAX_FAILED_INSERTS = 64
+# before its own, one call each, back to back. Past this many failures the
+# create says so and sends nothing more until Compute Engine has forgotten
+# the first of them: a burst of inserts into a zone that keeps refusing them
+# would only spend the project's rate quota.
+MAX_FAILED_INSERTS = 4
 
 # The operation Compute Engine records when it preempts a Spot or preemptible
 # VM (compute/docs/instances/spot, "Detect if a Spot VM was preempted").
@@ -93,6 +100,14 @@ PREEMPTION_CHECK_SECONDS = 10.0
 
 # The warning code on an aggregated list's scope it could not reach.
 UNREACHABLE_WARNING = "UNREACHABLE"
+
+# VMs whose startup state and preemption lookups are remembered, the most
+# recently read first: a worker's share of a large fleet, while a VM deleted
+# by someone else (or preempted) never leaves an entry behind for good.
+MAX_REMEMBERED_VMS = 4096
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def insert_request_id(req: CreateRequest, zone: str) -> str:
@@ -106,6 +121,31 @@ def insert_request_id(req: CreateRequest, zone: str) -> str:
     """
     generation = req.tags.get(GENERATION_KEY, "")
     return str(uuid.uuid5(REQUEST_ID_NAMESPACE, f"{zone}/{req.name}/{generation}"))
+
+
+class _Recent(Generic[K, V]):
+    """A thread-safe map keeping its `size` most recently written entries."""
+
+    def __init__(self, size: int) -> None:
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def drop(self, matches: Callable[[K], bool]) -> None:
+        with self._lock:
+            for key in [k for k in self._items if matches(k)]:
+                del self._items[key]
 
 
 class GcpProvider:
@@ -123,6 +163,9 @@ class GcpProvider:
         operation_timeout: float = OPERATION_TIMEOUT_SECONDS,
         guest_attribute_interval: float = GUEST_ATTRIBUTE_INTERVAL_SECONDS,
         preemption_check_interval: float = PREEMPTION_CHECK_SECONDS,
+        remembered_vms: int = MAX_REMEMBERED_VMS,
+        firewall_recheck_seconds: float = FIREWALL_RECHECK_SECONDS,
+        firewall_doubt_seconds: float = FIREWALL_DOUBT_SECONDS,
     ) -> None:
         self._settings = settings
         self._project = settings.project
@@ -142,14 +185,14 @@ class GcpProvider:
             firewalls=firewalls,
             wait=self._global_waiter,
             operation_timeout=operation_timeout,
+            recheck_seconds=firewall_recheck_seconds,
+            doubt_interval=firewall_doubt_seconds,
         )
         # Startup state per VM (zone, name, instance id): "ready" is kept for
         # good; anything else with when it was read, to pace the queries.
-        self._startup: dict[tuple[str, str, int], tuple[str, float]] = {}
-        self._startup_lock = threading.Lock()
+        self._startup: _Recent[tuple[str, str, int], tuple[str, float]] = _Recent(remembered_vms)
         # Preemptions per VM (zone, name): the reason ("" none yet), and when read.
-        self._preempted: dict[tuple[str, str], tuple[str, float]] = {}
-        self._preempted_lock = threading.Lock()
+        self._preempted: _Recent[tuple[str, str], tuple[str, float]] = _Recent(remembered_vms)
         self._preemption_interval = preemption_check_interval
 
     @classmethod
@@ -263,10 +306,15 @@ class GcpProvider:
         `list_by_tag`'s aggregated list costs list quota and a filtered
         list's overhead. The plain status mapping, no guest attribute query:
         callers ask about a VM whose owner already found it ready.
+
+        A placement this config no longer allows (a zone outside a new
+        subnetwork's region) finds nothing here: the VM made under the old
+        config still exists, and the caller's listing by tag finds it.
         """
         problems = self._settings.placement_problems(placement)
         if problems:
-            raise Permanent(f"find {name}: {'; '.join(problems)}")
+            log.info("find %s: %s; not looked up by name", name, "; ".join(problems))
+            return None
         if not RFC1035_LABEL.fullmatch(name):
             raise Permanent(f"find {name!r}: not an instance name")
         pinned = placement.get("zone")
@@ -275,6 +323,19 @@ class GcpProvider:
                 with contextlib.suppress(api_exceptions.NotFound):
                     return to_instance(self._fetch(zone, name))
         return None
+
+    def recheck_access(self, provider_id: str, proxy: ProxySettings) -> None:
+        """A VM failed a probe: check the firewall rule that admits its clients (AccessCheck).
+
+        A rule deleted by hand, or a port another writer's update dropped,
+        is put back at once rather than when the proxy has crashed and its
+        replacement is created. The rule is read at most every
+        `firewall_doubt_seconds` however many VMs fail; the next create
+        checks it again in any case.
+        """
+        parse_provider_id(provider_id)
+        with edge():
+            self._firewall.doubt(proxy, time.monotonic() + self._operation_timeout)
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Select by label in every zone of the project, then match the exact tags.
@@ -311,12 +372,21 @@ class GcpProvider:
         deadline = time.monotonic() + self._operation_timeout
         try:
             op = self._insert(req, zone, insert_request_id(req, zone))
-            for _ in range(MAX_FAILED_INSERTS):
-                if not (op.status == compute_v1.Operation.Status.DONE and op.error.errors):
-                    break
+            failed = 0
+            while op.status == compute_v1.Operation.Status.DONE and op.error.errors:
                 # The answer to an insert that failed earlier (its failure
                 # already reported): insert again, under a requestId every
                 # attempt derives alike from the failed operation.
+                failed += 1
+                if failed >= MAX_FAILED_INSERTS:
+                    raise operation_error(
+                        op,
+                        note=(
+                            f"create {zone}/{req.name}: its last {failed} inserts failed and "
+                            "Compute Engine remembers each requestId for at least 60 minutes; "
+                            "no new insert until the first is forgotten. The latest: "
+                        ),
+                    )
                 op = self._insert(req, zone, str(uuid.uuid5(REQUEST_ID_NAMESPACE, op.name)))
         except api_exceptions.Conflict:
             # Already exists: a retried create, or somebody else's VM.
@@ -383,14 +453,15 @@ class GcpProvider:
         change has since removed from `zones`, so `_find_by_name` never asked
         there. It runs after every successful create, adopted or inserted, so
         a create that failed while deleting a twin finishes the job when
-        retried. A twin this cannot see (its zone unreachable) is logged.
+        retried.
+
+        A zone the list could not reach may hold a twin, which would bill
+        unseen for as long as the generation lives: the create is Transient
+        until every zone answers, and its retry adopts the VM kept here and
+        checks again. Twins it can see are deleted first all the same.
         """
         zone = keep.provider_id.partition("/")[0]
         found, unreachable = self._aggregated(f'name = "{req.name}"')
-        if unreachable:
-            log.warning(
-                "cannot check %s for twins of %s: unreachable", ", ".join(unreachable), req.name
-            )
         for gce in found:
             twin_zone = zone_of(gce)
             if twin_zone == zone:
@@ -406,6 +477,11 @@ class GcpProvider:
             )
             with contextlib.suppress(api_exceptions.NotFound):
                 self._delete(twin_zone, gce.name)
+        if unreachable:
+            raise Transient(
+                f"create {zone}/{req.name}: cannot check {', '.join(unreachable)} for a twin "
+                "an earlier attempt may have left there (unreachable); trying again later"
+            )
 
     def _delete(self, zone: str, name: str) -> None:
         op = self._instances.delete_unary(
@@ -417,9 +493,7 @@ class GcpProvider:
         )
         deadline = time.monotonic() + self._operation_timeout
         wait_succeeded(op, deadline, self._zone_waiter(zone), self._operation_timeout)
-        with self._startup_lock:
-            for key in [k for k in self._startup if k[:2] == (zone, name)]:
-                del self._startup[key]
+        self._startup.drop(lambda key: key[:2] == (zone, name))
 
     def _wait_vanished(self, zone: str, name: str, deadline: float) -> None:
         """Wait (until `deadline`) for a failed insert's instance to be gone."""
@@ -529,8 +603,7 @@ class GcpProvider:
     def _startup_state(self, zone: str, gce: compute_v1.Instance) -> str:
         """The startup script's last report ("booting" before its first), paced per VM."""
         key = (zone, gce.name, gce.id)
-        with self._startup_lock:
-            known = self._startup.get(key)
+        known = self._startup.get(key)
         if known is not None and (
             known[0] == STARTUP_READY or time.monotonic() - known[1] < self._guest_interval
         ):
@@ -559,8 +632,7 @@ class GcpProvider:
                 ),
                 state,
             )
-        with self._startup_lock:
-            self._startup[key] = (state, time.monotonic())
+        self._startup.put(key, (state, time.monotonic()))
         return state
 
     # -- preemptions --------------------------------------------------------
@@ -573,8 +645,7 @@ class GcpProvider:
         costs few list calls.
         """
         key = (zone, name)
-        with self._preempted_lock:
-            known = self._preempted.get(key)
+        known = self._preempted.get(key)
         if known is not None and (
             known[0] or time.monotonic() - known[1] < self._preemption_interval
         ):
@@ -601,8 +672,7 @@ class GcpProvider:
             # unknown: a worker without compute.zoneOperations.list (an older
             # role) or an API hiccup must not turn a deleted VM into an error.
             log.warning("cannot tell whether %s/%s was preempted: %s", zone, name, err)
-        with self._preempted_lock:
-            self._preempted[key] = (found, time.monotonic())
+        self._preempted.put(key, (found, time.monotonic()))
         return found
 
     # -- operations ---------------------------------------------------------

@@ -9,6 +9,7 @@ which scopes the visibility query to its own owners.
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from activities.gc import (
     GcActivities,
     SurveyInput,
 )
+from providers.gcp import PORT_METADATA_KEY, GcpConfig, GcpProvider, labels
+from providers.gcp.instances import TAGS_METADATA_KEY
 from providers.memory import MemoryProvider
 from providers.naming import (
     INSTALLATION_KEY,
@@ -40,12 +43,14 @@ from providers.naming import (
     instance_name,
     owner_tags,
 )
+from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
 from tests.fakes.owners import start_owner
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 INSTALLATION = "test"
+ZONE_B, ZONE_C = DEFAULT_ZONES[:2]
 
 
 @dataclass
@@ -229,3 +234,68 @@ async def test_record_deleted_counts_per_provider(fleet: Fleet) -> None:
     await run(fleet.gc.record_deleted, DeletedInput(fleet.name, 3))
     assert counter("proxy_operator_orphans_deleted_total", fleet.name) == before + 3
     assert await run(fleet.gc.providers) == [fleet.name]
+
+
+async def test_a_same_name_vm_in_another_zone_is_an_orphan_past_grace(
+    temporal_env: WorkflowEnvironment,
+) -> None:
+    """Names are unique per zone: the owner's instance is the one it serves from."""
+    client = temporal_env.client
+    name = f"gcp-{uuid.uuid4().hex[:8]}"
+    with FakeCompute() as fake:
+        gcp = GcpProvider(
+            GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B), INSTALLATION, **fake.clients()
+        )
+        gc = GcActivities({name: gcp}, INSTALLATION, client)
+        serving, booting = (f"owner-{uuid.uuid4().hex[:10]}" for _ in range(2))
+        for owner, ips in ((serving, ("203.0.113.10", "203.0.113.11")), (booting, ("", ""))):
+            tags = owner_tags(INSTALLATION, owner, 0, namespace=client.namespace)
+            metadata = {TAGS_METADATA_KEY: json.dumps(tags), PORT_METADATA_KEY: "3128"}
+            for zone, ip in zip((ZONE_B, ZONE_C), ips, strict=True):
+                fake.add_instance(
+                    zone,
+                    instance_name(owner, 0),
+                    labels=labels(tags),
+                    metadata=metadata,
+                    status="RUNNING" if ip else "PROVISIONING",
+                    nat_ip=ip or None,
+                )
+        # The one not Ready: nothing says which of its two is its own, so both are kept.
+        published = {
+            serving: {"endpoint": "203.0.113.10:3128"},
+            booting: {"state": "Provisioning"},
+        }
+        owners = [
+            await start_owner(
+                client,
+                owner,
+                provider=name,
+                instances=[instance_name(owner, 0)],
+                task_queue=f"no-worker-{name}",
+                **attributes,
+            )
+            for owner, attributes in published.items()
+        ]
+        try:
+            query = f"ExecutionStatus = 'Running' AND ProxyProvider = '{name}'"
+
+            async def listed() -> bool:
+                return (await client.count_workflows(query)).count == 2
+
+            await wait_for(listed, "visibility to list both owners")
+
+            survey = await run(gc.survey, SurveyInput(name, grace_period_seconds=0))
+            twin = f"{ZONE_C}/{instance_name(serving, 0)}"
+            assert (survey.seen, survey.owned) == (4, 3)
+            assert [c.provider_id for c in survey.candidates] == [twin]
+            confirmation = await run(gc.confirm, ConfirmInput(survey.candidates))
+        finally:
+            for handle in owners:
+                await handle.terminate()
+
+    [verdict] = confirmation.verdicts
+    assert verdict.verdict is Decision.ORPHAN
+    assert verdict.reason == (
+        f"owner {serving} serves {instance_name(serving, 0)} from another instance of that "
+        "name, at 203.0.113.10:3128: a twin in another zone"
+    )

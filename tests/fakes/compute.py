@@ -23,6 +23,9 @@ Stable API (used by the provider tests and by workflow-level tests):
         fake.guest_write(zone, name, "proxy-operator/state", "ready")  # as the VM would
         fake.set_zone_unreachable(zone, True)  # aggregated lists cannot see it
         fake.preempt(zone, name)              # Compute Engine reclaims a Spot VM
+        fake.delete_firewall(rule)            # a rule deleted by hand
+        fake.race_firewall_update(rule, 8080) # another writer's update overwrites ours
+        fake.admits(3128)                     # whether a rule lets the port through
         fake.instance(zone, name)             # stored resource (dict) or None
         fake.calls("insert")                  # requests received, oldest first
 
@@ -52,6 +55,12 @@ Stable API (used by the provider tests and by workflow-level tests):
   `zoneOperations.list`, filtered by `operationType`) and deletes the VM, its
   `instanceTerminationAction`; `stopping=True` leaves it STOPPING instead, the
   notice before the delete. A VM that is not Spot is refused (ValueError).
+- Firewall rules carry no fingerprint and `firewalls.update` takes no
+  precondition, so the last write wins: `race_firewall_update(rule, port)`
+  plays another worker whose read-modify-write lands right after the next
+  update and drops its change; `delete_firewall(rule)` is a rule deleted by
+  hand. `admits(port)` is the network's part: whether any rule lets TCP
+  `port` through (a test's probe sees a timeout otherwise).
 - From another process: `python -m tests.fakes.compute --port 8089` serves
   it, and `remote(url, "inject_error", method="insert", kind="quota")`
   (a POST to `/_fake/<name>` with the keyword arguments as JSON) calls any of
@@ -139,6 +148,8 @@ CONTROL_METHODS = frozenset(
         "preempt",
         "add_instance",
         "put_firewall",
+        "delete_firewall",
+        "race_firewall_update",
         "instance",
         "firewall",
     }
@@ -343,6 +354,9 @@ class FakeCompute(ServedFake):
         self._guest: dict[tuple[str, str], dict[str, str]] = {}
         # requestId -> the operation its first request started.
         self._requests: dict[str, str] = {}
+        # Firewall rule name -> the TCP port another writer adds in a PUT
+        # that lands right after the next update's (race_firewall_update).
+        self._racing_writers: dict[str, int] = {}
         self._ids = itertools.count(1000)
         self._routes = self._build_routes()
 
@@ -486,6 +500,41 @@ class FakeCompute(ServedFake):
         """Seed or overwrite a firewall rule (e.g. one widened by hand)."""
         with self._cond:
             self._firewalls[body["name"]] = self._complete_firewall(body)
+
+    def delete_firewall(self, name: str) -> None:
+        """Delete a firewall rule as someone would by hand (console, gcloud); absent is fine."""
+        with self._cond:
+            self._firewalls.pop(name, None)
+
+    def race_firewall_update(self, name: str, port: int) -> None:
+        """Another writer adds TCP `port` to rule `name`, racing the next update.
+
+        It read the rule when the next update's request did and writes its
+        own read-modify-write result just after that update is applied: the
+        last write wins, so that update's change is lost. Firewall rules
+        carry no fingerprint and `firewalls.update` takes no precondition,
+        so Compute Engine accepts both (API reference of firewalls.update).
+        """
+        with self._cond:
+            self._racing_writers[name] = port
+
+    def admits(self, port: int) -> bool:
+        """Whether an enabled ingress rule of the project admits TCP `port`.
+
+        The VPC network's part in a probe: traffic no rule admits is dropped,
+        and the prober sees a timeout (firewall/docs/firewalls, implied deny ingress).
+        """
+        with self._cond:
+            return any(
+                rule.get("direction") == "INGRESS"
+                and not rule.get("disabled", False)
+                and any(
+                    allowed.get("IPProtocol") in ("tcp", "all")
+                    and (not allowed.get("ports") or str(port) in allowed["ports"])
+                    for allowed in rule.get("allowed", [])
+                )
+                for rule in self._firewalls.values()
+            )
 
     def instance(self, zone: str, name: str) -> dict[str, Any] | None:
         with self._cond:
@@ -934,8 +983,16 @@ class FakeCompute(ServedFake):
                 "The network of a firewall rule cannot be changed."
             )
 
+        racer = self._racing_writers.pop(name, None)
+
         def store() -> None:
             self._firewalls[name] = rule
+            if racer is not None:
+                # The other writer's PUT, made from the rule as both read it.
+                theirs = json.loads(json.dumps(current))
+                tcp = [a for a in theirs.get("allowed", []) if a.get("IPProtocol") == "tcp"]
+                tcp[0].setdefault("ports", []).append(str(racer))
+                self._firewalls[name] = theirs
 
         return 200, self._new_operation(None, "update", f"global/firewalls/{name}", failure, store)
 

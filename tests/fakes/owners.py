@@ -14,7 +14,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from contract import INSTANCES, PROVIDER, STATE
+from contract import ENDPOINT, INSTANCES, PROVIDER, STATE
 from contract import PROXY_LIFECYCLE as WORKFLOW_TYPE
 
 
@@ -26,6 +26,7 @@ async def start_owner(
     instances: Sequence[str],
     task_queue: str,
     state: str | None = "Ready",
+    endpoint: str | None = None,
     **options: Any,
 ) -> WorkflowHandle[Any, Any]:
     """A running ProxyLifecycle that owns `instances`, as visibility and describe see it.
@@ -33,7 +34,7 @@ async def start_owner(
     No worker polls `task_queue`, so it stays running with exactly these
     search attributes until the test terminates it. `state=None` stands for
     a run whose first task has not run yet: a lifecycle publishes its state
-    and instances together, in that task.
+    and instances together, in that task. `endpoint`: where a Ready one serves.
     """
     pairs: list[SearchAttributePair[Any]] = [
         SearchAttributePair(PROVIDER, provider),
@@ -41,6 +42,8 @@ async def start_owner(
     ]
     if state is not None:
         pairs.append(SearchAttributePair(STATE, state))
+    if endpoint is not None:
+        pairs.append(SearchAttributePair(ENDPOINT, endpoint))
     return await client.start_workflow(
         WORKFLOW_TYPE,
         {"provider": provider},

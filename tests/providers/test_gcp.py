@@ -75,10 +75,14 @@ def make_request(
     )
 
 
-def make_provider(fake: FakeCompute, **settings: Any) -> GcpProvider:
+def make_provider(
+    fake: FakeCompute, *, tuning: dict[str, float] | None = None, **settings: Any
+) -> GcpProvider:
+    """A provider of `settings`; `tuning`: GcpProvider's own keyword arguments."""
     config = GcpConfig(project=DEFAULT_PROJECT, zone=ZONE_B, **settings)
     # Every `get` asks for the startup state: tests step through it quickly.
-    return GcpProvider(config, INSTALLATION, guest_attribute_interval=0, **fake.clients())
+    options: dict[str, Any] = {"guest_attribute_interval": 0, **(tuning or {})}
+    return GcpProvider(config, INSTALLATION, **options, **fake.clients())
 
 
 def boot(fake: FakeCompute, zone: str, name: str, nat_ip: str = "203.0.113.10") -> None:
@@ -410,7 +414,8 @@ def test_firewall_is_ensured_once_and_admits_allowed_cidrs_only(
     provider.create(make_request("proxy-1"))
     provider.create(make_request("proxy-2"))
 
-    assert len(fake_compute.calls("firewall_get")) == 1
+    # Read, insert, read back; the second create trusts the check.
+    assert len(fake_compute.calls("firewall_get")) == 2
     assert len(fake_compute.calls("firewall_insert")) == 1
     assert len(fake_compute.calls("global_operation_wait")) == 1
     rule = fake_compute.firewall(FIREWALL)
@@ -468,6 +473,61 @@ def test_firewall_inserted_by_a_racing_worker_is_accepted(
 
     assert len(fake_compute.calls("firewall_insert")) == 2  # ours got a 409
     assert len(fake_compute.calls("firewall_update")) == 0  # and the rule was right
+
+
+def rule_ports(fake: FakeCompute) -> list[str]:
+    rule = fake.firewall(FIREWALL)
+    assert rule is not None, "no firewall rule"
+    return [port for allowed in rule["allowed"] for port in allowed["ports"]]
+
+
+def test_a_port_a_concurrent_writer_dropped_is_merged_back(fake_compute: FakeCompute) -> None:
+    """No precondition on firewalls.update: our update is read back, and redone if lost."""
+    make_provider(fake_compute).create(make_request("first"))
+    # Another worker adds 9090 from the rule as it was, just after our update.
+    fake_compute.race_firewall_update(FIREWALL, 9090)
+
+    make_provider(fake_compute).create(make_request("overridden-port", port=8080))
+
+    assert rule_ports(fake_compute) == ["3128", "8080", "9090"]
+    assert len(fake_compute.calls("firewall_update")) == 2
+
+
+def test_a_rule_deleted_by_hand_is_recreated_once_its_check_is_stale(
+    fake_compute: FakeCompute,
+) -> None:
+    provider = make_provider(fake_compute, tuning={"firewall_recheck_seconds": 0})
+    provider.create(make_request("first"))
+    fake_compute.delete_firewall(FIREWALL)
+
+    provider.create(make_request("second"))
+
+    assert rule_ports(fake_compute) == ["3128"]
+
+
+def test_a_failed_probe_has_the_rule_checked_and_put_back(fake_compute: FakeCompute) -> None:
+    provider = make_provider(fake_compute, tuning={"firewall_doubt_seconds": 0})
+    made = provider.create(make_request())
+    fake_compute.delete_firewall(FIREWALL)
+
+    provider.recheck_access(made.provider_id, proxy_settings())
+
+    assert rule_ports(fake_compute) == ["3128"]
+
+
+def test_a_failed_probe_right_after_a_check_has_the_next_create_check(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """Many VMs failing at once cost one read, and the replacement's create checks again."""
+    made = provider.create(make_request())
+    fake_compute.delete_firewall(FIREWALL)
+    reads = len(fake_compute.calls("firewall_get"))
+
+    provider.recheck_access(made.provider_id, proxy_settings())  # just checked: no read
+    assert len(fake_compute.calls("firewall_get")) == reads
+    provider.create(make_request("replacement"))
+
+    assert rule_ports(fake_compute) == ["3128"]
 
 
 @pytest.mark.parametrize("cidrs", [(), ("2001:db8::/32",)])
@@ -880,7 +940,6 @@ def test_list_by_tag_refuses_to_answer_for_part_of_the_project(
 
 def test_lookup_by_name_asks_each_candidate_zone(fake_compute: FakeCompute) -> None:
     provider = make_provider(fake_compute, zones=[ZONE_C])
-    fake_compute.set_zone_unreachable(ZONE_US, True)  # no candidate: irrelevant here
     req = make_request()
 
     provider.create(req)
@@ -961,6 +1020,75 @@ def test_a_twin_that_could_not_be_deleted_is_deleted_by_the_retry(
 
     assert instance.provider_id == f"{ZONE_B}/{req.name}"
     assert fake_compute.instance_keys() == {(ZONE_B, req.name)}
+
+
+def test_a_twin_in_an_unreachable_zone_keeps_the_create_transient(
+    fake_compute: FakeCompute,
+) -> None:
+    """A zone the twin check cannot see may hold one: try later, never carry on as if not."""
+    req = make_request()
+    left_in_fallback_zone(fake_compute, req)
+    fake_compute.set_zone_unreachable(ZONE_C, True)
+
+    # The retry runs on a worker whose config no longer lists zone C.
+    with pytest.raises(Transient, match=f"zones/{ZONE_C}"):
+        make_provider(fake_compute, zones=[ZONE_D]).create(req)
+
+    fake_compute.set_zone_unreachable(ZONE_C, False)
+    instance = make_provider(fake_compute, zones=[ZONE_D]).create(req)
+    assert instance.provider_id == f"{ZONE_B}/{req.name}"
+    assert fake_compute.instance_keys() == {(ZONE_B, req.name)}
+
+
+def test_find_in_a_zone_the_config_no_longer_allows_finds_nothing(
+    fake_compute: FakeCompute,
+) -> None:
+    """The pool's endpoint check then asks the listing, instead of rejecting the report."""
+    made = make_provider(fake_compute).create(make_request(zone=ZONE_US))
+    moved = make_provider(fake_compute, subnetwork=SUBNET_EU)
+
+    before = len(fake_compute.calls())
+    assert moved.find(made.name, {"zone": ZONE_US}) is None
+    assert fake_compute.calls()[before:] == []
+    listed = moved.list_by_tag(OWNER_KEY, "proxy-eu-1")
+    assert [i.provider_id for i in listed] == [made.provider_id]
+
+
+def test_inserts_that_keep_failing_are_not_chained_without_bound(
+    fake_compute: FakeCompute, provider: GcpProvider
+) -> None:
+    """Each retry walks the failed inserts its requestIds still answer: a few, then it says so."""
+    req = make_request()
+    fake_compute.inject_error("insert", "quota_operation", zone=ZONE_B, times=None)
+    sent = []
+    for _ in range(8):
+        with pytest.raises(QuotaExceeded) as caught:
+            provider.create(req)
+        sent.append(len(fake_compute.calls("insert")))
+
+    per_attempt = [b - a for a, b in zip([0, *sent], sent, strict=False)]
+    assert max(per_attempt) <= 4, per_attempt
+    assert "no new insert until the first is forgotten" in str(caught.value)
+    assert "Quota 'IN_USE_ADDRESSES' exceeded" in str(caught.value)
+
+
+def test_preemption_lookups_are_remembered_for_a_bounded_number_of_vms(
+    fake_compute: FakeCompute,
+) -> None:
+    provider = make_provider(fake_compute, spot=True, tuning={"remembered_vms": 2})
+    made = [provider.create(make_request(f"spot-{i}")) for i in range(3)]
+    for instance in made:
+        fake_compute.preempt(ZONE_B, instance.name)
+        with pytest.raises(NotFound):
+            provider.get(instance.provider_id)
+    listed = len(fake_compute.calls("zone_operation_list"))
+
+    # The first VM's preemption was forgotten for the later two: asked again.
+    with pytest.raises(NotFound) as gone:
+        provider.get(made[0].provider_id)
+
+    assert gone.value.disruption is not None
+    assert len(fake_compute.calls("zone_operation_list")) == listed + 1
 
 
 # -- zone fallback ----------------------------------------------------------------
