@@ -202,16 +202,16 @@ class AwsProvider:
 
         The instance is read first and its tags checked: one of another
         installation, or one made by hand, is Permanent. Gone means gone
-        only once EC2 could show it (providers.aws.consistency): an
-        instance not listed yet is looked for again by the client token and
-        name it was launched under, and while it is young, its absence is
-        Transient, so the delete is asked again instead of reported done.
+        only once EC2 could show it (providers.aws.consistency): while an
+        instance not listed is young, its absence is Transient, so the
+        delete is asked again (and finds it once EC2 lists it) instead of
+        reported done.
         """
         instance_id = parse_provider_id(provider_id)
         with self._lock:
             self._console.pop(instance_id, None)
         with edge():
-            found = self._describe(instance_id) or self._found_again(instance_id)
+            found = self._describe(instance_id)
             if found is None:
                 self._unless_gone(instance_id)
                 return
@@ -338,7 +338,7 @@ class AwsProvider:
                 f"create instance {req.name}: an instance of that name exists "
                 f"({ec2.get('InstanceId')}) and is not this proxy's, {mismatch}"
             )
-        self._sightings.seen(ec2.get("InstanceId", ""), req.name, ec2.get("LaunchTime"))
+        self._sightings.seen(ec2.get("InstanceId", ""), ec2.get("LaunchTime"))
         return self._with_readiness(ec2)
 
     def _no_zone_takes(self, subnets: list[str], refused: list[ClientError]) -> Exception:
@@ -477,23 +477,8 @@ class AwsProvider:
             return None
         found = first(list(answer["Reservations"]))
         if found is not None:
-            name = tag_dict(found.get("Tags", [])).get(NAME_TAG, "")
-            self._sightings.seen(instance_id, name, found.get("LaunchTime"))
+            self._sightings.seen(instance_id, found.get("LaunchTime"))
         return found
-
-    def _found_again(self, instance_id: str) -> InstanceTypeDef | None:
-        """The instance not listed by its id, looked for by the client token and name it had."""
-        name = self._sightings.name_of(instance_id)
-        if not name:
-            return None
-        for selector in ("client-token", f"tag:{NAME_TAG}"):
-            answer = self._ec2.describe_instances(Filters=[{"Name": selector, "Values": [name]}])
-            for reservation in answer["Reservations"]:
-                for ec2 in reservation.get("Instances", []):
-                    if ec2.get("InstanceId") == instance_id:
-                        found: InstanceTypeDef = ec2
-                        return found
-        return None
 
     def _unless_gone(self, instance_id: str) -> None:
         """Transient while EC2 may not show the instance yet; returns once it is gone for good."""

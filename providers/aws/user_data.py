@@ -25,7 +25,6 @@ credentials on the instance: a proxy VM has no IAM role to steal.
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
 from providers.boot_script import (
@@ -36,7 +35,7 @@ from providers.boot_script import (
     fill,
     load_template,
 )
-from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
+from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings
 
 # The console line the script writes at each step: `<marker> <state>`.
 STATE_MARKER = "proxy-operator-state:"
@@ -48,8 +47,6 @@ STARTUP_INTERRUPTED = "interrupted"
 # How often the spot watcher asks IMDS; AWS suggests every 5 seconds.
 SPOT_POLL_SECONDS = 5
 
-# A SHA-512-crypt hash as providers.squid writes it into the htpasswd.
-_HASH = re.compile(r"\$6\$rounds=[0-9]+\$[./0-9A-Za-z]{1,16}\$[./0-9A-Za-z]{86}")
 _SALT_ALPHABET = "./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _SALT_CHARS = 16
 
@@ -82,12 +79,13 @@ def user_data(proxy: ProxySettings, *, spot: bool, name: str) -> str:
     fresh salt in the htpasswd would make every retry a different request
     (IdempotentParameterMismatch). So the hash's salt is `htpasswd_salt(name)`.
     """
-    script = fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER, SPOT_WATCH=SPOT_WATCH if spot else "")
-    hashes = _HASH.findall(script)
-    if len(hashes) != 1:
-        raise ValueError(f"the user data template holds {len(hashes)} password hashes, not one")
-    setting = f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt(name)}"
-    return script.replace(hashes[0], sha512_crypt(proxy.password, setting))
+    return fill(
+        TEMPLATE,
+        proxy,
+        password_setting=f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt(name)}",
+        STATE_MARKER=STATE_MARKER,
+        SPOT_WATCH=SPOT_WATCH if spot else "",
+    )
 
 
 def htpasswd_salt(name: str) -> str:

@@ -21,15 +21,22 @@ from typing import Any
 import boto3
 import pytest
 
+from providers import squid
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
 from providers.aws.security_group import PORT_GRACE_SECONDS, PORTS_TAG
-from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice, user_data
+from providers.aws.user_data import (
+    SPOT_WATCH,
+    console_state,
+    htpasswd_salt,
+    interruption_notice,
+    user_data,
+)
 from providers.base import CreateRequest, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
-from providers.squid import ProxySettings, sha512_crypt
+from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
 from tests.fakes.ec2 import DEBIAN_IMAGES, NEWEST_DEBIAN_12, REGION, FakeEc2
 from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
 
@@ -841,27 +848,31 @@ def test_a_new_instance_ec2_does_not_list_yet_is_waited_for_not_lost() -> None:
     assert listed.provider_id == created.provider_id
 
 
-def test_a_delete_right_after_create_finds_the_instance_by_its_token_and_terminates_it() -> None:
+def test_a_delete_right_after_create_is_asked_again_until_ec2_lists_the_instance() -> None:
     with FakeEc2(instance_lag=1) as fake:
-        provider = make_provider(fake)
-        created = provider.create(make_request())
-
-        provider.delete(created.provider_id)  # not listed by id: found by its client token
-
-        assert fake.instance(created.provider_id).state == "terminated"
-
-
-def test_a_delete_is_not_done_while_ec2_may_not_show_the_instance_yet() -> None:
-    with FakeEc2(instance_lag=6) as fake:
         provider = make_provider(fake)
         created = provider.create(make_request())
 
         with pytest.raises(Transient, match="is not listed yet"):
             provider.delete(created.provider_id)
-        assert fake.instance(created.provider_id).state == "running"  # not taken for gone
-        with pytest.raises(Transient):
-            provider.delete(created.provider_id)  # TerminateInstances: NotFound, still running
-        assert fake.instance(created.provider_id).state == "running"
+        provider.delete(created.provider_id)  # Temporal's retry: listed now
+
+        assert fake.instance(created.provider_id).state == "terminated"
+        # Asked by its id each time: nothing else would show it sooner.
+        assert [call.params.get("InstanceId.1") for call in fake.calls("DescribeInstances")][
+            -2:
+        ] == [created.provider_id] * 2
+
+
+def test_a_delete_is_not_done_while_ec2_may_not_show_the_instance_yet() -> None:
+    with FakeEc2(instance_lag=3) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())
+
+        for _ in range(3):
+            with pytest.raises(Transient, match="is not listed yet"):
+                provider.delete(created.provider_id)
+            assert fake.instance(created.provider_id).state == "running"  # not taken for gone
         provider.delete(created.provider_id)
 
         assert fake.instance(created.provider_id).state == "terminated"
@@ -947,6 +958,22 @@ def test_the_user_data_of_one_name_is_the_same_on_every_render() -> None:
         line.split(":", 1)[1] for line in first.splitlines() if line.startswith("proxy:$6$")
     ]
     assert sha512_crypt(PASSWORD, hashed) == hashed  # Squid's helper accepts the password
+
+
+def test_a_render_hashes_the_password_once_with_the_instance_s_salt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SHA-512-crypt's rounds are the costly part of a render: paid once, not twice."""
+    settings: list[str | None] = []
+
+    def counted(password: str, setting: str | None = None) -> str:
+        settings.append(setting)
+        return sha512_crypt(password, setting)
+
+    monkeypatch.setattr(squid, "sha512_crypt", counted)
+    user_data(proxy_settings(), spot=False, name="proxy-aaaa")
+
+    assert settings == [f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt('proxy-aaaa')}"]
 
 
 def test_a_create_retried_before_ec2_lists_the_instance_gets_the_same_one() -> None:
