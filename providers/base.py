@@ -164,3 +164,18 @@ class NamedLookup(Protocol):
     def find(self, name: str, placement: Mapping[str, str]) -> Instance | None:
         """The instance named `name` where a create with `placement` may have put it, or None."""
         ...
+
+
+@runtime_checkable
+class ReplacementAdvice(Protocol):
+    """A provider whose platform may warn that a healthy instance will soon be taken away.
+
+    Optional: the monitor of a Ready instance asks it after its successful
+    probes, and on advice asks the proxy's workflow for a make-before-break
+    rotation, so the replacement serves before the platform acts. The
+    provider paces its platform calls: asking often costs nothing more.
+    """
+
+    def replacement_advised(self, provider_id: str) -> str | None:
+        """Why the platform advises replacing the instance now, or None."""
+        ...

@@ -44,9 +44,11 @@ from providers.aws.instances import (
 from providers.aws.security_group import InstallationGroup, group_name
 from providers.aws.settings import AwsConfig, config_problems
 from providers.aws.user_data import (
+    REBALANCE_REASON,
     STARTUP_BOOTING,
     STARTUP_READY,
-    console_state,
+    ConsoleReport,
+    console_report,
     interruption_notice,
     user_data,
 )
@@ -81,6 +83,12 @@ SDK_CONFIG = BotoConfig(
 # GetConsoleOutput is throttled per account like every EC2 action; an
 # instance not ready yet is asked at most this often, the answer in between reused.
 CONSOLE_INTERVAL_SECONDS = 6.0
+# A Ready spot instance's console is read for a rebalance recommendation at
+# most this often: 1,000 spot proxies make about 8 GetConsoleOutput calls a
+# second. The interruption notice needs no such read (the watcher stops
+# Squid, and the failed probe reads it), so this only bounds how late a
+# replacement starts before the notice.
+ADVICE_INTERVAL_SECONDS = 120.0
 # The newest image of the configured name is looked up again after this long.
 IMAGE_CACHE_SECONDS = 3600.0
 # Every state but terminated: an instance in them still holds its name.
@@ -97,6 +105,7 @@ class AwsProvider:
         *,
         ec2: EC2Client,
         console_interval: float = CONSOLE_INTERVAL_SECONDS,
+        advice_interval: float = ADVICE_INTERVAL_SECONDS,
         consistency_window: float = CONSISTENCY_WINDOW_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -105,6 +114,7 @@ class AwsProvider:
         self._installation = installation
         self._ec2 = ec2
         self._console_interval = console_interval
+        self._advice_interval = advice_interval
         self._group = InstallationGroup(
             ec2=ec2,
             name=settings.security_group or group_name(installation),
@@ -115,7 +125,7 @@ class AwsProvider:
         # Console state per instance id: "ready" is kept for good on an
         # on-demand instance; anything else (and a spot instance's "ready",
         # which a notice may follow) with when it was read, to pace the queries.
-        self._console: dict[str, tuple[str, float]] = {}
+        self._console: dict[str, tuple[ConsoleReport, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
         # Image id -> its root device's name and size (GiB), if the image says.
@@ -231,6 +241,20 @@ class AwsProvider:
                     f"delete instance {instance_id}: TerminateInstances says it does not exist, "
                     "but EC2 listed it; terminating again"
                 ) from exc
+
+    def replacement_advised(self, provider_id: str) -> str | None:
+        """REBALANCE_REASON once EC2 recommended rebalancing this spot instance, else None.
+
+        EC2 says so inside the instance only (IMDS); the user data's watcher
+        reports it on the serial console, read here at most every
+        `advice_interval`. On-demand instances get none: no call is made.
+        """
+        if self._settings.market != "spot":
+            return None
+        instance_id = parse_provider_id(provider_id)
+        with edge():
+            report = self._console_report(instance_id, self._advice_interval)
+        return REBALANCE_REASON if report.rebalance else None
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance not yet terminated carrying `key=value`, in the provider's region.
@@ -512,7 +536,7 @@ class AwsProvider:
         instance = to_instance(ec2)
         if instance.state is not InstanceState.RUNNING:
             return instance
-        report = self._console_state(instance.provider_id)
+        report = self._console_report(instance.provider_id, self._console_interval).state
         notice = interruption_notice(report)
         if notice is not None:
             # TERMINATED, not STOPPED or PROVISIONING: the monitor's check
@@ -530,12 +554,16 @@ class AwsProvider:
             )
         return with_report(instance, report, script="user data", machine="instance")
 
-    def _console_state(self, instance_id: str) -> str:
-        """The user data's last report on the serial console, paced per instance."""
+    def _console_report(self, instance_id: str, max_age: float) -> ConsoleReport:
+        """The user data's last reports on the serial console, read again once `max_age` old."""
         with self._lock:
             known = self._console.get(instance_id)
-        final = known is not None and known[0] == STARTUP_READY and self._settings.market != "spot"
-        if known is not None and (final or time.monotonic() - known[1] < self._console_interval):
+        final = (
+            known is not None
+            and known[0].state == STARTUP_READY
+            and self._settings.market != "spot"
+        )
+        if known is not None and (final or time.monotonic() - known[1] < max_age):
             return known[0]
         # Latest: the console as it is now (Nitro instances), not the buffer
         # EC2 posts at state transitions only.
@@ -545,8 +573,8 @@ class AwsProvider:
             if code(exc) != INSTANCE_NOT_FOUND:
                 raise
             # DescribeInstances listed it: the console API does not show it yet.
-            return known[0] if known is not None else STARTUP_BOOTING
-        state = console_state(answer.get("Output"))
+            return known[0] if known is not None else ConsoleReport(STARTUP_BOOTING)
+        report = console_report(answer.get("Output"))
         with self._lock:
-            self._console[instance_id] = (state, time.monotonic())
-        return state
+            self._console[instance_id] = (report, time.monotonic())
+        return report

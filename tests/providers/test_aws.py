@@ -27,12 +27,12 @@ from providers.aws.provider import PROVIDER_TYPE
 from providers.aws.security_group import PORT_GRACE_SECONDS, PORTS_TAG
 from providers.aws.user_data import (
     SPOT_WATCH,
-    console_state,
+    console_report,
     htpasswd_salt,
     interruption_notice,
     user_data,
 )
-from providers.base import CreateRequest, InstanceState
+from providers.base import CreateRequest, Disruption, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
@@ -83,6 +83,7 @@ def make_provider(
     *,
     consistency_window: float = 300.0,
     clock: Callable[[], float] = time.time,
+    advice_interval: float = 0,
     **settings: Any,
 ) -> AwsProvider:
     config = AwsConfig(region=REGION, subnets=subnet_ids(fake, subnets), **settings)
@@ -92,6 +93,7 @@ def make_provider(
         INSTALLATION,
         ec2=fake.client(),
         console_interval=0,
+        advice_interval=advice_interval,
         consistency_window=consistency_window,
         clock=clock,
     )
@@ -341,10 +343,12 @@ def test_a_spot_interruption_ends_the_instance_as_lost(fake_ec2: FakeEc2) -> Non
     assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
     assert lost.exit_address is None
     assert lost.reason.startswith("spot interruption: Server.SpotInstanceTermination")
+    assert lost.disruption is Disruption.SPOT_INTERRUPTED  # replaced, no crash counted
 
     fake_ec2.interrupt_spot(created.provider_id, state="terminated")
-    with pytest.raises(NotFound, match="terminated: spot interruption"):
+    with pytest.raises(NotFound, match="terminated: spot interruption") as gone:
         provider.get(created.provider_id)
+    assert gone.value.disruption is Disruption.SPOT_INTERRUPTED
 
 
 def test_a_spot_interruption_notice_ends_the_instance_before_ec2_does(fake_ec2: FakeEc2) -> None:
@@ -365,6 +369,7 @@ def test_a_spot_interruption_notice_ends_the_instance_before_ec2_does(fake_ec2: 
         assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
         assert lost.exit_address is None
         assert lost.reason == "spot interruption notice: terminate at 2026-12-02T18:30:00Z"
+        assert lost.disruption is Disruption.SPOT_INTERRUPTED
     assert fake_ec2.instance(created.provider_id).state == "running"  # EC2 has not acted yet
 
 
@@ -397,8 +402,8 @@ def test_the_latest_notice_wins_over_any_line_after_it() -> None:
             f"{STATE_MARKER} \x00",
         ]
     )
-    assert console_state(console) == "interrupted terminate 2026-12-02T18:30:00Z"
-    assert console_state(f"{STATE_MARKER} ready\n{STATE_MARKER} installing") == "installing"
+    assert console_report(console).state == "interrupted terminate 2026-12-02T18:30:00Z"
+    assert console_report(f"{STATE_MARKER} ready\n{STATE_MARKER} installing").state == "installing"
 
 
 def test_an_on_demand_instance_gets_no_notice_and_no_watcher(
@@ -411,6 +416,47 @@ def test_an_on_demand_instance_gets_no_notice_and_no_watcher(
         fake_ec2.notify_spot_interruption(created.provider_id)
     assert "spot/instance-action" not in fake_ec2.user_data(created.provider_id)
     assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+
+def test_a_rebalance_recommendation_advises_replacing_a_spot_instance_that_still_serves(
+    fake_ec2: FakeEc2,
+) -> None:
+    provider = make_provider(fake_ec2, market="spot")
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.replacement_advised(created.provider_id) is None
+
+    fake_ec2.recommend_rebalance(created.provider_id)
+
+    assert provider.replacement_advised(created.provider_id) == "EC2 rebalance recommendation"
+    serving = provider.get(created.provider_id)  # Squid serves on until its replacement
+    assert serving.state is InstanceState.RUNNING and serving.endpoint
+    fake_ec2.notify_spot_interruption(created.provider_id)
+    assert provider.get(created.provider_id).disruption is Disruption.SPOT_INTERRUPTED
+
+
+def test_the_console_is_read_for_advice_at_most_every_advice_interval(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot", advice_interval=3600)
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.replacement_advised(created.provider_id) is None
+    reads = len(fake_ec2.calls("GetConsoleOutput"))
+
+    fake_ec2.recommend_rebalance(created.provider_id)
+
+    assert provider.replacement_advised(created.provider_id) is None  # not read again yet
+    assert len(fake_ec2.calls("GetConsoleOutput")) == reads
+
+
+def test_an_on_demand_instance_is_never_advised_and_its_console_not_read_for_it(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    created = provider.create(make_request())
+
+    assert provider.replacement_advised(created.provider_id) is None
+    assert fake_ec2.calls("GetConsoleOutput") == []
+    with pytest.raises(ValueError, match="not a spot instance"):
+        fake_ec2.recommend_rebalance(created.provider_id)
 
 
 def test_only_a_spot_instance_is_interrupted(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
@@ -758,12 +804,14 @@ def test_only_a_spot_instance_s_user_data_watches_for_the_notice(fake_ec2: FakeE
 class FakeImds(BaseHTTPRequestHandler):
     """IMDSv2 as the docs describe it: a PUT for a token, then GETs carrying it.
 
-    `spot/instance-action` is 404 for the first `quiet` asks, then the notice.
+    `spot/instance-action` is 404 for the first `quiet` asks, then the
+    notice; `events/recommendations/rebalance` has a recommendation from the start.
     """
 
     token = "imds-token"
-    quiet = 1
+    quiet = 2
     asks = 0
+    recommendations = 0
 
     def do_PUT(self) -> None:
         if self.path != "/latest/api/token" or not self.headers.get(
@@ -776,6 +824,9 @@ class FakeImds(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.headers.get("X-aws-ec2-metadata-token") != self.token:
             self._answer(401, b"")
+        elif self.path == "/latest/meta-data/events/recommendations/rebalance":
+            type(self).recommendations += 1
+            self._answer(200, b'{"noticeTime": "2026-12-02T18:20:00Z"}')
         elif self.path != "/latest/meta-data/spot/instance-action":
             self._answer(404, b"")
         else:
@@ -795,7 +846,9 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
+def test_the_watcher_reports_a_recommendation_once_then_the_notice_and_stops_squid(
+    tmp_path: Path,
+) -> None:
     imds = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
     threading.Thread(target=imds.serve_forever, daemon=True).start()
     # systemctl played by a stub on PATH: the test never touches this machine's services.
@@ -822,13 +875,17 @@ def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
     finally:
         imds.shutdown()
 
-    assert console.read_text().splitlines() == ["interrupted stop 2026-12-02T18:30:00Z"]
+    assert console.read_text().splitlines() == [
+        "rebalance 2026-12-02T18:20:00Z",  # Squid serves on
+        "interrupted stop 2026-12-02T18:30:00Z",
+    ]
     assert (tmp_path / "systemctl.log").read_text().split() == [
         "--no-ask-password",
         "stop",
         "squid",
     ]
-    assert FakeImds.asks == 2  # asked again after the 404, stopped after the notice
+    assert FakeImds.asks == 3  # asked again after each 404, stopped after the notice
+    assert FakeImds.recommendations == 1  # reported once, not asked again
 
 
 # -- eventual consistency ("Eventual consistency in the Amazon EC2 API") ---------------
@@ -1036,7 +1093,7 @@ def test_the_console_of_a_xen_instance_never_shows_what_its_user_data_reports(
 
     output = fake_ec2.client().get_console_output(InstanceId=xen, Latest=True).get("Output")
 
-    assert console_state(output) != "ready"
+    assert console_report(output).state != "ready"
 
 
 def test_a_type_offered_in_none_of_the_subnets_zones_is_a_config_error(
