@@ -132,8 +132,8 @@ class AwsProvider:
         self._root_volumes: dict[str, tuple[str, int | None]] = {}
         # Subnet -> availability zone, read with the VPC.
         self._zones: dict[str, str] = {}
-        # The configured subnets whose zone offers the instance type, once checked.
-        self._offered: frozenset[str] | None = None
+        # Per configured instance type, the subnets whose zone offers it, once checked.
+        self._offered: dict[str, frozenset[str]] | None = None
         # How old each instance is, for what EC2 does not show yet.
         self._sightings = Sightings(consistency_window)
 
@@ -169,21 +169,27 @@ class AwsProvider:
             if existing is not None:
                 return self._adopt(req, existing)
             vpc = self._vpc_of(self._settings.subnets)
-            subnets = self._offering(self._subnet_order(req))
+            tries = self._offering(self._subnet_order(req))
             group = self._group.ensure(req.proxy, vpc)
             image = self._image_id()
             refused: list[ClientError] = []
-            for subnet in subnets:
+            for instance_type, subnet in tries:
                 try:
-                    return self._launch(req, subnet, group, image)
+                    return self._launch(req, instance_type, subnet, group, image)
                 except ClientError as exc:
                     if code(exc) == GROUP_NOT_FOUND:
                         self._group.forget(group)
                     if code(exc) not in NEXT_ZONE_CODES:
                         raise
-                    log.info("subnet %s refused %s: %s; trying the next", subnet, req.name, exc)
+                    log.info(
+                        "%s in subnet %s refused %s: %s; trying the next",
+                        instance_type,
+                        subnet,
+                        req.name,
+                        exc,
+                    )
                     refused.append(exc)
-            raise self._no_zone_takes(subnets, refused)
+            raise self._no_zone_takes(tries, refused)
 
     def get(self, provider_id: str) -> Instance:
         """The instance's state; a terminated one is NotFound, with why it ended.
@@ -279,9 +285,13 @@ class AwsProvider:
 
     # -- instances ----------------------------------------------------------
 
-    def _launch(self, req: CreateRequest, subnet: str, group: str, image: str) -> Instance:
+    def _launch(
+        self, req: CreateRequest, instance_type: str, subnet: str, group: str, image: str
+    ) -> Instance:
         try:
-            answer = self._ec2.run_instances(**self._run_params(req, subnet, group, image))
+            answer = self._ec2.run_instances(
+                **self._run_params(req, instance_type, subnet, group, image)
+            )
         except ClientError as exc:
             if code(exc) != IDEMPOTENT_MISMATCH:
                 raise
@@ -303,13 +313,15 @@ class AwsProvider:
             ) from exc
         return self._adopt(req, answer["Instances"][0])
 
-    def _run_params(self, req: CreateRequest, subnet: str, group: str, image: str) -> Any:
+    def _run_params(
+        self, req: CreateRequest, instance_type: str, subnet: str, group: str, image: str
+    ) -> Any:
         s = self._settings
         tags = as_tag_list({**req.tags, NAME_TAG: req.name, PORT_TAG: str(req.proxy.port)})
         params: dict[str, Any] = {
             "ClientToken": req.name,
             "ImageId": image,
-            "InstanceType": s.instance_type,
+            "InstanceType": instance_type,
             "MinCount": 1,
             "MaxCount": 1,
             "UserData": user_data(req.proxy, spot=s.market == "spot", name=req.name),
@@ -342,7 +354,7 @@ class AwsProvider:
             # No IAM instance profile: a proxy needs no AWS API access, so a
             # compromised one has no credentials to steal.
         }
-        if BURSTABLE.match(s.instance_type):  # t2, t3, t3a, t4g; not trn1 (no credits)
+        if BURSTABLE.match(instance_type):  # t2, t3, t3a, t4g; not trn1 (no credits)
             params["CreditSpecification"] = {"CpuCredits": s.cpu_credits}
         if s.market == "spot":
             spot: dict[str, Any] = {
@@ -365,8 +377,8 @@ class AwsProvider:
         self._sightings.seen(ec2.get("InstanceId", ""), ec2.get("LaunchTime"))
         return self._with_readiness(ec2)
 
-    def _no_zone_takes(self, subnets: list[str], refused: list[ClientError]) -> Exception:
-        """What to raise when every subnet refused the launch (`refused`, one per subnet).
+    def _no_zone_takes(self, tries: list[tuple[str, str]], refused: list[ClientError]) -> Exception:
+        """What to raise when every (type, subnet) refused the launch (`refused`, one each).
 
         Capacity and spot price change by the minute (QuotaExceeded, from
         the edge); a type offered in none of the zones is a config error.
@@ -374,9 +386,11 @@ class AwsProvider:
         waits = [exc for exc in refused if code(exc) != UNSUPPORTED]
         if waits:
             return waits[0]
+        types = ", ".join(dict.fromkeys(instance_type for instance_type, _ in tries))
+        subnets = ", ".join(dict.fromkeys(subnet for _, subnet in tries))
         return Permanent(
-            f"aws.instance_type: {self._settings.instance_type} is not offered in the "
-            f"availability zone of any of the subnets tried ({', '.join(subnets)}): "
+            f"aws.instance_type: {types} is not offered in the availability zone of any of "
+            f"the subnets tried ({subnets}): "
             f"{refused[-1].response.get('Error', {}).get('Message', '')}",
             cause=refused[-1],
         )
@@ -414,26 +428,33 @@ class AwsProvider:
         self._vpc = vpcs[0]
         return self._vpc
 
-    def _offering(self, subnets: list[str]) -> list[str]:
-        """`subnets` in their order, without those whose zone does not offer the type.
+    def _offering(self, subnets: list[str]) -> list[tuple[str, str]]:
+        """What to try, in order: each configured type in `subnets` whose zone offers it.
 
-        The type is checked once per provider (providers.aws.instance_type):
-        a type that is not Nitro, or offered in no zone, fails the create
-        as a config error naming `aws.instance_type`.
+        Type by type, so the first type is tried in every zone before the
+        next. Each type is checked once per provider
+        (providers.aws.instance_type): one that is not Nitro, or offered in
+        no zone, fails the create as a config error naming `aws.instance_type`.
         """
         if self._offered is None:
-            self._offered = frozenset(
-                offering_subnets(
-                    self._ec2, self._settings.instance_type, self._zones, self._settings.region
+            self._offered = {
+                instance_type: frozenset(
+                    offering_subnets(self._ec2, instance_type, self._zones, self._settings.region)
                 )
-            )
-        kept = [subnet for subnet in subnets if subnet in self._offered]
-        if not kept:
+                for instance_type in self._settings.instance_type
+            }
+        tries = [
+            (instance_type, subnet)
+            for instance_type, offered in self._offered.items()
+            for subnet in subnets
+            if subnet in offered
+        ]
+        if not tries:
             raise Permanent(
                 f"placement.subnet: {subnets[0]} is in {self._zones.get(subnets[0])}, which "
-                f"does not offer aws.instance_type {self._settings.instance_type}"
+                f"offers none of aws.instance_type {', '.join(self._settings.instance_type)}"
             )
-        return kept
+        return tries
 
     def _image_id(self) -> str:
         """The configured image, or the newest available one of the owner and name."""

@@ -764,6 +764,17 @@ SPOT = {**GOOD, "market": "spot"}
         ({**GOOD, "region": "Europe"}, None, "aws.region: string should match pattern"),
         ({**GOOD, "image_id": "ami-x"}, None, "aws.image_id: string should match pattern"),
         ({"region": "eu-west-1"}, None, "aws.subnets: field required"),
+        ({**GOOD, "instance_type": []}, None, "aws.instance_type: list should have at least 1"),
+        (
+            {**GOOD, "instance_type": ["t3.micro", "T3 Large"]},
+            None,
+            "aws.instance_type[1]: string should match pattern",
+        ),
+        (
+            {**GOOD, "instance_type": ["t3.micro", "t3.micro"]},
+            None,
+            "aws.instance_type: listed more than once",
+        ),
         (GOOD, ["2001:db8::/32"], "proxy.allowed_cidrs: no IPv4 range, but providers[0] (ec2)"),
     ],
 )
@@ -1065,6 +1076,54 @@ def test_a_client_token_whose_instance_ended_is_a_terminated_instance_not_a_wait
 # -- the instance type: Nitro, offered in the subnets' zones -------------------------
 
 
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [("m7i.large", ["m7i.large"]), (["t3.micro", "t3a.micro"], ["t3.micro", "t3a.micro"])],
+)
+def test_instance_type_is_one_type_or_several(given: Any, read: list[str]) -> None:
+    config = parse_config(aws_config({**SPOT, "instance_type": given}), environ={"PW": PASSWORD})
+    settings = config.providers[0].settings
+    assert isinstance(settings, AwsConfig) and settings.instance_type == read
+
+
+def test_a_type_no_subnet_takes_moves_to_the_next_type(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(
+        fake_ec2, subnets=2, market="spot", instance_type=["t3.micro", "t3a.micro"]
+    )
+    # The first launch in each subnet, t3.micro's, meets no capacity.
+    for subnet in subnet_ids(fake_ec2, 2):
+        fake_ec2.inject_error("RunInstances", "capacity", subnet=subnet, times=1)
+
+    created = provider.create(make_request())
+
+    tried = [
+        (c.params["InstanceType"], c.params["NetworkInterface.1.SubnetId"])
+        for c in fake_ec2.calls("RunInstances")
+    ]
+    assert [t for t, _ in tried] == ["t3.micro", "t3.micro", "t3a.micro"]  # every zone first
+    assert len({s for _, s in tried[:2]}) == 2
+    assert fake_ec2.instance(created.provider_id).instance_type == "t3a.micro"
+
+
+def test_every_listed_type_is_checked_before_any_launch(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot", instance_type=["t3.micro", "m4.large"])
+
+    with pytest.raises(Permanent, match=r"aws\.instance_type: m4\.large is not built on the Nitro"):
+        provider.create(make_request())
+    assert fake_ec2.calls("RunInstances") == []
+
+
+def test_a_type_not_offered_in_a_zone_is_not_tried_there_the_next_is(fake_ec2: FakeEc2) -> None:
+    (subnet_a, zone_a), _ = fake_ec2.subnets()[:2]
+    fake_ec2.not_offered("t3.micro", zone_a)
+    provider = make_provider(fake_ec2, subnets=2, instance_type=["t3.micro", "t3a.micro"])
+
+    created = provider.create(make_request(subnet=subnet_a))
+
+    assert fake_ec2.instance(created.provider_id).instance_type == "t3a.micro"
+    assert [c.params["InstanceType"] for c in fake_ec2.calls("RunInstances")] == ["t3a.micro"]
+
+
 @pytest.mark.parametrize("instance_type", ["t2.micro", "m4.large", "c4.large"])
 def test_a_type_not_built_on_nitro_is_a_config_error_before_any_launch(
     fake_ec2: FakeEc2, instance_type: str
@@ -1125,7 +1184,7 @@ def test_subnets_whose_zone_does_not_offer_the_type_are_never_tried(fake_ec2: Fa
     assert [c.params["NetworkInterface.1.SubnetId"] for c in fake_ec2.calls("RunInstances")] == [
         subnet_b
     ] * 4
-    with pytest.raises(Permanent, match=r"placement\.subnet: .* does not offer aws\.instance_type"):
+    with pytest.raises(Permanent, match=r"placement\.subnet: .* offers none of aws\.instance_type"):
         provider.create(make_request("pinned", subnet=subnet_a))
 
 
