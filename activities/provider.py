@@ -22,7 +22,11 @@ from urllib.parse import urlsplit
 
 from temporalio import activity
 from temporalio.api.enums.v1 import PendingActivityState
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import (
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -55,7 +59,7 @@ from activities.models import (
     WatchedMember,
 )
 from activities.probe import OTHER, ProbeResult, probe_connect
-from contract import ErrorType
+from contract import ROTATE_SIGNAL, ErrorType
 from providers.base import (
     AccessCheck,
     CreateRequest,
@@ -64,6 +68,7 @@ from providers.base import (
     InstanceState,
     NamedLookup,
     Provider,
+    ReplacementAdvice,
     split_endpoint,
 )
 from providers.catalog import provider_type
@@ -346,7 +351,9 @@ class ProviderActivities:
         the Web UI. It returns `unhealthy` after `failure_threshold`
         consecutive failures, `gone` as soon as a failed probe finds the
         instance dead or deleted, `elapsed` after `max_duration_seconds`, and
-        `handover` when this worker starts shutting down.
+        `handover` when this worker starts shutting down. A platform's advice
+        to replace the instance soon (ReplacementAdvice) does not end it: it
+        asks the proxy's workflow for a rotation and goes on probing.
         """
         info = activity.info()
         previous = info.heartbeat_details[0] if info.heartbeat_details else None
@@ -368,6 +375,7 @@ class ProviderActivities:
         """The monitor's probes; `details` is what its heartbeats carry, updated in place."""
         started = time.monotonic()
         probes = 0
+        advice_taken = False
         while True:
             tick = time.monotonic()
             summary = _summarise(
@@ -379,6 +387,8 @@ class ProviderActivities:
             if probes == 1:
                 # Show the first probe now, not one heartbeat period later.
                 activity.heartbeat(dict(details))
+            if summary.ok and not advice_taken:
+                advice_taken = await self._rotate_if_advised(inp.instance)
             if not summary.ok:
                 gone = await self._gone(inp.instance)
                 if gone is not None:
@@ -410,6 +420,46 @@ class ProviderActivities:
                 return MonitorOutcome(
                     MonitorReason.HANDOVER, summary, failures, probes, "worker shutting down"
                 )
+
+    async def _rotate_if_advised(self, ref: InstanceRef) -> bool:
+        """On its platform's advice, ask the proxy's workflow to replace `ref` make-before-break.
+
+        The `rotate` signal, as max lifetime rotates: the replacement serves
+        before the platform takes the instance. Sent once per instance: not
+        when the workflow's status shows it serving from another instance or
+        already replacing this one (a monitor on another worker, or after a
+        handover, asks the workflow, not its memory). True once nothing is
+        left to do for this instance; False to ask again after the next probe.
+        """
+        provider = self._provider(ref.provider)
+        if not isinstance(provider, ReplacementAdvice):
+            return True
+        try:
+            advice = await self._call(provider.replacement_advised, ref.provider_id)
+        except ApplicationError:
+            return False  # cannot tell right now
+        if advice is None:
+            return False
+        info = activity.info()
+        try:
+            client = activity.client()
+        except RuntimeError:
+            return True  # an ActivityEnvironment given no client: nobody to tell
+        if info.workflow_id is None:
+            return True  # not scheduled by a workflow
+        workflow = client.get_workflow_handle(info.workflow_id)
+        try:
+            status = await workflow.query("status")
+            if not isinstance(status, dict) or status.get("provider_id") != ref.provider_id:
+                return True  # the workflow serves from another instance
+            if status.get("replaced_because"):
+                return True  # already being replaced
+            await workflow.signal(ROTATE_SIGNAL, {"reason": advice})
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            activity.logger.info("%s: %s; asking again after the next probe", ref.name, err)
+            return False
+        activity.logger.info("%s: %s; asked its workflow to rotate it", ref.name, advice)
+        return True
 
     @activity.defn(name="monitor_members")
     async def monitor_members(self, inp: PoolMonitorInput) -> PoolMonitorOutcome:

@@ -179,3 +179,17 @@ class AccessCheck(Protocol):
     def recheck_access(self, provider_id: str, proxy: ProxySettings) -> None:
         """The instance failed a probe on `proxy`'s port: check that clients are admitted."""
         ...
+
+
+class ReplacementAdvice(Protocol):
+    """A provider whose platform may warn that a healthy instance will soon be taken away.
+
+    Optional: the monitor of a Ready instance asks it after its successful
+    probes, and on advice asks the proxy's workflow for a make-before-break
+    rotation, so the replacement serves before the platform acts. The
+    provider paces its platform calls: asking often costs nothing more.
+    """
+
+    def replacement_advised(self, provider_id: str) -> str | None:
+        """Why the platform advises replacing the instance now, or None."""
+        ...

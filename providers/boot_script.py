@@ -44,13 +44,20 @@ def load_template(path: Path) -> ScriptTemplate:
     return ScriptTemplate(path.read_text(encoding="utf-8"))
 
 
-def fill(template: ScriptTemplate, proxy: ProxySettings, **where_to_report: str) -> str:
+def fill(
+    template: ScriptTemplate,
+    proxy: ProxySettings,
+    *,
+    password_setting: str | None = None,
+    **where_to_report: str,
+) -> str:
     """`template` for a VM serving `proxy`; `where_to_report` fills the provider's own placeholders.
 
+    `password_setting` is the htpasswd hash's salt and rounds (providers.squid.render).
     Every placeholder must be filled: `substitute` raises on a missing one.
     """
     paths = SquidPaths()
-    rendered = render(proxy, paths)
+    rendered = render(proxy, paths, password_setting=password_setting)
     return template.substitute(
         READY=STARTUP_READY,
         FAILED=STARTUP_FAILED_PREFIX,

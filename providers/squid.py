@@ -115,6 +115,7 @@ def render(
     access: Sequence[str] = (),
     credentials_ttl: str = "1 hour",
     client_connections: int | None = None,
+    password_setting: str | None = None,
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
@@ -129,6 +130,9 @@ def render(
     that check them; it is refused unless `routing` forbids going direct.
     `client_connections` caps the connections one client address holds at
     once (the gateway's front, where every client arrives); None, no cap.
+    `password_setting` is the htpasswd hash's `$6$rounds=N$salt`, for a
+    render that must be the same every time (EC2's user data); None draws
+    a fresh salt.
 
     Raises ValueError for settings that could open the proxy (no CIDRs, no
     ports, an empty password, a CIDR that is not one): config validation
@@ -219,7 +223,7 @@ def render(
         "",
         *routing,
     ]
-    htpasswd = f"{settings.username}:{sha512_crypt(settings.password)}\n"
+    htpasswd = f"{settings.username}:{sha512_crypt(settings.password, password_setting)}\n"
     return RenderedSquid(squid_conf="\n".join(lines), htpasswd=htpasswd)
 
 

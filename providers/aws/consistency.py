@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 
 # The page's "up to about five minutes".
@@ -32,35 +31,26 @@ CONSISTENCY_WINDOW_SECONDS = 300.0
 FORGET_AFTER_SECONDS = 24 * 3600.0
 
 
-@dataclass(frozen=True)
-class _Known:
-    name: str
-    since: float  # epoch seconds: the launch, or the first time it was missed
-
-
 class Sightings:
-    """Per instance id: its name (the client token) and since when it may exist unseen."""
+    """Per instance id (or client token key): since when it may exist unseen, in epoch seconds.
+
+    The launch, or the first time it was found missing.
+    """
 
     def __init__(
         self, window: float = CONSISTENCY_WINDOW_SECONDS, clock: Callable[[], float] = time.time
     ) -> None:
         self.window = window
         self._clock = clock
-        self._known: dict[str, _Known] = {}
+        self._known: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def seen(self, instance_id: str, name: str, at: object) -> None:
+    def seen(self, instance_id: str, at: object) -> None:
         """An instance EC2 showed (or launched) for this provider, `at` its LaunchTime."""
         since = at.timestamp() if isinstance(at, datetime) else self._clock()
         with self._lock:
             self._forget_old()
-            self._known.setdefault(instance_id, _Known(name, since))
-
-    def name_of(self, instance_id: str) -> str:
-        """The name (client token) the instance was launched under, "" if not known here."""
-        with self._lock:
-            known = self._known.get(instance_id)
-        return known.name if known is not None else ""
+            self._known.setdefault(instance_id, since)
 
     def young(self, key: str) -> bool:
         """Whether EC2 may still not show `key` (an instance id, or a client token's key).
@@ -71,10 +61,10 @@ class Sightings:
         now = self._clock()
         with self._lock:
             self._forget_old()
-            known = self._known.setdefault(key, _Known("", now))
-        return now - known.since < self.window
+            since = self._known.setdefault(key, now)
+        return now - since < self.window
 
     def _forget_old(self) -> None:
         cutoff = self._clock() - FORGET_AFTER_SECONDS
-        for key in [k for k, v in self._known.items() if v.since < cutoff]:
+        for key in [k for k, since in self._known.items() if since < cutoff]:
             del self._known[key]

@@ -44,9 +44,11 @@ from providers.aws.instances import (
 from providers.aws.security_group import InstallationGroup, group_name
 from providers.aws.settings import AwsConfig, config_problems
 from providers.aws.user_data import (
+    REBALANCE_REASON,
     STARTUP_BOOTING,
     STARTUP_READY,
-    console_state,
+    ConsoleReport,
+    console_report,
     interruption_notice,
     user_data,
 )
@@ -81,6 +83,12 @@ SDK_CONFIG = BotoConfig(
 # GetConsoleOutput is throttled per account like every EC2 action; an
 # instance not ready yet is asked at most this often, the answer in between reused.
 CONSOLE_INTERVAL_SECONDS = 6.0
+# A Ready spot instance's console is read for a rebalance recommendation at
+# most this often: 1,000 spot proxies make about 8 GetConsoleOutput calls a
+# second. The interruption notice needs no such read (the watcher stops
+# Squid, and the failed probe reads it), so this only bounds how late a
+# replacement starts before the notice.
+ADVICE_INTERVAL_SECONDS = 120.0
 # The newest image of the configured name is looked up again after this long.
 IMAGE_CACHE_SECONDS = 3600.0
 # Every state but terminated: an instance in them still holds its name.
@@ -97,6 +105,7 @@ class AwsProvider:
         *,
         ec2: EC2Client,
         console_interval: float = CONSOLE_INTERVAL_SECONDS,
+        advice_interval: float = ADVICE_INTERVAL_SECONDS,
         consistency_window: float = CONSISTENCY_WINDOW_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -105,6 +114,7 @@ class AwsProvider:
         self._installation = installation
         self._ec2 = ec2
         self._console_interval = console_interval
+        self._advice_interval = advice_interval
         self._group = InstallationGroup(
             ec2=ec2,
             name=settings.security_group or group_name(installation),
@@ -115,15 +125,15 @@ class AwsProvider:
         # Console state per instance id: "ready" is kept for good on an
         # on-demand instance; anything else (and a spot instance's "ready",
         # which a notice may follow) with when it was read, to pace the queries.
-        self._console: dict[str, tuple[str, float]] = {}
+        self._console: dict[str, tuple[ConsoleReport, float]] = {}
         self._image: tuple[str, float] | None = None
         self._vpc: str | None = None
         # Image id -> its root device's name and size (GiB), if the image says.
         self._root_volumes: dict[str, tuple[str, int | None]] = {}
         # Subnet -> availability zone, read with the VPC.
         self._zones: dict[str, str] = {}
-        # The configured subnets whose zone offers the instance type, once checked.
-        self._offered: frozenset[str] | None = None
+        # Per configured instance type, the subnets whose zone offers it, once checked.
+        self._offered: dict[str, frozenset[str]] | None = None
         # How old each instance is, for what EC2 does not show yet.
         self._sightings = Sightings(consistency_window)
 
@@ -159,21 +169,27 @@ class AwsProvider:
             if existing is not None:
                 return self._adopt(req, existing)
             vpc = self._vpc_of(self._settings.subnets)
-            subnets = self._offering(self._subnet_order(req))
+            tries = self._offering(self._subnet_order(req))
             group = self._group.ensure(req.proxy, vpc)
             image = self._image_id()
             refused: list[ClientError] = []
-            for subnet in subnets:
+            for instance_type, subnet in tries:
                 try:
-                    return self._launch(req, subnet, group, image)
+                    return self._launch(req, instance_type, subnet, group, image)
                 except ClientError as exc:
                     if code(exc) == GROUP_NOT_FOUND:
                         self._group.forget(group)
                     if code(exc) not in NEXT_ZONE_CODES:
                         raise
-                    log.info("subnet %s refused %s: %s; trying the next", subnet, req.name, exc)
+                    log.info(
+                        "%s in subnet %s refused %s: %s; trying the next",
+                        instance_type,
+                        subnet,
+                        req.name,
+                        exc,
+                    )
                     refused.append(exc)
-            raise self._no_zone_takes(subnets, refused)
+            raise self._no_zone_takes(tries, refused)
 
     def get(self, provider_id: str) -> Instance:
         """The instance's state; a terminated one is NotFound, with why it ended.
@@ -202,16 +218,16 @@ class AwsProvider:
 
         The instance is read first and its tags checked: one of another
         installation, or one made by hand, is Permanent. Gone means gone
-        only once EC2 could show it (providers.aws.consistency): an
-        instance not listed yet is looked for again by the client token and
-        name it was launched under, and while it is young, its absence is
-        Transient, so the delete is asked again instead of reported done.
+        only once EC2 could show it (providers.aws.consistency): while an
+        instance not listed is young, its absence is Transient, so the
+        delete is asked again (and finds it once EC2 lists it) instead of
+        reported done.
         """
         instance_id = parse_provider_id(provider_id)
         with self._lock:
             self._console.pop(instance_id, None)
         with edge():
-            found = self._describe(instance_id) or self._found_again(instance_id)
+            found = self._describe(instance_id)
             if found is None:
                 self._unless_gone(instance_id)
                 return
@@ -231,6 +247,20 @@ class AwsProvider:
                     f"delete instance {instance_id}: TerminateInstances says it does not exist, "
                     "but EC2 listed it; terminating again"
                 ) from exc
+
+    def replacement_advised(self, provider_id: str) -> str | None:
+        """REBALANCE_REASON once EC2 recommended rebalancing this spot instance, else None.
+
+        EC2 says so inside the instance only (IMDS); the user data's watcher
+        reports it on the serial console, read here at most every
+        `advice_interval`. On-demand instances get none: no call is made.
+        """
+        if self._settings.market != "spot":
+            return None
+        instance_id = parse_provider_id(provider_id)
+        with edge():
+            report = self._console_report(instance_id, self._advice_interval)
+        return REBALANCE_REASON if report.rebalance else None
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance not yet terminated carrying `key=value`, in the provider's region.
@@ -255,9 +285,13 @@ class AwsProvider:
 
     # -- instances ----------------------------------------------------------
 
-    def _launch(self, req: CreateRequest, subnet: str, group: str, image: str) -> Instance:
+    def _launch(
+        self, req: CreateRequest, instance_type: str, subnet: str, group: str, image: str
+    ) -> Instance:
         try:
-            answer = self._ec2.run_instances(**self._run_params(req, subnet, group, image))
+            answer = self._ec2.run_instances(
+                **self._run_params(req, instance_type, subnet, group, image)
+            )
         except ClientError as exc:
             if code(exc) != IDEMPOTENT_MISMATCH:
                 raise
@@ -279,13 +313,15 @@ class AwsProvider:
             ) from exc
         return self._adopt(req, answer["Instances"][0])
 
-    def _run_params(self, req: CreateRequest, subnet: str, group: str, image: str) -> Any:
+    def _run_params(
+        self, req: CreateRequest, instance_type: str, subnet: str, group: str, image: str
+    ) -> Any:
         s = self._settings
         tags = as_tag_list({**req.tags, NAME_TAG: req.name, PORT_TAG: str(req.proxy.port)})
         params: dict[str, Any] = {
             "ClientToken": req.name,
             "ImageId": image,
-            "InstanceType": s.instance_type,
+            "InstanceType": instance_type,
             "MinCount": 1,
             "MaxCount": 1,
             "UserData": user_data(req.proxy, spot=s.market == "spot", name=req.name),
@@ -318,7 +354,7 @@ class AwsProvider:
             # No IAM instance profile: a proxy needs no AWS API access, so a
             # compromised one has no credentials to steal.
         }
-        if BURSTABLE.match(s.instance_type):  # t2, t3, t3a, t4g; not trn1 (no credits)
+        if BURSTABLE.match(instance_type):  # t2, t3, t3a, t4g; not trn1 (no credits)
             params["CreditSpecification"] = {"CpuCredits": s.cpu_credits}
         if s.market == "spot":
             spot: dict[str, Any] = {
@@ -338,11 +374,11 @@ class AwsProvider:
                 f"create instance {req.name}: an instance of that name exists "
                 f"({ec2.get('InstanceId')}) and is not this proxy's, {mismatch}"
             )
-        self._sightings.seen(ec2.get("InstanceId", ""), req.name, ec2.get("LaunchTime"))
+        self._sightings.seen(ec2.get("InstanceId", ""), ec2.get("LaunchTime"))
         return self._with_readiness(ec2)
 
-    def _no_zone_takes(self, subnets: list[str], refused: list[ClientError]) -> Exception:
-        """What to raise when every subnet refused the launch (`refused`, one per subnet).
+    def _no_zone_takes(self, tries: list[tuple[str, str]], refused: list[ClientError]) -> Exception:
+        """What to raise when every (type, subnet) refused the launch (`refused`, one each).
 
         Capacity and spot price change by the minute (QuotaExceeded, from
         the edge); a type offered in none of the zones is a config error.
@@ -350,9 +386,11 @@ class AwsProvider:
         waits = [exc for exc in refused if code(exc) != UNSUPPORTED]
         if waits:
             return waits[0]
+        types = ", ".join(dict.fromkeys(instance_type for instance_type, _ in tries))
+        subnets = ", ".join(dict.fromkeys(subnet for _, subnet in tries))
         return Permanent(
-            f"aws.instance_type: {self._settings.instance_type} is not offered in the "
-            f"availability zone of any of the subnets tried ({', '.join(subnets)}): "
+            f"aws.instance_type: {types} is not offered in the availability zone of any of "
+            f"the subnets tried ({subnets}): "
             f"{refused[-1].response.get('Error', {}).get('Message', '')}",
             cause=refused[-1],
         )
@@ -390,26 +428,33 @@ class AwsProvider:
         self._vpc = vpcs[0]
         return self._vpc
 
-    def _offering(self, subnets: list[str]) -> list[str]:
-        """`subnets` in their order, without those whose zone does not offer the type.
+    def _offering(self, subnets: list[str]) -> list[tuple[str, str]]:
+        """What to try, in order: each configured type in `subnets` whose zone offers it.
 
-        The type is checked once per provider (providers.aws.instance_type):
-        a type that is not Nitro, or offered in no zone, fails the create
-        as a config error naming `aws.instance_type`.
+        Type by type, so the first type is tried in every zone before the
+        next. Each type is checked once per provider
+        (providers.aws.instance_type): one that is not Nitro, or offered in
+        no zone, fails the create as a config error naming `aws.instance_type`.
         """
         if self._offered is None:
-            self._offered = frozenset(
-                offering_subnets(
-                    self._ec2, self._settings.instance_type, self._zones, self._settings.region
+            self._offered = {
+                instance_type: frozenset(
+                    offering_subnets(self._ec2, instance_type, self._zones, self._settings.region)
                 )
-            )
-        kept = [subnet for subnet in subnets if subnet in self._offered]
-        if not kept:
+                for instance_type in self._settings.instance_type
+            }
+        tries = [
+            (instance_type, subnet)
+            for instance_type, offered in self._offered.items()
+            for subnet in subnets
+            if subnet in offered
+        ]
+        if not tries:
             raise Permanent(
                 f"placement.subnet: {subnets[0]} is in {self._zones.get(subnets[0])}, which "
-                f"does not offer aws.instance_type {self._settings.instance_type}"
+                f"offers none of aws.instance_type {', '.join(self._settings.instance_type)}"
             )
-        return kept
+        return tries
 
     def _image_id(self) -> str:
         """The configured image, or the newest available one of the owner and name."""
@@ -477,23 +522,8 @@ class AwsProvider:
             return None
         found = first(list(answer["Reservations"]))
         if found is not None:
-            name = tag_dict(found.get("Tags", [])).get(NAME_TAG, "")
-            self._sightings.seen(instance_id, name, found.get("LaunchTime"))
+            self._sightings.seen(instance_id, found.get("LaunchTime"))
         return found
-
-    def _found_again(self, instance_id: str) -> InstanceTypeDef | None:
-        """The instance not listed by its id, looked for by the client token and name it had."""
-        name = self._sightings.name_of(instance_id)
-        if not name:
-            return None
-        for selector in ("client-token", f"tag:{NAME_TAG}"):
-            answer = self._ec2.describe_instances(Filters=[{"Name": selector, "Values": [name]}])
-            for reservation in answer["Reservations"]:
-                for ec2 in reservation.get("Instances", []):
-                    if ec2.get("InstanceId") == instance_id:
-                        found: InstanceTypeDef = ec2
-                        return found
-        return None
 
     def _unless_gone(self, instance_id: str) -> None:
         """Transient while EC2 may not show the instance yet; returns once it is gone for good."""
@@ -527,7 +557,7 @@ class AwsProvider:
         instance = to_instance(ec2)
         if instance.state is not InstanceState.RUNNING:
             return instance
-        report = self._console_state(instance.provider_id)
+        report = self._console_report(instance.provider_id, self._console_interval).state
         notice = interruption_notice(report)
         if notice is not None:
             # TERMINATED, not STOPPED or PROVISIONING: the monitor's check
@@ -545,12 +575,16 @@ class AwsProvider:
             )
         return with_report(instance, report, script="user data", machine="instance")
 
-    def _console_state(self, instance_id: str) -> str:
-        """The user data's last report on the serial console, paced per instance."""
+    def _console_report(self, instance_id: str, max_age: float) -> ConsoleReport:
+        """The user data's last reports on the serial console, read again once `max_age` old."""
         with self._lock:
             known = self._console.get(instance_id)
-        final = known is not None and known[0] == STARTUP_READY and self._settings.market != "spot"
-        if known is not None and (final or time.monotonic() - known[1] < self._console_interval):
+        final = (
+            known is not None
+            and known[0].state == STARTUP_READY
+            and self._settings.market != "spot"
+        )
+        if known is not None and (final or time.monotonic() - known[1] < max_age):
             return known[0]
         # Latest: the console as it is now (Nitro instances), not the buffer
         # EC2 posts at state transitions only.
@@ -560,8 +594,8 @@ class AwsProvider:
             if code(exc) != INSTANCE_NOT_FOUND:
                 raise
             # DescribeInstances listed it: the console API does not show it yet.
-            return known[0] if known is not None else STARTUP_BOOTING
-        state = console_state(answer.get("Output"))
+            return known[0] if known is not None else ConsoleReport(STARTUP_BOOTING)
+        report = console_report(answer.get("Output"))
         with self._lock:
-            self._console[instance_id] = (state, time.monotonic())
-        return state
+            self._console[instance_id] = (report, time.monotonic())
+        return report

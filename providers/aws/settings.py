@@ -28,6 +28,8 @@ DEBIAN_12_AMD64 = "debian-12-amd64-*"
 GROUP_NAME = r"^[A-Za-z0-9][A-Za-z0-9 ._\-:/()#,@\[\]+=&;{}!$*]{0,254}$"
 # Subnets a create may try, the first one derived from the instance name.
 MAX_SUBNETS = 6
+# Instance types a create may try, in order, in each subnet.
+MAX_INSTANCE_TYPES = 6
 
 SubnetId = Annotated[str, Field(pattern=SUBNET_ID)]
 
@@ -39,7 +41,14 @@ class AwsConfig(ProviderSettings):
     # One VPC; each subnet in its availability zone. Instances spread over
     # them, and a create that finds no capacity in one tries the next.
     subnets: Annotated[list[SubnetId], Field(min_length=1, max_length=MAX_SUBNETS)]
-    instance_type: Annotated[str, Field(pattern=INSTANCE_TYPE)] = "t3.micro"
+    # One type, or several to try in order: a launch that meets no capacity,
+    # `Unsupported` or a spot price above `max_price` in every subnet with one
+    # type tries the next (spot capacity differs by type). Given as a string
+    # or a list; read as a list.
+    instance_type: Annotated[
+        list[Annotated[str, Field(pattern=INSTANCE_TYPE)]],
+        Field(default_factory=lambda: ["t3.micro"], min_length=1, max_length=MAX_INSTANCE_TYPES),
+    ]
     # A fixed image, or the newest image of `image_owner` named `image_name`
     # (Debian 12 for x86_64 by default; `debian-12-arm64-*` for Graviton types).
     image_id: Annotated[str, Field(pattern=AMI_ID)] | None = None
@@ -56,7 +65,12 @@ class AwsConfig(ProviderSettings):
     # The installation's security group. Default `proxy-operator-<installation>`.
     security_group: Annotated[str, Field(pattern=GROUP_NAME)] | None = None
 
-    @field_validator("subnets")
+    @field_validator("instance_type", mode="before")
+    @classmethod
+    def _one_or_several(cls, types: object) -> object:
+        return [types] if isinstance(types, str) else types
+
+    @field_validator("subnets", "instance_type")
     @classmethod
     def _distinct(cls, subnets: list[str]) -> list[str]:
         repeated = sorted({s for s in subnets if subnets.count(s) > 1})

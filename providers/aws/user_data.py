@@ -17,7 +17,10 @@ STATE_MARKER: `installing`, then `ready` once Squid listens, or
 `failed: <why>` from whichever step failed, which ends the instance with that
 reason. A spot instance's script then watches for EC2's interruption notice
 (`spot_watch.sh.tmpl`) and reports `interrupted <action> <time>` when it
-comes: that report is final, whatever the console shows after it. The
+comes: that report is final, whatever the console shows after it. Before
+the notice, EC2 may recommend rebalancing (the instance is at elevated risk
+of interruption): the watcher reports `rebalance <time>` once, a report
+apart from the state, on which the proxy is replaced make-before-break. The
 provider reads it with GetConsoleOutput (`Latest`), which needs no
 credentials on the instance: a proxy VM has no IAM role to steal.
 """
@@ -25,7 +28,7 @@ credentials on the instance: a proxy VM has no IAM role to steal.
 from __future__ import annotations
 
 import hashlib
-import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from providers.boot_script import (
@@ -36,7 +39,7 @@ from providers.boot_script import (
     fill,
     load_template,
 )
-from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
+from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings
 
 # The console line the script writes at each step: `<marker> <state>`.
 STATE_MARKER = "proxy-operator-state:"
@@ -45,11 +48,13 @@ STARTUP_BOOTING = "booting"
 
 # The report of a spot interruption notice: `interrupted <action> <time>`.
 STARTUP_INTERRUPTED = "interrupted"
+# The report of a rebalance recommendation: `rebalance <time>`.
+REBALANCE = "rebalance"
+# Why the proxy's workflow is asked to rotate on one (the `rotate` signal's reason).
+REBALANCE_REASON = "EC2 rebalance recommendation"
 # How often the spot watcher asks IMDS; AWS suggests every 5 seconds.
 SPOT_POLL_SECONDS = 5
 
-# A SHA-512-crypt hash as providers.squid writes it into the htpasswd.
-_HASH = re.compile(r"\$6\$rounds=[0-9]+\$[./0-9A-Za-z]{1,16}\$[./0-9A-Za-z]{86}")
 _SALT_ALPHABET = "./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _SALT_CHARS = 16
 
@@ -60,15 +65,17 @@ SPOT_WATCH_FILE = "spot_watch.sh.tmpl"
 TEMPLATE = load_template(Path(__file__).with_name(TEMPLATE_FILE))
 SPOT_WATCH = load_template(Path(__file__).with_name(SPOT_WATCH_FILE)).substitute(
     INTERRUPTED=STARTUP_INTERRUPTED,
+    REBALANCE=REBALANCE,
     SPOT_POLL_SECONDS=str(SPOT_POLL_SECONDS),
 )
 
 __all__ = [
+    "REBALANCE_REASON",
     "SQUID_CONF",
     "STARTUP_FAILED_PREFIX",
     "STARTUP_INTERRUPTED",
     "STARTUP_READY",
-    "console_state",
+    "console_report",
     "interruption_notice",
     "user_data",
 ]
@@ -82,12 +89,13 @@ def user_data(proxy: ProxySettings, *, spot: bool, name: str) -> str:
     fresh salt in the htpasswd would make every retry a different request
     (IdempotentParameterMismatch). So the hash's salt is `htpasswd_salt(name)`.
     """
-    script = fill(TEMPLATE, proxy, STATE_MARKER=STATE_MARKER, SPOT_WATCH=SPOT_WATCH if spot else "")
-    hashes = _HASH.findall(script)
-    if len(hashes) != 1:
-        raise ValueError(f"the user data template holds {len(hashes)} password hashes, not one")
-    setting = f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt(name)}"
-    return script.replace(hashes[0], sha512_crypt(proxy.password, setting))
+    return fill(
+        TEMPLATE,
+        proxy,
+        password_setting=f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt(name)}",
+        STATE_MARKER=STATE_MARKER,
+        SPOT_WATCH=SPOT_WATCH if spot else "",
+    )
 
 
 def htpasswd_salt(name: str) -> str:
@@ -114,20 +122,32 @@ def interruption_notice(report: str) -> str | None:
     return "".join(c if c.isprintable() else "?" for c in said)
 
 
-def console_state(output: str | None) -> str:
-    """The script's last report in GetConsoleOutput's `Output`, or STARTUP_BOOTING.
+@dataclass(frozen=True)
+class ConsoleReport:
+    """What the user data last reported on the serial console."""
+
+    # The script's state: `installing`, `ready`, `failed: ...`, an interruption notice.
+    state: str
+    # Whether EC2 recommended rebalancing this (spot) instance.
+    rebalance: bool = False
+
+
+def console_report(output: str | None) -> ConsoleReport:
+    """The script's reports in GetConsoleOutput's `Output`; STARTUP_BOOTING before any.
 
     botocore has already decoded the base64 the API sends. The console holds
     the last 64 KB only; the script's latest line is the one that counts, so
     the last marker wins, but for a spot interruption notice: the instance
     goes whatever follows it, so the latest notice wins over any later line.
+    A rebalance recommendation is no state: Squid still serves after it.
     """
-    states = [
+    reports = [
         line.split(STATE_MARKER, 1)[1].strip()
         for line in (output or "").splitlines()
         if STATE_MARKER in line
     ]
+    rebalance = [report for report in reports if report.split()[:1] == [REBALANCE]]
+    states = [report for report in reports if report not in rebalance]
     notices = [state for state in states if interruption_notice(state) is not None]
-    if notices:
-        return notices[-1]
-    return states[-1] if states else STARTUP_BOOTING
+    latest = (notices or states or [STARTUP_BOOTING])[-1]
+    return ConsoleReport(latest, rebalance=bool(rebalance))

@@ -112,12 +112,12 @@ def test_runinstances_is_allowed_only_tagged_of_the_listed_types_with_imdsv2(
     assert volume["Resource"] == "arn:aws:ec2:*:*:volume/*"
     assert condition == {
         f"aws:RequestTag/{INSTALLATION_KEY}": INSTALLATION,
-        "ec2:InstanceType": [settings.instance_type],
+        "ec2:InstanceType": settings.instance_type,
         "ec2:MetadataHttpTokens": "required",
     }
     assert volume["Condition"]["StringEquals"] == {
         f"aws:RequestTag/{INSTALLATION_KEY}": INSTALLATION
     }
     assert tagged == {("instance", INSTALLATION), ("volume", INSTALLATION)}
-    assert sent["InstanceType"] == settings.instance_type
+    assert sent["InstanceType"] == settings.instance_type[0]
     assert sent["MetadataOptions.HttpTokens"] == "required"

@@ -22,6 +22,11 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
   tells a spot instance two minutes ahead, only inside it (IMDS
   `spot/instance-action`, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html);
   the fake plays the user data's watcher and writes its console line.
+- Spot rebalance recommendation (`recommend_rebalance(instance_id)`): EC2
+  warns a spot instance at elevated risk of interruption, only inside it
+  (IMDS `events/recommendations/rebalance`,
+  https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html);
+  the fake plays the user data's watcher and writes its console line.
 - `auto_start_ip`: every instance's public IP is this address (127.0.0.1
   in front of a local Squid), as a real one has its own.
 - Eventual consistency (`instance_lag=N`, `group_lag=N`): a new instance
@@ -85,7 +90,7 @@ from moto.ec2.models.instances import StateReason
 from moto.server import ThreadedMotoServer
 
 from providers.aws.settings import DEBIAN_OWNER
-from providers.aws.user_data import STARTUP_INTERRUPTED, STARTUP_READY, STATE_MARKER
+from providers.aws.user_data import REBALANCE, STARTUP_INTERRUPTED, STARTUP_READY, STATE_MARKER
 from tests.fakes.served import ServedFake
 from tests.helpers.network import free_port
 
@@ -348,6 +353,16 @@ class FakeEc2(ServedFake):
         if self._backend().get_instance(instance_id).lifecycle != "spot":
             raise ValueError(f"{instance_id} is not a spot instance")
         self.report(instance_id, f"{STARTUP_INTERRUPTED} {action} {when}")
+
+    def recommend_rebalance(self, instance_id: str, *, when: str = "2026-12-02T18:20:00Z") -> None:
+        """EC2's rebalance recommendation, as the user data's watcher reports it on the console.
+
+        The instance runs on, Squid serving; only spot instances get one
+        (ValueError otherwise).
+        """
+        if self._backend().get_instance(instance_id).lifecycle != "spot":
+            raise ValueError(f"{instance_id} is not a spot instance")
+        self.report(instance_id, f"{REBALANCE} {when}")
 
     def open_by_hand(self, group_name: str, port: int, cidr: str) -> None:
         """An ingress rule somebody adds to the group, unseen by `calls` (straight to moto)."""

@@ -21,15 +21,22 @@ from typing import Any
 import boto3
 import pytest
 
+from providers import squid
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
 from providers.aws.security_group import PORT_GRACE_SECONDS, PORTS_TAG
-from providers.aws.user_data import SPOT_WATCH, console_state, interruption_notice, user_data
-from providers.base import CreateRequest, InstanceState
+from providers.aws.user_data import (
+    SPOT_WATCH,
+    console_report,
+    htpasswd_salt,
+    interruption_notice,
+    user_data,
+)
+from providers.base import CreateRequest, Disruption, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
-from providers.squid import ProxySettings, sha512_crypt
+from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
 from tests.fakes.ec2 import DEBIAN_IMAGES, NEWEST_DEBIAN_12, REGION, FakeEc2
 from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
 
@@ -76,6 +83,7 @@ def make_provider(
     *,
     consistency_window: float = 300.0,
     clock: Callable[[], float] = time.time,
+    advice_interval: float = 0,
     **settings: Any,
 ) -> AwsProvider:
     config = AwsConfig(region=REGION, subnets=subnet_ids(fake, subnets), **settings)
@@ -85,6 +93,7 @@ def make_provider(
         INSTALLATION,
         ec2=fake.client(),
         console_interval=0,
+        advice_interval=advice_interval,
         consistency_window=consistency_window,
         clock=clock,
     )
@@ -334,10 +343,12 @@ def test_a_spot_interruption_ends_the_instance_as_lost(fake_ec2: FakeEc2) -> Non
     assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
     assert lost.exit_address is None
     assert lost.reason.startswith("spot interruption: Server.SpotInstanceTermination")
+    assert lost.disruption is Disruption.SPOT_INTERRUPTED  # replaced, no crash counted
 
     fake_ec2.interrupt_spot(created.provider_id, state="terminated")
-    with pytest.raises(NotFound, match="terminated: spot interruption"):
+    with pytest.raises(NotFound, match="terminated: spot interruption") as gone:
         provider.get(created.provider_id)
+    assert gone.value.disruption is Disruption.SPOT_INTERRUPTED
 
 
 def test_a_spot_interruption_notice_ends_the_instance_before_ec2_does(fake_ec2: FakeEc2) -> None:
@@ -358,6 +369,7 @@ def test_a_spot_interruption_notice_ends_the_instance_before_ec2_does(fake_ec2: 
         assert lost.state is InstanceState.TERMINATED and lost.endpoint == ""
         assert lost.exit_address is None
         assert lost.reason == "spot interruption notice: terminate at 2026-12-02T18:30:00Z"
+        assert lost.disruption is Disruption.SPOT_INTERRUPTED
     assert fake_ec2.instance(created.provider_id).state == "running"  # EC2 has not acted yet
 
 
@@ -390,8 +402,8 @@ def test_the_latest_notice_wins_over_any_line_after_it() -> None:
             f"{STATE_MARKER} \x00",
         ]
     )
-    assert console_state(console) == "interrupted terminate 2026-12-02T18:30:00Z"
-    assert console_state(f"{STATE_MARKER} ready\n{STATE_MARKER} installing") == "installing"
+    assert console_report(console).state == "interrupted terminate 2026-12-02T18:30:00Z"
+    assert console_report(f"{STATE_MARKER} ready\n{STATE_MARKER} installing").state == "installing"
 
 
 def test_an_on_demand_instance_gets_no_notice_and_no_watcher(
@@ -404,6 +416,47 @@ def test_an_on_demand_instance_gets_no_notice_and_no_watcher(
         fake_ec2.notify_spot_interruption(created.provider_id)
     assert "spot/instance-action" not in fake_ec2.user_data(created.provider_id)
     assert provider.get(created.provider_id).state is InstanceState.RUNNING
+
+
+def test_a_rebalance_recommendation_advises_replacing_a_spot_instance_that_still_serves(
+    fake_ec2: FakeEc2,
+) -> None:
+    provider = make_provider(fake_ec2, market="spot")
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.replacement_advised(created.provider_id) is None
+
+    fake_ec2.recommend_rebalance(created.provider_id)
+
+    assert provider.replacement_advised(created.provider_id) == "EC2 rebalance recommendation"
+    serving = provider.get(created.provider_id)  # Squid serves on until its replacement
+    assert serving.state is InstanceState.RUNNING and serving.endpoint
+    fake_ec2.notify_spot_interruption(created.provider_id)
+    assert provider.get(created.provider_id).disruption is Disruption.SPOT_INTERRUPTED
+
+
+def test_the_console_is_read_for_advice_at_most_every_advice_interval(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot", advice_interval=3600)
+    created = provider.create(make_request())
+    fake_ec2.report(created.provider_id, "ready")
+    assert provider.replacement_advised(created.provider_id) is None
+    reads = len(fake_ec2.calls("GetConsoleOutput"))
+
+    fake_ec2.recommend_rebalance(created.provider_id)
+
+    assert provider.replacement_advised(created.provider_id) is None  # not read again yet
+    assert len(fake_ec2.calls("GetConsoleOutput")) == reads
+
+
+def test_an_on_demand_instance_is_never_advised_and_its_console_not_read_for_it(
+    fake_ec2: FakeEc2, provider: AwsProvider
+) -> None:
+    created = provider.create(make_request())
+
+    assert provider.replacement_advised(created.provider_id) is None
+    assert fake_ec2.calls("GetConsoleOutput") == []
+    with pytest.raises(ValueError, match="not a spot instance"):
+        fake_ec2.recommend_rebalance(created.provider_id)
 
 
 def test_only_a_spot_instance_is_interrupted(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
@@ -711,6 +764,17 @@ SPOT = {**GOOD, "market": "spot"}
         ({**GOOD, "region": "Europe"}, None, "aws.region: string should match pattern"),
         ({**GOOD, "image_id": "ami-x"}, None, "aws.image_id: string should match pattern"),
         ({"region": "eu-west-1"}, None, "aws.subnets: field required"),
+        ({**GOOD, "instance_type": []}, None, "aws.instance_type: list should have at least 1"),
+        (
+            {**GOOD, "instance_type": ["t3.micro", "T3 Large"]},
+            None,
+            "aws.instance_type[1]: string should match pattern",
+        ),
+        (
+            {**GOOD, "instance_type": ["t3.micro", "t3.micro"]},
+            None,
+            "aws.instance_type: listed more than once",
+        ),
         (GOOD, ["2001:db8::/32"], "proxy.allowed_cidrs: no IPv4 range, but providers[0] (ec2)"),
     ],
 )
@@ -751,12 +815,14 @@ def test_only_a_spot_instance_s_user_data_watches_for_the_notice(fake_ec2: FakeE
 class FakeImds(BaseHTTPRequestHandler):
     """IMDSv2 as the docs describe it: a PUT for a token, then GETs carrying it.
 
-    `spot/instance-action` is 404 for the first `quiet` asks, then the notice.
+    `spot/instance-action` is 404 for the first `quiet` asks, then the
+    notice; `events/recommendations/rebalance` has a recommendation from the start.
     """
 
     token = "imds-token"
-    quiet = 1
+    quiet = 2
     asks = 0
+    recommendations = 0
 
     def do_PUT(self) -> None:
         if self.path != "/latest/api/token" or not self.headers.get(
@@ -769,6 +835,9 @@ class FakeImds(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.headers.get("X-aws-ec2-metadata-token") != self.token:
             self._answer(401, b"")
+        elif self.path == "/latest/meta-data/events/recommendations/rebalance":
+            type(self).recommendations += 1
+            self._answer(200, b'{"noticeTime": "2026-12-02T18:20:00Z"}')
         elif self.path != "/latest/meta-data/spot/instance-action":
             self._answer(404, b"")
         else:
@@ -788,7 +857,9 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
+def test_the_watcher_reports_a_recommendation_once_then_the_notice_and_stops_squid(
+    tmp_path: Path,
+) -> None:
     imds = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
     threading.Thread(target=imds.serve_forever, daemon=True).start()
     # systemctl played by a stub on PATH: the test never touches this machine's services.
@@ -815,13 +886,17 @@ def test_the_watcher_reports_the_notice_and_stops_squid(tmp_path: Path) -> None:
     finally:
         imds.shutdown()
 
-    assert console.read_text().splitlines() == ["interrupted stop 2026-12-02T18:30:00Z"]
+    assert console.read_text().splitlines() == [
+        "rebalance 2026-12-02T18:20:00Z",  # Squid serves on
+        "interrupted stop 2026-12-02T18:30:00Z",
+    ]
     assert (tmp_path / "systemctl.log").read_text().split() == [
         "--no-ask-password",
         "stop",
         "squid",
     ]
-    assert FakeImds.asks == 2  # asked again after the 404, stopped after the notice
+    assert FakeImds.asks == 3  # asked again after each 404, stopped after the notice
+    assert FakeImds.recommendations == 1  # reported once, not asked again
 
 
 # -- eventual consistency ("Eventual consistency in the Amazon EC2 API") ---------------
@@ -841,27 +916,31 @@ def test_a_new_instance_ec2_does_not_list_yet_is_waited_for_not_lost() -> None:
     assert listed.provider_id == created.provider_id
 
 
-def test_a_delete_right_after_create_finds_the_instance_by_its_token_and_terminates_it() -> None:
+def test_a_delete_right_after_create_is_asked_again_until_ec2_lists_the_instance() -> None:
     with FakeEc2(instance_lag=1) as fake:
-        provider = make_provider(fake)
-        created = provider.create(make_request())
-
-        provider.delete(created.provider_id)  # not listed by id: found by its client token
-
-        assert fake.instance(created.provider_id).state == "terminated"
-
-
-def test_a_delete_is_not_done_while_ec2_may_not_show_the_instance_yet() -> None:
-    with FakeEc2(instance_lag=6) as fake:
         provider = make_provider(fake)
         created = provider.create(make_request())
 
         with pytest.raises(Transient, match="is not listed yet"):
             provider.delete(created.provider_id)
-        assert fake.instance(created.provider_id).state == "running"  # not taken for gone
-        with pytest.raises(Transient):
-            provider.delete(created.provider_id)  # TerminateInstances: NotFound, still running
-        assert fake.instance(created.provider_id).state == "running"
+        provider.delete(created.provider_id)  # Temporal's retry: listed now
+
+        assert fake.instance(created.provider_id).state == "terminated"
+        # Asked by its id each time: nothing else would show it sooner.
+        assert [call.params.get("InstanceId.1") for call in fake.calls("DescribeInstances")][
+            -2:
+        ] == [created.provider_id] * 2
+
+
+def test_a_delete_is_not_done_while_ec2_may_not_show_the_instance_yet() -> None:
+    with FakeEc2(instance_lag=3) as fake:
+        provider = make_provider(fake)
+        created = provider.create(make_request())
+
+        for _ in range(3):
+            with pytest.raises(Transient, match="is not listed yet"):
+                provider.delete(created.provider_id)
+            assert fake.instance(created.provider_id).state == "running"  # not taken for gone
         provider.delete(created.provider_id)
 
         assert fake.instance(created.provider_id).state == "terminated"
@@ -949,6 +1028,22 @@ def test_the_user_data_of_one_name_is_the_same_on_every_render() -> None:
     assert sha512_crypt(PASSWORD, hashed) == hashed  # Squid's helper accepts the password
 
 
+def test_a_render_hashes_the_password_once_with_the_instance_s_salt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SHA-512-crypt's rounds are the costly part of a render: paid once, not twice."""
+    settings: list[str | None] = []
+
+    def counted(password: str, setting: str | None = None) -> str:
+        settings.append(setting)
+        return sha512_crypt(password, setting)
+
+    monkeypatch.setattr(squid, "sha512_crypt", counted)
+    user_data(proxy_settings(), spot=False, name="proxy-aaaa")
+
+    assert settings == [f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt('proxy-aaaa')}"]
+
+
 def test_a_create_retried_before_ec2_lists_the_instance_gets_the_same_one() -> None:
     with FakeEc2(instance_lag=2) as fake:
         provider = make_provider(fake)
@@ -981,6 +1076,54 @@ def test_a_client_token_whose_instance_ended_is_a_terminated_instance_not_a_wait
 # -- the instance type: Nitro, offered in the subnets' zones -------------------------
 
 
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [("m7i.large", ["m7i.large"]), (["t3.micro", "t3a.micro"], ["t3.micro", "t3a.micro"])],
+)
+def test_instance_type_is_one_type_or_several(given: Any, read: list[str]) -> None:
+    config = parse_config(aws_config({**SPOT, "instance_type": given}), environ={"PW": PASSWORD})
+    settings = config.providers[0].settings
+    assert isinstance(settings, AwsConfig) and settings.instance_type == read
+
+
+def test_a_type_no_subnet_takes_moves_to_the_next_type(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(
+        fake_ec2, subnets=2, market="spot", instance_type=["t3.micro", "t3a.micro"]
+    )
+    # The first launch in each subnet, t3.micro's, meets no capacity.
+    for subnet in subnet_ids(fake_ec2, 2):
+        fake_ec2.inject_error("RunInstances", "capacity", subnet=subnet, times=1)
+
+    created = provider.create(make_request())
+
+    tried = [
+        (c.params["InstanceType"], c.params["NetworkInterface.1.SubnetId"])
+        for c in fake_ec2.calls("RunInstances")
+    ]
+    assert [t for t, _ in tried] == ["t3.micro", "t3.micro", "t3a.micro"]  # every zone first
+    assert len({s for _, s in tried[:2]}) == 2
+    assert fake_ec2.instance(created.provider_id).instance_type == "t3a.micro"
+
+
+def test_every_listed_type_is_checked_before_any_launch(fake_ec2: FakeEc2) -> None:
+    provider = make_provider(fake_ec2, market="spot", instance_type=["t3.micro", "m4.large"])
+
+    with pytest.raises(Permanent, match=r"aws\.instance_type: m4\.large is not built on the Nitro"):
+        provider.create(make_request())
+    assert fake_ec2.calls("RunInstances") == []
+
+
+def test_a_type_not_offered_in_a_zone_is_not_tried_there_the_next_is(fake_ec2: FakeEc2) -> None:
+    (subnet_a, zone_a), _ = fake_ec2.subnets()[:2]
+    fake_ec2.not_offered("t3.micro", zone_a)
+    provider = make_provider(fake_ec2, subnets=2, instance_type=["t3.micro", "t3a.micro"])
+
+    created = provider.create(make_request(subnet=subnet_a))
+
+    assert fake_ec2.instance(created.provider_id).instance_type == "t3a.micro"
+    assert [c.params["InstanceType"] for c in fake_ec2.calls("RunInstances")] == ["t3a.micro"]
+
+
 @pytest.mark.parametrize("instance_type", ["t2.micro", "m4.large", "c4.large"])
 def test_a_type_not_built_on_nitro_is_a_config_error_before_any_launch(
     fake_ec2: FakeEc2, instance_type: str
@@ -1009,7 +1152,7 @@ def test_the_console_of_a_xen_instance_never_shows_what_its_user_data_reports(
 
     output = fake_ec2.client().get_console_output(InstanceId=xen, Latest=True).get("Output")
 
-    assert console_state(output) != "ready"
+    assert console_report(output).state != "ready"
 
 
 def test_a_type_offered_in_none_of_the_subnets_zones_is_a_config_error(
@@ -1041,7 +1184,7 @@ def test_subnets_whose_zone_does_not_offer_the_type_are_never_tried(fake_ec2: Fa
     assert [c.params["NetworkInterface.1.SubnetId"] for c in fake_ec2.calls("RunInstances")] == [
         subnet_b
     ] * 4
-    with pytest.raises(Permanent, match=r"placement\.subnet: .* does not offer aws\.instance_type"):
+    with pytest.raises(Permanent, match=r"placement\.subnet: .* offers none of aws\.instance_type"):
         provider.create(make_request("pinned", subnet=subnet_a))
 
 

@@ -10,7 +10,9 @@ provider shipped.
 A capacity error makes the workflow wait minutes on a workflow timer, on the
 time-skipping test server (tests/helpers/time_skipping.py); a spot
 interruption ends the instance as lost, and the workflow replaces it; so
-does a spot interruption notice, before EC2 reclaims the instance.
+does a spot interruption notice, before EC2 reclaims the instance. Either is
+a disruption, never a crash. A rebalance recommendation, earlier still,
+has the monitor ask the workflow for a make-before-break rotation.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ async def stack(
 ) -> ProviderStack:
     settings = config.provider(PROVIDER).settings
     assert isinstance(settings, AwsConfig)
-    provider = AwsProvider(settings, config.installation, ec2=fake.client(), console_interval=0)
+    provider = AwsProvider(
+        settings, config.installation, ec2=fake.client(), console_interval=0, advice_interval=0
+    )
     return await provider_stack_on(time_skipping_env, {PROVIDER: provider}, config)
 
 
@@ -84,7 +88,12 @@ def live_instance(fake: FakeEc2, name: str) -> Any | None:
 
 
 async def serve(
-    fake: FakeEc2, squid_upstreams: SquidUpstreams, handle: WorkflowHandle[Any, Any], name: str
+    fake: FakeEc2,
+    squid_upstreams: SquidUpstreams,
+    handle: WorkflowHandle[Any, Any],
+    name: str,
+    *,
+    while_in: tuple[str, ...] = ("Provisioning", "Replacing"),
 ) -> tuple[str, LocalSquid]:
     """Play the user data: run Squid from the files it writes, then report ready."""
     await wait_for(lambda: live_instance(fake, name) is not None, f"instance {name}")
@@ -95,9 +104,21 @@ async def serve(
     port = int({t["key"]: t["value"] for t in instance.get_tags()}[PORT_TAG])
     squid = await squid_upstreams.start(squid_conf, files, port=port)
     # Running all along; only now does the user data report Squid ready.
-    assert (await status_of(handle)).state in ("Provisioning", "Replacing")
+    assert (await status_of(handle)).state in while_in
     fake.report(instance.id, STARTUP_READY)
     return instance.id, squid
+
+
+async def ready_proxy(
+    stack: ProviderStack, fake: FakeEc2, squid_upstreams: SquidUpstreams
+) -> tuple[WorkflowHandle[Any, Any], str, LocalSquid]:
+    """A spot proxy Ready on its first instance: the handle, the instance id, its Squid."""
+    handle = await stack.start(PROVIDER, port=free_port())
+    first_id, first_squid = await serve(
+        fake, squid_upstreams, handle, lifecycle_instance_name(handle.id, 0)
+    )
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    return handle, first_id, first_squid
 
 
 async def test_capacity_wait_then_a_spot_interruption_is_replaced_then_terminated(
@@ -143,6 +164,7 @@ async def test_capacity_wait_then_a_spot_interruption_is_replaced_then_terminate
     second_id, second_squid = await serve(fake, squid_upstreams, handle, second)
     again = await wait_status(handle, lambda s: s.state == "Ready", "the replacement Ready")
     assert (again.provider_id, again.generation) == (second_id, 1)
+    assert (again.disruptions, again.failures_in_a_row) == (1, 0)  # no crash counted
 
     await handle.signal("terminate", {"reason": "test done"})
     await wait_for(lambda: live_instance(fake, second) is None, "the instance terminated")
@@ -155,10 +177,8 @@ async def test_capacity_wait_then_a_spot_interruption_is_replaced_then_terminate
 async def test_a_spot_interruption_notice_replaces_the_proxy_before_ec2_reclaims_it(
     stack: ProviderStack, fake: FakeEc2, squid_upstreams: SquidUpstreams
 ) -> None:
-    handle = await stack.start(PROVIDER, port=free_port())
+    handle, first_id, first_squid = await ready_proxy(stack, fake, squid_upstreams)
     first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
-    first_id, first_squid = await serve(fake, squid_upstreams, handle, first)
-    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
 
     # The two-minute notice, as the user data's watcher handles it: the
     # console line, then Squid stopped. EC2 has not touched the instance.
@@ -177,9 +197,50 @@ async def test_a_spot_interruption_notice_replaces_the_proxy_before_ec2_reclaims
     second_id, second_squid = await serve(fake, squid_upstreams, handle, second)
     again = await wait_status(handle, lambda s: s.state == "Ready", "the replacement Ready")
     assert (again.provider_id, again.generation) == (second_id, 1)
+    assert (again.disruptions, again.failures_in_a_row) == (1, 0)  # no crash counted
     # The lifecycle deleted the noticed instance itself, not EC2.
     await wait_for(lambda: live_instance(fake, first) is None, "the noticed instance deleted")
     assert fake.instance(first_id).state_reason.code == "Client.UserInitiatedShutdown"
+
+    await handle.signal("terminate", {"reason": "test done"})
+    await wait_for(lambda: live_instance(fake, second) is None, "the instance terminated")
+    await second_squid.terminate()
+    result: dict[str, Any] = await handle.result()
+    assert (result["state"], result["reason"]) == ("Terminated", "test done")
+
+
+async def test_a_rebalance_recommendation_replaces_the_proxy_make_before_break(
+    stack: ProviderStack, fake: FakeEc2, squid_upstreams: SquidUpstreams
+) -> None:
+    handle, first_id, first_squid = await ready_proxy(stack, fake, squid_upstreams)
+    first, second = lifecycle_instance_name(handle.id, 0), lifecycle_instance_name(handle.id, 1)
+
+    # The watcher's report: Squid serves on, EC2 has not acted.
+    fake.recommend_rebalance(first_id)
+    rotating = await wait_status(
+        handle, lambda s: s.replaced_because is not None, "the rotation under way"
+    )
+    assert rotating.replaced_because.why == "a rotate signal: EC2 rebalance recommendation"
+    assert (rotating.state, rotating.provider_id) == ("Ready", first_id)  # still serving
+
+    second_id, second_squid = await serve(
+        fake, squid_upstreams, handle, second, while_in=("Ready",)
+    )
+    again = await wait_status(
+        handle, lambda s: s.provider_id == second_id and s.state == "Ready", "the replacement"
+    )
+    assert (again.generation, again.disruptions, again.failures_in_a_row) == (1, 0, 0)
+    await wait_for(lambda: live_instance(fake, first) is None, "the advised instance deleted")
+    await first_squid.terminate()
+    # Asked once, though the old instance's monitor probed on through the rotation.
+    history = await stack.client.get_workflow_handle(handle.id).fetch_history()
+    rotates = [
+        event
+        for event in history.events
+        if event.HasField("workflow_execution_signaled_event_attributes")
+        and event.workflow_execution_signaled_event_attributes.signal_name == "rotate"
+    ]
+    assert len(rotates) == 1
 
     await handle.signal("terminate", {"reason": "test done"})
     await wait_for(lambda: live_instance(fake, second) is None, "the instance terminated")
