@@ -181,6 +181,7 @@ class AccessCheck(Protocol):
         ...
 
 
+@runtime_checkable
 class ReplacementAdvice(Protocol):
     """A provider whose platform may warn that a healthy instance will soon be taken away.
 
