@@ -1,8 +1,8 @@
 """A Temporal dev server and a worker with the local provider, for the pool benchmarks.
 
-What bench.gateway's rotation and bench.autoscale share: the server, real
-local Squids as members, a worker on a queue of its own, a gateway over a
-pool, and a teardown that waits until every member's Squid is gone.
+What bench.autoscale stands on: the server, real local Squids as members,
+a worker on a queue of its own, a gateway over a pool, and a teardown that
+waits until every member's Squid is gone.
 """
 
 from __future__ import annotations

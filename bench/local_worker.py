@@ -1,9 +1,8 @@
 """A worker on the local provider for a benchmark's pool: started, and torn down in order.
 
-Shared by bench.ban_loop and bench.local_pool (bench.gateway's rotation,
-bench.autoscale). Teardown waits until every instance the pool made is gone
-(the caller has terminated the pool) while the worker still runs to delete
-them, then stops the worker.
+Shared by bench.ban_loop and bench.local_pool (bench.autoscale's). Teardown
+waits until every instance the pool made is gone (the caller has terminated
+the pool) while the worker still runs to delete them, then stops the worker.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ async def _start_until_ready(
 
 async def _rotate_all(handle: WorkflowHandle[Any, Any], members: int) -> float:
     """`rotate {"all": true}`, and how long until every member serves from a new instance."""
-    before = await _generations(handle)
+    before = await generations(handle)
     started = time.monotonic()
     await handle.execute_update("rotate", {"all": True})
 
@@ -344,7 +344,7 @@ async def _rotate_all(handle: WorkflowHandle[Any, Any], members: int) -> float:
         status = await handle.query("status")
         if status["ready"] != members or status["waiting_for"] is not None:
             return False
-        now = await _generations(handle)
+        now = await generations(handle)
         return all(now.get(member, -1) > generation for member, generation in before.items())
 
     await _until(rotated)
@@ -399,7 +399,7 @@ def _stranger_report() -> dict[str, Any]:
     }
 
 
-async def _generations(handle: WorkflowHandle[Any, Any]) -> dict[str, int]:
+async def generations(handle: WorkflowHandle[Any, Any]) -> dict[str, int]:
     """Every member's generation, read a `status` page at a time."""
     found: dict[str, int] = {}
     page: dict[str, int] | None = {"limit": MAX_PAGE}

@@ -35,14 +35,18 @@ class SquidGround:
     config: Config
     squids: LocalProvider
     workdir: Path
+    # Where the provider keeps each Squid's directory (its access.log among them).
+    state_dir: Path
 
 
 @contextlib.asynccontextmanager
-async def squid_ground(name: str) -> AsyncIterator[SquidGround]:
+async def squid_ground(name: str, bind_address: str = "127.0.0.1") -> AsyncIterator[SquidGround]:
     """A TLS origin, the config of a local provider for it, that provider and a scratch directory.
 
     Every Squid the provider made is deleted at the end, however the benchmark
-    ends; `name` tells the benchmark's directories apart.
+    ends; `name` tells the benchmark's directories apart. `bind_address`
+    0.0.0.0 makes each Squid answer on every loopback address, for members
+    that must each be a distinct host:port (bench/gateway.py).
     """
     with (
         serve_tls_origin() as origin,
@@ -50,9 +54,11 @@ async def squid_ground(name: str) -> AsyncIterator[SquidGround]:
         tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir,
     ):
         config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
-        squids = LocalProvider(LocalConfig(state_dir=str(state_dir)), config.installation)
+        squids = LocalProvider(
+            LocalConfig(state_dir=str(state_dir), bind_address=bind_address), config.installation
+        )
         try:
-            yield SquidGround(origin, config, squids, Path(workdir))
+            yield SquidGround(origin, config, squids, Path(workdir), Path(state_dir))
         finally:
             await delete_squids(squids)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -40,7 +42,7 @@ from bench.fleet.parameters import (
 )
 from providers.base import CreateRequest
 from providers.memory import MemoryProvider
-from providers.naming import OWNER_KEY
+from providers.naming import GENERATION_KEY, OWNER_KEY
 from tests.helpers.tls_origin import TlsOrigin
 from worker import DEFAULT_MAX_WORKFLOW_TASKS, SERVE_POOLS, build_pool_worker, build_worker
 
@@ -57,10 +59,41 @@ class PoolProvider(MemoryProvider):
         self._endpoints = list(endpoints)
 
     def address(self, req: CreateRequest) -> tuple[str, int]:
-        owner = req.tags.get(OWNER_KEY, req.name)
-        suffix = owner.rsplit("-", 1)[-1]
-        index = int(suffix) if suffix.isdigit() else hash(owner)
-        return self._endpoints[index % len(self._endpoints)]
+        return self._endpoints[_owner_index(req) % len(self._endpoints)]
+
+
+class DistinctAddressProvider(PoolProvider):
+    """PoolProvider with every instance at an address of its own, as a real fleet's are.
+
+    Instance k created gets 127.a.b.c (k spread over the three octets, none 0
+    or 255) at the port of Squid (owner index + generation) % len(endpoints),
+    whose Squids listen on every address: so each member is a distinct
+    host:port, and a member's next instance is served by another Squid
+    than its last, which tells a benchmark which instance a request reached.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        super().__init__(endpoints)
+        self._created = itertools.count()
+
+    def address(self, req: CreateRequest) -> tuple[str, int]:
+        generation = int(req.tags.get(GENERATION_KEY, "0"))
+        _, port = self._endpoints[(_owner_index(req) + generation) % len(self._endpoints)]
+        return loopback_address(next(self._created)), port
+
+
+def loopback_address(k: int) -> str:
+    """The k-th of 254**3 loopback addresses, from 127.1.1.1."""
+    high, rest = divmod(k % 254**3, 254 * 254)
+    middle, low = divmod(rest, 254)
+    return f"127.{high + 1}.{middle + 1}.{low + 1}"
+
+
+def _owner_index(req: CreateRequest) -> int:
+    """The number ending the instance's owner's workflow id (`pool/3`, `fleet-7`)."""
+    owner = req.tags.get(OWNER_KEY, req.name)
+    number = re.search(r"\d+$", owner)
+    return int(number[0]) if number else hash(owner)
 
 
 @dataclass
@@ -198,7 +231,10 @@ async def serve_worker(spec: dict[str, Any]) -> None:
     """The worker process: one build_worker over the pool provider (or, for `serve:
     "pools"`, one build_pool_worker), until SIGTERM."""
     config = config_for(spec["origin_port"], spec["state_dir"], FLEET_PROVIDER)
-    provider = PoolProvider([(ip, port) for ip, port in spec["endpoints"]])
+    squids = [(ip, port) for ip, port in spec["endpoints"]]
+    provider = (
+        DistinctAddressProvider(squids) if spec.get("distinct_addresses") else PoolProvider(squids)
+    )
     recorder = Recorder()
     activities = RecordingActivities(
         {FLEET_PROVIDER: provider},
