@@ -25,7 +25,8 @@ from temporalio.service import RPCError
 
 from gateway.api import ApiError
 from gateway.placement import region_of, zone_of
-from gateway.sessions import SessionMap, userhash_member
+from gateway.routing import userhash_member
+from gateway.sessions import SessionMap
 from providers.squid import SESSION_INFIX, GatewayMember, parse_gateway_username
 from workflows.pool_carried import aware_time
 from workflows.pool_input import DEFAULT_PAGE, MAX_REPLICAS

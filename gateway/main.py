@@ -45,7 +45,7 @@ from gateway.member_networks import (
     configured_networks,
     parse_networks,
 )
-from gateway.sessions import SessionMap, record_back_line
+from gateway.sessions import SessionMap, record_router_line
 from gateway.squid import GatewayError, GatewaySquid
 from gateway.users import UsersFileError
 from gateway.users_follow import UsersFollower, load_users
@@ -286,17 +286,16 @@ async def serve(
     following_users: asyncio.Task[None] | None = None
     on_sighup: list[Callable[[], None]] = []  # files read again: tokens, users
 
-    def on_back_line(line: str) -> None:
-        metrics.count_back_line(line, names)
-        record_back_line(line, names, sessions)
+    def on_router_line(line: str) -> None:
+        metrics.count_router_line(line, names)
+        record_router_line(line, names, sessions)
 
     try:
         await asyncio.to_thread(squid.start, members)
-        # The backs' ports are known once Squid serves (a start may trade a taken one).
-        meter = demand.DemandMeter([(back.address, back.port) for back in squid.backs])
+        # The router's port is known once it serves (a start may trade a taken one).
+        meter = demand.DemandMeter([(squid.router.address, squid.router.port)])
         follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
-        for back in squid.backs:
-            follower.follow(back.access_log, on_back_line)
+        follower.follow(squid.router.access_log, on_router_line)
         follower.start()
         metrics.set_members(wake.real(members))
         health.routes(members)

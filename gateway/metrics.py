@@ -172,7 +172,7 @@ class MemberNames:
         return member, str(route)
 
 
-def count_back_line(line: str, names: MemberNames) -> None:
+def count_router_line(line: str, names: MemberNames) -> None:
     fields = line.split()
     if len(fields) < 5 or fields[4] == "-":
         return

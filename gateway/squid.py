@@ -1,80 +1,55 @@
-"""The gateway's Squid: one SMP Squid whose workers have roles.
+"""The gateway's processes: Squid at the front, the router behind it.
 
-    client -> front worker (listen address) -> back worker 2 or 3 (loopback) -> pool member
+    client -> Squid, the front (listen address) -> router (loopback) -> pool member
 
-    squid.conf:  workers 3
-                 if ${process_number} = 2    kid 2, a back: include back-2.conf
-                 if ${process_number} = 3    kid 3, a back: include back-3.conf
-                 if ${process_number} = 1    kid 1, the front: include front.conf
-                 (and front.conf for the master, 0, and the coordinator, kid 4)
+Squid faces the clients with the proxies' own rules (client CIDRs, CONNECT
+only, allowed ports, denied destinations, timeouts, connections per client
+address) and passes every request on to the router (`never_direct`,
+`login=PASSTHRU`), its one parent. The router (gateway/router.py) checks the
+credentials, picks the member and relays. Its config never changes while it
+runs: a membership change is a line on the router's standard input, in
+force before the next request, with nothing reloaded, paused or cut.
 
-A membership change rewrites the backs' configs and reloads one back at a
-time (SIGHUP to that worker); the front never reloads. What makes that lose
-nothing:
+Every file lives in the gateway's state directory: squid.conf, the users
+file's copy, the router's copy and its access log, Squid's access and cache
+logs, squid.out. The directory is private to the gateway and Squid's user,
+who may read it and not write it: the gateway runs as root, and a Squid or
+router that a client took over must not plant a file or link there that the
+gateway or Squid's master (also root) would then write through or read as a
+config. What Squid's user writes (the logs) is made for it, as its own.
 
-- The front is paused (SIGSTOP) while a back reloads, from SETTLE before
-  the SIGHUP until that back accepts again. Squid 5.7 rebuilds every
-  cache_peer on a reconfigure, and a CONNECT whose connect to a member is
-  under way at that instant loses its peer: Squid then takes the connection
-  for a direct one, answers 200 and relays the client's TLS handshake to the
-  member, which answers 400 (measured: 4 such in 14,037 requests over 30
-  membership changes without the pause). Paused, the front sends nothing
-  new, and what it sent gets past its connect (if that takes under SETTLE)
-  before the back reloads.
-  Clients' connections wait in the listening socket's queue meanwhile; open
-  tunnels stall, and nothing is refused or cut.
-- A reloaded back's new peers count as down until Squid's first probe of
-  each answers, and a CONNECT it gets before then fails with 500. The front
-  tries it again on the other back (each back has a port of its own), and
-  the next back is reloaded only once every peer of this one has been
-  probed (answering or not: Squid logs both at debug_options 15,2).
-- The listening sockets stay open throughout: in SMP mode the coordinator
-  opens them and keeps them (Ipc::Coordinator::handleSharedListenRequest
-  caches them in `listeners`), and a reloading worker closes only its copy.
-  A plain (`-N`) Squid closes its socket while it reconfigures: 2,165
-  refused connects over 10 reloads under a tight connect loop
-  (docs/architecture.md, "The gateway"; `python -m bench.reconfigure`).
-
-Every file lives in the gateway's state directory: the four configs, the
-htpasswd, one access log per worker, the shared cache.log, squid.out. The
-back configs hold the members' credentials (cache_peer login=), so the
-directory is private to the gateway and Squid's user, who may read it and
-not write it: the gateway runs as root, and a Squid worker a client took
-over must not plant a file or link there that the gateway or Squid's master
-(also root) would then write through or read as a config. What Squid's user
-writes (the logs, the tunnel helper's ledger) is made for it, as its own.
+The fleet's password reaches the router on its standard input alone: no
+file, argument or environment holds it, and Squid, which parses what
+clients send first, never sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from providers import procfs
 from providers import squid as squid_module
 from providers.squid import (
-    NO_MEMBER_PAGE,
-    NO_MEMBER_TEMPLATE,
     SQUID_USER,
-    TUNNEL_LIMIT_PAGE,
-    TUNNEL_LIMIT_TEMPLATE,
     GatewayMember,
     ProxySettings,
     SquidPaths,
-    render_gateway_back,
     render_gateway_front,
 )
 from providers.squid_process import (
@@ -92,6 +67,7 @@ from providers.squid_process import (
     make_dir,
     make_writable,
     parse_errors,
+    remove_planted,
     remove_shm,
     service_name,
     squid_account,
@@ -102,51 +78,37 @@ from providers.squid_process import (
 
 log = logging.getLogger("proxy_operator.gateway")
 
-# The auth and tunnel helpers and the modules they import, copied into the
-# gateway's directory at start: Squid runs them as its own user, which may not
-# reach the installed files (a checkout or virtualenv under /root).
-AUTH_HELPER = Path("gateway/auth_helper.py")
-TUNNEL_HELPER = Path("gateway/tunnel_helper.py")
-HELPER_SOURCES = {
-    AUTH_HELPER: Path(__file__).resolve().with_name("auth_helper.py"),
-    Path("providers/__init__.py"): None,  # the helpers import providers.squid alone
-    Path("gateway/__init__.py"): None,  # and gateway.users, gateway.socket_table
-    Path("gateway/users.py"): Path(__file__).resolve().with_name("users.py"),
-    TUNNEL_HELPER: Path(__file__).resolve().with_name("tunnel_helper.py"),
-    Path("gateway/socket_table.py"): Path(__file__).resolve().with_name("socket_table.py"),
+# The router and the modules it imports, copied into the gateway's directory
+# at start: it runs as Squid's user, which may not reach the installed files
+# (a checkout or virtualenv under /root). Standard library only.
+ROUTER = Path("gateway/router.py")
+_HERE = Path(__file__).resolve()
+ROUTER_SOURCES = {
+    ROUTER: _HERE.with_name("router.py"),
+    Path("gateway/__init__.py"): None,
+    Path("gateway/relay.py"): _HERE.with_name("relay.py"),
+    Path("gateway/routing.py"): _HERE.with_name("routing.py"),
+    Path("gateway/users.py"): _HERE.with_name("users.py"),
+    Path("providers/__init__.py"): None,
     Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
 }
-HELPER_DIR = "helper"
-HELPER_CHECK_TIMEOUT = 30.0
-FRONT = 1  # the front's ${process_number}
-BACKS = (2, 3)  # the backs'; the coordinator is kid 4
-# The backs' loopback ports come from below the kernel's ephemeral range
+ROUTER_DIR = "router"
+# The router's loopback port comes from below the kernel's ephemeral range
 # (`_free_ports`), from 26000 up: clear of the local provider's default
 # 20000..20999 and of the suite's and benchmarks' local Squids (21000..25999).
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 DEFAULT_EPHEMERAL_LOW = 32768
-BACK_PORTS_FROM = 26000
+ROUTER_PORTS_FROM = 26000
 START_DEADLINE = 30.0
-RELOAD_DEADLINE = 30.0
-# How many times the front may reload at start for its probes to find the backs.
+# A membership change is one line the router reads between two requests.
+APPLY_DEADLINE = 30.0
+# The front is reloaded at most this many times at start until its probe finds the router.
 FRONT_RELOADS = 3
-# How long the paused front waits before a back reloads: longer than the
-# connects to members of the CONNECTs it sent that back take.
-SETTLE = 0.2
 STOP_GRACE = 10.0
-# Where Squid's SMP processes put their IPC sockets, `<service>-kid-<n>.ipc`:
-# built into Debian's Squid (DEFAULT_STATEDIR), not set in squid.conf. Squid
-# leaves them behind when it exits.
+# Where SMP Squids keep their IPC sockets; the gateway's runs one worker and
+# needs none, but cleans up after a gateway of an earlier layout.
 IPC_DIR = Path("/var/run/squid")
-# Squid's own error page templates (Debian's --datadir): the backs' error_directory
-# holds copies of them next to the gateway's page for a username no member admits.
-SQUID_ERROR_TEMPLATES = Path("/usr/share/squid/errors/templates")
-# How long Squid trusts a checked username when a users file is in use: a
-# user taken out of the file is refused from its next check on.
-USERS_CREDENTIALS_TTL = "20 seconds"
-# What the workers log (cache.log, "kid<n>| ..."): taking connections again,
-# the start of a reload, and, at the level their debug_options ask for, a
-# probe of a peer that answered or did not.
+# Lines of Squid's cache.log the gateway waits for.
 ACCEPTING = "Accepting HTTP Socket connections"
 RECONFIGURING = "Reconfiguring Squid Cache"
 PEER_UP = "peerConnectSucceded: TCP connection to"
@@ -154,7 +116,7 @@ PEER_DOWN = "peerConnectFailedSilent: TCP connection to"
 
 
 class GatewayError(Exception):
-    """The gateway's Squid would not start, parse its config or reload."""
+    """The gateway's Squid or router would not start, parse its config or take members."""
 
 
 class GatewayTimeout(GatewayError):
@@ -162,19 +124,17 @@ class GatewayTimeout(GatewayError):
 
 
 @dataclass(frozen=True)
-class Worker:
-    """One of the Squid's workers: its role, process number, address, config and access log."""
+class Listener:
+    """Where one of the gateway's processes listens, and its access log."""
 
     role: str
-    number: int
     address: str
     port: int
-    conf: Path
     access_log: Path
 
 
 class GatewaySquid:
-    """Starts, reloads and stops the gateway's Squid; blocking calls."""
+    """Starts, updates and stops the gateway's Squid and router; blocking calls."""
 
     def __init__(
         self,
@@ -200,23 +160,16 @@ class GatewaySquid:
         # /root, run as root) is swapped for one of the system's.
         self.directory = squid_dir(state_dir, self._account)
         self._service = service_name(str(self.directory))
-        self._python: str | None = None  # chosen at start, once the helper is in place
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: subprocess.Popen[bytes] | None = None
+        self.router_process: subprocess.Popen[str] | None = None
         host, port = listen
-        self.front = self._worker("front", FRONT, host, port)
-        self.backs = self._new_backs()
+        self.front = Listener("front", host, port, self.directory / "front.log")
+        self.router = self._new_router()
         self.members: tuple[GatewayMember, ...] = ()
 
-    def _new_backs(self) -> list[Worker]:
-        ports = _free_ports(len(BACKS))
-        return [
-            self._worker(f"back-{n}", n, "127.0.0.1", p) for n, p in zip(BACKS, ports, strict=True)
-        ]
-
-    def _worker(self, role: str, number: int, address: str, port: int) -> Worker:
-        conf, access_log = self.directory / f"{role}.conf", self.directory / f"{role}.log"
-        return Worker(role, number, address, port, conf, access_log)
+    def _new_router(self) -> Listener:
+        return Listener("router", "127.0.0.1", _free_ports(1)[0], self.directory / "router.log")
 
     @property
     def conf(self) -> Path:
@@ -236,66 +189,80 @@ class GatewaySquid:
         return self.directory / "squid.out"
 
     @property
-    def workers(self) -> list[Worker]:
-        return [self.front, *self.backs]
+    def _router_err(self) -> Path:
+        """The router's stderr: why it would not start, or a traceback if it fell over."""
+        return self.directory / "router.err"
 
     # ---- the lifecycle ----------------------------------------------------------------
 
     def start(self, members: Sequence[GatewayMember]) -> None:
-        """Render and check the configs, start Squid; return once every worker serves."""
-        self.members = tuple(members)
+        """Start the router on `members`, then Squid; return once both serve."""
         self._make_dir(self.directory)
-        self._python = self._install_helper()
-        self._install_error_pages()
+        python = self._install_router()
         if self._users is not None:
             self.install_users(self._users)
-        if not IPC_DIR.is_dir():
-            # Squid would start, its workers would never listen, and it would log nothing.
-            raise GatewayError(
-                f"{IPC_DIR} does not exist; Squid's workers talk over sockets there "
-                f"(Debian's squid package creates it at boot): "
-                f"`install -d -o {SQUID_USER} -g {SQUID_USER} {IPC_DIR}`"
-            )
-        if self._account is None and not os.access(IPC_DIR, os.W_OK | os.X_OK):
-            raise GatewayError(
-                f"Squid's workers talk over sockets in {IPC_DIR}, which this user cannot "
-                f"write: run the gateway as root (Squid then runs as {SQUID_USER!r}), or "
-                f"make it writable (`sudo chmod 1777 {IPC_DIR}`, again after a reboot)"
-            )
         front = self.front
         if not bindable(front.address, front.port):
             # Squid would start without it and log nothing: say so now.
             raise GatewayError(f"--listen {front.address}:{front.port}: the address is in use")
         try:
+            try:
+                self._start_router(python, members)
+            except GatewayError:
+                if bindable(self.router.address, self.router.port):
+                    raise
+                # Between _free_ports' check and the router's bind another
+                # process took its port: once more, on another.
+                log.warning("the router's port %d was taken; starting again", self.router.port)
+                self._stop_router()
+                self.router = self._new_router()
+                self._start_router(python, members)
             self._launch()
-        except GatewayTimeout:
-            taken = [b for b in self.backs if not bindable(b.address, b.port)]
-            if not taken:
-                raise
-            # Between _free_ports' check and Squid's bind another process took
-            # a back's port (Squid then starts that worker without it): once more,
-            # on other ports.
-            log.warning(
-                "the %s worker's port %d was taken before Squid bound it; starting again",
-                taken[0].role,
-                taken[0].port,
-            )
-            self.backs = self._new_backs()
-            self._launch()
+        except BaseException:
+            self.stop()  # a gateway that did not start leaves nothing behind
+            raise
         log.info("started Squid on %s:%s", self.front.address, self.front.port)
 
+    def _start_router(self, python: str, members: Sequence[GatewayMember]) -> None:
+        make_writable(self.router.access_log, self._account)
+        command = [
+            python,
+            str(self.directory / ROUTER_DIR / ROUTER),
+            str(self.router.port),
+            str(self.router.access_log),
+            self._settings.username,
+        ]
+        if self._users is not None:
+            command += ["--users", str(self._users_copy)]
+        uid, gid = self._account if self._account is not None else (None, None)
+        remove_planted(self._router_err)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(self._router_err, flags, 0o640), "w") as err:
+            # A session of its own, as Squid's: a Ctrl-C to the gateway's process
+            # group must not end it before the gateway stops Squid in front of it.
+            self.router_process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=environment(),
+                text=True,
+                user=uid,
+                group=gid,
+                extra_groups=None if uid is None else [],  # not root's groups
+                start_new_session=True,
+            )
+        self._tell_router({"password": self._settings.password}, "listening", START_DEADLINE)
+        self._send_members(members)
+
     def _launch(self) -> None:
-        """Write the configs, start Squid and its watchdog; return once every worker serves
-        (stopped again, with nothing left running, if they do not)."""
-        self._write_checked(self.front.conf, self._front_conf())
-        self._write_backs()
-        self._write_checked(self.conf, self._top_conf())
+        """Write squid.conf, start Squid and its watchdog; return once it serves."""
+        self._write_checked(self.conf, self._front_conf())
         remove_leftovers(self._service)
         clear_stale_pid_file(self._pid_file)
-        for log_file in (self.cache_log, *(worker.access_log for worker in self.workers)):
+        for log_file in (self.cache_log, self.front.access_log):
             make_writable(log_file, self._account)
         offset = self._cache_log_size()
-        # --foreground, not -N: -N runs no workers, hence no SMP.
         self.process = launch(
             [self._binary, "--foreground", "-f", str(self.conf), "-n", self._service],
             self.directory,
@@ -307,70 +274,95 @@ class GatewaySquid:
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
-        try:
-            self._await_serving(offset)
-        except BaseException:
-            self.stop()  # a gateway that did not start leaves no Squid behind
-            raise
+        self._await(
+            partial(self._accepting, offset),
+            f"Squid not accepting on {self.front.address}:{self.front.port}",
+            START_DEADLINE,
+        )
+        self._await_front_finds_router(offset)
 
-    def _await_serving(self, offset: int) -> None:
-        """Every worker accepts, every peer was probed, and the front's probes found the backs."""
-        for worker in self.workers:
-            self._await(
-                partial(self._accepting, offset, worker),
-                f"{worker.role} worker not accepting on {worker.address}:{worker.port}",
-                START_DEADLINE,
-            )
-        for back in self.backs:
-            self._await_probes(offset, back, self._peers(back))
-        self._await_probes(offset, self.front, len(self.backs))
-        self._await_front_finds_backs(offset)
+    def _await_front_finds_router(self, offset: int) -> None:
+        """Reload the front until a probe since `offset` found the router up.
 
-    def _await_front_finds_backs(self, offset: int) -> None:
-        """Reload the front until its probes since `offset` found every back up.
-
-        The workers start together: the front may probe the backs before
-        they listen, and Squid counts a peer whose probe failed down until a
-        request makes it probe again (and that request fails). A reload
-        probes again, now that they listen. On a starved machine a reload's
-        probe can time out too, or its reload not come (seen once in a
-        loaded test run: no probe logged 30 s after the SIGHUP), so each try
-        waits a share of START_DEADLINE and the next sends SIGHUP again.
+        Squid counts a parent whose first probe failed down until a request
+        makes it probe again (and that request fails). On a starved machine
+        a probe can time out, or a reload not come (seen once in a loaded
+        run), so each try waits a share of START_DEADLINE and the next sends
+        SIGHUP again. Only at start: the front never reloads once it serves.
         """
         wait = START_DEADLINE / FRONT_RELOADS
         for _ in range(FRONT_RELOADS):
-            if self._logged(offset, self.front, PEER_UP) >= len(self.backs):
+            with contextlib.suppress(GatewayTimeout):
+                self._await(partial(self._probed, offset), "Squid has not probed the router", wait)
+            if self._logged(offset, PEER_UP) > 0:
                 return
             offset = self._cache_log_size()
-            self._signal(self.front, signal.SIGHUP)
-            with contextlib.suppress(GatewayTimeout):
-                self._await_probes(offset, self.front, len(self.backs), deadline=wait)
-        if self._logged(offset, self.front, PEER_UP) < len(self.backs):
-            came = self._logged(offset, self.front, RECONFIGURING) > 0
+            self._reload_front()
+        if self._logged(offset, PEER_UP) == 0:
+            came = self._logged(offset, RECONFIGURING) > 0
             output = self._scrub(log_excerpt(self._squid_out, self.cache_log))
             raise GatewayError(
-                f"the front worker's probes did not find its {len(self.backs)} backs up "
-                f"after {FRONT_RELOADS} reloads (the last one "
-                f"{'came' if came else 'never came'}): {output}"
+                f"Squid's probes did not find the router up after {FRONT_RELOADS} reloads "
+                f"(the last one {'came' if came else 'never came'}): {output}"
             )
 
+    def _probed(self, offset: int) -> bool:
+        return self._logged(offset, PEER_UP) + self._logged(offset, PEER_DOWN) > 0
+
+    def _reload_front(self) -> None:
+        pid = self.worker_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it died: the master starts it anew
+                os.kill(pid, signal.SIGHUP)
+
     def apply(self, members: Sequence[GatewayMember]) -> bool:
-        """Reload the backs, one at a time, onto `members`; False when nothing changed."""
-        members = tuple(members)
+        """Put `members` in rotation; False when nothing changed. In force on return."""
         if set(members) == set(self.members):
             return False
-        previous, self.members = self.members, members
-        try:
-            self._write_backs()
-            for back in self.backs:
-                self._reload(back)
-        except (GatewayError, subprocess.SubprocessError):
-            self.members = previous  # so the same change is tried again
-            raise
+        self._send_members(members)
         return True
 
+    def _send_members(self, members: Sequence[GatewayMember]) -> None:
+        listed = [
+            {
+                "member": m.member,
+                "host": m.host,
+                "port": m.port,
+                "zone": m.zone,
+                "region": m.region,
+                "provider": m.provider,
+            }
+            for m in members
+        ]
+        self._tell_router({"members": listed}, f"members {len(listed)}", APPLY_DEADLINE)
+        self.members = tuple(members)
+
+    def _tell_router(self, message: dict[str, object], answer: str, deadline: float) -> None:
+        """Send the router one line; return once it answers `answer`."""
+        router = self.router_process
+        if router is None or router.stdin is None or router.stdout is None:
+            raise GatewayError("the router was never started")
+        try:
+            router.stdin.write(json.dumps(message) + "\n")
+            router.stdin.flush()
+        except OSError as err:
+            raise GatewayError(f"the router is gone: {self._router_failure()}") from err
+        ready, _, _ = select.select([router.stdout], [], [], deadline)
+        line = router.stdout.readline().strip() if ready else None
+        if line is None:
+            raise GatewayTimeout(f"the router did not answer in {deadline:.0f}s")
+        if line != answer:
+            raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
+
+    def _router_failure(self) -> str:
+        router = self.router_process
+        if router is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                router.wait(timeout=1)
+        return self._scrub(excerpt(self._router_err.read_text(errors="replace")))
+
     def stop(self) -> None:
-        """SIGTERM Squid (SIGKILL if it lingers), then remove its shm segments and IPC sockets.
+        """SIGTERM Squid (SIGKILL if it lingers) and remove its shm segments; end the router.
 
         Workers whose master was killed outlive it, serving and holding the
         listen address: whatever is left of Squid's process group is killed.
@@ -383,113 +375,57 @@ class GatewaySquid:
             except SquidError as err:
                 raise GatewayError(str(err)) from err
         remove_leftovers(self._service)
-        watchdog = self.watchdog
-        if watchdog is not None:
-            assert watchdog.stdin is not None
-            watchdog.stdin.close()
-            try:
-                watchdog.wait(timeout=STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                watchdog.kill()
-                watchdog.wait()
+        self._stop_router()
+        _end_by_its_input(self.watchdog)
+
+    def _stop_router(self) -> None:
+        """End the router: its standard input closed is its signal to go."""
+        _end_by_its_input(self.router_process)
 
     def running(self) -> bool:
-        """Squid serves, and its watchdog would end it if this process died."""
-        return all(p is not None and p.poll() is None for p in (self.process, self.watchdog))
+        """Squid and the router serve, and the watchdog would end Squid if this process died."""
+        processes = (self.process, self.watchdog, self.router_process)
+        return all(p is not None and p.poll() is None for p in processes)
 
-    def worker_pid(self, worker: Worker) -> int | None:
-        """The pid of `worker` now (the master starts a new one if a worker dies)."""
+    def worker_pid(self) -> int | None:
+        """The pid of Squid's worker now (the master starts a new one if it dies)."""
         if self.process is None:
             return None
-        return _kid_pid(self.process.pid, worker.number)
+        return _kid_pid(self.process.pid, 1)
 
     # ---- steps ----------------------------------------------------------------------------
 
-    def _paths(self, worker: Worker) -> SquidPaths:
+    def _paths(self) -> SquidPaths:
         return SquidPaths(
             htpasswd=str(self.directory / "htpasswd"),
             pid_file=str(self._pid_file),
-            access_log=f"stdio:{worker.access_log}",
+            access_log=f"stdio:{self.front.access_log}",
             cache_log=str(self.cache_log),
             coredump_dir=str(self.directory),
             effective_user=SQUID_USER if self._account is not None else None,
-            http_address=worker.address,
+            http_address=self.front.address,
         )
 
     @property
     def _users_copy(self) -> Path:
-        """The users file as the auth helper reads it (Squid's user may not reach the original)."""
+        """The users file as the router reads it (Squid's user may not reach the original)."""
         return self.directory / "users"
 
     def install_users(self, text: str) -> None:
-        """Replace the users the auth helper checks (atomically: it reads the file as it changes).
+        """Replace the users the router checks (atomically: it reads the file as it changes).
 
-        Takes effect at each username's next check, at most USERS_CREDENTIALS_TTL
-        away; nothing reloads, and open tunnels are not touched.
+        Takes effect at the next check of each username; nothing reloads,
+        and open tunnels are not touched.
         """
         candidate = self._users_copy.with_name("users.new")
         self._write(candidate, text)
         candidate.replace(self._users_copy)
 
-    @property
-    def _errors(self) -> Path:
-        """The backs' error_directory: Squid's templates, and the gateway's own."""
-        return self.directory / "errors"
-
-    def _install_error_pages(self) -> None:
-        """Squid's error templates, and NO_MEMBER_TEMPLATE, where the backs read them."""
-        if not SQUID_ERROR_TEMPLATES.is_dir():
-            raise GatewayError(
-                f"{SQUID_ERROR_TEMPLATES} (Squid's error pages, from Debian's squid-common) "
-                "does not exist"
-            )
-        self._make_dir(self._errors)
-        for template in SQUID_ERROR_TEMPLATES.iterdir():
-            if template.is_file():
-                self._write(self._errors / template.name, template.read_text(errors="replace"))
-        self._write(self._errors / NO_MEMBER_TEMPLATE, NO_MEMBER_PAGE)
-        self._write(self._errors / TUNNEL_LIMIT_TEMPLATE, TUNNEL_LIMIT_PAGE)
-
     def _front_conf(self) -> str:
         settings = replace(self._settings, port=self.front.port)
-        ports = [back.port for back in self.backs]
-        paths = self._paths(self.front)
-        return render_gateway_front(settings, paths, ports, self._client_connections).squid_conf
-
-    def _write_backs(self) -> None:
-        """Render both backs' configs onto `members` (the htpasswd too); reload nothing."""
-        assert self._python is not None, "start() installs the helper first"
-        wrapper = [self._python, *self._helper_command(AUTH_HELPER)]
-        ttl, tunnels = "1 hour", []
-        if self._users is not None:
-            wrapper += ["--users", str(self._users_copy)]
-            ttl = USERS_CREDENTIALS_TTL  # a removed user's next check comes this soon
-            tunnels = [self._python, *self._helper_command(TUNNEL_HELPER)]
-        for back in self.backs:
-            settings = replace(self._settings, port=back.port)
-            rendered = render_gateway_back(
-                settings, self._paths(back), self.members, wrapper, str(self._errors), ttl, tunnels
-            )
-            self._write(self.directory / "htpasswd", rendered.htpasswd)
-            self._write_checked(back.conf, rendered.squid_conf)
-
-    def _top_conf(self) -> str:
-        # Squid reads a nested if by its own condition alone (an inner else
-        # inside a false block is taken), hence one flat block per process.
-        lines = [
-            "# Rendered by proxy-operator-gateway; edits are overwritten.",
-            "# Kid 1 is the front; kids 2 and 3 the backs, which reload in turn.",
-            f"workers {1 + len(self.backs)}",
-        ]
-        coordinator = 2 + len(self.backs)
-        for number, conf in [
-            *((back.number, back.conf) for back in self.backs),
-            (self.front.number, self.front.conf),
-            (0, self.front.conf),  # the master: the pid file and cache.log are the same
-            (coordinator, self.front.conf),
-        ]:
-            lines += [f"if ${{process_number}} = {number}", f"include {conf}", "endif"]
-        return "\n".join([*lines, ""])
+        return render_gateway_front(
+            settings, self._paths(), self.router.port, self._client_connections
+        ).squid_conf
 
     def _write(self, path: Path, text: str) -> None:
         write_file(path, text, 0o640, None if self._account is None else self._account[1])
@@ -498,73 +434,55 @@ class GatewaySquid:
         """A directory of the gateway's that Squid's user may enter and not write; nobody else."""
         make_dir(path, None if self._account is None else self._account[1])
 
-    def _install_helper(self) -> str:
-        """Copy the helpers where Squid's user reads them; return an interpreter that runs them.
+    def _install_router(self) -> str:
+        """Copy the router where Squid's user reads it; return an interpreter that runs it.
 
-        The interpreter is this one if Squid's user can run the helpers with
-        it, else the system's python3 (they need the standard library
-        alone). Tried for real, as that user, so a helper that could not run
-        fails the start instead of every client's first request.
+        The interpreter is this one if Squid's user can run the router with
+        it, else the system's python3 (it needs the standard library alone).
+        Tried for real, as that user, so a router that could not run fails
+        the start with the reason.
         """
-        root = self.directory / HELPER_DIR
+        root = self.directory / ROUTER_DIR
         self._make_dir(root)
-        for relative, source in HELPER_SOURCES.items():
+        for relative, source in ROUTER_SOURCES.items():
             target = root / relative
             self._make_dir(target.parent)
             self._write(target, "" if source is None else source.read_text())
-        # Each helper checks nothing and exits at the end of its input.
-        checks = [[*self._helper_command(AUTH_HELPER), "true"]]
-        if self._users is not None:
-            self._tunnels_ledger.unlink(missing_ok=True)  # a previous run's tunnels are gone
-            make_writable(self._tunnels_ledger, self._account)
-            checks.append(self._helper_command(TUNNEL_HELPER))
+        check = [str(root / ROUTER), "--check"]
         system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
         failures = []
         for python in dict.fromkeys([sys.executable, *([system] if system else [])]):
-            failure = next(filter(None, (self._helper_fails([python, *c]) for c in checks)), None)
+            failure = self._router_fails([python, *check])
             if failure is None:
                 return python
             failures.append(f"{python}: {failure}")
         raise GatewayError(
-            f"user {SQUID_USER!r} cannot run the gateway's helpers with "
-            f"{' nor '.join(failures)}; install python3 (3.11 or newer) for them"
+            f"user {SQUID_USER!r} cannot run the gateway's router with "
+            f"{' nor '.join(failures)}; install python3 (3.11 or newer) for it"
         )
 
-    def _helper_command(self, helper: Path) -> list[str]:
-        """How Squid runs `helper` (AUTH_HELPER or TUNNEL_HELPER), but for the interpreter."""
-        script = str(self.directory / HELPER_DIR / helper)
-        if helper == TUNNEL_HELPER:
-            users, ledger = str(self._users_copy), str(self._tunnels_ledger)
-            return [script, self._settings.username, users, ledger]
-        return [script, self._settings.username]
-
-    @property
-    def _tunnels_ledger(self) -> Path:
-        """The tunnels the tunnel helper admitted (it creates and keeps the file)."""
-        return self.directory / "tunnels"
-
-    def _helper_fails(self, command: list[str]) -> str | None:
+    def _router_fails(self, command: list[str]) -> str | None:
         """Why Squid's user cannot run `command`, or None if it can."""
         uid, gid = self._account if self._account is not None else (None, None)
         try:
             result = subprocess.run(
                 command,
                 stdin=subprocess.DEVNULL,
-                env=environment(),  # what Squid gives the helpers
+                env=environment(),
                 capture_output=True,
                 text=True,
-                timeout=HELPER_CHECK_TIMEOUT,
+                timeout=START_DEADLINE,
                 check=False,
                 user=uid,
                 group=gid,
-                extra_groups=None if uid is None else [],  # not root's groups
+                extra_groups=None if uid is None else [],
             )
         except (OSError, subprocess.SubprocessError) as err:
             return str(err)
         return None if result.returncode == 0 else excerpt(result.stderr + result.stdout)
 
     def _write_checked(self, path: Path, text: str) -> None:
-        """Write `path` once Squid has parsed it, so a running worker never reads a bad one."""
+        """Write `path` once Squid has parsed it, so Squid never reads a bad one."""
         candidate = path.with_name(path.name + ".new")
         self._write(candidate, text)
         rejected = parse_errors(self._binary, candidate)
@@ -573,97 +491,14 @@ class GatewaySquid:
         candidate.replace(path)
 
     def _scrub(self, text: str) -> str:
-        """Squid echoes config lines in its errors; the members' password must not follow."""
+        """Nothing the gateway shows may carry the members' password."""
         password = self._settings.password
         for secret in {password, quote(password, safe="")}:
             text = text.replace(secret, "***")
         return text
 
-    def _reload(self, back: Worker) -> None:
-        """Reload one back with the front paused; return once every peer of it was probed."""
-        offset = self._cache_log_size()
-        with self._paused(self.front):
-            log.debug("front paused for the %s worker", back.role)
-            time.sleep(SETTLE)
-            self._caught_up(back)
-            self._signal(back, signal.SIGHUP)
-            log.debug("the %s worker reloading", back.role)
-            self._await(
-                lambda: self._logged(offset, back, ACCEPTING) > 0,
-                f"{back.role} worker not accepting again",
-                RELOAD_DEADLINE,
-            )
-        log.debug("the %s worker accepting again, front resumed", back.role)
-        # Probes logged before the reload began were of the peers it dropped.
-        self._await_probes(self._after(offset, back, RECONFIGURING), back, self._peers(back))
-        log.info("reloaded the %s worker (%d members)", back.role, len(self.members))
-
-    def _caught_up(self, back: Worker) -> None:
-        """Return once `back` answers a request sent now, or it cannot.
-
-        SETTLE assumes the back handles the connects of what the front sent
-        it within SETTLE; a back starved of CPU (a busy machine) may not,
-        and a reload then loses the peer of a CONNECT still connecting
-        (measured: 1 in 41 requests with 6 test processes on 2 cores).
-        The back answers a malformed request (400, logged without a peer,
-        so no metric counts it) only after its event loop got to it,
-        which comes after the connects that were ready before it. A back
-        that cannot answer is reloaded anyway: the reload is what restarts
-        a stuck one.
-        """
-        try:
-            with socket.create_connection((back.address, back.port), RELOAD_DEADLINE) as probe:
-                probe.sendall(b"CAUGHT-UP\r\n\r\n")
-                probe.recv(1)
-        except OSError as err:
-            log.warning("the %s worker did not answer before its reload: %s", back.role, err)
-
-    @contextlib.contextmanager
-    def _paused(self, worker: Worker) -> Iterator[None]:
-        pid = self.worker_pid(worker)
-        try:
-            if pid is not None:
-                os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pid = None  # it died: the master is starting it anew, nothing to pause
-        if pid is None:
-            yield
-            return
-        try:
-            yield
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-    def _signal(self, worker: Worker, signum: int) -> None:
-        pids: list[int] = []
-
-        def found() -> bool:
-            pid = self.worker_pid(worker)
-            pids.extend([pid] if pid is not None else [])
-            return bool(pids)
-
-        self._await(found, f"no {worker.role} worker", RELOAD_DEADLINE)
-        with contextlib.suppress(ProcessLookupError):  # it died: the master starts it anew
-            os.kill(pids[0], signum)
-
-    def _peers(self, back: Worker) -> int:
-        return sum(
-            1 for line in back.conf.read_text().splitlines() if line.startswith("cache_peer ")
-        )
-
-    def _await_probes(
-        self, offset: int, worker: Worker, peers: int, deadline: float = RELOAD_DEADLINE
-    ) -> None:
-        """Wait until `worker` has logged `peers` probe outcomes (answers or not) since `offset`."""
-        self._await(
-            lambda: sum(self._logged(offset, worker, o) for o in (PEER_UP, PEER_DOWN)) >= peers,
-            f"{worker.role} worker has not probed its {peers} peers",
-            deadline,
-        )
-
-    def _accepting(self, offset: int, worker: Worker) -> bool:
-        return self._logged(offset, worker, ACCEPTING) > 0 and accepts(worker.address, worker.port)
+    def _accepting(self, offset: int) -> bool:
+        return self._logged(offset, ACCEPTING) > 0 and accepts(self.front.address, self.front.port)
 
     def _cache_log_size(self) -> int:
         try:
@@ -671,28 +506,16 @@ class GatewaySquid:
         except FileNotFoundError:
             return 0
 
-    def _logged(self, offset: int, worker: Worker, text: str) -> int:
-        """How many lines `worker` wrote to the shared cache.log after byte `offset` with `text`."""
-        return sum(1 for _ in self._lines(offset, worker, text))
-
-    def _after(self, offset: int, worker: Worker, text: str) -> int:
-        """The byte just past `worker`'s first line with `text` after `offset` (or `offset`)."""
-        return next(iter(self._lines(offset, worker, text)), offset)
-
-    def _lines(self, offset: int, worker: Worker, text: str) -> Iterator[int]:
-        """Where each line of `worker` with `text` after byte `offset` ends, in order."""
+    def _logged(self, offset: int, text: str) -> int:
+        """How many lines of cache.log after byte `offset` hold `text`."""
         try:
             with self.cache_log.open("rb") as cache_log:
                 cache_log.seek(offset)
                 tail = cache_log.read()
         except FileNotFoundError:
-            return
-        prefix, wanted = f" kid{worker.number}| ".encode(), text.encode()
-        end = offset
-        for line in tail.splitlines(keepends=True):
-            end += len(line)
-            if prefix in line and wanted in line:
-                yield end
+            return 0
+        wanted = text.encode()
+        return sum(1 for line in tail.splitlines() if wanted in line)
 
     def _await(self, ready: Callable[[], bool], failure: str, deadline: float) -> None:
         """Wait until `ready` holds; GatewayError with Squid's logs if it exits or time is up."""
@@ -714,6 +537,20 @@ def remove_leftovers(service: str) -> None:
     for leftover in IPC_DIR.glob(f"{service}-*.ipc"):
         with contextlib.suppress(OSError):
             leftover.unlink()
+
+
+def _end_by_its_input(process: subprocess.Popen[Any] | None) -> None:
+    """Close the standard input of a process that ends with it; kill it if it lingers."""
+    if process is None:
+        return
+    with contextlib.suppress(OSError):
+        if process.stdin is not None:
+            process.stdin.close()
+    try:
+        process.wait(timeout=STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _watchdog_environment() -> dict[str, str]:
@@ -740,7 +577,7 @@ def _free_ports(count: int) -> list[int]:
     explicit bind can take it. Held open together, so none repeats.
     """
     low = _ephemeral_low()
-    window = range(BACK_PORTS_FROM if low > BACK_PORTS_FROM + count else 1024, low)
+    window = range(ROUTER_PORTS_FROM if low > ROUTER_PORTS_FROM + count else 1024, low)
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
         for port in random.sample(window, len(window)):

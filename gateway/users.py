@@ -35,6 +35,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from providers.squid import parse_gateway_username
+
 SCHEME = "scrypt"
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
 # The bounds a hash in the file may ask for: a line must not make a check cost
@@ -233,6 +235,63 @@ class FollowedUsers:
             return False
         self._signature = signature
         return True
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a username and password were found to be: the account they log in as (None:
+    refused, for `refusal`) and how many tunnels it may hold (None: no limit)."""
+
+    account: str | None
+    tunnels: int | None = None
+    refusal: str = ""
+
+
+# Answers remembered per (user, password digest) until the file changes: a
+# scrypt check costs tens of milliseconds, and a crawl asks with the same
+# few credentials all day.
+MAX_REMEMBERED = 10_000
+
+
+class Checker:
+    """The users file's accounts, followed as it changes, with right answers remembered."""
+
+    def __init__(self, path: str, fleet_user: str) -> None:
+        self._file = FollowedUsers(path, fleet_user, "router")
+        self._right: set[tuple[str, bytes]] = set()
+        self._unknown = unknown_user_hash(())
+
+    def check(self, username: str, password: str) -> Verdict | None:
+        """The verdict on a username of the file's users, or None if it is none of theirs.
+
+        Every username costs one scrypt check of its password, against a
+        user's hash or `unknown_user_hash`, unless the same user's same
+        password was found right before: a made-up name takes as long to
+        refuse as a real one, and only right answers are remembered, so no
+        flood of made-up names pushes a user's out.
+        """
+        if self._file.refresh():
+            self._right.clear()
+            self._unknown = unknown_user_hash(self._file.users.values())
+        if not password:
+            return None  # refused unchecked: no password is no one's
+        account = username.partition("-")[0]
+        user = self._file.users.get(account)
+        key = (account, hashlib.sha256(password.encode()).digest())
+        if key not in self._right:
+            right = verify(password, self._unknown if user is None else user.hash)
+            if right and user is not None:
+                if len(self._right) >= MAX_REMEMBERED:
+                    self._right.clear()
+                self._right.add(key)
+        parsed = parse_gateway_username(username, account) if user else None
+        if user is None or parsed is None:
+            return None
+        if key not in self._right:
+            return Verdict(None, refusal="wrong password")
+        if user.zones is not None and parsed.filters.get("zone") not in user.zones:
+            return Verdict(None, refusal="this user must name one of its zones (-zone-<zone>)")
+        return Verdict(account, user.tunnels)
 
 
 def read_users_text(path: str) -> str:

@@ -1,13 +1,12 @@
 """Scale to zero, the gateway's half: hold a client while the pool wakes, then tunnel it.
 
-A pool at zero lists no member, and a gateway with no parent answers every
+A pool at zero lists no member, and a gateway with no member answers every
 CONNECT 503 at once. For an autoscaled pool the gateway instead gives its
-back workers one stand-in parent while the pool lists no member: the
-`Holder`, a listener on loopback in the gateway's own process
-(`HOLD_MEMBER`, rendered like any member, so Squid 5.7 needs no config of
-its own for it: the backs check the client's credentials as usual and send
-the CONNECT on with the fleet's, as to a member). For each CONNECT it gets,
-the holder
+router one stand-in member while the pool lists no member: the `Holder`, a
+listener on loopback in the gateway's own process (`HOLD_MEMBER`, given to
+the router like any member: it checks the client's credentials as usual and
+sends the CONNECT on with the fleet's, as to a member). For each CONNECT it
+gets, the holder
 
 1. asks the pool to `wake` (at most one update in flight, and one per
    WAKE_RESEND: the pool's handler starts one member for any number of
@@ -15,18 +14,16 @@ the holder
 2. polls the pool's `endpoints` until a member is listed, for up to the
    wake timeout (`--wake-timeout`, default 30 s);
 3. then opens the tunnel through that member itself (the CONNECT as the
-   back sent it, fleet credentials included) and relays the member's answer
-   and the bytes both ways; or, past the timeout, answers 503 with
-   `Retry-After`, which Squid passes on to the client. Squid first tries
-   the CONNECT again on its other back worker, so for RETRY_GRACE after a
+   router sent it, fleet credentials included) and relays the member's
+   answer and the bytes both ways; or, past the timeout, answers 503 with
+   `Retry-After`, which Squid passes on to the client. Squid may try a
+   CONNECT its parent answered 503 again, so for RETRY_GRACE after a
    timeout the holder answers 503 at once: the client waits one timeout,
    not two.
 
-Meanwhile the gateway's membership follower sees the member too and reloads
-the backs onto it, but only once no hold is waiting for a member's answer
-(`quiet`): a back reloaded while its CONNECT to a parent is under way may
-lose that parent (gateway/squid.py). Tunnels already relayed by the holder
-carry on; new CONNECTs go to the member directly.
+Meanwhile the gateway's membership follower sees the member too and gives
+it to the router: tunnels already relayed by the holder carry on, new
+CONNECTs go to the member directly.
 """
 
 from __future__ import annotations
@@ -49,6 +46,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
+from gateway.relay import read_head, relay
 from providers.squid import GatewayMember
 from workflows.pool_autoscale import AUTOSCALED
 
@@ -62,12 +60,10 @@ MAX_WAKE_TIMEOUT = 600.0
 WAKE_RESEND = 10.0
 POLL_SECONDS = 0.5
 # After a hold timed out, CONNECTs are refused at once for this long: Squid
-# retries a refused CONNECT on its other back worker at once.
+# may retry a CONNECT its parent answered 503 at once.
 RETRY_GRACE = 5.0
 # A stand-in member id no pool member can have (theirs are `<pool>/<n>`).
 HOLD_MEMBER = "wake-hold"
-MAX_HEAD = 16384
-RELAY_CHUNK = 65536
 CONNECT_TIMEOUT = 10.0
 
 Fetch = Callable[[], Awaitable[list[GatewayMember]]]
@@ -86,9 +82,6 @@ class Holder:
         self.timeout = timeout
         self.port = 0
         self._server: asyncio.Server | None = None
-        self._waiting = 0
-        self._quiet = asyncio.Event()
-        self._quiet.set()
         self._wake: asyncio.Task[None] | None = None
         self._woken_at = -WAKE_RESEND
         # Until then, a CONNECT is answered 503 at once: a retry of one that timed out.
@@ -107,16 +100,11 @@ class Holder:
     def stand_in(self) -> GatewayMember:
         return GatewayMember(HOLD_MEMBER, "127.0.0.1", self.port)
 
-    async def quiet(self) -> None:
-        """Until no held CONNECT waits for a member's answer (bounded by the wake timeout)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._quiet.wait(), self.timeout + CONNECT_TIMEOUT)
-
     # ---- one held CONNECT -----------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await _read_head(reader)
+            head = await read_head(reader)
             if head is None or not head.startswith(b"CONNECT "):
                 return  # Squid's probe of its parent, or not a tunnel
             if time.monotonic() < self._gave_up_until:
@@ -135,7 +123,7 @@ class Holder:
                 await writer.drain()
                 return
             metrics.WAKES.labels(outcome=metrics.WAKE_SERVED).inc()
-            await _relay(reader, writer, *upstream)
+            await relay(reader, writer, *upstream)
         except (OSError, asyncio.IncompleteReadError) as err:
             log.info("held CONNECT ended: %s", err)
         finally:
@@ -144,15 +132,8 @@ class Holder:
     async def _held(
         self, head: bytes, client: asyncio.StreamWriter
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """`_tunnel`, counted as a hold: the backs are not reloaded while one waits."""
-        self._waiting += 1
-        self._quiet.clear()
-        try:
-            upstream = await self._tunnel(head, client)
-        finally:
-            self._waiting -= 1
-            if not self._waiting:
-                self._quiet.set()
+        """`_tunnel`; past the wake timeout, the next CONNECTs are refused for a while."""
+        upstream = await self._tunnel(head, client)
         if upstream is None:
             metrics.WAKES.labels(outcome=metrics.WAKE_TIMED_OUT).inc()
             self._gave_up_until = time.monotonic() + RETRY_GRACE
@@ -172,18 +153,12 @@ class Holder:
         return None
 
     def serving(self) -> Fetch:
-        """The membership the backs get: the pool's members, or the holder while there are none.
-
-        A change from the holder to members is returned only once no hold
-        waits for a member's answer, so the backs are not reloaded under one.
-        """
+        """The membership the router gets: the pool's members, or the holder while there are
+        none."""
 
         async def fetch() -> list[GatewayMember]:
             members = await self.fetch()
-            if not members:
-                return [self.stand_in()]
-            await self.quiet()
-            return members
+            return members or [self.stand_in()]
 
         return fetch
 
@@ -234,37 +209,6 @@ class Holder:
             log.warning("wake refused or failed: %s", getattr(err, "cause", None) or err)
             return
         log.info("woke pool %s: %s", self.pool, answer)
-
-
-async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
-    """A request head through its blank line; None if the peer closed or sent too much."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-        return None
-    return head if len(head) <= MAX_HEAD else None
-
-
-async def _relay(
-    client_reader: asyncio.StreamReader,
-    client_writer: asyncio.StreamWriter,
-    member_reader: asyncio.StreamReader,
-    member_writer: asyncio.StreamWriter,
-) -> None:
-    """Bytes both ways (the member's answer to the CONNECT first) until either side closes."""
-
-    async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while chunk := await source.read(RELAY_CHUNK):
-                sink.write(chunk)
-                await sink.drain()
-        with contextlib.suppress(OSError):
-            sink.write_eof()
-
-    try:
-        await asyncio.gather(pipe(member_reader, client_writer), pipe(client_reader, member_writer))
-    finally:
-        member_writer.close()
 
 
 def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:

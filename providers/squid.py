@@ -29,9 +29,8 @@ import ipaddress
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
-from urllib.parse import quote
 
 NCSA_AUTH_HELPER = "/usr/lib/squid/basic_ncsa_auth"
 SQUID_USER = "proxy"
@@ -108,26 +107,20 @@ def render(
     settings: ProxySettings,
     paths: SquidPaths | None = None,
     *,
-    auth_wrapper: Sequence[str] = (),
     log_format: str | None = None,
     routing: Sequence[str] = (),
     authenticate: bool = True,
-    access: Sequence[str] = (),
-    credentials_ttl: str = "1 hour",
     client_connections: int | None = None,
     password_setting: str | None = None,
 ) -> RenderedSquid:
     """Render `squid.conf` and the htpasswd for one proxy.
 
-    The keyword arguments are for the gateway's workers (`render_gateway_front`,
-    `render_gateway_back`), which keep every rule above and add to them:
-    `auth_wrapper` is a helper command `basic_ncsa_auth` runs under,
-    `log_format` a logformat definition for the access log, `routing` the
-    lines that send requests to parents, `access` lines that deny more just
-    before rule 5 allows, `credentials_ttl` how long Squid trusts a checked
-    username and password before it asks its helper again. `authenticate=False` drops rule 5
-    for the gateway's front, which passes credentials on to back workers
-    that check them; it is refused unless `routing` forbids going direct.
+    The keyword arguments are for the gateway's Squid (`render_gateway_front`),
+    which keeps every rule above and adds to them: `log_format` a logformat
+    definition for the access log, `routing` the lines that send requests to
+    parents. `authenticate=False` drops rule 5 for the gateway, which passes
+    credentials on to its router that checks them; it is refused unless
+    `routing` forbids going direct.
     `client_connections` caps the connections one client address holds at
     once (the gateway's front, where every client arrives); None, no cap.
     `password_setting` is the htpasswd hash's `$6$rounds=N$salt`, for a
@@ -166,10 +159,10 @@ def render(
         lines.append(f"cache_effective_user {paths.effective_user}")
     auth = [
         "",
-        f"auth_param basic program {' '.join([*auth_wrapper, NCSA_AUTH_HELPER, paths.htpasswd])}",
+        f"auth_param basic program {NCSA_AUTH_HELPER} {paths.htpasswd}",
         "auth_param basic children 5 startup=1 idle=1",
         "auth_param basic realm proxy-operator",
-        f"auth_param basic credentialsttl {credentials_ttl}",
+        "auth_param basic credentialsttl 1 hour",
         # Squid lowercases usernames before its helper sees them unless told
         # not to: `Proxy` in the htpasswd would then never match.
         "auth_param basic casesensitive on",
@@ -201,7 +194,6 @@ def render(
         lines.append(f"http_access deny denied_destinations{unless}")
     allowed = ["allowed_ports", *(["destination_exceptions"] if unless else [])]
     lines += [
-        *access,
         *(
             f"http_access allow CONNECT {acl}{' authenticated' if authenticate else ''}"
             for acl in allowed
@@ -306,29 +298,23 @@ _SUFFIX = re.compile(
     "".join(rf"(?:-{name}-(?P<{name}>{_VALUE}))?" for name in FILTERS)
     + rf"(?:{SESSION_INFIX}(?P<session>.+)|{PIN_INFIX}(?P<pin>.+))?"
 )
-# A member that fails this many times in a row is skipped until Squid's own
-# probe (a TCP connect, at most once a second) sees it answer again; a
-# connect that hangs gives up after MEMBER_CONNECT_TIMEOUT seconds and the
-# request goes to the next member. Squid 5 counts every non-200 answer to a
-# CONNECT as a failure of that parent, an unreachable origin's 503 included,
-# so the limit is not 1.
+# A member the router fails to connect to this many times in a row is skipped
+# until its probe (a TCP connect a second) sees it answer again; a connect
+# that hangs gives up after MEMBER_CONNECT_TIMEOUT seconds and the request
+# goes to the next member (gateway/router.py).
 MEMBER_CONNECT_FAIL_LIMIT = 10
 MEMBER_CONNECT_TIMEOUT = 3
-# The front never marks the backs dead: they relay members' and origins'
-# errors, which Squid would count against them.
-BACK_CONNECT_FAIL_LIMIT = 1_000_000
+# The gateway's Squid never marks its router dead: it relays members' and
+# origins' errors, which Squid would count against it.
+ROUTER_CONNECT_FAIL_LIMIT = 1_000_000
 # Section 15 (neighbors) at level 2 logs each probe of a peer that answers
 # ("TCP connection to <peer> succeeded") or not ("... dead"): the gateway
-# waits on those lines.
+# waits at start for its Squid's probe of the router.
 GATEWAY_DEBUG = "debug_options ALL,1 15,2"
-# Every request of a gateway worker goes to a parent, never to the origin.
+# Every request of the gateway's Squid goes to its router, never to the origin.
 NEVER_DIRECT = "never_direct allow all"
-# Members (or back workers) one request may be tried on before it fails.
-FORWARD_MAX_TRIES = 10
 # A username no member admits (its filters match none, or it pins one not in
-# the pool) is answered this, with this page, by the backs: never sent elsewhere.
-ROUTABLE = "gateway_routable"
-UNROUTABLE = "gateway_unroutable"
+# the pool) is answered this, with this page, by the router: never sent elsewhere.
 NO_MEMBER_STATUS = 503
 NO_MEMBER_TEMPLATE = "ERR_GATEWAY_NO_MEMBER"
 NO_MEMBER_PAGE = (
@@ -338,11 +324,9 @@ NO_MEMBER_PAGE = (
     "nowhere else.\n"
 )
 
-# A users-file user with `tunnels=N` (gateway/users.py): the auth helper
-# annotates its requests with TUNNEL_LIMIT_NOTE, and for those alone the backs
-# ask the tunnel helper (gateway/tunnel_helper.py) at each CONNECT; at the
-# limit, the CONNECT is answered TUNNEL_LIMIT_STATUS with TUNNEL_LIMIT_TEMPLATE.
-TUNNEL_LIMIT_NOTE = "gateway_tunnel_limit"
+# A users-file user with `tunnels=N` (gateway/users.py) holds at most N open
+# tunnels, counted by the router; past that, a CONNECT is answered
+# TUNNEL_LIMIT_STATUS, named TUNNEL_LIMIT_TEMPLATE in its X-Squid-Error.
 TUNNEL_LIMIT_STATUS = 429
 TUNNEL_LIMIT_TEMPLATE = "ERR_GATEWAY_TUNNEL_LIMIT"
 TUNNEL_LIMIT_PAGE = (
@@ -350,18 +334,9 @@ TUNNEL_LIMIT_PAGE = (
     "The request was sent nowhere. Close a tunnel, or ask for a higher tunnels= "
     "in the gateway's users file.\n"
 )
-# The helper's reason for a refusal, which the backs put in this header (the
-# front relays a refusal's status and headers, not its page).
-TUNNEL_REFUSED_NOTE = "gateway_refused"
+# The refusal's reason, in a header: Squid relays a parent's refusal's
+# status and headers to the client, not its page.
 TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
-# The helper's input: the username, the client's (the front's) end of the
-# connection and the back's; asked at every CONNECT (no cached answers).
-TUNNEL_HELPER_FORMAT = "%ul %>a %>p %>la %>lp"
-# A burst of CONNECTs waits in a long queue: past queue-size, "the acl is
-# ignored" (squid.conf.documented, external_acl_type), not what a limit wants.
-TUNNEL_HELPER_OPTIONS = (
-    "ttl=0 negative_ttl=0 children-max=5 children-startup=1 children-idle=1 queue-size=1024"
-)
 
 
 class Route(StrEnum):
@@ -452,187 +427,40 @@ def gateway_account(username: str, user: str) -> str | None:
     return parsed.account if parsed is not None else None
 
 
-def _ere(text: str) -> str:
-    """`text` as a POSIX extended regular expression matching it literally.
-
-    Usernames, member ids and filter values are checked to letters, digits
-    and `. _ ~ + = - / : @` before they reach a config; `.` and `+` are the
-    special ones among those, the rest are escaped for safety.
-    """
-    return re.sub(r"([.+*?^$()\[\]{}|\\])", r"\\\1", text)
-
-
 def _format_name(definition: str | None) -> str:
     return definition.split()[1] if definition else "squid"
-
-
-def _login(settings: ProxySettings) -> str:
-    # Squid %-unescapes login= once at parse time; escaping every byte but
-    # letters and digits keeps spaces, `#` and quotes out of the config syntax.
-    return f"{quote(settings.username, safe='')}:{quote(settings.password, safe='')}"
-
-
-def render_gateway_back(
-    settings: ProxySettings,
-    paths: SquidPaths,
-    members: Sequence[GatewayMember],
-    auth_wrapper: Sequence[str],
-    error_directory: str,
-    credentials_ttl: str = "1 hour",
-    tunnel_helper: Sequence[str] = (),
-) -> RenderedSquid:
-    """The back workers' config: they route by username to the pool's members.
-
-    Only the front worker reaches them (they listen on loopback and admit
-    loopback clients only); they apply the proxies' own rules again, then
-    send every request to a member (`never_direct`), logging in
-    GATEWAY_LOG_FORMAT. Each member is declared once per `Route`, and
-    `cache_peer_access` on the username decides which declarations a request
-    may use. When the chosen member fails to connect, Squid retries the other
-    members the same route allows, so a dead member costs a client nothing
-    but a retry; a pinned request has only its member.
-
-    Each declaration's ACL is a regular expression over the whole username
-    that admits the member's own routing filter values only
-    (`^USER(-zone-Z)?(-region-R)?(-provider-P)?<route>$`): a username whose
-    filters another member's values would need never reaches this one, so a
-    filter nothing matches finds no member, never a fallback: such a username
-    (or a pin of a member not in the pool) is answered NO_MEMBER_STATUS with
-    the error page NO_MEMBER_TEMPLATE, which `error_directory` holds next to
-    copies of Squid's own templates. The front relays the status and Squid's
-    `X-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0` header, not the page.
-
-    With a `tunnel_helper` command, a CONNECT annotated TUNNEL_LIMIT_NOTE by
-    the auth helper is admitted only if that helper finds its user a slot.
-    """
-    # The fleet's user, or a users-file user (gateway/users.py: no dash in the
-    # name); which account, and its password, the auth helper checked.
-    user = f"({_ere(settings.username)}|[A-Za-z0-9._]+)"
-    # Every username some member admits; the rest are answered NO_MEMBER_STATUS.
-    access = [f"acl {UNROUTABLE} src 127.0.0.1/32"]  # always true: the backs admit no other
-    lines = [
-        "# The pool's members, one cache_peer per member and route. A member that",
-        "# cannot be connected to is retried on the next; its error answers (an",
-        "# origin that is down) are the client's to see, not retried.",
-        GATEWAY_DEBUG,
-        NEVER_DIRECT,
-        f"forward_max_tries {FORWARD_MAX_TRIES}",
-    ]
-    common = (
-        f"no-query no-digest no-netdb-exchange login={_login(settings)} "
-        f"connect-fail-limit={MEMBER_CONNECT_FAIL_LIMIT} connect-timeout={MEMBER_CONNECT_TIMEOUT}"
-    )
-    options = {Route.ROTATE: "round-robin", Route.SESSION: "userhash", Route.PIN: ""}
-    for m in sorted(members, key=lambda m: m.member):
-        filters = "".join(
-            f"(-{name}-{_ere(value)})?"
-            for name in FILTERS
-            if (value := m.attribute(name)) is not None and FILTER_VALUE.fullmatch(value)
-        )
-        routes = {
-            Route.ROTATE: "$",
-            Route.SESSION: SESSION_INFIX,
-            Route.PIN: f"{PIN_INFIX}{_ere(m.member)}$",
-        }
-        for route in Route:
-            if route is Route.PIN and not PINNABLE_MEMBER.fullmatch(m.member):
-                continue  # cannot be named in a username; rotation and sessions still reach it
-            name = peer_name(m.member, route)
-            acl = f"gateway_{name}"
-            pattern = f"^{user}{filters}{routes[route]}"
-            access.append(f"acl {ROUTABLE} proxy_auth_regex {pattern}")
-            lines += [
-                f"acl {acl} proxy_auth_regex {pattern}",
-                f"cache_peer {m.host} parent {m.port} 0 {options[route]} name={name} {common}",
-                f"cache_peer_access {name} allow {acl}",
-                f"cache_peer_access {name} deny all",
-            ]
-    # No member: no username is routable (and ROUTABLE, never defined, cannot be named).
-    routable = f"!{ROUTABLE} " if len(access) > 1 else ""
-    access += [
-        f"http_access deny CONNECT {routable}{UNROUTABLE}",
-        f"error_directory {error_directory}",
-        f"deny_info {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} {UNROUTABLE}",
-    ]
-    if tunnel_helper:
-        access += [
-            f"external_acl_type gateway_tunnels {TUNNEL_HELPER_OPTIONS} {TUNNEL_HELPER_FORMAT} "
-            + " ".join(tunnel_helper),
-            f"acl gateway_tunnel_limited note {TUNNEL_LIMIT_NOTE}",
-            "acl gateway_tunnel_slot external gateway_tunnels",
-            # The note comes with the credentials: `authenticated` checks them first.
-            "http_access deny CONNECT authenticated gateway_tunnel_limited !gateway_tunnel_slot",
-            f"deny_info {TUNNEL_LIMIT_STATUS}:{TUNNEL_LIMIT_TEMPLATE} gateway_tunnel_slot",
-            # The front relays a back's refusal's status and headers, not its page:
-            # the helper's reason goes in a header too (raw: it is the helper's words).
-            f"acl gateway_tunnel_refused note {TUNNEL_REFUSED_NOTE}",
-            f'reply_header_add {TUNNEL_REFUSED_HEADER} "%\'{{{TUNNEL_REFUSED_NOTE}}}note" '
-            "gateway_tunnel_refused",
-        ]
-    loopback = replace(settings, allowed_cidrs=("127.0.0.1/32",))
-    return _render_gateway_squid(
-        loopback, paths, lines, auth_wrapper, access=access, credentials_ttl=credentials_ttl
-    )
 
 
 def render_gateway_front(
     settings: ProxySettings,
     paths: SquidPaths,
-    back_ports: Sequence[int],
+    router_port: int,
     client_connections: int | None = None,
 ) -> RenderedSquid:
-    """The worker clients talk to: the proxies' rules, then one of the back workers.
+    """The gateway's Squid, which clients talk to: the proxies' rules, then the router.
 
-    It does not check credentials: every request goes to a back worker
-    (`never_direct`), with the credentials passed on (`login=PASSTHRU`),
-    and the backs check them, since they route by username; a client
-    without the password gets their 407.
-
-    Its config never changes while it runs: membership changes reload the
-    back workers one at a time, and a CONNECT a back fails while its new
-    peers are being probed is tried again on the other back. Every client
-    arrives here, so `client_connections` (connections one address may hold)
-    is set here alone: the backs' and the members' one client is the gateway.
+    It does not check credentials: every request goes to the router
+    (`never_direct`) with the client's credentials passed on
+    (`login=PASSTHRU`), and the router checks them, since it routes by them;
+    a client without the password gets its 407. The router is never counted
+    dead (it relays members' and origins' errors, which Squid would count
+    against it). Every client arrives here, so `client_connections`
+    (connections one address may hold) is set here alone.
     """
-    if len(back_ports) < 2:
-        raise ValueError("the front needs two back workers, so one serves while the other reloads")
     lines = [
-        "# The back workers: they route to the members, and reload in turn.",
+        "# The router: it checks credentials and picks the member (gateway/router.py).",
         GATEWAY_DEBUG,
         NEVER_DIRECT,
-        f"forward_max_tries {FORWARD_MAX_TRIES}",
+        f"cache_peer 127.0.0.1 parent {router_port} 0 no-query no-digest no-netdb-exchange "
+        f"name=router login=PASSTHRU connect-fail-limit={ROUTER_CONNECT_FAIL_LIMIT} "
+        "connect-timeout=2",
     ]
-    for i, port in enumerate(back_ports):
-        lines.append(
-            f"cache_peer 127.0.0.1 parent {port} 0 round-robin name=back-{i} "
-            "no-query no-digest no-netdb-exchange login=PASSTHRU "
-            f"connect-fail-limit={BACK_CONNECT_FAIL_LIMIT} connect-timeout=2"
-        )
-    return _render_gateway_squid(
-        settings, paths, lines, authenticate=False, client_connections=client_connections
-    )
-
-
-def _render_gateway_squid(
-    settings: ProxySettings,
-    paths: SquidPaths,
-    routing: list[str],
-    auth_wrapper: Sequence[str] = (),
-    authenticate: bool = True,
-    access: Sequence[str] = (),
-    credentials_ttl: str = "1 hour",
-    client_connections: int | None = None,
-) -> RenderedSquid:
-    """A gateway worker's config: the proxies' rules, GATEWAY_LOG_FORMAT, then `routing`."""
     return render(
         settings,
         paths,
-        auth_wrapper=auth_wrapper,
         log_format=f"logformat {GATEWAY_LOG_FORMAT} {_GATEWAY_LOG_FIELDS}",
-        routing=[*routing, ""],
-        authenticate=authenticate,
-        access=access,
-        credentials_ttl=credentials_ttl,
+        routing=[*lines, ""],
+        authenticate=False,
         client_connections=client_connections,
     )
 

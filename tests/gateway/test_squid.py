@@ -1,7 +1,7 @@
-"""The gateway's Squid over three real local members, without Temporal.
+"""The gateway's Squid and router over three real local members, without Temporal.
 
-Routing by username, auth and the proxies' rules, reloads onto a new
-membership with a client loop running, and a member killed under load. Which
+Routing by username, auth and the proxies' rules, membership changes with
+client loops running, and a member killed under load. Which
 member carried a request is read from the members' own access logs, not from
 the gateway, so the gateway's reporting is not its own witness.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from gateway import squid as gateway_squid
-from gateway.sessions import userhash_member
+from gateway.routing import userhash_member
 from gateway.squid import GatewayError, GatewaySquid
 from gateway.users import hash_password
 from providers.base import CreateRequest
@@ -173,9 +173,9 @@ def test_a_pinned_username_reaches_exactly_that_member(
 def test_pinning_a_member_that_is_not_in_the_pool_fails_alone(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    # The backs' "no member" answer: no parent may carry it. A burst of them
-    # must not make the front count its backs down (Squid 5 counts every
-    # error answer to a CONNECT against the parent that gave it).
+    # The router's "no member" answer: no member may carry it. A burst of them
+    # must not make Squid count its router down (Squid 5 counts every error
+    # answer to a CONNECT against the parent that gave it).
     for _ in range(20):
         assert through(gateway, tls_origin, f"{USERNAME}-proxy-{POOL}/99").connect_status == 503
     assert sum(members.tunnels().values()) == 0
@@ -301,12 +301,17 @@ class Loop:
         self._thread.start()
         return self
 
+    def served(self, more: int) -> None:
+        """Wait until `more` requests beyond those so far were answered (any answer)."""
+        wanted = sum(self.outcomes.values()) + more
+        wait_until(lambda: sum(self.outcomes.values()) >= wanted, 60, f"{more} more requests")
+
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
 
 
-def test_reloads_onto_a_new_membership_lose_no_request(
+def test_membership_changes_lose_no_request_and_move_only_the_leavers_sessions(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
     before = {}
@@ -319,8 +324,11 @@ def test_reloads_onto_a_new_membership_lose_no_request(
 
     with Loop(gateway, tls_origin, USERNAME) as loop:
         fourth = members.add(3)
+        loop.served(10)
         assert gateway.apply([*members.by_member.values()])
+        loop.served(10)
         assert gateway.apply([m for m in members.by_member.values() if m.member != gone])
+        loop.served(10)
     # A member logs a tunnel when it closes: the loop's last request through
     # `gone`, sent before the removal, may be logged after the loop stops.
     wait_until(
@@ -331,16 +339,11 @@ def test_reloads_onto_a_new_membership_lose_no_request(
     carried = members.tunnels()[gone]
 
     assert set(loop.outcomes) == {"ok"}, loop.outcomes
-    assert loop.outcomes["ok"] > 20
-
-    # The new member takes its turn. Not asserted of the loop's own requests:
-    # on a loaded machine the loop may send its last before the front Squid
-    # has reloaded onto the new membership.
-    def fourth_serves() -> bool:
+    # In force once apply returns: the next rotation reaches the new member.
+    counts = members.tunnels()
+    for _ in range(3):
         assert through(gateway, tls_origin, USERNAME).ok
-        return members.tunnels()[fourth.member] > 0
-
-    wait_until(fourth_serves, 30, "a plain request to reach the new member")
+    assert (members.tunnels() - counts).keys() == {f"{POOL}/0", f"{POOL}/1", fourth.member}
     for _ in range(20):
         assert through(gateway, tls_origin, USERNAME).ok
     assert members.tunnels()[gone] == carried, "a removed member got requests"
@@ -354,24 +357,24 @@ def test_reloads_onto_a_new_membership_lose_no_request(
             assert now in (member, fourth.member), username
 
 
-def test_back_to_back_reloads_under_load_break_no_tunnel(
+def test_back_to_back_changes_under_load_break_no_tunnel(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    """Ten membership changes (twenty back reloads) under two client loops.
+    """Forty membership changes under two client loops, a few requests apart.
 
-    A back that reloads while one of its CONNECTs is connecting to a member
-    loses that peer and relays the client's TLS handshake to the member as
-    if it were the origin (docs/architecture.md, "What a reload can still
-    lose"): the member answers 400. The paused front is what prevents it.
+    No change may cost a request, nor hand a client's TLS handshake to a
+    member as if it were the origin (a member would answer 400).
     """
     fourth = members.add(3)
     three = [m for m in members.by_member.values() if m != fourth]
     with (
         Loop(gateway, tls_origin, USERNAME) as rotating,
-        Loop(gateway, tls_origin, f"{USERNAME}-session-reloads") as sticky,
+        Loop(gateway, tls_origin, f"{USERNAME}-session-changes") as sticky,
     ):
-        for flip in range(10):
+        for flip in range(40):
             assert gateway.apply([*three, fourth] if flip % 2 == 0 else three)
+            rotating.served(1)
+            sticky.served(1)
 
     for loop in (rotating, sticky):
         assert set(loop.outcomes) == {"ok"}, loop.outcomes
@@ -396,32 +399,20 @@ def test_a_killed_member_is_skipped_without_a_failed_request(
     assert through(gateway, tls_origin, f"{USERNAME}-proxy-{victim}").connect_status == 503
 
 
-def test_the_members_password_stays_in_the_private_config(
+def test_the_members_password_is_in_no_file_argument_or_environment(
     gateway: GatewaySquid, tls_origin: TlsOrigin
 ) -> None:
+    """Only the router holds it, read from its standard input."""
     assert through(gateway, tls_origin, USERNAME).ok
-    backs = {back.conf for back in gateway.backs}
-    for conf in (gateway.conf, *(worker.conf for worker in gateway.workers)):
-        assert conf.stat().st_mode & 0o777 == 0o640
+    assert gateway.conf.stat().st_mode & 0o777 == 0o640
     for path in gateway.directory.rglob("*"):
-        if path.is_file() and path not in backs:
+        if path.is_file():
             assert PASSWORD not in path.read_text(errors="replace"), path
-    for conf in backs:
-        assert f"login={USERNAME}:{PASSWORD}" in conf.read_text()
-    assert "login=" not in gateway.front.conf.read_text().replace("login=PASSTHRU", "")
-
-
-def test_a_config_squid_rejects_fails_without_the_password_in_the_error(
-    state_dir: Path, config: Config
-) -> None:
-    squid = GatewaySquid(config.proxy_settings(), state_dir / ".broken", ("127.0.0.1", free_port()))
-    bad = GatewayMember(f"{POOL}/0", "not a host", 3128)
-    try:
-        with pytest.raises(GatewayError) as caught:
-            squid.start([bad])
-    finally:
-        squid.stop()
-    assert PASSWORD not in str(caught.value)
+    assert "login=" not in gateway.conf.read_text().replace("login=PASSTHRU", "")
+    assert gateway.router_process is not None
+    proc = Path(f"/proc/{gateway.router_process.pid}")
+    for held in ("cmdline", "environ"):
+        assert PASSWORD.encode() not in (proc / held).read_bytes(), held
 
 
 def test_a_listen_address_in_use_fails_at_once_naming_it(state_dir: Path, config: Config) -> None:
@@ -433,31 +424,19 @@ def test_a_listen_address_in_use_fails_at_once_naming_it(state_dir: Path, config
     assert squid.process is None, "no Squid was started"
 
 
-def test_a_back_port_taken_before_squid_binds_it_is_traded_for_another(
+def test_a_router_port_taken_before_the_router_binds_it_is_traded_for_another(
     state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
 ) -> None:
     squid = GatewaySquid(config.proxy_settings(), state_dir / ".raced", ("127.0.0.1", free_port()))
-    # Another process binds a back's port between the gateway's check and Squid's bind.
-    with socket.create_server(("127.0.0.1", squid.backs[0].port)) as thief:
+    # Another process binds the router's port between the gateway's check and the router's bind.
+    with socket.create_server(("127.0.0.1", squid.router.port)) as thief:
         taken = thief.getsockname()[1]
         try:
             squid.start(list(members.by_member.values()))
-            assert taken not in {back.port for back in squid.backs}
+            assert squid.router.port != taken
             assert all(through(squid, tls_origin, USERNAME).ok for _ in range(3))
         finally:
             squid.stop()
-
-
-def test_a_membership_squid_rejects_keeps_the_gateway_on_the_previous_one(
-    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
-) -> None:
-    bad = GatewayMember(f"{POOL}/9", "not a host", 3128)
-    with pytest.raises(GatewayError) as caught:
-        gateway.apply([*members.by_member.values(), bad])
-
-    assert PASSWORD not in str(caught.value)
-    assert set(gateway.members) == set(members.by_member.values()), "tried again next time"
-    assert all(through(gateway, tls_origin, USERNAME).ok for _ in range(6))
 
 
 def test_two_gateways_send_a_session_key_to_the_same_member(
@@ -505,26 +484,15 @@ def test_a_state_dir_squids_user_cannot_reach_still_serves(
         shutil.rmtree(squid.directory, ignore_errors=True)
 
 
-@pytest.mark.parametrize(
-    "step",
-    [
-        "front paused for the back-2 worker",
-        "the back-2 worker reloading",
-        "the back-2 worker accepting again, front resumed",
-        "reloaded the back-2 worker",
-        "the back-3 worker reloading",
-    ],
-)
-def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
-    step: str, state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
+def test_a_gateway_killed_while_its_members_change_leaves_nothing_serving(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    """SIGKILL the gateway's process mid-reload: its Squid goes too, and a new one serves.
+    """SIGKILL the gateway's process while it changes members: its Squid and router go too.
 
-    Killed while the front is paused (SIGSTOP) it would otherwise leave a
-    Squid that takes connections and never answers them; killed at any
-    step, one whose membership nobody keeps current. Its watchdog kills the
-    whole Squid, so clients are refused at once and the supervisor's next
-    gateway gets the address back.
+    Either left behind would serve a membership nobody keeps current. The
+    watchdog kills the whole Squid, the router ends with its standard input,
+    so clients are refused at once and the supervisor's next gateway gets
+    the address back.
     """
     port = free_port()
     given = {
@@ -542,23 +510,26 @@ def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
     try:
         child.stdin.write(json.dumps(given) + "\n")
         child.stdin.flush()
-        squid_pid, reached = None, False
+        pids: dict[str, int] = {}
+        changes = 0
         # Past the deadline the child is killed, which ends its output and the loop.
         deadline = threading.Timer(STEP_DEADLINE, child.kill)
         deadline.start()
         for line in child.stdout:
-            if line.startswith("squid pid "):
-                squid_pid = int(line.split()[2])
-            elif squid_pid is not None and line.startswith(step):
-                child.send_signal(signal.SIGSTOP)  # held at this step
-                reached = True
-                break
+            role, _, pid = line.partition(" pid ")
+            if pid:
+                pids[role] = int(pid)
+            elif line.startswith("applied"):
+                changes += 1
+                if changes == 25:
+                    break
         deadline.cancel()
-        assert squid_pid is not None and reached, f"the gateway never reached {step!r}"
+        assert changes == 25 and pids.keys() == {"squid", "router"}, (changes, pids)
         child.send_signal(signal.SIGKILL)
         child.wait()
 
-        wait_until(lambda: not group_members(squid_pid), 15, f"Squid's processes to end ({step})")
+        wait_until(lambda: not group_members(pids["squid"]), 15, "Squid's processes to end")
+        wait_until(lambda: not Path(f"/proc/{pids['router']}").exists(), 15, "the router to end")
         assert not accepts_connections(port)
         again = GatewaySquid(config.proxy_settings(), state_dir / "gw", ("127.0.0.1", port))
         try:
@@ -571,18 +542,24 @@ def test_a_gateway_killed_at_any_step_of_a_reload_leaves_no_squid_serving(
         child.wait()
 
 
-@pytest.mark.parametrize("part", ["master", "watchdog"])
-def test_a_dead_master_or_watchdog_stops_the_whole_gateway(
+@pytest.mark.parametrize("part", ["master", "watchdog", "router"])
+def test_a_dead_master_watchdog_or_router_stops_the_whole_gateway(
     part: str, gateway: GatewaySquid, tls_origin: TlsOrigin
 ) -> None:
-    """Workers outliving a killed master would serve stale members; no watchdog, no fate sharing.
+    """Workers outliving a killed master would serve stale members; no watchdog, no fate
+    sharing; no router, no member reached.
 
     Either way the gateway sees it (`running()` is what its loop watches and
     exits on), and its stop leaves no Squid process holding the address.
     """
     assert gateway.process is not None and gateway.watchdog is not None
+    assert gateway.router_process is not None
     master = gateway.process.pid
-    victim = master if part == "master" else gateway.watchdog.pid
+    victim = {
+        "master": master,
+        "watchdog": gateway.watchdog.pid,
+        "router": gateway.router_process.pid,
+    }[part]
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: not gateway.running(), 15, f"the gateway to see its {part} die")
     gateway.stop()
@@ -593,11 +570,11 @@ def test_a_dead_master_or_watchdog_stops_the_whole_gateway(
 def test_a_killed_front_worker_is_restarted_and_serves_again(
     gateway: GatewaySquid, tls_origin: TlsOrigin
 ) -> None:
-    front = gateway.worker_pid(gateway.front)
+    front = gateway.worker_pid()
     assert front is not None
     os.kill(front, signal.SIGKILL)
     wait_until(
-        lambda: gateway.worker_pid(gateway.front) not in (None, front),
+        lambda: gateway.worker_pid() not in (None, front),
         15,
         "Squid's master to start a new front worker",
     )
@@ -605,11 +582,11 @@ def test_a_killed_front_worker_is_restarted_and_serves_again(
     assert gateway.running()
 
 
-def test_the_computed_session_member_is_the_one_squid_chose(
+def test_the_computed_session_member_is_the_one_the_router_chose(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    # gateway/sessions.py computes Squid's userhash choice for the control API;
-    # the members' own access logs say which one Squid made, key after key.
+    # The control API names a session's member with gateway/routing.py's
+    # userhash; the members' own access logs say which one carried it.
     names = list(members.by_member)
     for key in range(30):
         username = f"{USERNAME}-session-k{key}"
@@ -617,7 +594,7 @@ def test_the_computed_session_member_is_the_one_squid_chose(
         assert through(gateway, tls_origin, username).ok
         (carried,) = members.tunnels() - before
         assert userhash_member(username, names) == carried, username
-    # One member fewer (its peers gone from the config): its keys move, as Squid moves them.
+    # One member fewer: its keys move, and only its.
     gone = names[0]
     gateway.apply([m for member, m in members.by_member.items() if member != gone])
     for key in range(30):
@@ -668,10 +645,10 @@ def test_routing_filters_reach_only_the_members_they_name(
         ):
             reply = connect_reply(squid, tls_origin, username)
             assert reply.startswith(b"HTTP/1.1 503 "), (username, reply[:200])
-            # The front relays the backs' status and error name, not their page.
+            # Squid relays the router's status and error name, not its page.
             assert b"\r\nX-Squid-Error: 503:ERR_GATEWAY_NO_MEMBER 0\r\n" in reply, reply
-            back = connect_reply(squid, tls_origin, username, squid.backs[0].port)
-            assert b"No member of the pool matches this username" in back, back
+            router = connect_reply(squid, tls_origin, username, squid.router.port)
+            assert b"No member of the pool matches this username" in router, router
         for username in (f"{USERNAME}-zone-a-zone-b", f"{USERNAME}-zone--session-k"):
             assert through(squid, tls_origin, username).connect_status == 407, username
         assert members.tunnels() == before, "a filter that matches nothing falls back to nothing"
@@ -699,7 +676,7 @@ def connect_reply(
 def test_a_gateway_without_members_answers_that_no_member_matches(
     gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    # Every member banned or gone at once: the backs still parse and answer.
+    # Every member banned or gone at once: the router still answers.
     gateway.apply([])
     for username in (USERNAME, f"{USERNAME}-session-k", f"{USERNAME}-zone-eu"):
         reply = connect_reply(gateway, tls_origin, username)
@@ -857,13 +834,13 @@ def test_one_client_address_holds_at_most_its_connections(
         squid.stop()
 
 
-def test_the_backs_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones(
+def test_the_routers_port_comes_from_below_the_ephemeral_range_and_skips_taken_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A port from the ephemeral range can become any process's outgoing
     # connection between the check and Squid's bind; below it, it cannot.
     low = gateway_squid._ephemeral_low()
-    monkeypatch.setattr(gateway_squid, "BACK_PORTS_FROM", low - 5)
+    monkeypatch.setattr(gateway_squid, "ROUTER_PORTS_FROM", low - 5)
     window = set(range(low - 5, low))
     with contextlib.ExitStack() as stack:
         taken = set(sorted(window)[:3])
@@ -910,9 +887,9 @@ def test_links_planted_in_the_state_dir_write_nothing_of_roots(
         )
         assert planting.returncode != 0, "Squid's user may write the state directory"
         names = {p.name for p in directory.iterdir() if p.is_file()}
-        # What a reload and a users change write, then (for a restart) every file.
-        written = {back.conf.name for back in squid.backs} | {"htpasswd", "users"}
-        assert {"squid.conf", "back-2.conf", "htpasswd", "cache.log", "squid.pid"} <= names
+        # What a users change writes, then (for a restart) every file.
+        written = {"users"}
+        assert {"squid.conf", "users", "router.log", "cache.log", "squid.pid"} <= names
         plant(directory, written, target)
         squid.install_users(users + f"{bob[0]}:{hash_password(bob[1])}\n")
         squid.apply(list(members.by_member.values())[:2])

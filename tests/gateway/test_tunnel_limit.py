@@ -1,8 +1,8 @@
-"""A users-file user's `tunnels=N`: the gateway's real Squid over three real local members.
+"""A users-file user's `tunnels=N`: the real gateway over three real local members.
 
-The limit is held by Squid's back workers and the tunnel helper
-(gateway/tunnel_helper.py); these tests hold real tunnels open through the
-front, as a crawler does, and watch what the next CONNECT is answered.
+The limit is held by the router (gateway/router.py), which counts each
+user's open tunnels; these tests hold real tunnels open through the gateway,
+as a crawler does, and watch what the next CONNECT is answered.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.squid import USERS_CREDENTIALS_TTL, GatewaySquid
+from gateway.squid import GatewaySquid
 from gateway.users import hash_password
 from providers.config import Config
 from tests.gateway.test_squid import (  # noqa: F401 (config, members: fixtures)
@@ -37,9 +37,6 @@ from tests.helpers.waiting import DEADLINE, wait_until
 pytestmark = [requires_squid, pytest.mark.slow]
 
 ALICE, BOB = ("alice", "alice-password-1"), ("bob", "bob password 2")
-# A user given its first limit is marked for the tunnel helper at its next
-# credentials check (gateway/auth_helper.py), at most the credentials TTL away.
-FIRST_LIMIT_DEADLINE = int(USERS_CREDENTIALS_TTL.split()[0]) + DEADLINE
 
 
 def users(alice_limit: str = " tunnels=2", bob_limit: str = "") -> str:
@@ -183,26 +180,14 @@ def test_a_users_file_change_moves_a_limit_without_dropping_a_tunnel(
         reason = refusal(gateway, tls_origin, *ALICE)
         assert reason == "alice holds 3 open tunnels, its limit is tunnels=3"
 
-        # A membership change reloads the backs, whose helpers start again: the
-        # tunnels they admitted still count.
+        # A membership change leaves the count as it is.
         gateway.apply([*members.by_member.values(), members.add(3)])
         reason = refusal(gateway, tls_origin, *ALICE)
         assert reason == "alice holds 3 open tunnels, its limit is tunnels=3"
 
-        # A user given a first limit: the tunnels it opened before do not count
-        # (nothing recorded them), those it opens once its credentials are checked
-        # again (with the limit) do.
+        # A user given a first limit: the tunnels it already holds count.
         held.open(*BOB)
         gateway.install_users(users(" tunnels=3", " tunnels=1"))
-
-        def bob_limited() -> bool:
-            tunnel = held.open(*BOB)
-            if through(gateway, tls_origin, *BOB).connect_status == 429:
-                return True
-            held.close(tunnel)  # opened before the limit reached bob's requests
-            return False
-
-        wait_until(bob_limited, FIRST_LIMIT_DEADLINE, "bob refused", interval=0.5)
         reason = refusal(gateway, tls_origin, *BOB)
         assert reason == "bob holds 1 open tunnel, its limit is tunnels=1"
         held.assert_all_open()

@@ -10,7 +10,11 @@ import pytest
 
 from gateway.users import (
     MAX_TUNNELS,
+    SCRYPT_N,
+    SCRYPT_R,
+    Checker,
     UsersFileError,
+    Verdict,
     hash_password,
     parse_users,
     unknown_user_hash,
@@ -133,3 +137,53 @@ def test_the_unknown_users_hash_costs_what_most_of_the_files_hashes_cost() -> No
     cheaper = "scrypt$1024$8$1$00112233445566778899aabbccddeeff$" + "00" * 32
     users = parse_users(f"a:{cheaper}\nb:{cheaper}\nc:{HASH}\n", "users", "proxy")
     assert unknown_user_hash(users.values()).split("$")[1:4] == ["1024", "8", "1"]
+
+
+ALICE, CAROL = ("alice", "alice-password-1"), ("carol", "carol password 3")
+
+
+@pytest.fixture
+def checker(tmp_path: Path) -> Checker:
+    users = tmp_path / "users"
+    users.write_text(
+        f"{ALICE[0]}:{hash_password(ALICE[1])}\n{CAROL[0]}:{hash_password(CAROL[1])} zones=eu-b\n"
+    )
+    return Checker(str(users), "fleet")
+
+
+def test_each_kind_of_username_gets_its_verdict(checker: Checker) -> None:
+    assert checker.check(*ALICE) == Verdict("alice")
+    assert checker.check(f"{ALICE[0]}-session-s1", ALICE[1]) == Verdict("alice")
+    assert checker.check(ALICE[0], "wrong") == Verdict(None, refusal="wrong password")
+    # Names of no account, and forms no account has, are no user's: the router refuses them.
+    assert checker.check("zed", ALICE[1]) is None
+    assert checker.check("zed-session-s1", "anything") is None
+    assert checker.check(f"{ALICE[0]}-nonsense", ALICE[1]) is None
+
+
+def test_a_zone_limit_is_told_only_to_the_right_password(checker: Checker) -> None:
+    assert checker.check(CAROL[0], "wrong") == Verdict(None, refusal="wrong password")
+    zones = "this user must name one of its zones (-zone-<zone>)"
+    assert checker.check(*CAROL) == Verdict(None, refusal=zones)
+    assert checker.check(f"{CAROL[0]}-zone-eu-b", CAROL[1]) == Verdict("carol")
+
+
+def test_an_unknown_name_costs_the_scrypt_check_a_known_one_does(tmp_path: Path) -> None:
+    """Seen as scrypt's memory in a process of its own: how long it takes is bench.auth's."""
+    users = tmp_path / "users"
+    users.write_text(f"{ALICE[0]}:{hash_password(ALICE[1])}\n")
+    probe = (
+        "import sys; from gateway.users import Checker; from tests.helpers.procfs import "
+        "status_value; import os; c = Checker(sys.argv[1], 'fleet'); c.check('zed', ''); "
+        "before = status_value(os.getpid(), 'VmHWM'); c.check('zed', 'a guess'); "
+        "print(status_value(os.getpid(), 'VmHWM') - before)"
+    )
+    grown = subprocess.run(
+        [sys.executable, "-c", probe, str(users)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    # Most of it: pages the process had resident already are no new peak.
+    assert int(grown) >= 128 * SCRYPT_N * SCRYPT_R // 1024 * 3 // 4

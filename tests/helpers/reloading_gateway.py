@@ -1,19 +1,17 @@
-"""A gateway Squid that reloads without end, in a process a test can SIGKILL.
+"""A gateway whose membership changes without end, in a process a test can SIGKILL.
 
     python -m tests.helpers.reloading_gateway STATE_DIR PORT < settings-and-members.json
 
 The input is one JSON object: `settings` (ProxySettings' fields, the password
 among them, so it never shows in a process list) and `members` (member,
-host, port). Squid starts on all of them, then the backs are reloaded onto
-every member but the last and back onto all, again and again. The reload's
-steps are logged to stdout (DEBUG), one line each, so a test can kill this
-process at a step of its choice; `squid pid <pid>` comes once it serves.
+host, port). The gateway starts on all of them, then changes to every member
+but the last and back onto all, again and again, printing `applied` after
+each change; `squid pid <pid>` and `router pid <pid>` come once it serves.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -28,14 +26,15 @@ def main(argv: list[str]) -> int:
         **{k: tuple(v) if isinstance(v, list) else v for k, v in given["settings"].items()}
     )
     members = [GatewayMember(*member) for member in given["members"]]
-    logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(message)s")
     squid = GatewaySquid(settings, state_dir, ("127.0.0.1", port))
     squid.start(members)
-    assert squid.process is not None
+    assert squid.process is not None and squid.router_process is not None
     print(f"squid pid {squid.process.pid}", flush=True)
+    print(f"router pid {squid.router_process.pid}", flush=True)
     while True:
-        squid.apply(members[:-1])
-        squid.apply(members)
+        for change in (members[:-1], members):
+            squid.apply(change)
+            print("applied", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,413 @@
+"""The gateway's router: takes the front's CONNECTs, checks who asks, picks a member, relays.
+
+    client -> Squid (the front: the proxies' rules) -> router (loopback) -> pool member
+
+    python3 router.py LISTEN_PORT ACCESS_LOG FLEET_USER [--users FILE]
+    stdin:  {"password": "..."}              once, first: the fleet's password
+            {"members": [{...}, ...]}        the members in rotation, whole, at each change
+    stdout: "listening", then "members <n>" once each change is in force
+
+A membership change replaces an in-memory index (gateway/routing.py) between
+two requests: nothing reloads, no client waits, and a tunnel to a member
+that left keeps flowing until either end closes it (the pool drains a
+leaving member for `drain_seconds`). Choosing a member costs the same at 10
+members as at 10,000.
+
+For each CONNECT the front passes on (with the client's credentials):
+
+- the credentials: the fleet's (every username form of the fleet's USER,
+  providers.squid.parse_gateway_username) or a users-file user's (its
+  scrypt hash, gateway/users.py, checked in a thread of its own and
+  remembered while the file stays the same); anything else 407;
+- a users-file user's `zones=` and `tunnels=` (open tunnels counted here,
+  where they open and close: 429 at the limit);
+- the member: gateway/routing.py's order; a member that refuses or does not
+  answer within MEMBER_CONNECT_TIMEOUT is tried no more for this request,
+  the next one is; MEMBER_CONNECT_FAIL_LIMIT failures in a row and it is
+  skipped until a probe finds it answering; none to try: 503
+  (ERR_GATEWAY_NO_MEMBER) and the request goes nowhere;
+- the CONNECT goes to the member with the fleet's credentials, the member's
+  answer goes back as it came, and on 200 the bytes flow both ways.
+
+Every CONNECT ends with one access log line in GATEWAY_LOG_FORMAT's fields,
+the member named by its route's peer name, which the gateway's metrics and
+session map read (gateway/metrics.py, gateway/sessions.py).
+
+It holds the fleet's password, from its standard input (never its
+environment or arguments), and runs as Squid's user, started by the
+gateway (gateway/squid.py), which it outlives by nothing: it exits when its
+standard input closes. Standard library only, run from a copy the gateway
+makes where Squid's user reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+# Run as a script: the copy's root holds gateway/ and providers/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.relay import read_head, relay
+from gateway.routing import Members
+from gateway.users import Checker, Verdict
+from providers.squid import (
+    MEMBER_CONNECT_FAIL_LIMIT,
+    MEMBER_CONNECT_TIMEOUT,
+    NO_MEMBER_PAGE,
+    NO_MEMBER_STATUS,
+    NO_MEMBER_TEMPLATE,
+    TUNNEL_LIMIT_PAGE,
+    TUNNEL_LIMIT_STATUS,
+    TUNNEL_LIMIT_TEMPLATE,
+    TUNNEL_REFUSED_HEADER,
+    GatewayMember,
+    GatewayUsername,
+    Route,
+    parse_gateway_username,
+    peer_name,
+)
+
+# The front sends a request's head at once: it has read all of it already.
+HEAD_TIMEOUT = 10.0
+# A member answers a CONNECT once its own connect to the origin is done or
+# given up (Squid's connect_timeout is a minute).
+ANSWER_TIMEOUT = 75.0
+# Members one request is tried on before it fails, as forward_max_tries.
+MAX_TRIES = 10
+PROBE_SECONDS = 1.0
+REALM = "proxy-operator"
+
+
+@dataclass
+class Health:
+    """A member's connect failures in a row, and whether it is skipped for them."""
+
+    failures: int = 0
+    probing: asyncio.Task[None] | None = None
+
+
+class Router:
+    """The listening router: credentials, limits, members; see the module docstring."""
+
+    def __init__(self, user: str, password: str, users: Checker | None, log: TextIO) -> None:
+        self._user, self._password = user, password.encode()
+        self._users = users
+        # One scrypt check at a time, off the event loop: a check takes tens of ms.
+        self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="credentials")
+        self._log = log
+        self.members = Members(())
+        self._health: dict[str, Health] = {}
+        self._tunnels: Counter[str] = Counter()
+        self._login = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    def update(self, members: list[GatewayMember]) -> None:
+        """The members in rotation from now on; a member that left keeps its open tunnels."""
+        self.members = Members(members)
+        for gone in self._health.keys() - self.members.by_id.keys():
+            health = self._health.pop(gone)
+            if health.probing is not None:
+                health.probing.cancel()
+
+    # ---- one CONNECT --------------------------------------------------------------------
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        started = time.time()
+        record: list[str] = []
+        try:
+            head = await asyncio.wait_for(read_head(reader), HEAD_TIMEOUT)
+            if head is None:
+                return  # the front's probe (a connect alone), or too much
+            await self._connect(head, reader, writer, record)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            if record:
+                self._write_log(started, record)
+
+    async def _connect(
+        self,
+        head: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        record: list[str],
+    ) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        method, _, rest = lines[0].partition(" ")
+        target = rest.partition(" ")[0]
+        username, password = _credentials(lines[1:])
+        record[:] = ["-", "-", "-", "-", method or "-", target or "-", username or "-"]
+        if method != "CONNECT" or not target:
+            await _answer(writer, record, 405, "Method Not Allowed", "CONNECT only.\n")
+            return
+        verdict = await self._check(username, password)
+        if verdict is None or verdict.account is None:
+            refusal = verdict.refusal if verdict is not None and verdict.refusal else "refused"
+            await _answer(
+                writer,
+                record,
+                407,
+                "Proxy Authentication Required",
+                f"Credentials {refusal}.\n",
+                [f'Proxy-Authenticate: Basic realm="{REALM}"'],
+            )
+            return
+        parsed = parse_gateway_username(username, verdict.account)
+        assert parsed is not None, "a verdict names the account the username parsed for"
+        account = verdict.account
+        if verdict.tunnels is not None and self._tunnels[account] >= verdict.tunnels:
+            held = self._tunnels[account]
+            reason = (
+                f"{account} holds {held} open tunnel{'s' if held != 1 else ''}, "
+                f"its limit is tunnels={verdict.tunnels}"
+            )
+            await _answer(
+                writer,
+                record,
+                TUNNEL_LIMIT_STATUS,
+                "Too Many Requests",
+                TUNNEL_LIMIT_PAGE.replace("%o", reason),
+                [
+                    f"X-Squid-Error: {TUNNEL_LIMIT_STATUS}:{TUNNEL_LIMIT_TEMPLATE} 0",
+                    f"{TUNNEL_REFUSED_HEADER}: {reason}",
+                ],
+            )
+            return
+        self._tunnels[account] += 1
+        try:
+            await self._forward(head, username, parsed, reader, writer, record)
+        finally:
+            self._tunnels[account] -= 1
+            if not self._tunnels[account]:
+                del self._tunnels[account]
+
+    async def _forward(
+        self,
+        head: bytes,
+        username: str,
+        parsed: GatewayUsername,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        record: list[str],
+    ) -> None:
+        route = Route.PIN if parsed.pin else Route.SESSION if parsed.session else Route.ROTATE
+        tried = 0
+        for member in self._candidates(username, parsed):
+            if tried == MAX_TRIES:
+                break
+            tried += 1
+            upstream = await self._open(member)
+            if upstream is None:
+                continue
+            member_reader, member_writer = upstream
+            record[1:4] = [peer_name(member.member, route), member.host, str(member.port)]
+            try:
+                member_writer.write(_member_head(head, self._login))
+                await member_writer.drain()
+                answer = await asyncio.wait_for(
+                    member_reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT
+                )
+                writer.write(answer)
+                await writer.drain()
+                status = answer[9:12].decode("latin-1")
+                record[0] = status if status.isdigit() else "000"
+                if status == "200":
+                    await relay(reader, writer, member_reader, member_writer)
+            finally:
+                member_writer.close()
+            return
+        if tried:
+            await _answer(
+                writer, record, 503, "Service Unavailable", "No member answered.\n",
+                ["X-Squid-Error: ERR_CONNECT_FAIL 111"],
+            )  # fmt: skip
+            return
+        await _answer(
+            writer,
+            record,
+            NO_MEMBER_STATUS,
+            "Service Unavailable",
+            NO_MEMBER_PAGE,
+            [f"X-Squid-Error: {NO_MEMBER_STATUS}:{NO_MEMBER_TEMPLATE} 0"],
+        )
+
+    def _candidates(self, username: str, parsed: GatewayUsername) -> Iterator[GatewayMember]:
+        """The route's order, members skipped for their failures last (a stale skip costs
+        a try, never the request)."""
+        skipped = []
+        for member in self.members.order(username, parsed):
+            health = self._health.get(member.member)
+            if health is not None and health.probing is not None:
+                skipped.append(member)
+            else:
+                yield member
+        yield from skipped
+
+    async def _open(
+        self, member: GatewayMember
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to `member`, or None (counted against it) if it refuses or is silent."""
+        try:
+            upstream = await asyncio.wait_for(
+                asyncio.open_connection(member.host, member.port), MEMBER_CONNECT_TIMEOUT
+            )
+        except (OSError, TimeoutError):
+            self._failed(member)
+            return None
+        health = self._health.pop(member.member, None)
+        if health is not None and health.probing is not None:
+            health.probing.cancel()
+        return upstream
+
+    def _failed(self, member: GatewayMember) -> None:
+        if member.member not in self.members.by_id:
+            return  # left the pool meanwhile
+        health = self._health.setdefault(member.member, Health())
+        health.failures += 1
+        if health.failures >= MEMBER_CONNECT_FAIL_LIMIT and health.probing is None:
+            health.probing = asyncio.create_task(self._probe(member))
+
+    async def _probe(self, member: GatewayMember) -> None:
+        """Connect to a skipped member every PROBE_SECONDS until it answers; then use it again."""
+        while True:
+            await asyncio.sleep(PROBE_SECONDS)
+            with contextlib.suppress(OSError, TimeoutError):
+                _, probe = await asyncio.wait_for(
+                    asyncio.open_connection(member.host, member.port), MEMBER_CONNECT_TIMEOUT
+                )
+                probe.close()
+                self._health.pop(member.member, None)
+                return
+
+    async def _check(self, username: str, password: str) -> Verdict | None:
+        """Who `username` with `password` is, or None: no account has that username form."""
+        if not username or not password:
+            return None
+        if parse_gateway_username(username, self._user) is not None:
+            right = hmac.compare_digest(password.encode(), self._password)
+            return Verdict(self._user if right else None)
+        if self._users is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._checks, self._users.check, username, password)
+
+    def _write_log(self, started: float, record: list[str]) -> None:
+        status, peer, host, port, method, target, username = record
+        kind = "TCP_TUNNEL/FIRSTUP_PARENT" if peer != "-" else "TCP_DENIED/HIER_NONE"
+        elapsed = round((time.time() - started) * 1000)
+        self._log.write(
+            f"{started:.3f} {elapsed} {status} {kind} {peer} {host} {port} "
+            f"{method} {target} {username}\n"
+        )
+        self._log.flush()
+
+
+def _credentials(header_lines: list[str]) -> tuple[str, str]:
+    """The Basic username and password of a head's Proxy-Authorization, or empty strings."""
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        if name.strip().lower() != "proxy-authorization":
+            continue
+        scheme, _, encoded = value.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return "", ""
+        try:
+            decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return "", ""
+        username, _, password = decoded.partition(":")
+        return username, password
+    return "", ""
+
+
+def _member_head(head: bytes, login: str) -> bytes:
+    """The client's CONNECT head with the fleet's credentials for its own."""
+    lines = head.decode("latin-1").split("\r\n")
+    kept = [
+        line
+        for line in lines[1:]
+        if line and line.partition(":")[0].strip().lower() != "proxy-authorization"
+    ]
+    return "\r\n".join([lines[0], *kept, f"Proxy-Authorization: {login}", "", ""]).encode("latin-1")
+
+
+async def _answer(
+    writer: asyncio.StreamWriter,
+    record: list[str],
+    status: int,
+    reason: str,
+    page: str,
+    headers: list[str] | None = None,
+) -> None:
+    """Refuse the request with `status`, as Squid writes its own errors, and close."""
+    record[0] = str(status)
+    body = page.encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        *(headers or []),
+        "Content-Type: text/plain; charset=utf-8",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        "",
+        "",
+    ]
+    writer.write("\r\n".join(head).encode() + body)
+    await writer.drain()
+
+
+def _member(fields: dict[str, Any]) -> GatewayMember:
+    return GatewayMember(
+        str(fields["member"]),
+        str(fields["host"]),
+        int(fields["port"]),
+        fields.get("zone"),
+        fields.get("region"),
+        fields.get("provider"),
+    )
+
+
+async def _serve(port: int, log: TextIO, user: str, users: Checker | None) -> int:
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader(limit=64 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    first = json.loads(await stdin.readline())
+    router = Router(user, first["password"], users, log)
+    server = await asyncio.start_server(router.serve, "127.0.0.1", port, backlog=1024)
+    print("listening", flush=True)
+    async with server:
+        while line := await stdin.readline():
+            router.update([_member(fields) for fields in json.loads(line)["members"]])
+            print(f"members {len(router.members.members)}", flush=True)
+    return 0  # the gateway is gone
+
+
+def main(argv: list[str]) -> int:
+    args = argv[1:]
+    if args == ["--check"]:
+        return 0  # it imported: this interpreter runs it
+    users = None
+    if args[3:4] == ["--users"] and len(args) == 5:
+        users, args = args[4], args[:3]
+    if len(args) != 3 or not args[0].isdigit():
+        print("usage: router.py LISTEN_PORT ACCESS_LOG FLEET_USER [--users FILE]", file=sys.stderr)
+        return 2
+    port, log_path, user = int(args[0]), args[1], args[2]
+    with open(log_path, "a", encoding="utf-8") as log:
+        return asyncio.run(_serve(port, log, user, Checker(users, user) if users else None))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
