@@ -48,6 +48,7 @@ import binascii
 import contextlib
 import hmac
 import json
+import resource
 import sys
 import time
 from collections import Counter
@@ -56,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import quote
 
 # Run as a script: the copy's root holds gateway/ and providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,6 +91,11 @@ ANSWER_TIMEOUT = 75.0
 MAX_TRIES = 10
 PROBE_SECONDS = 1.0
 REALM = "proxy-operator"
+# Descriptors kept for the log, stdin and the rest; each connection takes two
+# (the client's and its member's).
+DESCRIPTORS_KEPT = 32
+# Left as they are in a log field: what a username, host:port or method is made of.
+LOG_SAFE = "-._~+=/:@[]"
 
 
 @dataclass
@@ -111,6 +118,8 @@ class Router:
         self.members = Members(())
         self._health: dict[str, Health] = {}
         self._tunnels: Counter[str] = Counter()
+        self.connections = 0
+        self.max_connections = _descriptors() // 2 - DESCRIPTORS_KEPT
         self._login = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
     def update(self, members: list[GatewayMember]) -> None:
@@ -126,6 +135,10 @@ class Router:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         started = time.time()
         record: list[str] = []
+        if self.connections >= self.max_connections:
+            writer.close()  # past what its descriptors allow: refused, nothing else hurt
+            return
+        self.connections += 1
         try:
             head = await asyncio.wait_for(read_head(reader), HEAD_TIMEOUT)
             if head is None:
@@ -134,6 +147,7 @@ class Router:
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
+            self.connections -= 1
             writer.close()
             if record:
                 self._write_log(started, record)
@@ -149,7 +163,7 @@ class Router:
         method, _, rest = lines[0].partition(" ")
         target = rest.partition(" ")[0]
         username, password = _credentials(lines[1:])
-        record[:] = ["-", "-", "-", "-", method or "-", target or "-", username or "-"]
+        record[:] = ["-", "-", "-", "-", _logged(method), _logged(target), _logged(username)]
         if method != "CONNECT" or not target:
             await _answer(writer, record, 405, "Method Not Allowed", "CONNECT only.\n")
             return
@@ -313,6 +327,22 @@ class Router:
             f"{method} {target} {username}\n"
         )
         self._log.flush()
+
+
+def _descriptors() -> int:
+    """The most descriptors this process may open, raised to the hard limit first: a tunnel
+    holds two, and the usual soft limit of 1,024 would cap a gateway at 500 tunnels."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _logged(text: str) -> str:
+    """`text` as one field of a log line: what a client sent may hold spaces or line
+    breaks, which would forge fields or lines the metrics and the session map read."""
+    return quote(text, safe=LOG_SAFE) if text else "-"
 
 
 def _credentials(header_lines: list[str]) -> tuple[str, str]:

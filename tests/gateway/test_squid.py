@@ -44,7 +44,7 @@ from tests.helpers.network import accepts_connections, closed_by_peer, free_port
 from tests.helpers.squid_upstream import requires_squid
 from tests.helpers.tls_origin import TlsOrigin, TlsRequestHandler
 from tests.helpers.tunnel import Answer, connect_request, request
-from tests.helpers.waiting import wait_until
+from tests.helpers.waiting import DEADLINE, wait_until
 
 pytestmark = [requires_squid, pytest.mark.slow]
 
@@ -915,3 +915,30 @@ def plant(directory: Path, names: set[str], target: Path) -> None:
     for name in (*names, *(f".{n}.tmp" for n in names), *(f"{n}.new" for n in names)):
         (directory / name).unlink(missing_ok=True)
         (directory / name).symlink_to(target)
+
+
+def test_what_a_client_sends_forges_no_router_log_line(
+    gateway: GatewaySquid, tls_origin: TlsOrigin
+) -> None:
+    """The router's log is what metrics and the session map read, a line a field each.
+
+    Sent straight to the router's loopback port, as any local process may:
+    a username and a target with line breaks and spaces stay one field each.
+    """
+    forged = "\n1.000 1 200 TCP_TUNNEL/FIRSTUP_PARENT session-0 10.0.0.1 1 CONNECT a:1 x\n"
+    username = f"{USERNAME}-session-k{forged}"
+    for target in (f"{tls_origin.host}:{tls_origin.port}", "a:1\nforged:2"):
+        with socket.create_connection(("127.0.0.1", gateway.router.port), timeout=10) as sock:
+            credentials = base64.b64encode(f"{username}:{PASSWORD}".encode()).decode()
+            sock.sendall(
+                f"CONNECT {target} HTTP/1.1\r\nProxy-Authorization: Basic {credentials}\r\n\r\n"
+                .encode()
+            )  # fmt: skip
+            assert sock.recv(100).startswith(b"HTTP/1.1 407 ")
+
+    def logged() -> list[str]:
+        return gateway.router.access_log.read_text().splitlines()
+
+    wait_until(lambda: len(logged()) >= 2, DEADLINE, "both requests in the router's log")
+    assert all(len(line.split()) == 10 for line in logged()), logged()
+    assert not any(line.startswith("1.000 ") for line in logged()), logged()

@@ -1,0 +1,74 @@
+"""The router's member index (gateway/routing.py): rotation, filters, pins and sessions."""
+
+from __future__ import annotations
+
+from gateway.routing import Members, userhash_member
+from providers.squid import GatewayMember, parse_gateway_username
+
+USER = "proxy"
+
+
+def member(n: int, zone: str = "europe-west1-b", provider: str = "gcp") -> GatewayMember:
+    return GatewayMember(f"pool/{n}", f"10.0.0.{n}", 3128, zone, zone[:-2], provider)
+
+
+def order(members: Members, username: str) -> list[str]:
+    parsed = parse_gateway_username(username, USER)
+    assert parsed is not None, username
+    return [m.member for m in members.order(username, parsed)]
+
+
+def test_rotation_starts_one_further_each_request_and_goes_round() -> None:
+    members = Members([member(n) for n in range(4)])
+    firsts = [order(members, USER)[0] for _ in range(8)]
+    assert firsts == [f"pool/{n % 4}" for n in range(8)]
+    # A request whose first member fails goes on round the list, each once.
+    assert sorted(order(members, USER)) == [f"pool/{n}" for n in range(4)]
+
+
+def test_filters_admit_only_the_members_whose_values_they_name() -> None:
+    members = Members(
+        [member(0), member(1, zone="us-east1-c"), member(2, zone="us-east1-c", provider="aws")]
+    )
+    assert set(order(members, f"{USER}-zone-us-east1-c")) == {"pool/1", "pool/2"}
+    assert order(members, f"{USER}-region-us-east1-provider-aws") == ["pool/2"]
+    assert order(members, f"{USER}-zone-asia-east1-a") == []
+    assert order(members, f"{USER}-zone-us-east1-c-session-k")[0] in {"pool/1", "pool/2"}
+
+
+def test_a_pin_has_its_member_alone_and_only_if_the_filters_admit_it() -> None:
+    members = Members([member(0), member(1, zone="us-east1-c")])
+    assert order(members, f"{USER}-proxy-pool/1") == ["pool/1"]
+    assert order(members, f"{USER}-zone-us-east1-c-proxy-pool/1") == ["pool/1"]
+    assert order(members, f"{USER}-zone-europe-west1-b-proxy-pool/1") == []
+    assert order(members, f"{USER}-proxy-pool/9") == []
+
+
+def test_a_session_goes_first_where_the_control_api_says() -> None:
+    members = Members([member(n) for n in range(50)])
+    ids = [m.member for m in members.members]
+    for key in range(200):
+        username = f"{USER}-session-k{key}"
+        assert order(members, username)[0] == userhash_member(username, ids)
+
+
+def test_a_member_leaving_moves_only_its_own_sessions_and_about_1_in_n() -> None:
+    n = 100
+    before = Members([member(k) for k in range(n)])
+    after = Members([member(k) for k in range(n) if k != 7])
+    usernames = [f"{USER}-session-k{key}" for key in range(5_000)]
+    moved = [u for u in usernames if order(before, u)[0] != order(after, u)[0]]
+    assert all(order(before, u)[0] == "pool/7" for u in moved)
+    # Rendezvous hashing: the leaver's share, 1/n, give or take chance.
+    assert 0.3 / n < len(moved) / len(usernames) < 3 / n
+    # ... and it goes to the key's next choice, as if the leaver had failed.
+    assert all(order(after, u)[0] == order(before, u)[1] for u in moved)
+
+
+def test_an_index_is_rebuilt_whole_so_a_change_leaves_no_stale_choice() -> None:
+    first = Members([member(0), member(1)])
+    username = f"{USER}-session-sticky"
+    chosen = order(first, username)[0]
+    rest = [m for m in first.members if m.member != chosen]
+    assert order(Members(rest), username) == [rest[0].member]
+    assert order(Members([]), USER) == []
