@@ -31,14 +31,15 @@ class Disruption(enum.StrEnum):
     Not the proxy's failure: its workflow replaces the instance without
     spending the crash budget, counts it apart (`status.disruptions`) and
     names it in the reason. An instance gone for a reason its provider cannot
-    tell (deleted by hand, a VM that crashed) is no disruption.
+    tell (a VM deleted by hand, or one that crashed) is no disruption.
     """
 
     # Compute Engine reclaimed a Spot or preemptible VM (a `compute.instances.preempted` operation).
     PREEMPTED = "preempted"
     # EC2 reclaimed a spot instance (its notice, or `Server.SpotInstanceTermination`).
     SPOT_INTERRUPTED = "spot interruption"
-    # Kubernetes evicted the Pod (node pressure, a drain, the scheduler's preemption).
+    # Kubernetes evicted the Pod (node pressure, a drain, the scheduler's preemption),
+    # or a client other than the provider deleted it.
     EVICTED = "evicted"
 
 

@@ -13,6 +13,13 @@ Its squid.conf and htpasswd come from a per-proxy Secret whose owner is the
 Pod: deleting the Pod is the only cleanup, the garbage collector removes the
 Secret, and an orphaned Pod found by tag takes its Secret with it.
 
+Every Pod carries this provider's finalizer (`FINALIZER`), which only its own
+`delete` removes. A Pod that a drain, a preemption or the taint manager
+deletes would otherwise leave the API a second after its SIGTERM, before the
+workflow's next probe fails and it looks: it would find nothing, and count a
+crash. Held by the finalizer, the Pod stays, Terminating, with the condition
+that says why, until the workflow has seen it and deletes it.
+
 The API client comes from in-cluster config when the worker runs in a Pod and
 from the local kubeconfig otherwise (a kind cluster on a laptop): one code
 path for both. Every API error is translated into the provider taxonomy at one
@@ -228,6 +235,13 @@ PRIVILEGED_PORTS_END = 1024
 # Only the autoscaler reads this: `kubectl drain` ignores it, and refuses bare
 # Pods (no controller) unless run with `--force` (docs/providers.md).
 SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+# Held on every Pod until this provider's `delete` removes it, so a Pod someone
+# else deleted stays readable until its workflow has seen how it ended. Like
+# the Job controller's `batch.kubernetes.io/job-tracking` on the Pods it counts.
+FINALIZER = "proxy-operator/instance"
+# A strategic merge patch removes one finalizer without touching the others
+# and without reading the list first (ObjectMeta.finalizers merges).
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 # Label values are capped at 63 characters, so the exact tags live here as JSON.
 TAGS_ANNOTATION = "proxy-operator/tags"
 # Where a tag key that is not a valid label key gets its label.
@@ -246,11 +260,12 @@ SQUID_PATHS = SquidPaths(
 
 # Every API verb this provider needs, per resource, in each allowed namespace.
 # deploy/kubernetes grants the worker's Role exactly these, and tests check
-# both directions. The provider never reads a Secret back; `delete` on Secrets
-# is what the OwnerReferencesPermissionEnforcement admission plugin demands of
-# whoever creates an object with ownerReferences (the Pod owns its Secret).
+# both directions. `patch` on Pods removes the provider's finalizer. The
+# provider never reads a Secret back; `delete` on Secrets is what the
+# OwnerReferencesPermissionEnforcement admission plugin demands of whoever
+# creates an object with ownerReferences (the Pod owns its Secret).
 RBAC_VERBS: dict[str, tuple[str, ...]] = {
-    "pods": ("create", "delete", "get", "list"),
+    "pods": ("create", "delete", "get", "list", "patch"),
     "secrets": ("create", "delete"),
 }
 
@@ -274,6 +289,11 @@ UNSCHEDULABLE = "Unschedulable"
 # the taint manager set before deleting it.
 EVICTED = "Evicted"
 DISRUPTION_TARGET = "DisruptionTarget"
+# The reason for a Pod someone other than this provider deleted without saying why.
+DELETED_BY_ANOTHER_CLIENT = (
+    "deleted, not by proxy-operator and without a DisruptionTarget condition "
+    "(kubectl delete, a drain with --disable-eviction, its namespace being deleted)"
+)
 # A Pod still there this long after its deletionTimestamp (the end of its grace
 # period) sits on a node that stopped reporting: it is deleted with grace 0.
 STUCK_DELETION_MARGIN_SECONDS = 60.0
@@ -417,10 +437,13 @@ class KubernetesProvider:
 
         The Pod is read first and its tags checked: a Pod of another
         installation, or one made by hand under the same name, is Permanent.
-        The delete carries the UID read, so a Pod re-created under that name
-        in between is never the one deleted (409, retried). A Pod still there
-        well past its grace period sits on a node that stopped reporting: it
-        is deleted again with grace period 0, which removes it from the API.
+        Then the provider's finalizer is removed, before the delete: a Pod
+        with a deletionTimestamp and the finalizer is always one that someone
+        else deleted, and one whose deletion is done leaves the API with the
+        patch. The delete carries the UID read, so a Pod re-created under that
+        name in between is never the one deleted (409, retried). A Pod still
+        there well past its grace period sits on a node that stopped
+        reporting: it is deleted again with grace period 0, which removes it.
         """
         namespace, name = _parse_provider_id(provider_id)
         try:
@@ -432,6 +455,11 @@ class KubernetesProvider:
         mismatch = ownership_mismatch(_tags(meta), self._installation)
         if mismatch:
             raise Permanent(f"delete pod {provider_id}: refused, {mismatch}")
+        if FINALIZER in (meta.finalizers or []):
+            try:
+                self._release(namespace, name)
+            except NotFound:
+                return
         grace: int | None = None
         if meta.deletion_timestamp:
             if not _stuck_terminating(meta):
@@ -448,6 +476,18 @@ class KubernetesProvider:
                 )
         except NotFound:
             return
+
+    def _release(self, namespace: str, name: str) -> None:
+        """Remove the provider's finalizer, and only it, from the Pod."""
+        patch = {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}
+        with _edge(f"remove finalizer {FINALIZER} from pod {namespace}/{name}"):
+            self._core.patch_namespaced_pod(
+                name,
+                namespace,
+                patch,
+                _content_type=STRATEGIC_MERGE_PATCH,
+                _request_timeout=self._timeout,
+            )
 
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every Pod carrying the tag, in each allowed namespace and nowhere else.
@@ -625,6 +665,7 @@ class KubernetesProvider:
                     TAGS_ANNOTATION: json.dumps(req.tags, sort_keys=True),
                     SAFE_TO_EVICT_ANNOTATION: "true",
                 },
+                "finalizers": [FINALIZER],
             },
             "spec": spec,
         }
@@ -738,8 +779,15 @@ def _disruption(pod: client.V1Pod) -> _PodState | None:
     Pod (Kubernetes' "Pod disruption conditions"). That condition alone, on a
     Pod neither deleted nor ended, is a disruption that was interrupted: "that
     Pod might then not actually be deleted", and the condition is cleared
-    later, so such a Pod is taken at its phase. A Pod already deleted says
-    nothing any more: its NotFound is no disruption.
+    later, so such a Pod is taken at its phase.
+
+    The provider's finalizer keeps a deleted Pod readable until the provider
+    deletes it, and the provider removes it before it deletes: a Pod with a
+    deletionTimestamp that still carries it was deleted by someone else. Without
+    the condition (`kubectl delete`, a drain with `--disable-eviction`, a
+    namespace being deleted, a cluster before Kubernetes 1.26) that is still no
+    failure of Squid's, so a disruption too. A Pod without the finalizer (made
+    before it existed) and already gone says nothing: its NotFound is none.
     """
     meta = pod.metadata or client.V1ObjectMeta()
     status = pod.status or client.V1PodStatus()
@@ -752,10 +800,14 @@ def _disruption(pod: client.V1Pod) -> _PodState | None:
         None,
     )
     ended = INSTANCE_STATES.get(status.phase or "") is InstanceState.TERMINATED
-    if target is None or not (meta.deletion_timestamp or ended):
-        return None
-    why = f"{target.reason or DISRUPTION_TARGET}: {target.message or ''}"
-    return _PodState(InstanceState.TERMINATED, f"evicted: {why}", None, Disruption.EVICTED)
+    if target is not None and (meta.deletion_timestamp or ended):
+        why = f"{target.reason or DISRUPTION_TARGET}: {target.message or ''}"
+        return _PodState(InstanceState.TERMINATED, f"evicted: {why}", None, Disruption.EVICTED)
+    if meta.deletion_timestamp and FINALIZER in (meta.finalizers or []):
+        return _PodState(
+            InstanceState.TERMINATED, DELETED_BY_ANOTHER_CLIENT, None, Disruption.EVICTED
+        )
+    return None
 
 
 def _pending_state(pod: client.V1Pod, settings: KubernetesConfig) -> _PodState:

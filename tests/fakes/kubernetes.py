@@ -17,8 +17,12 @@ on and kmock does not model:
 - label selectors (equality and existence) and limit/continue paging on lists;
 - graceful deletion of a Pod bound to a node: it gets a deletionTimestamp (the
   end of its grace period) and stays until the kubelet (the test) confirms, as
-  on a real cluster; grace period 0 removes it at once; a UID precondition
-  that does not match is a 409;
+  on a real cluster; grace period 0 ends it at once; a UID precondition that
+  does not match is a 409;
+- finalizers: a deleted Pod that has any stays, marked for deletion, until
+  the last one is removed (by a PATCH: a JSON merge patch, or a strategic
+  merge patch with `$deleteFromPrimitiveList/finalizers`); none can be added
+  to a Pod being deleted;
 - garbage collection of dependents through ownerReferences, and the RBAC
   verbs the OwnerReferencesPermissionEnforcement admission plugin checks
   when an object is created with them;
@@ -87,6 +91,13 @@ EVICTION_BY_EVICTION_API = "EvictionByEvictionAPI"
 PREEMPTION_BY_SCHEDULER = "PreemptionByScheduler"
 DELETION_BY_TAINT_MANAGER = "DeletionByTaintManager"
 TERMINATION_BY_KUBELET = "TerminationByKubelet"
+
+# The patch types the fake serves, by Content-Type; a JSON patch it does not.
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+# What a patch of a Pod may change here: metadata only, and in it these keys.
+PATCHABLE_METADATA = frozenset({"labels", "annotations", "finalizers"})
+DELETE_FINALIZERS = "$deleteFromPrimitiveList/finalizers"
 
 # kmock's action for a request -> the RBAC verb a real API server checks.
 RBAC_VERBS = {
@@ -164,6 +175,24 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+def _unfaked_patch(method: str, content_type: str, patch: Any) -> str:
+    """Why the fake cannot serve this Pod patch as the API server would; '' if it can."""
+    if method != "PATCH":
+        return f"{method} of a Pod is not faked; PATCH its metadata"
+    if content_type not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH):
+        return f"patch type {content_type!r} is not faked; use {MERGE_PATCH} or a strategic one"
+    if not isinstance(patch, dict) or set(patch) - {"metadata"}:
+        return "only patches of metadata are faked"
+    meta = patch["metadata"]
+    allowed = PATCHABLE_METADATA | (
+        {DELETE_FINALIZERS} if content_type == STRATEGIC_MERGE_PATCH else set()
+    )
+    unfaked = set(meta) - allowed if isinstance(meta, dict) else {"metadata"}
+    if unfaked:
+        return f"patching metadata {sorted(unfaked)} is not faked"
+    return ""
+
+
 def qos_class(spec: dict[str, Any]) -> str:
     """The QoS class the API server gives a Pod with this spec.
 
@@ -236,14 +265,11 @@ class ApiServer(kmock.KubernetesEmulator):
                 return aiohttp.web.json_response(status_body(422, problem, "Invalid"), status=422)
         if resource == PODS and request.subresource == "eviction":
             return self._evict(request)
-        if request.action == kmock.action.DELETE and resource == PODS:
-            conflict = self._precondition_failure(request)
-            if conflict:
-                body = status_body(409, conflict, "Conflict")
-                return aiohttp.web.json_response(body, status=409)
-            graceful = self._delete_gracefully(request)
-            if graceful is not None:
-                return aiohttp.web.json_response(graceful)
+        if resource == PODS and request.name and not request.subresource:
+            if request.action == kmock.action.DELETE:
+                return self._delete_pod(request)
+            if request.action == kmock.action.UPDATE:
+                return self._patch_pod(request)
         response = await super()._handle(request)
         if request.action == kmock.action.DELETE:
             self.collect_garbage()
@@ -359,41 +385,115 @@ class ApiServer(kmock.KubernetesEmulator):
             return ""
         return f"Precondition failed: UID in precondition: {wanted}, UID in object meta: {actual}"
 
-    def _delete_gracefully(self, request: kmock.Request) -> dict[str, Any] | None:
-        """The Pod marked for deletion, or None when kmock may remove it at once."""
-        if request.name is None:
-            return None
+    def _delete_pod(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """DELETE of one Pod: 404 if there is none, 409 on a stale UID, else marked or removed.
+
+        The answer is the Pod as it is after the delete: 200, or 202 when
+        finalizers keep it ("returns a 202 status code (HTTP \"Accepted\")",
+        kubernetes.io/docs/concepts/overview/working-with-objects/finalizers/).
+        """
         key = (PODS, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
-            return None
-        return self.mark_deleted(key, self._delete_options(request).get("gracePeriodSeconds"))
+            message = f'pods "{request.name}" not found'
+            return aiohttp.web.json_response(status_body(404, message, "NotFound"), status=404)
+        conflict = self._precondition_failure(request)
+        if conflict:
+            return aiohttp.web.json_response(status_body(409, conflict, "Conflict"), status=409)
+        grace = self._delete_options(request).get("gracePeriodSeconds")
+        marked = self.mark_deleted(key, grace)
+        if marked is None:
+            return aiohttp.web.json_response(copy.deepcopy(self.objects[key].last.raw))
+        held = bool(marked["metadata"].get("finalizers"))
+        return aiohttp.web.json_response(marked, status=202 if held else 200)
 
     def mark_deleted(self, key: Any, grace: int | None) -> dict[str, Any] | None:
-        """A Pod on a node stays, marked for deletion, until its kubelet confirms.
+        """A deleted Pod: marked with the end of its grace period, removed once that ends.
 
-        Its deletionTimestamp is when the grace period ends: ObjectMeta's API
-        reference calls it the "date and time at which this resource will be
-        deleted", and a repeated delete may only shorten it. Grace period 0 is
-        a force deletion: the Pod leaves the API at once, whether or not its
-        kubelet ever confirms (kubernetes.io/docs/concepts/workloads/pods/
-        pod-lifecycle/#pod-termination-forced). Returns the marked Pod, or
-        None when it is to be removed at once (unbound, or grace period 0).
+        A Pod on a node stays until its kubelet confirms that its containers
+        stopped (a delete with grace period 0, `finish_deletion`), as on a
+        real cluster. The deletionTimestamp is when the grace period ends:
+        ObjectMeta's API reference calls it the "date and time at which this
+        resource will be deleted", and a repeated delete may only shorten it.
+        Grace period 0 is a force deletion, and a Pod no node runs needs no
+        kubelet's word (kubernetes.io/docs/concepts/workloads/pods/
+        pod-lifecycle/#pod-termination-forced). Either way a Pod with
+        finalizers stays until they are all removed. Returns the marked Pod,
+        or None when it is gone.
         """
         pod = self.objects[key]
-        if not pod.get("spec", {}).get("nodeName") or grace == 0:
-            return None
-        if not pod["metadata"].get("deletionTimestamp"):
-            if grace is None:
-                grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        meta = pod["metadata"]
+        if not pod.get("spec", {}).get("nodeName"):
+            grace = 0
+        elif grace is None:
+            grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        current = meta.get("deletionGracePeriodSeconds")
+        if current is None or grace < current:
             pod.patch(
-                {
-                    "metadata": {
-                        "deletionTimestamp": now(grace),
-                        "deletionGracePeriodSeconds": grace,
-                    }
-                }
+                {"metadata": {"deletionTimestamp": now(grace), "deletionGracePeriodSeconds": grace}}
             )
+        if self.remove_if_released(key):
+            return None
         return copy.deepcopy(pod.raw)
+
+    def remove_if_released(self, key: Any) -> bool:
+        """Remove a Pod whose deletion is complete: grace period over and no finalizers.
+
+        "When the metadata.finalizers field is empty, Kubernetes considers the
+        deletion complete and deletes the object" (kubernetes.io/docs/concepts/
+        overview/working-with-objects/finalizers/); a Pod's graceful deletion
+        completes when its kubelet deletes it with grace period 0.
+        """
+        meta = self.objects[key]["metadata"]
+        done = meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds") == 0
+        if not done or meta.get("finalizers"):
+            return False
+        self.objects[key].delete()
+        self.collect_garbage()
+        return True
+
+    def _patch_pod(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """PATCH of a Pod's labels, annotations and finalizers; anything else is not faked.
+
+        A JSON merge patch replaces `finalizers` whole; a strategic merge patch
+        adds to them (the field's patch strategy is `merge`) and removes those
+        listed under `$deleteFromPrimitiveList/finalizers` (kubernetes.io/docs/
+        tasks/manage-kubernetes-objects/update-api-object-kubectl-patch/). A
+        Pod being deleted takes no new finalizer (the API server's "no new
+        finalizers can be added if the object is being deleted", 422), and
+        one whose last finalizer goes is removed once its grace period is over.
+        """
+        key = (PODS, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            message = f'pods "{request.name}" not found'
+            return aiohttp.web.json_response(status_body(404, message, "NotFound"), status=404)
+        content_type = next(
+            (v for k, v in request.headers.items() if k.lower() == "content-type"), ""
+        ).split(";")[0]
+        patch = request.data
+        problem = _unfaked_patch(request.method.value, content_type, patch)
+        if problem:
+            return aiohttp.web.json_response(status_body(400, problem, "BadRequest"), status=400)
+        changes = dict(patch["metadata"])
+        pod = self.objects[key]
+        old: list[str] = list(pod["metadata"].get("finalizers") or [])
+        finalizers = old
+        if content_type == STRATEGIC_MERGE_PATCH:
+            removed = changes.pop(DELETE_FINALIZERS, None) or []
+            added = [f for f in changes.pop("finalizers", None) or [] if f not in old]
+            finalizers = [f for f in [*old, *added] if f not in removed]
+        elif "finalizers" in changes:
+            finalizers = list(changes.pop("finalizers") or [])
+        if pod["metadata"].get("deletionTimestamp") and set(finalizers) - set(old):
+            message = (
+                f'Pod "{request.name}" is invalid: metadata.finalizers: Forbidden: '
+                "no new finalizers can be added if the object is being deleted"
+            )
+            return aiohttp.web.json_response(status_body(422, message, "Invalid"), status=422)
+        pod.patch({"metadata": {**changes, "finalizers": finalizers or None}})
+        pod.patch({"metadata": {"resourceVersion": str(next(self._versions))}})
+        answer = copy.deepcopy(pod.raw)
+        self.remove_if_released(key)
+        return aiohttp.web.json_response(answer)
 
     def disrupt(self, key: Any, reason: str, message: str, grace: int | None = None) -> None:
         """Take a Pod away as the control plane does: condition first, then deletion.
@@ -405,9 +505,7 @@ class ApiServer(kmock.KubernetesEmulator):
         delete it gracefully.
         """
         self.set_disruption_target(key, reason, message)
-        if self.mark_deleted(key, grace) is None:
-            self.objects[key].delete()
-            self.collect_garbage()
+        self.mark_deleted(key, grace)
 
     def set_disruption_target(self, key: Any, reason: str, message: str) -> None:
         """Add the DisruptionTarget condition (True) to the Pod's conditions."""
@@ -658,7 +756,7 @@ class FakeKubernetes:
     def disrupt(self, namespace: str, name: str, reason: str, message: str) -> None:
         """Play the scheduler preempting the Pod (`PREEMPTION_BY_SCHEDULER`) or the
         taint manager deleting it (`DELETION_BY_TAINT_MANAGER`): the DisruptionTarget
-        condition, then a graceful deletion the kubelet (`finish_deletion`) completes."""
+        condition, then a graceful deletion the kubelet (`finish_deletion`) confirms."""
         self._on_loop(lambda: self.api.disrupt((PODS, namespace, name), reason, message))
 
     def start_disruption(self, namespace: str, name: str, reason: str, message: str) -> None:
@@ -700,13 +798,30 @@ class FakeKubernetes:
         self._on_loop(move)
 
     def finish_deletion(self, namespace: str, name: str) -> None:
-        """Play the kubelet confirming that a deleted Pod's containers have stopped."""
+        """Play the kubelet once a deleted Pod's containers have stopped.
 
-        def remove() -> None:
-            self.api.objects[PODS, namespace, name].delete()
-            self.api.collect_garbage()
+        It reports the Pod ended (`Failed`, unless it already `Succeeded`) and
+        not Ready, then deletes it with grace period 0, which removes it unless
+        finalizers hold it: "the kubelet transitions deleted Pods, except for
+        static Pods and force-deleted Pods without a finalizer, to a terminal
+        phase ... before their deletion from the API server"
+        (kubernetes.io/docs/concepts/workloads/pods/pod-lifecycle/#pod-phase).
+        """
 
-        self._on_loop(remove)
+        def confirm() -> None:
+            key = (PODS, namespace, name)
+            pod = self.api.objects[key]
+            assert pod["metadata"].get("deletionTimestamp"), f"pod {name} is not being deleted"
+            status = pod.get("status") or {}
+            phase = "Succeeded" if status.get("phase") == "Succeeded" else "Failed"
+            conditions = [
+                {**c, "status": "False"} if c.get("type") == "Ready" else c
+                for c in status.get("conditions") or []
+            ]
+            pod.patch({"status": {"phase": phase, "conditions": conditions}})
+            self.api.mark_deleted(key, 0)
+
+        self._on_loop(confirm)
 
     def _patch(
         self, resource: kmock.resource, namespace: str, name: str, patch: dict[str, Any]

@@ -43,6 +43,8 @@ from providers.config import Config, ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.kubernetes import (
     CONFIG_DIR,
+    DELETED_BY_ANOTHER_CLIENT,
+    FINALIZER,
     RBAC_VERBS,
     SPOOL_DIR,
     SQUID_PATHS,
@@ -57,9 +59,11 @@ from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_t
 from providers.squid import ProxySettings, render, sha512_crypt
 from tests.fakes.kubernetes import (
     DELETION_BY_TAINT_MANAGER,
+    MERGE_PATCH,
     PODS,
     PREEMPTION_BY_SCHEDULER,
     SECRETS,
+    STRATEGIC_MERGE_PATCH,
     FakeKubernetes,
 )
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
@@ -634,10 +638,15 @@ def running_pod(fake: FakeKubernetes, provider: KubernetesProvider) -> Instance:
 def test_a_pod_evicted_through_the_eviction_api_is_a_disruption_not_a_failure(
     fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
-    """A drain: the Eviction API marks the Pod DisruptionTarget, then deletes it."""
+    """A drain: the Eviction API marks the Pod DisruptionTarget, then deletes it.
+
+    The kubelet confirms a second later, long before the workflow's next
+    probe: the provider's finalizer keeps the Pod readable until its delete.
+    """
     created = running_pod(fake, provider)
 
     fake.evict(NAMESPACE, created.name)
+    fake.finish_deletion(NAMESPACE, created.name)
 
     evicted = provider.get(created.provider_id)
     assert (evicted.state, evicted.ip) == (InstanceState.TERMINATED, "")
@@ -646,8 +655,7 @@ def test_a_pod_evicted_through_the_eviction_api_is_a_disruption_not_a_failure(
     assert stored_pod(fake, created.name)["metadata"]["deletionTimestamp"]
     assert ("pods/eviction", "create") in fake.verbs_used()
 
-    provider.delete(created.provider_id)  # the workflow's delete: already going, fine
-    fake.finish_deletion(NAMESPACE, created.name)
+    provider.delete(created.provider_id)  # the workflow's delete lets it go
     raises_from(NotFound, lambda: provider.get(created.provider_id))
     assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
 
@@ -669,6 +677,7 @@ def test_a_pod_the_control_plane_deletes_for_a_disruption_is_one_naming_why(
     created = running_pod(fake, provider)
 
     fake.disrupt(NAMESPACE, created.name, reason, message)
+    fake.finish_deletion(NAMESPACE, created.name)  # Squid stopped within a second
 
     disrupted = provider.get(created.provider_id)
     assert (disrupted.state, disrupted.disruption) == (
@@ -714,22 +723,60 @@ def test_an_interrupted_disruption_leaves_a_ready_pod_running(
     )
 
 
-@pytest.mark.parametrize("ending", ["squid-exited", "deleted-by-hand"])
-def test_a_pod_that_fails_or_is_deleted_without_a_disruption_is_none(
-    fake: FakeKubernetes, provider: KubernetesProvider, ending: str
+def test_a_pod_whose_squid_exits_is_no_disruption(
+    fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
-    """Only what Kubernetes says it took away is a disruption; the rest is the proxy's loss."""
+    """Squid's own end is the proxy's loss: it spends the crash budget."""
     created = running_pod(fake, provider)
-    if ending == "squid-exited":
-        fake.set_pod_status(NAMESPACE, created.name, "Failed", POD_IP)
-    else:
-        with kubernetes.client.ApiClient(fake.configuration()) as api:
-            kubernetes.client.CoreV1Api(api).delete_namespaced_pod(created.name, NAMESPACE)
+    fake.set_pod_status(NAMESPACE, created.name, "Failed", POD_IP)
 
     ended = provider.get(created.provider_id)
 
     assert (ended.state, ended.disruption) == (InstanceState.TERMINATED, None)
     assert "evicted" not in ended.reason
+
+
+def core_api(fake: FakeKubernetes) -> kubernetes.client.CoreV1Api:
+    """Another client of the cluster: kubectl, a controller, an admin."""
+    return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(fake.configuration()))
+
+
+def test_a_pod_deleted_by_hand_stays_until_its_workflow_deletes_it_as_a_disruption(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """`kubectl delete pod` (or a drain with --disable-eviction) sets no condition, but
+    the finalizer says proxy-operator did not delete it: no failure of Squid's."""
+    created = running_pod(fake, provider)
+
+    core_api(fake).delete_namespaced_pod(created.name, NAMESPACE)
+    fake.finish_deletion(NAMESPACE, created.name)
+
+    deleted = provider.get(created.provider_id)
+    assert (deleted.state, deleted.disruption) == (InstanceState.TERMINATED, Disruption.EVICTED)
+    assert deleted.reason == DELETED_BY_ANOTHER_CLIENT
+    provider.delete(created.provider_id)
+    assert fake.get(PODS, NAMESPACE, created.name) is None
+
+
+def test_a_pod_made_before_the_finalizer_and_deleted_by_hand_is_no_disruption(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """Without the finalizer nothing says who deleted it: taken as the proxy's loss."""
+    created = running_pod(fake, provider)
+    core_api(fake).patch_namespaced_pod(
+        created.name, NAMESPACE, {"metadata": {"finalizers": None}}, _content_type=MERGE_PATCH
+    )
+
+    core_api(fake).delete_namespaced_pod(created.name, NAMESPACE)
+
+    ended = provider.get(created.provider_id)
+    assert (ended.state, ended.disruption, ended.reason) == (
+        InstanceState.TERMINATED,
+        None,
+        "being deleted",
+    )
+    fake.finish_deletion(NAMESPACE, created.name)
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
 
 
 def test_get_of_a_missing_pod_is_not_found(provider: KubernetesProvider) -> None:
@@ -754,6 +801,7 @@ def test_delete_is_graceful_then_not_found_and_takes_the_secret_along(
     fake: FakeKubernetes, provider: KubernetesProvider
 ) -> None:
     created = provider.create(request())
+    assert stored_pod(fake, created.name)["metadata"]["finalizers"] == [FINALIZER]
     fake.set_pod_status(NAMESPACE, created.name, "Running", "10.244.1.7")
     assert provider.get(created.provider_id).state is InstanceState.RUNNING
 
@@ -834,6 +882,72 @@ def test_the_fake_refuses_a_delete_whose_uid_precondition_does_not_match(
 
 def test_delete_of_a_pod_that_never_existed_is_success(provider: KubernetesProvider) -> None:
     provider.delete(f"{NAMESPACE}/proxy-never-was")
+
+
+def test_delete_of_a_pod_never_scheduled_removes_it_at_once(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """No kubelet to wait for, and the provider's finalizer removed first."""
+    created = provider.create(request())
+
+    provider.delete(created.provider_id)
+
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
+
+
+def test_delete_removes_only_the_providers_finalizer(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """Another controller's finalizer is its own to remove: the Pod waits for it."""
+    created = provider.create(request())
+    other = "example.com/audit"
+    core_api(fake).patch_namespaced_pod(
+        created.name,
+        NAMESPACE,
+        {"metadata": {"finalizers": [other]}},
+        _content_type=STRATEGIC_MERGE_PATCH,
+    )
+    assert stored_pod(fake, created.name)["metadata"]["finalizers"] == [FINALIZER, other]
+
+    provider.delete(created.provider_id)
+
+    held = stored_pod(fake, created.name)["metadata"]
+    assert held["finalizers"] == [other] and held["deletionTimestamp"]
+    core_api(fake).patch_namespaced_pod(
+        created.name, NAMESPACE, {"metadata": {"finalizers": []}}, _content_type=MERGE_PATCH
+    )
+    raises_from(NotFound, lambda: provider.get(created.provider_id))
+
+
+def test_the_fake_keeps_a_pod_with_finalizers_as_the_api_server_does(
+    fake: FakeKubernetes, provider: KubernetesProvider
+) -> None:
+    """kubernetes.io/docs/concepts/overview/working-with-objects/finalizers/: marked,
+    202 Accepted, no new finalizer while deleting, gone with the last one."""
+    created = provider.create(request())
+    core = core_api(fake)
+
+    _, status, _ = core.delete_namespaced_pod_with_http_info(created.name, NAMESPACE)
+    with pytest.raises(ApiException) as added:
+        core.patch_namespaced_pod(
+            created.name,
+            NAMESPACE,
+            {"metadata": {"finalizers": ["example.com/late"]}},
+            _content_type=STRATEGIC_MERGE_PATCH,
+        )
+    held = stored_pod(fake, created.name)["metadata"]
+    core.patch_namespaced_pod(
+        created.name,
+        NAMESPACE,
+        {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}},
+        _content_type=STRATEGIC_MERGE_PATCH,
+    )
+
+    assert status == 202
+    assert added.value.status == 422 and "no new finalizers" in str(added.value.body)
+    assert held["deletionTimestamp"] and held["finalizers"] == [FINALIZER]
+    assert fake.get(PODS, NAMESPACE, created.name) is None
+    assert fake.get(SECRETS, NAMESPACE, f"{created.name}-squid") is None
 
 
 # --- list_by_tag -----------------------------------------------------------
