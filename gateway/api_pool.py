@@ -1,12 +1,14 @@
-"""What the control API asks of the pool: its members, and bans, through Temporal.
+"""What the control API asks of the pools: their members, and bans, through Temporal.
 
-`/v1/members` is the pool's `status` query (every page of its members, from
-a pool of any size: workflows/pool_status.py), cut to what a scraper may see
-(never an endpoint's credentials: the pool holds none, and only the member
-id, state, placement, provider and age are copied), joined with the session
-keys each member carried last (gateway/sessions.py). A ban is the pool's
-`report_ban` update, naming the endpoint the gateway saw the member at, so
-a ban of a member that has rotated since changes nothing.
+`/v1/members` is each open pool's `status` query (every page of its members,
+from a pool of any size: workflows/pool_status.py), cut to what a scraper
+may see (never an endpoint's credentials: the pool holds none, and only the
+member id, state, placement, provider and age are copied), each member with
+its pool, joined with the session keys each member carried last
+(gateway/sessions.py). A ban is the `report_ban` update of the pool that owns
+the member (the one whose id prefixes it, `<pool>/<n>`), naming the endpoint
+the gateway saw the member at, so a ban of a member that has rotated since
+changes nothing.
 """
 
 from __future__ import annotations
@@ -59,42 +61,54 @@ def _age(ready_since: Any, now: datetime) -> int | None:
 
 
 class PoolControl:
-    """The API's view of one pool (gateway/api.py's `Pool`)."""
+    """The API's view of the gateway's pools (gateway/api.py's `Pool`)."""
 
     def __init__(
         self,
         client: Client,
-        pool: str,
+        pools: Callable[[], Sequence[str]],
         user: str,
         sessions: SessionMap,
         serving: Callable[[], Sequence[GatewayMember]],
     ) -> None:
-        """`serving` gives the members the gateway forwards to now, with their endpoints;
-        `user` is the account a session key is assumed to come with when none was seen."""
-        self._handle = client.get_workflow_handle(pool)
+        """`pools` gives the open pools' ids; `serving` the members the gateway forwards to
+        now, with their endpoints; `user` is the account a session key is assumed to come
+        with when none was seen."""
+        self._client = client
         self._user = user
-        self._pool = pool
+        self._pools = pools
         self._sessions = sessions
         self._serving = serving
-        self._status: tuple[float, dict[str, Any]] | None = None
+        self._status: dict[str, tuple[float, dict[str, Any]]] = {}
         self._lock = asyncio.Lock()
 
-    async def _query_status(self) -> dict[str, Any]:
+    async def _query_statuses(self, pools: Sequence[str]) -> list[dict[str, Any]]:
+        """Each pool's status, asked together; ApiError 503 naming a pool that did not answer."""
         async with self._lock:
-            now = asyncio.get_running_loop().time()
-            if self._status is not None and now - self._status[0] < STATUS_CACHE_SECONDS:
-                return self._status[1]
-            try:
-                status = await self._every_page()
-            except (RPCError, WorkflowQueryFailedError, TimeoutError) as err:
-                log.warning("status query for the API failed: %s", err)
-                raise ApiError(
-                    HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot ask {self._pool!r} now"
-                ) from None
-            self._status = (now, status)
-            return status
+            answers = await asyncio.gather(
+                *(self._query_status(pool) for pool in pools), return_exceptions=True
+            )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return [answer for answer in answers if not isinstance(answer, BaseException)]
 
-    async def _every_page(self) -> dict[str, Any]:
+    async def _query_status(self, pool: str) -> dict[str, Any]:
+        now = asyncio.get_running_loop().time()
+        cached = self._status.get(pool)
+        if cached is not None and now - cached[0] < STATUS_CACHE_SECONDS:
+            return cached[1]
+        try:
+            status = await self._every_page(pool)
+        except (RPCError, WorkflowQueryFailedError, TimeoutError) as err:
+            log.warning("status query of pool %s for the API failed: %s", pool, err)
+            raise ApiError(
+                HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot ask {pool!r} now"
+            ) from None
+        self._status[pool] = (now, status)
+        return status
+
+    async def _every_page(self, pool: str) -> dict[str, Any]:
         """The pool's status with the members of all its pages.
 
         The first query has no argument, as a pool of any release takes it;
@@ -104,11 +118,10 @@ class PoolControl:
         status: dict[str, Any] = {}
         members: list[Any] = []
         request: Any = None
+        handle = self._client.get_workflow_handle(pool)
         for _ in range(MAX_STATUS_PAGES):
             args = [] if request is None else [request]
-            raw = await asyncio.wait_for(
-                self._handle.query(STATUS_QUERY, args=args), TEMPORAL_SECONDS
-            )
+            raw = await asyncio.wait_for(handle.query(STATUS_QUERY, args=args), TEMPORAL_SECONDS)
             page = raw if isinstance(raw, dict) else {}
             status = status or page
             members += page.get("members") or []
@@ -119,29 +132,16 @@ class PoolControl:
         return {**status, "members": members}
 
     async def members(self) -> dict[str, Any]:
-        status = await self._query_status()
+        pools = list(self._pools())
+        statuses = await self._query_statuses(pools)
         sessions = self._sessions.by_member()
         now = datetime.now(UTC)
         members = []
-        for entry in status.get("members") or []:
-            if not isinstance(entry, dict) or not isinstance(entry.get("member"), str):
-                continue
-            placement = entry.get("placement")
-            member = entry["member"]
-            members.append(
-                {
-                    "member": member,
-                    "state": str(entry.get("state", "")),
-                    "zone": zone_of(placement),
-                    "region": region_of(placement),
-                    "provider": str(entry.get("provider", "")),
-                    # Where the member's traffic leaves from, as the pool confirmed it.
-                    "exit_address": _text_or_none(entry.get("exit_address")),
-                    "age_seconds": _age(entry.get("ready_since"), now),
-                    "sessions": sessions.get(member, []),
-                }
-            )
-        return {"pool": self._pool, "members": members}
+        for pool, status in zip(pools, statuses, strict=True):
+            members += _listed(pool, status, sessions, now)
+        # `pool` is what a gateway of one pool has always answered.
+        single = {"pool": pools[0]} if len(pools) == 1 else {}
+        return {**single, "pools": pools, "members": members}
 
     def session_member(self, key: str) -> str | None:
         return self._route(key)[0]
@@ -179,12 +179,15 @@ class PoolControl:
         assert member is not None  # parse_ban gives exactly one of the two
         if endpoint is None:
             endpoint = next((endpoint_of(m) for m in self._serving() if m.member == member), None)
+        pool = self._owner(member)
         request: dict[str, Any] = {"member": member, "reason": reason or DEFAULT_REASON}
         if endpoint is not None:
             request["endpoint"] = endpoint
         try:
             await asyncio.wait_for(
-                self._handle.execute_update(BAN_UPDATE, request, id=f"api-ban-{uuid.uuid4()}"),
+                self._client.get_workflow_handle(pool).execute_update(
+                    BAN_UPDATE, request, id=f"api-ban-{uuid.uuid4()}"
+                ),
                 TEMPORAL_SECONDS,
             )
         except WorkflowUpdateFailedError as err:
@@ -198,10 +201,50 @@ class PoolControl:
         except (RPCError, TimeoutError) as err:
             log.warning("report_ban through the API failed: %s", err)
             raise ApiError(
-                HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot reach {self._pool!r} now"
+                HTTPStatus.SERVICE_UNAVAILABLE, f"pool: cannot reach {pool!r} now"
             ) from None
-        log.info("ban of %s forwarded to the pool (%s)", member, reason[:MAX_LOGGED_REASON])
+        log.info("ban of %s forwarded to pool %s (%s)", member, pool, reason[:MAX_LOGGED_REASON])
         return member
+
+    def _owner(self, member: str) -> str:
+        """The pool a ban of `member` goes to: the open pool its id (`<pool>/<n>`) names, or
+        the one pool of a gateway of one, which judges any id itself; ApiError 404 else."""
+        pools = self._pools()
+        owner = member.rpartition("/")[0]
+        if owner in pools:
+            return owner
+        if len(pools) == 1:
+            return pools[0]
+        raise ApiError(
+            HTTPStatus.NOT_FOUND, f"member: no member {member!r} in pools {', '.join(pools)}"
+        )
+
+
+def _listed(
+    pool: str, status: dict[str, Any], sessions: dict[str, list[str]], now: datetime
+) -> list[dict[str, Any]]:
+    """`pool`'s members as `/v1/members` lists them, from its status."""
+    members = []
+    for entry in status.get("members") or []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("member"), str):
+            continue
+        placement = entry.get("placement")
+        member = entry["member"]
+        members.append(
+            {
+                "member": member,
+                "pool": pool,
+                "state": str(entry.get("state", "")),
+                "zone": zone_of(placement),
+                "region": region_of(placement),
+                "provider": str(entry.get("provider", "")),
+                # Where the member's traffic leaves from, as the pool confirmed it.
+                "exit_address": _text_or_none(entry.get("exit_address")),
+                "age_seconds": _age(entry.get("ready_since"), now),
+                "sessions": sessions.get(member, []),
+            }
+        )
+    return members
 
 
 def _text_or_none(value: Any) -> str | None:

@@ -25,6 +25,13 @@ gateway reports sparingly: every REPORT_SECONDS at most, and only when the
 demand moved (`moved`) or HEARTBEAT has passed (the pool forgets a report
 after workflows/pool_autoscale.REPORT_STALE). A pool that is not autoscaled
 says so, and the gateway stops reporting to it.
+
+Behind a gateway of several pools (gateway/pools.py), each autoscaled pool
+is told the gateway's whole demand: a tunnel is counted before the router
+picks its member, and a rotating client may land on any pool, so each is
+sized as if it alone carried the gateway's clients. That errs towards
+members that idle (bounded by each pool's `max_replicas`), never towards
+clients held at a pool too small for them.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,13 +165,22 @@ class DemandMeter:
 
 
 class DemandReporter:
-    """Samples the meter and reports to the pool, sparingly, until the pool says it is fixed."""
+    """Samples the meter and reports to the pools, sparingly, until every one says it is fixed."""
 
-    def __init__(self, client: Client, pool: str, meter: DemandMeter, name: str) -> None:
+    def __init__(
+        self,
+        client: Client,
+        pools: Callable[[], Sequence[str]],
+        meter: DemandMeter,
+        name: str,
+    ) -> None:
+        """`pools` gives the pools to report to now (the open ones)."""
         if not _valid_name(name):
             raise ValueError(f"gateway name {name!r} does not match {GATEWAY_NAME}")
         self.client = client
-        self.pool = pool
+        self.pools = pools
+        # Pools that said they are not autoscaled: no more reports to them.
+        self.fixed: set[str] = set()
         self.meter = meter
         self.name = name
         self.last: Sample | None = None
@@ -186,44 +202,52 @@ class DemandReporter:
                 return
 
     async def report(self, sample: Sample, window: float) -> bool:
-        """One report; False once the pool said it is not autoscaled (stop reporting)."""
+        """One report to each pool; False once every pool said it is not autoscaled (stop)."""
         body = {
             "gateway": self.name,
             "open_tunnels": sample.open_tunnels,
             "new_tunnels": sample.new_tunnels,
             "window_seconds": max(1, min(3600, round(window))),
         }
+        pools = [pool for pool in self.pools() if pool not in self.fixed]
+        sent = await asyncio.gather(*(self._report_to(pool, body) for pool in pools))
+        if any(sent):
+            self.last, self.last_at = sample, time.monotonic()
+        return any(pool not in self.fixed for pool in self.pools())
+
+    async def _report_to(self, pool: str, body: dict[str, Any]) -> bool:
+        """One report to `pool`; whether it took it."""
         try:
-            answer = await self.client.get_workflow_handle(self.pool).execute_update(
+            answer = await self.client.get_workflow_handle(pool).execute_update(
                 REPORT_DEMAND_UPDATE, body
             )
         except WorkflowUpdateFailedError as err:
             cause = err.cause
             if isinstance(cause, ApplicationError) and cause.type == NOT_AUTOSCALED:
-                log.info("pool %s is not autoscaled: no demand reports", self.pool)
+                log.info("pool %s is not autoscaled: no demand reports", pool)
+                self.fixed.add(pool)
                 return False
-            metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_REFUSED).inc()
-            log.warning("demand report refused: %s", cause or err)
-            return True
+            metrics.DEMAND_REPORTS.labels(pool=pool, outcome=metrics.REPORT_REFUSED).inc()
+            log.warning("demand report refused by pool %s: %s", pool, cause or err)
+            return False
         except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
-            metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_FAILED).inc()
-            log.warning("demand report failed: %s", err)
-            return True
-        metrics.DEMAND_REPORTS.labels(outcome=metrics.REPORT_SENT).inc()
-        self.last, self.last_at = sample, time.monotonic()
-        record_answer(answer)
+            metrics.DEMAND_REPORTS.labels(pool=pool, outcome=metrics.REPORT_FAILED).inc()
+            log.warning("demand report to pool %s failed: %s", pool, err)
+            return False
+        metrics.DEMAND_REPORTS.labels(pool=pool, outcome=metrics.REPORT_SENT).inc()
+        record_answer(pool, answer)
         return True
 
 
-def record_answer(answer: Any) -> None:
+def record_answer(pool: str, answer: Any) -> None:
     """The pool's size and cost as its answer says, into the gateway's metrics."""
     if not isinstance(answer, dict):
         return
     replicas, seconds = answer.get("replicas"), answer.get("member_seconds")
     if isinstance(replicas, int):
-        metrics.POOL_REPLICAS.set(replicas)
+        metrics.POOL_REPLICAS.labels(pool=pool).set(replicas)
     if isinstance(seconds, int | float):
-        metrics.POOL_MEMBER_SECONDS.set(seconds)
+        metrics.POOL_MEMBER_SECONDS.labels(pool=pool).set(seconds)
 
 
 def _valid_name(name: str) -> bool:
@@ -271,12 +295,12 @@ def name_of(args: argparse.Namespace, listen: tuple[str, int]) -> str:
 async def reporting(
     args: argparse.Namespace,
     client: Client,
-    pool: str,
+    pools: Callable[[], Sequence[str]],
     meter: DemandMeter,
     listen: tuple[str, int],
 ) -> AsyncIterator[None]:
     """Demand reports in the background while the gateway serves."""
-    reporter = DemandReporter(client, pool, meter, name_of(args, listen))
+    reporter = DemandReporter(client, pools, meter, name_of(args, listen))
     task = asyncio.create_task(reporter.run(args.report_interval))
     try:
         yield

@@ -7,10 +7,12 @@ within LIVE_SECONDS. A restart is what cures a gateway that fails it.
 Readiness (/readyz), besides liveness:
 
 - the gateway can learn its membership: Temporal answered a question about
-  the pool (the follower's describe or `endpoints` query, or a wake hold's
-  query) within `stale_after`, STALE_POLLS polls plus SDK_RETRY_SECONDS,
-  the time the SDK retries one call before it fails. A reload of the backs
-  does not count against it: the gateway asks nothing while it reloads;
+  each open pool (the follower's describe or `endpoints` query, or a wake
+  hold's query) within `stale_after`, STALE_POLLS polls plus
+  SDK_RETRY_SECONDS, the time the SDK retries one call before it fails. A
+  reload of the backs does not count against it: the gateway asks nothing
+  while it reloads. A pool that has closed is not asked any more, and does
+  not count either: the gateway serves the others (gateway/pools.py);
 - it has a member to route to, or it holds clients for an autoscaled pool
   at zero (gateway/wake.py). A CONNECT to such a gateway wakes the pool, so
   it stays ready at zero: a gateway that turned unready there would keep
@@ -48,14 +50,15 @@ def stale_after(poll_seconds: float, debounce_seconds: float) -> float:
 class GatewayHealth(cli.Health):
     """The gateway's liveness and readiness, fed by its supervising loop and membership follower."""
 
-    def __init__(self, pool: str, stale_seconds: float) -> None:
-        self.pool = pool
+    def __init__(self, pools: Sequence[str], stale_seconds: float) -> None:
+        self.pools = tuple(pools)
         self.stale_seconds = stale_seconds
         now = time.monotonic()
         self._checked_at = now
-        self._known_at = now
+        # Per open pool: when Temporal last answered about it, and its last error.
+        self._known_at = dict.fromkeys(self.pools, now)
+        self._errors = dict.fromkeys(self.pools, "")
         self._reloading = False
-        self._error = ""
         self._members = 0
         self._holding = False
 
@@ -63,14 +66,21 @@ class GatewayHealth(cli.Health):
         """The supervising loop found the gateway's Squid running."""
         self._checked_at = time.monotonic()
 
-    def answered(self) -> None:
-        """Temporal answered a question about the pool's membership."""
-        self._known_at = time.monotonic()
-        self._error = ""
+    def answered(self, pool: str) -> None:
+        """Temporal answered a question about `pool`'s membership."""
+        if pool in self._known_at:
+            self._known_at[pool] = time.monotonic()
+            self._errors[pool] = ""
 
-    def failed(self, err: BaseException) -> None:
-        """A question about the membership failed: said in /readyz once it is stale."""
-        self._error = " ".join(str(err).split())[:MAX_ERROR] or type(err).__name__
+    def failed(self, pool: str, err: BaseException) -> None:
+        """A question about `pool`'s membership failed: said in /readyz once it is stale."""
+        if pool in self._errors:
+            self._errors[pool] = " ".join(str(err).split())[:MAX_ERROR] or type(err).__name__
+
+    def closed(self, pool: str) -> None:
+        """`pool` has closed: nothing more is asked of it, so it cannot go stale."""
+        self._known_at.pop(pool, None)
+        self._errors.pop(pool, None)
 
     @contextlib.contextmanager
     def reloading(self) -> Iterator[None]:
@@ -80,7 +90,8 @@ class GatewayHealth(cli.Health):
             yield
         finally:
             self._reloading = False
-            self._known_at = max(self._known_at, time.monotonic())
+            now = time.monotonic()
+            self._known_at = {pool: max(at, now) for pool, at in self._known_at.items()}
 
     def routes(self, members: Sequence[GatewayMember]) -> None:
         """What the backs forward to now: the pool's members, or the wake holder."""
@@ -98,10 +109,14 @@ class GatewayHealth(cli.Health):
         problem = self.not_live()
         if problem is not None:
             return problem
-        age = time.monotonic() - self._known_at
-        if not self._reloading and age > self.stale_seconds:
-            why = f": {self._error}" if self._error else ""
-            return f"cannot learn pool {self.pool}'s members: no answer for {age:.0f}s{why}"
-        if not self._members and not self._holding:
-            return f"pool {self.pool} lists no member to route to"
-        return None
+        now = time.monotonic()
+        for pool, known_at in self._known_at.items():
+            age = now - known_at
+            if not self._reloading and age > self.stale_seconds:
+                why = f": {self._errors[pool]}" if self._errors[pool] else ""
+                return f"cannot learn pool {pool}'s members: no answer for {age:.0f}s{why}"
+        if self._members or self._holding:
+            return None
+        if len(self.pools) == 1:
+            return f"pool {self.pools[0]} lists no member to route to"
+        return f"pools {', '.join(self.pools)} list no member to route to"

@@ -1,4 +1,4 @@
-"""proxy-operator-gateway: one stable proxy endpoint over a ProxyPool.
+"""proxy-operator-gateway: one stable proxy endpoint over a ProxyPool, or several.
 
     proxy-operator-gateway --pool pool-demo --listen 0.0.0.0:8888 --providers-config providers.yaml
 
@@ -10,7 +10,8 @@ rotates per CONNECT, `USER-session-<key>` sticks to one member per key,
 `-provider-` filters narrow any of them (docs/operations.md). A control API
 (`--api-listen`, gateway/api.py) names a session's member and takes bans. The members are the
 pool's `endpoints`, followed by polling, less any outside `--member-networks`
-(gateway/member_networks.py); Temporal is reached with the
+(gateway/member_networks.py); `--pool` repeated puts several pools' members
+behind the one endpoint (gateway/pools.py). Temporal is reached with the
 worker's connection settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API
 key, profiles). The gateway holds no state: run as many as you like.
 """
@@ -30,21 +31,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 import cli
 from cli import connect, serve_metrics
-from gateway import api_settings, demand, membership, metrics, wake
+from gateway import api_settings, demand, membership, metrics, pools, wake
 from gateway.api import ControlApi
 from gateway.api_pool import PoolControl
 from gateway.health import GatewayHealth, stale_after
-from gateway.member_networks import (
-    Gatekeeper,
-    MemberNetworks,
-    configured_networks,
-    parse_networks,
-)
+from gateway.member_networks import MemberNetworks, configured_networks, parse_networks
+from gateway.pools import Pools
 from gateway.sessions import SessionMap, record_router_line
 from gateway.squid import GatewayError, GatewaySquid
 from gateway.users import UsersFileError
@@ -77,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metrics_env=METRICS_ENV,
         metrics_default=DEFAULT_METRICS_ADDRESS,
     )
-    cli.env_argument(parser, "--pool", "PROXY_OPERATOR_GATEWAY_POOL", "the ProxyPool's workflow id")
+    pools.add_arguments(parser)
     cli.env_argument(
         parser,
         "--listen",
@@ -136,7 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     api_settings.add_arguments(parser)
     wake.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    pools.from_environment(args)
+    return args
 
 
 def client_connections(value: str) -> int | None:
@@ -157,11 +155,9 @@ def listen_address(value: str) -> tuple[str, int]:
     return parsed
 
 
-def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
-    """The pool id and listen address, or UsageError naming what is wrong."""
-    problems = []
-    if not args.pool:
-        problems.append("--pool (or PROXY_OPERATOR_GATEWAY_POOL) is required")
+def checked(args: argparse.Namespace) -> tuple[list[str], tuple[str, int]]:
+    """The pool ids and listen address, or UsageError naming what is wrong."""
+    problems = pools.usage_problems(args.pool)
     if not args.providers_config:
         problems.append("--providers-config (or PROXY_OPERATOR_CONFIG) is required")
     for flag, value in (("--poll-interval", args.poll_interval), ("--debounce", args.debounce)):
@@ -175,7 +171,7 @@ def checked(args: argparse.Namespace) -> tuple[str, tuple[str, int]]:
     problems += demand.usage_problems(args) + wake.usage_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
-    return args.pool, listen
+    return list(args.pool), listen
 
 
 def member_networks(args: argparse.Namespace, config: Config) -> MemberNetworks:
@@ -195,9 +191,9 @@ def member_networks(args: argparse.Namespace, config: Config) -> MemberNetworks:
 def main(argv: list[str] | None = None) -> int:
     cli.configure_logging()
     args = parse_args(argv)
-    health = GatewayHealth(args.pool or "", stale_after(args.poll_interval, args.debounce))
+    health = GatewayHealth(args.pool or [], stale_after(args.poll_interval, args.debounce))
     try:
-        pool, listen = checked(args)
+        pool_ids, listen = checked(args)
         config = load_config(args.providers_config)
         allowed = member_networks(args, config)
         api = api_settings.api_settings(args)
@@ -217,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(
-            serve(args, pool, listen, config.proxy_settings(), allowed, health, api, users)
+            serve(args, pool_ids, listen, config.proxy_settings(), allowed, health, api, users)
         )
     except membership.PoolNotFound as err:
         print(f"error: --pool: {err}", file=sys.stderr)
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(
     args: argparse.Namespace,
-    pool: str,
+    pool_ids: list[str],
     listen: tuple[str, int],
     settings: ProxySettings,
     allowed: MemberNetworks,
@@ -246,28 +242,18 @@ async def serve(
         client = await connect()
     except RuntimeError as err:  # what the SDK raises for an unreachable server
         raise GatewayError(f"cannot connect to Temporal: {err}") from err
-    gatekeeper = Gatekeeper(allowed)
-    await membership.pool_position(client, pool)  # a pool that is gone or closed stops us here
+    # A pool that does not exist stops us here; one that has closed, once none is open.
+    followed = Pools(client, pool_ids, allowed, health)
+    await followed.start()
 
-    async def pool_members() -> list[GatewayMember]:
-        try:
-            members = gatekeeper.admit(await membership.query_members(client, pool))
-        except WorkflowQueryFailedError as err:
-            raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
-        health.answered()
-        return members
-
-    async def pool_position() -> membership.Position:
-        position = await membership.pool_position(client, pool)
-        health.answered()
-        return position
-
-    # An autoscaled pool's backs get the wake holder while it has no member.
+    # The autoscaled pools' wake holder stands in while no pool has a member.
     holding = contextlib.AsyncExitStack()
-    fetch = await holding.enter_async_context(
-        wake.holding(args, client, pool, demand.name_of(args, listen), pool_members)
+    followed.holder = await holding.enter_async_context(
+        wake.holding(
+            args, client, followed.open(), demand.name_of(args, listen), followed.fetch_each
+        )
     )
-    members = await fetch()
+    members = followed.routed()
     private = args.state_dir is None
     state_dir = Path(args.state_dir) if args.state_dir else _private_dir()
     squid = GatewaySquid(
@@ -298,10 +284,15 @@ async def serve(
         follower.follow(squid.router.access_log, on_router_line)
         follower.start()
         metrics.set_members(wake.real(members))
+        followed.count()
         health.routes(members)
         if api is not None:
             pool_control = PoolControl(
-                client, pool, settings.username, sessions, lambda: wake.real(squid.members)
+                client,
+                followed.open,
+                settings.username,
+                sessions,
+                lambda: wake.real(squid.members),
             )
             control = ControlApi(
                 pool_control,
@@ -327,11 +318,14 @@ async def serve(
         health.ready = True
         health.checked_squid()
         log.info(
-            "gateway for pool %s on %s:%s, %d members", pool, listen[0], listen[1], len(members)
+            "gateway for %s on %s:%s, %d members",
+            pools.named(followed.open()),
+            listen[0],
+            listen[1],
+            len(members),
         )
-        gate = membership.HistoryGate(pool_position)
-        async with demand.reporting(args, client, pool, meter, listen):
-            return await _run(args, squid, names, fetch, gate, members, health)
+        async with demand.reporting(args, client, followed.open, meter, listen):
+            return await _run(args, squid, names, followed, health)
     finally:
         if following_users is not None:
             following_users.cancel()
@@ -348,9 +342,7 @@ async def _run(
     args: argparse.Namespace,
     squid: GatewaySquid,
     names: metrics.MemberNames,
-    fetch: membership.Fetch,
-    gate: membership.HistoryGate,
-    members: Sequence[GatewayMember],
+    followed: Pools,
     health: GatewayHealth,
 ) -> int:
     async def apply(new: Sequence[GatewayMember]) -> bool:
@@ -369,25 +361,12 @@ async def _run(
         log.info("members now: %s", ", ".join(m.member for m in new) or "none")
         return True
 
-    def on_error(err: BaseException) -> None:
-        metrics.MEMBERSHIP_ERRORS.inc()
-        health.failed(err)
-        log.warning("endpoints query failed, keeping %d members: %s", len(squid.members), err)
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     following = asyncio.create_task(
-        membership.follow(
-            fetch,
-            apply,
-            members,
-            poll_seconds=args.poll_interval,
-            debounce_seconds=args.debounce,
-            on_error=on_error,
-            gate=gate,
-        )
+        followed.follow(apply, poll_seconds=args.poll_interval, debounce_seconds=args.debounce)
     )
     try:
         while not stop.is_set():

@@ -54,7 +54,17 @@ RELOADS = Counter(
     "Membership changes applied to the back workers, by outcome",
     ["outcome"],
 )
-MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation")
+MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation, every pool's")
+POOL_MEMBERS = Gauge(
+    "proxy_operator_gateway_pool_members",
+    "Members in rotation from each pool the gateway fronts (gateway/pools.py)",
+    ["pool"],
+)
+POOL_OPEN = Gauge(
+    "proxy_operator_gateway_pool_open",
+    "1 while the pool's workflow runs; 0 once it closed and its members left rotation",
+    ["pool"],
+)
 MEMBER_EXITS = Gauge(
     "proxy_operator_gateway_member_exit_info",
     "1 per member in rotation and the exit address its pool confirmed (unknown: not listed)",
@@ -78,7 +88,8 @@ def set_members(members: Sequence[GatewayMember]) -> None:
 
 MEMBERSHIP_ERRORS = Counter(
     "proxy_operator_gateway_membership_errors",
-    "Polls of the pool's endpoints query that failed (the members in rotation stay)",
+    "Polls of a pool's endpoints query that failed, by pool (its members in rotation stay)",
+    ["pool"],
 )
 # The `reason` label of REFUSED_ENDPOINTS (gateway/member_networks.py).
 REFUSED_NETWORK = "network"
@@ -98,16 +109,18 @@ REPORT_REFUSED = "refused"
 REPORT_FAILED = "failed"
 DEMAND_REPORTS = Counter(
     "proxy_operator_gateway_demand_reports",
-    "Demand reports to the pool, by outcome (sent, refused by the pool, failed to reach it)",
-    ["outcome"],
+    "Demand reports to a pool, by pool and outcome (sent, refused by the pool, failed to reach it)",
+    ["pool", "outcome"],
 )
 POOL_REPLICAS = Gauge(
     "proxy_operator_gateway_pool_replicas",
-    "The pool's size, as its answer to the gateway's last report or wake said",
+    "The pool's size, as its answer to the gateway's last report said",
+    ["pool"],
 )
 POOL_MEMBER_SECONDS = Gauge(
     "proxy_operator_gateway_pool_member_seconds",
     "Instance time the pool has cost since it started (member-seconds), as of its last answer",
+    ["pool"],
 )
 # The `outcome` label of WAKES.
 WAKE_SERVED = "served"

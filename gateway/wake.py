@@ -2,7 +2,8 @@
 
 A pool at zero lists no member, and a gateway with no member answers every
 CONNECT 503 at once. For an autoscaled pool the gateway instead gives its
-router one stand-in member while the pool lists no member: the `Holder`, a
+router one stand-in member while the pool lists no member (with several
+pools: while no pool lists one, gateway/pools.py): the `Holder`, a
 listener on loopback in the gateway's own process (`HOLD_MEMBER`, given to
 the router like any member: it checks the client's credentials as usual and
 sends the CONNECT on with the fleet's, as to a member). For each CONNECT it
@@ -10,8 +11,11 @@ gets, the holder
 
 1. asks the pool to `wake` (at most one update in flight, and one per
    WAKE_RESEND: the pool's handler starts one member for any number of
-   wakes, so several gateways waking together start one member);
-2. polls the pool's `endpoints` until a member is listed, for up to the
+   wakes, so several gateways waking together start one member). Behind
+   a gateway of several pools, every autoscaled one is woken: the holder
+   sees the CONNECT with the fleet's credentials, not the client's
+   username, so it cannot tell which pool's filters the client asked for;
+2. polls the autoscaled pools' `endpoints` until a member is listed, for up to the
    wake timeout (`--wake-timeout`, default 30 s);
 3. then opens the tunnel through that member itself (the CONNECT as the
    router sent it, fleet credentials included) and relays the member's
@@ -70,13 +74,14 @@ Fetch = Callable[[], Awaitable[list[GatewayMember]]]
 
 
 class Holder:
-    """The stand-in parent: holds CONNECTs while the pool has no member."""
+    """The stand-in parent: holds CONNECTs while no pool has a member, waking `pools`."""
 
     def __init__(
-        self, client: Client, pool: str, gateway: str, fetch: Fetch, timeout: float
+        self, client: Client, pools: Sequence[str], gateway: str, fetch: Fetch, timeout: float
     ) -> None:
+        """`fetch` lists the members of the autoscaled `pools`, which the holder wakes."""
         self.client = client
-        self.pool = pool
+        self.pools = tuple(pools)
         self.gateway = gateway
         self.fetch = fetch
         self.timeout = timeout
@@ -152,16 +157,6 @@ class Holder:
             await asyncio.sleep(POLL_SECONDS)
         return None
 
-    def serving(self) -> Fetch:
-        """The membership the router gets: the pool's members, or the holder while there are
-        none."""
-
-        async def fetch() -> list[GatewayMember]:
-            members = await self.fetch()
-            return members or [self.stand_in()]
-
-        return fetch
-
     async def _members(self) -> list[GatewayMember]:
         try:
             return await self.fetch()
@@ -197,8 +192,11 @@ class Holder:
         self._wake = asyncio.create_task(self._send_wake())
 
     async def _send_wake(self) -> None:
+        await asyncio.gather(*(self._wake_one(pool) for pool in self.pools))
+
+    async def _wake_one(self, pool: str) -> None:
         try:
-            answer: Any = await self.client.get_workflow_handle(self.pool).execute_update(
+            answer: Any = await self.client.get_workflow_handle(pool).execute_update(
                 WAKE_UPDATE, {"gateway": self.gateway}
             )
         except (
@@ -206,9 +204,14 @@ class Holder:
             WorkflowUpdateRPCTimeoutOrCancelledError,
             RPCError,
         ) as err:
-            log.warning("wake refused or failed: %s", getattr(err, "cause", None) or err)
+            log.warning("wake of pool %s refused or failed: %s", pool, _cause(err))
             return
-        log.info("woke pool %s: %s", self.pool, answer)
+        log.info("woke pool %s: %s", pool, answer)
+
+
+def _cause(err: BaseException) -> object:
+    """What a failed update says: the workflow's own error if it gave one."""
+    return getattr(err, "cause", None) or err
 
 
 def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:
@@ -248,16 +251,26 @@ async def autoscaled(client: Client, pool: str) -> bool:
 
 @contextlib.asynccontextmanager
 async def holding(
-    args: argparse.Namespace, client: Client, pool: str, gateway: str, fetch: Fetch
-) -> AsyncIterator[Fetch]:
-    """The membership to serve: `fetch`, or for an autoscaled pool, held by a `Holder`."""
-    if not args.wake_timeout or not await autoscaled(client, pool):
-        yield fetch
+    args: argparse.Namespace,
+    client: Client,
+    pools: Sequence[str],
+    gateway: str,
+    fetch: Callable[[Sequence[str]], Awaitable[list[GatewayMember]]],
+) -> AsyncIterator[Holder | None]:
+    """A `Holder` for the autoscaled ones among `pools` (`fetch` lists some pools' members),
+    or None when none is autoscaled or `--wake-timeout` is 0."""
+    woken = [pool for pool in pools if args.wake_timeout and await autoscaled(client, pool)]
+    if not woken:
+        yield None
         return
-    holder = Holder(client, pool, gateway, fetch, args.wake_timeout)
+    holder = Holder(client, woken, gateway, lambda: fetch(woken), args.wake_timeout)
     await holder.start()
-    log.info("holding clients up to %gs while pool %s has no member", args.wake_timeout, pool)
+    log.info(
+        "holding clients up to %gs while no pool has a member, waking %s",
+        args.wake_timeout,
+        ", ".join(woken),
+    )
     try:
-        yield holder.serving()
+        yield holder
     finally:
         await holder.stop()

@@ -63,8 +63,34 @@ async def test_members_lists_every_page_of_a_pool_larger_than_one(
         handle = await client.start_workflow(
             PagedPool.run, args=[pool_id, MEMBERS], id=pool_id, task_queue=queue
         )
-        control = PoolControl(client, pool_id, "fleet", SessionMap(), list)
+        control = PoolControl(client, lambda: [pool_id], "fleet", SessionMap(), list)
         listing = await control.members()
         await handle.terminate()
     assert [m["member"] for m in listing["members"]] == [f"{pool_id}/{n}" for n in range(MEMBERS)]
     assert {m["state"] for m in listing["members"]} == {"Ready"}
+    # A gateway of one pool answers as it always has, and says it again in `pools`.
+    assert (listing["pool"], listing["pools"]) == (pool_id, [pool_id])
+
+
+async def test_members_lists_every_pool_each_member_with_its_own(
+    temporal_env: WorkflowEnvironment,
+) -> None:
+    client = temporal_env.client
+    queue = f"paged-{uuid.uuid4().hex[:8]}"
+    sizes = {f"eu-{uuid.uuid4().hex[:8]}": MEMBERS, f"us-{uuid.uuid4().hex[:8]}": 3}
+    async with Worker(client, task_queue=queue, workflows=[PagedPool]):
+        handles = [
+            await client.start_workflow(
+                PagedPool.run, args=[pool_id, count], id=pool_id, task_queue=queue
+            )
+            for pool_id, count in sizes.items()
+        ]
+        control = PoolControl(client, lambda: list(sizes), "fleet", SessionMap(), list)
+        listing = await control.members()
+        for handle in handles:
+            await handle.terminate()
+    assert "pool" not in listing
+    assert listing["pools"] == list(sizes)
+    assert [(m["pool"], m["member"]) for m in listing["members"]] == [
+        (pool_id, f"{pool_id}/{n}") for pool_id, count in sizes.items() for n in range(count)
+    ]

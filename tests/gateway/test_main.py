@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,15 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--pool", "web", "--listen", "0.0.0.0:99999"], ["--listen"]),
         (["--pool", "web", "--poll-interval", "0"], ["--poll-interval: 0.0 is not between"]),
         (["--pool", "web", "--debounce", "-1"], ["--debounce: -1.0 is not between"]),
+        (
+            ["--pool", "eu", "--pool", "us", "--pool", "eu"],
+            ["--pool (or PROXY_OPERATOR_GATEWAY_POOL): 'eu' given more than once"],
+        ),
+        (["--pool", "eu", "--pool", ""], ["--pool (or PROXY_OPERATOR_GATEWAY_POOL): an empty"]),
+        (
+            [arg for n in range(65) for arg in ("--pool", f"p{n}")],
+            ["--pool (or PROXY_OPERATOR_GATEWAY_POOL): 65 pools, more than 64"],
+        ),
     ],
 )
 def test_bad_flags_are_named(
@@ -42,12 +53,39 @@ def test_bad_flags_are_named(
         assert text in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("listed", "expected"),
+    [
+        ("eu,,us", "--pool (or PROXY_OPERATOR_GATEWAY_POOL): an empty pool id"),
+        ("eu,", "--pool (or PROXY_OPERATOR_GATEWAY_POOL): an empty pool id"),
+        ("eu, us,eu", "--pool (or PROXY_OPERATOR_GATEWAY_POOL): 'eu' given more than once"),
+    ],
+)
+def test_a_bad_pool_list_in_the_environment_is_named(
+    listed: str, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROXY_OPERATOR_GATEWAY_POOL", listed)
+    monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        checked(parse_args([]))
+
+
 def test_good_flags_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
     assert checked(parse_args(["--pool", "web", "--listen", "[::1]:8888"])) == (
-        "web",
+        ["web"],
         ("::1", 8888),
     )
+
+
+def test_several_pools_come_from_repeated_flags_or_the_environments_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PROXY_OPERATOR_CONFIG", "providers.yaml")
+    monkeypatch.setenv("PROXY_OPERATOR_GATEWAY_POOL", "eu-gce, us-ec2")
+    assert checked(parse_args([]))[0] == ["eu-gce", "us-ec2"]
+    # The flags, when given, are the whole list: the environment's is not added to them.
+    assert checked(parse_args(["--pool", "a", "--pool", "b"]))[0] == ["a", "b"]
 
 
 def test_metrics_listen_on_loopback_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,6 +185,37 @@ async def test_a_pool_that_does_not_exist_is_a_clear_error(
     result = run_gateway(tmp_path, env, "--pool", "no-such-pool")
     assert result.returncode == 2, result.stderr
     assert "error: --pool: pool 'no-such-pool'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+async def test_a_second_pool_that_does_not_exist_is_named_and_nothing_serves(
+    temporal_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """One good pool does not carry a mistyped second one: the gateway refuses to start."""
+    client = temporal_env.client
+    # A running workflow is all the check before serving describes; no worker needed.
+    handle = await client.start_workflow(
+        "ProxyPool", {"replicas": 1}, id=f"pool-{uuid.uuid4().hex[:8]}", task_queue="no-worker"
+    )
+    try:
+        temporal = client.service_client.config.target_host
+        env = {PASSWORD_ENV: PASSWORD, "TEMPORAL_ADDRESS": temporal}
+        result = run_gateway(tmp_path, env, "--pool", handle.id, "--pool", "no-such-pool")
+    finally:
+        await handle.terminate()
+    assert result.returncode == 2, result.stderr
+    assert "error: --pool: pool 'no-such-pool'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_duplicate_pool_is_a_usage_error_before_connecting(tmp_path: Path) -> None:
+    result = run_gateway(tmp_path, {PASSWORD_ENV: PASSWORD}, "--pool", "web", "--pool", "web")
+    assert result.returncode == 2
+    assert "error: --pool (or PROXY_OPERATOR_GATEWAY_POOL): 'web' given more than once" in (
+        result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 

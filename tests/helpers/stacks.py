@@ -42,10 +42,12 @@ class Stack:
     config: Config
     origin: TlsOrigin
     state_dir: Path
+    # The provider's name in the worker's config, which the proxies' input names.
+    provider_name: str = "local"
 
     def proxy_input(self, **overrides: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "provider": "local",
+            "provider": self.provider_name,
             "health": {"target": self.origin.url, "interval_seconds": 1, "failure_threshold": 2},
         }
         body.update(overrides)

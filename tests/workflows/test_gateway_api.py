@@ -220,13 +220,14 @@ async def test_members_sessions_and_bad_bans_are_answered_as_documented(
 
     # The listing's sessions are read from the gateway's access logs, as Squid writes them.
     await wait_for(listed, "cart-7 among the sessions of a member")
-    assert listing["pool"] == pool.handle.id
+    assert (listing["pool"], listing["pools"]) == (pool.handle.id, [pool.handle.id])
     by_member = {m["member"]: m for m in listing["members"]}
     assert set(endpoints) <= set(by_member)
     for member in endpoints:
         entry = by_member[member]
         assert set(entry) == {
             "member",
+            "pool",
             "state",
             "zone",
             "region",
@@ -236,6 +237,7 @@ async def test_members_sessions_and_bad_bans_are_answered_as_documented(
             "sessions",
         }
         assert entry["state"] == "Ready" and entry["provider"] == "local"
+        assert entry["pool"] == pool.handle.id
         assert isinstance(entry["age_seconds"], int) and entry["age_seconds"] >= 0
         assert entry["sessions"] == (["cart-7"] if member == carrier else [])
     text = (await asyncio.to_thread(call, port, "GET", "/v1/members", token=token)).body.decode()
