@@ -1,9 +1,9 @@
-"""The gateway's auth helper: how long a refusal takes, for a name with and without an account.
+"""The gateway's credentials check: how long a refusal takes, with and without an account.
 
     python -m bench.auth [--checks 30]
 
-One real auth helper (gateway/auth_helper.py, as Squid runs it: the fleet's
-username going on to `basic_ncsa_auth`) over a users file of 3 accounts.
+The router's checker (gateway/users.py `Checker`, as the router runs it, in
+this process) over a users file of 3 accounts and the fleet's credentials.
 `--checks` times each, interleaved so all three see the same machine, with a
 fresh wrong password every time (a repeated one is answered from memory):
 a users-file account, a name with no account, and the fleet's own username.
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import tempfile
 import time
+from pathlib import Path
 
 from bench.stats import percentile
-from gateway.users import hash_password
-from tests.helpers.auth_helper import AuthHelper, auth_helper
-from tests.helpers.config import USERNAME
+from gateway.users import Checker, hash_password
+from tests.helpers.config import PASSWORD, USERNAME
 
 ACCOUNTS = ("alice", "bob", "carol")
 NAMES = {
@@ -32,13 +33,13 @@ NAMES = {
 }
 
 
-def refusal_ms(helper: AuthHelper, username: str) -> float:
-    """Milliseconds for the helper to refuse `username` with a password never tried before."""
+def refusal_ms(checker: Checker, username: str) -> float:
+    """Milliseconds for the checker to refuse `username` with a password never tried before."""
     start = time.perf_counter()
-    answer = helper.ask(username, secrets.token_hex(8))
+    verdict = checker.check(username, secrets.token_hex(8))
     took = (time.perf_counter() - start) * 1000
-    if not answer.startswith("ERR"):
-        raise RuntimeError(f"{username}: a random password was answered {answer!r}")
+    if verdict is not None and verdict.account is not None:
+        raise RuntimeError(f"{username}: a random password was let in")
     return took
 
 
@@ -48,11 +49,14 @@ def main() -> None:
     args = parser.parse_args()
     users = "".join(f"{name}:{hash_password(secrets.token_hex(8))}\n" for name in ACCOUNTS)
     times: dict[str, list[float]] = {kind: [] for kind in NAMES}
-    with auth_helper(users) as helper:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "users"
+        path.write_text(users)
+        checker = Checker(USERNAME, PASSWORD, str(path))
         for _ in range(args.checks):
             for kind, username in NAMES.items():
-                times[kind].append(refusal_ms(helper, username))
-    print(f"\nauth helper refusals, wrong password, {args.checks} of each interleaved")
+                times[kind].append(refusal_ms(checker, username))
+    print(f"\ncredentials refusals, wrong password, {args.checks} of each interleaved")
     print(f"{'username':<22} {'p50 ms':>8} {'p99 ms':>8}")
     for kind, measured in times.items():
         print(f"{kind:<22} {percentile(measured, 50):>8.1f} {percentile(measured, 99):>8.1f}")

@@ -46,7 +46,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import json
 import resource
 import sys
@@ -109,9 +108,9 @@ class Health:
 class Router:
     """The listening router: credentials, limits, members; see the module docstring."""
 
-    def __init__(self, user: str, password: str, users: Checker | None, log: TextIO) -> None:
-        self._user, self._password = user, password.encode()
-        self._users = users
+    def __init__(self, user: str, password: str, users: str | None, log: TextIO) -> None:
+        """`users`: the users file's path, or None for the fleet's credentials alone."""
+        self._credentials = Checker(user, password, users)
         # One scrypt check at a time, off the event loop: a check takes tens of ms.
         self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="credentials")
         self._log = log
@@ -310,13 +309,10 @@ class Router:
         """Who `username` with `password` is, or None: no account has that username form."""
         if not username or not password:
             return None
-        if parse_gateway_username(username, self._user) is not None:
-            right = hmac.compare_digest(password.encode(), self._password)
-            return Verdict(self._user if right else None)
-        if self._users is None:
-            return None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._checks, self._users.check, username, password)
+        return await loop.run_in_executor(
+            self._checks, self._credentials.check, username, password
+        )
 
     def _write_log(self, started: float, record: list[str]) -> None:
         status, peer, host, port, method, target, username = record
@@ -409,7 +405,7 @@ def _member(fields: dict[str, Any]) -> GatewayMember:
     )
 
 
-async def _serve(port: int, log: TextIO, user: str, users: Checker | None) -> int:
+async def _serve(port: int, log: TextIO, user: str, users: str | None) -> int:
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader(limit=64 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
@@ -436,7 +432,7 @@ def main(argv: list[str]) -> int:
         return 2
     port, log_path, user = int(args[0]), args[1], args[2]
     with open(log_path, "a", encoding="utf-8") as log:
-        return asyncio.run(_serve(port, log, user, Checker(users, user) if users else None))
+        return asyncio.run(_serve(port, log, user, users))
 
 
 if __name__ == "__main__":

@@ -254,29 +254,40 @@ MAX_REMEMBERED = 10_000
 
 
 class Checker:
-    """The users file's accounts, followed as it changes, with right answers remembered."""
+    """Every account's credentials: the fleet's, and the users file's followed as it changes.
 
-    def __init__(self, path: str, fleet_user: str) -> None:
-        self._file = FollowedUsers(path, fleet_user, "router")
+    The fleet's password is checked as a users-file password is, against a
+    scrypt hash of it made at start, so how long a refusal takes says
+    neither whether a name has an account nor which name is the fleet's.
+    """
+
+    def __init__(self, fleet_user: str, fleet_password: str, path: str | None) -> None:
+        self._fleet_user = fleet_user
+        self._fleet = User(hash_password(fleet_password))
+        self._file = FollowedUsers(path, fleet_user, "router") if path else None
         self._right: set[tuple[str, bytes]] = set()
-        self._unknown = unknown_user_hash(())
+        self._unknown = unknown_user_hash([self._fleet])
 
     def check(self, username: str, password: str) -> Verdict | None:
-        """The verdict on a username of the file's users, or None if it is none of theirs.
+        """The verdict on `username` with `password`, or None if it is no account's username.
 
-        Every username costs one scrypt check of its password, against a
-        user's hash or `unknown_user_hash`, unless the same user's same
-        password was found right before: a made-up name takes as long to
-        refuse as a real one, and only right answers are remembered, so no
-        flood of made-up names pushes a user's out.
+        Every username costs one scrypt check of its password, against its
+        account's hash or `unknown_user_hash`, unless the same account's
+        same password was found right before: a made-up name takes as long
+        to refuse as a real one, and only right answers are remembered, so
+        no flood of made-up names pushes an account's out.
         """
-        if self._file.refresh():
+        if self._file is not None and self._file.refresh():
             self._right.clear()
-            self._unknown = unknown_user_hash(self._file.users.values())
+            self._unknown = unknown_user_hash([self._fleet, *self._file.users.values()])
         if not password:
             return None  # refused unchecked: no password is no one's
-        account = username.partition("-")[0]
-        user = self._file.users.get(account)
+        user: User | None
+        if parse_gateway_username(username, self._fleet_user) is not None:
+            account, user = self._fleet_user, self._fleet
+        else:
+            account = username.partition("-")[0]
+            user = self._file.users.get(account) if self._file is not None else None
         key = (account, hashlib.sha256(password.encode()).digest())
         if key not in self._right:
             right = verify(password, self._unknown if user is None else user.hash)
