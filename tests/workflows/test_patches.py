@@ -20,6 +20,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
+from startup.upgrade_check import check_upgrade
 from tests.helpers.histories import current_release, load_history, recorded_names, workflow_type
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import pending_activities, rotated, wait_for, wait_status
@@ -187,3 +188,14 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
 
 async def _all_ready(pool: WorkflowHandle[Any, Any], count: int) -> bool:
     return len(await pool.query("endpoints")) == count
+
+
+@pytest.mark.slow
+async def test_check_upgrade_takes_over_a_fleet_of_this_build(stack: Stack) -> None:
+    handle = await stack.start()
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    found = await check_upgrade(stack.client)
+    assert found.checked >= 1
+    assert found.ok, (found.before_floor, found.failing)
+    await handle.signal("terminate")
+    await handle.result()
