@@ -154,8 +154,9 @@ async def test_a_proxy_started_rotated_and_terminated_records_one_marker(stack: 
     assert (await handle.result())["state"] == "Terminated"
 
     # The floor's at its start; the terminate found the monitor still running.
-    markers, _ = await _patch_markers(handle)
-    assert markers == [LIFECYCLE_FLOOR.id, LET_GO_OF_LOST_MONITOR.id]
+    # Each with its TemporalChangeVersion upsert, the floor's deprecated one too:
+    # the visibility query of docs/upgrades.md, "The floor", finds it.
+    assert await _patch_markers(handle) == ([LIFECYCLE_FLOOR.id, LET_GO_OF_LOST_MONITOR.id], 2)
 
 
 @pytest.mark.slow
@@ -180,10 +181,10 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
     assert (await pool.result())["state"] == "Terminated"
     assert stack.instances() == []
 
-    assert (await _patch_markers(pool))[0] == [POOL_FLOOR.id]
+    assert await _patch_markers(pool) == ([POOL_FLOOR.id], 1)
     for member in before:
         member_handle = stack.client.get_workflow_handle(member)
-        assert (await _patch_markers(member_handle))[0] == [LIFECYCLE_FLOOR.id], member
+        assert await _patch_markers(member_handle) == ([LIFECYCLE_FLOOR.id], 1), member
 
 
 async def _all_ready(pool: WorkflowHandle[Any, Any], count: int) -> bool:
