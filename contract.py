@@ -124,7 +124,7 @@ PROVIDER_ERRORS = frozenset(
 # QuotaExceeded comes back in minutes, not seconds, unless the provider says
 # when (Retry-After): its own hint wins.
 QUOTA_RETRY_DELAY = timedelta(minutes=3)
-# A lifecycle's delete that failed for good (Permanent) was tried again after
-# this long, forever; only runs recorded before DELETE_REFUSED_PATCH
-# (workflows/lifecycle.py) still do, when replayed.
+# A lifecycle's delete that failed neither for good (Permanent: the proxy
+# gives up and fails) nor with trouble it waits out (quota, an outage) is
+# tried again after this long.
 PERMANENT_DELETE_RETRY_DELAY = timedelta(minutes=5)

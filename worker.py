@@ -49,6 +49,7 @@ from providers.config import Config, ConfigError, load_config
 from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
 from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
+from startup.upgrade_check import check_upgrade, report
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.payloads import with_input_payload_converter
@@ -88,6 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         __doc__,
         metrics_env=METRICS_ENV,
         metrics_default=DEFAULT_METRICS_ADDRESS,
+    )
+    parser.add_argument(
+        "--check-upgrade",
+        action="store_true",
+        help="replay every running workflow of the namespace against this build, list "
+        "those started before the release it upgrades from, and exit: 0 if it may take "
+        "them over, 1 if not (docs/upgrades.md)",
     )
     parser.add_argument(
         "--task-queue",
@@ -208,6 +216,8 @@ def deployment_version(args: argparse.Namespace) -> WorkerDeploymentVersion | No
 def main(argv: list[str] | None = None) -> int:
     cli.configure_logging()
     args = parse_args(argv)
+    if args.check_upgrade:
+        return asyncio.run(_check_upgrade())
     if not args.providers_config:
         print("error: --providers-config (or PROXY_OPERATOR_CONFIG) is required", file=sys.stderr)
         return 2
@@ -229,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+async def _check_upgrade() -> int:
+    found = await check_upgrade(await cli.connect())
+    report(found, sys.stdout)
+    return 0 if found.ok else 1
 
 
 async def serve(

@@ -259,7 +259,7 @@ def _at_the_maximum() -> None:
             }
         )
         until = T0 + timedelta(hours=3)
-        spans = simulate(inp, until=until, rotation_takes=ROTATION_BOOT, paced=True)
+        spans = simulate(inp, until=until, rotation_takes=ROTATION_BOOT)
         print(f"| {surge!r} | {rotations_in(spans, T0 + timedelta(hours=2))} |")
 
 

@@ -7,24 +7,16 @@ the run method (temporalio's `_WorkflowInstanceImpl.activate` orders signal
 jobs before the start job), the server holds a continued run's first task
 back for up to `history.workflowIdReuseMinimalInterval` (1 s by default;
 `history.continueAsNewMinInterval` in older servers) while signals keep
-arriving, and they all come in that first task. A handler that ran then changed state the takeover
-overwrote: a `terminate` sent to a pool or a proxy as it continued as new
-was lost (it ran on), a lifecycle's `rotate` too, and a member's `Ready`
-report was dropped as coming from an unknown member, so the pool counted
-that member as starting until the member's next report, which in steady
-state never comes. Such signals are now held and applied again once the
-state is taken over.
+arriving, and they all come in that first task. A handler that runs then
+changes state the takeover overwrites: a `terminate` sent to a pool or a
+proxy as it continues as new would be lost, a lifecycle's `rotate` too, and
+a member's `Ready` report would be dropped as coming from an unknown member.
+Such signals are held and applied again once the state is taken over.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-from workflows.patches import Patches
-
-# Continued runs recorded before this patch lost the signals that came before
-# their takeover; replaying them still does (docs/upgrades.md).
-EARLY_SIGNALS_PATCH = "early-signals-after-takeover"
 
 
 class EarlySignals:
@@ -44,9 +36,9 @@ class EarlySignals:
         if self._held is not None:
             self._held.append(again)
 
-    def decide(self, patches: Patches, continued: bool) -> None:
-        """Decide before the run's first await, so a replay records the patch where it was."""
-        self._apply_again = continued and patches.taken(EARLY_SIGNALS_PATCH)
+    def decide(self, continued: bool) -> None:
+        """A continued run applies its held signals again; a first run's had no takeover."""
+        self._apply_again = continued
 
     def took_over(self) -> None:
         """The run's state is in place: apply the held signals again, and hold no more.

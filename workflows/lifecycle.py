@@ -73,7 +73,7 @@ with workflow.unsafe.imports_passed_through():
     from providers.naming import instance_name
     from workflows import failures, lifecycle_view, policies
     from workflows.deletion import delete_until_gone
-    from workflows.early_signals import EARLY_SIGNALS_PATCH, EarlySignals
+    from workflows.early_signals import EarlySignals
     from workflows.inputs import ProxyInput, continued_state, signal_reason
     from workflows.lifecycle_carried import (
         CarriedState,
@@ -84,10 +84,16 @@ with workflow.unsafe.imports_passed_through():
         instance_cause,
         status_of,
     )
-    from workflows.lifecycle_input import INSTALLATION_IN_NAMES, checked_input
-    from workflows.lifecycle_publish import ONE_UPSERT_A_TASK_PATCH, StatusPublisher
+    from workflows.lifecycle_input import checked_input
+    from workflows.lifecycle_publish import StatusPublisher
     from workflows.lifecycle_states import check_transition
-    from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10, Patches, ReleaseMarker
+    from workflows.patches import (
+        DISRUPTIONS_SPARE_THE_CRASH_BUDGET,
+        LET_GO_OF_LOST_MONITOR,
+        LIFECYCLE_FLOOR,
+        keep_floor,
+        taken,
+    )
     from workflows.policies import REPLACE_BACKOFF
 
 A = TypeVar("A")
@@ -109,80 +115,6 @@ FIRST_PROBE_REPORT_EVERY = timedelta(seconds=20)
 # or the provider's own Retry-After. Never given up on, however long.
 PROVIDER_WAIT = policies.Backoff(first=timedelta(seconds=5), cap=timedelta(minutes=10))
 
-# Histories recorded before this patch cancelled activities without waiting,
-# cleaned up only after the lifecycle had unwound, retried Transient errors
-# inside Temporal and slept through quota waits on terminate. Replaying them
-# keeps doing so; new runs take the paths described in docs/architecture.md.
-CLEAN_STOP_PATCH = "clean-stop-and-provider-waits"
-# Histories recorded before this patch retried a delete the provider refused
-# for good (Permanent) every PERMANENT_DELETE_RETRY_DELAY, forever; replaying
-# them still does. Since, such a refusal ends the proxy as Failed, naming the
-# instance and the provider's reason.
-DELETE_REFUSED_PATCH = "delete-refused-for-good"
-# Histories recorded before this patch continued as new only between monitor
-# cycles, and never while a deletion was pending; replaying them still does.
-# Since, a run also hands over in the middle of a long wait (quota, a
-# provider outage, a deletion waiting out either), once its history is long.
-WAIT_HANDOVER_PATCH = "hand-over-long-waits"
-# Histories recorded before this patch waited out quota or an outage on a
-# terminate's deletes in one run, however long; replaying them still does.
-# Since, a Terminating run hands over as the other waits do, and the next run
-# goes straight back to Terminating (CarriedState.terminating).
-TERMINATING_HANDOVER_PATCH = "hand-over-terminating-waits"
-
-# Histories recorded before this patch cancelled the old instance's monitor
-# as a rotation began; replaying them still does. Since, the old instance is
-# monitored until its replacement is Ready: it serves (and a pool advertises
-# it) until then, which a wait for quota can make days.
-ROTATION_WATCH_PATCH = "monitor-old-instance-while-rotating"
-# Histories recorded before this patch had a pool member in Ready look at its
-# history's length only when a rotation or its pool's word woke it, so events
-# it ignores (an `instance_failing` about another endpoint, which anyone may
-# send) grew its run without end. Since, a long history wakes it too
-# (`_may_hand_over`), and it hands over (`_continue_as_new_if_suggested`).
-LONG_WAKES_PATCH = "member-hands-over-when-long"
-# Histories recorded before this patch had a pool member's first run report
-# Provisioning (generation 0) to the pool that had just started it and knew;
-# replaying them still does. Since, its first report is the first news.
-QUIET_START_PATCH = "members-start-quietly"
-# Histories recorded before this patch waited, at a terminate, for the
-# cancelled monitor to end however long that took: a monitor whose worker
-# was lost ends only at its heartbeat timeout (270 s by default), long after
-# its instance is gone. Since, once every instance is gone, a terminate waits
-# for it at most MONITOR_LET_GO after its next probe was due
-# (`_let_go_of_monitor`). Asked on its own, at a terminate that finds a
-# monitor to wait for, until the release marker of 0.3.11 covers it.
-LET_GO_OF_LOST_MONITOR_PATCH = "let-go-of-lost-monitor"
-# Histories recorded before this patch spent the crash budget on an instance
-# its platform took away (a preemption, a spot interruption, an eviction);
-# replaying them still does. Since, such a disruption is replaced at once,
-# counted apart (`status.disruptions`) and named in the reason; only the
-# proxy's own failures spend the budget. Asked on its own, at the first
-# disruption of a run, until 0.3.11's release marker covers it; it may be
-# deprecated from 0.3.12.
-DISRUPTION_PATCH = "disruptions-spare-the-crash-budget"
-# A run that records 0.3.9's marker takes every patch above, and those of the
-# input check and the early signals, without a marker each (workflows/patches.py).
-LIFECYCLE_RELEASE_0_3_9 = ReleaseMarker(
-    RELEASE_0_3_9,
-    frozenset(
-        {
-            CLEAN_STOP_PATCH,
-            DELETE_REFUSED_PATCH,
-            WAIT_HANDOVER_PATCH,
-            TERMINATING_HANDOVER_PATCH,
-            ROTATION_WATCH_PATCH,
-            LONG_WAKES_PATCH,
-            QUIET_START_PATCH,
-            INSTALLATION_IN_NAMES,
-            EARLY_SIGNALS_PATCH,
-        }
-    ),
-)
-# 0.3.10's: those, and one upsert a task (workflows/lifecycle_publish.py).
-LIFECYCLE_RELEASE = ReleaseMarker(
-    RELEASE_0_3_10, LIFECYCLE_RELEASE_0_3_9.covers | {ONE_UPSERT_A_TASK_PATCH}
-)
 # A pool member's check of its pool's word that its instance is failing: one
 # probe and, if it fails, the provider's word on whether the instance is gone.
 CONFIRM_TIMEOUT = timedelta(minutes=2)
@@ -244,8 +176,6 @@ class ProxyLifecycle:
         # The monitor of an instance that is being rotated out: cancelled,
         # then awaited once its instance is deleted, so its end is observed.
         self._retired_monitor: ActivityHandle[MonitorOutcome] | None = None
-        # Whether this run takes CLEAN_STOP_PATCH's paths: decided in run().
-        self._new_paths = False
         # Why Ready's monitor found the instance failing, for Unhealthy to record,
         # and whether its platform took it away.
         self._unhealthy_cause = ""
@@ -257,23 +187,20 @@ class ProxyLifecycle:
         # proxy then ends as Failed with this reason (_give_up_deleting).
         self._delete_refused: str | None = None
         # The monitor of the instance being rotated out, while its
-        # replacement is brought up (ROTATION_WATCH_PATCH).
+        # replacement is brought up: it serves until then.
         self._old_monitor: ActivityHandle[MonitorOutcome] | None = None
         # Provider activities running now, of every task: a run hands over
         # only when none is, so none reports to a closed run.
         self._in_flight = 0
         self._publisher = StatusPublisher()
-        self._patches = Patches(LIFECYCLE_RELEASE, LIFECYCLE_RELEASE_0_3_9)
         self._early = EarlySignals()
         # A pool member: why its pool's monitor says its instance is failing,
         # until the member has probed the instance itself (_confirm_failing).
         self._failing: str | None = None
-        self._long_wakes = False
-        # A pool member's first run, whose start its pool knows (QUIET_START_PATCH).
+        # A pool member's first run, whose start its pool knows.
         self._quiet_start = False
-        self._one_upsert_a_task = False
         # Whether a terminate stops waiting for a monitor lost with its worker
-        # (LET_GO_OF_LOST_MONITOR_PATCH): decided once the lifecycle has unwound.
+        # (LET_GO_OF_LOST_MONITOR): decided once the lifecycle has unwound.
         self._let_go_of_lost_monitor = False
 
     # ---- the contract: run, signal, query ------------------------------------------
@@ -283,18 +210,11 @@ class ProxyLifecycle:
         # Untyped, so no argument can fail to decode outside our validation.
         state, problems = continued_state(CarriedState, from_older_release(carried), extra)
         if not problems:
-            # Decided once, before the first command: a marker recorded later,
-            # after the validation's local-activity marker, did not replay
-            # ("patch marker encountered ... no corresponding change command").
-            self._new_paths = self._patches.taken(CLEAN_STOP_PATCH)
-            self._long_wakes = self._patches.taken(LONG_WAKES_PATCH)
-            self._quiet_start = (
-                state is None
-                and workflow.info().parent is not None
-                and self._patches.taken(QUIET_START_PATCH)
-            )
-            self._one_upsert_a_task = self._patches.taken(ONE_UPSERT_A_TASK_PATCH)
-        self._early.decide(self._patches, continued=state is not None)
+            # Where 0.3.10's runs recorded their release marker: before the
+            # first command, ahead of the input check's local-activity marker.
+            keep_floor(LIFECYCLE_FLOOR)
+        self._quiet_start = state is None and workflow.info().parent is not None
+        self._early.decide(continued=state is not None)
         if state is not None:
             self._restore(state)
             # Handed over while Terminating: terminate again, deleting what is still owned.
@@ -309,9 +229,8 @@ class ProxyLifecycle:
         self._publisher.only_news = inp.monitor == "pool"
         if self._quiet_start and self._publisher.only_news:
             self._publisher.started_by_pool()
-        if self._one_upsert_a_task:
-            # After the input check: a run that fails it upserts Failed at once.
-            self._publisher.upsert_as_tasks_wait()
+        # After the input check: a run that fails it upserts Failed at once.
+        self._publisher.upsert_as_tasks_wait()
         self._publish()
 
         lifecycle = asyncio.create_task(self._lifecycle(inp))
@@ -391,7 +310,7 @@ class ProxyLifecycle:
     ) -> ProxyInput:
         """The input; else the workflow fails at once, naming every problem."""
         inp, problems, installation = await checked_input(
-            raw, argument_problems, self._patches, against_worker=against_worker
+            raw, argument_problems, against_worker=against_worker
         )
         if installation is not None:
             self._carried.installation = installation
@@ -491,20 +410,16 @@ class ProxyLifecycle:
         if self._carried.state != ProxyState.TERMINATING:  # else a run handed over in it
             self._set_state(ProxyState.TERMINATING)
         lifecycle.cancel()
-        if self._patched():
-            # Deleting the instances at once is what ends the activities still
-            # running on them (a monitor's or first probe's next probe finds
-            # its instance gone), so the workflow closes with none pending.
-            deleting = asyncio.create_task(self._cleanup())
-            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
-                await lifecycle
-            monitor = self._retired_monitor
-            if monitor is not None and not monitor.done():
-                self._let_go_of_lost_monitor = self._patches.taken(LET_GO_OF_LOST_MONITOR_PATCH)
-            await deleting
-        else:
-            with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
-                await lifecycle
+        # Deleting the instances at once is what ends the activities still
+        # running on them (a monitor's or first probe's next probe finds
+        # its instance gone), so the workflow closes with none pending.
+        deleting = asyncio.create_task(self._cleanup())
+        with contextlib.suppress(asyncio.CancelledError, ApplicationError, ActivityError):
+            await lifecycle
+        monitor = self._retired_monitor
+        if monitor is not None and not monitor.done():
+            self._let_go_of_lost_monitor = taken(LET_GO_OF_LOST_MONITOR)
+        await deleting
         # Again: the lifecycle may have made or retired an instance while it unwound.
         await self._cleanup()
         await self._let_go_of_monitor()
@@ -640,8 +555,6 @@ class ProxyLifecycle:
         the attempts so far and when the instance will be written off.
         """
         what = f"first probe of {ref.endpoint} via {inp.health.target}"
-        # Histories from before CLEAN_STOP_PATCH waited in one call, to the deadline.
-        reports = self._patched()
         deadline = workflow.now() + FIRST_PROBE_DEADLINE
         report_after = FIRST_PROBE_FIRST_REPORT
         attempts = 0
@@ -655,13 +568,11 @@ class ProxyLifecycle:
                         inp.health.target,
                         timeout_seconds=inp.health.timeout_seconds,
                         deadline_seconds=left.total_seconds(),
-                        report_after_seconds=report_after.total_seconds() if reports else None,
+                        report_after_seconds=report_after.total_seconds(),
                     ),
                     policies.WAIT_HEALTHY,
                     what,
                 )
-                if not reports:
-                    return probe
                 attempts += probe.attempts or 1
                 probe = replace(probe, attempts=attempts)
                 # The activity returns a failure early only while time is left.
@@ -724,8 +635,8 @@ class ProxyLifecycle:
                     type=ErrorType.PERMANENT,
                     non_retryable=True,
                 ) from err
-            # Provider trouble is waited out in _provider_call; only histories
-            # from before CLEAN_STOP_PATCH get here with a Transient error.
+            # Quota and provider trouble are waited out in _provider_call: any
+            # other failure writes this generation off.
             self._carried.bringing_up = None
             raise _InstanceFailed(f"create failed: {failures.message(err)}") from err
         self._creating = None
@@ -762,9 +673,8 @@ class ProxyLifecycle:
                     # Terminate or cancel: this wait is cancelled, the monitor is
                     # not (it is a task of its own). Cancel it too, and have _terminating
                     # await it, so the workflow never closes with the monitor pending.
-                    if self._patched():
-                        handle.cancel()
-                        self._retired_monitor = handle
+                    handle.cancel()
+                    self._retired_monitor = handle
                     raise
                 except TimeoutError:
                     if summary == STABLE_SUMMARY:
@@ -831,7 +741,7 @@ class ProxyLifecycle:
             return (
                 self._failing is not None
                 or self._carried.rotate_reason is not None
-                or (self._long_wakes and self._may_hand_over())
+                or self._may_hand_over()
             )
 
         while True:
@@ -922,11 +832,8 @@ class ProxyLifecycle:
         return ProxyState.READY
 
     def _rotation_due(self, handle: ActivityHandle[MonitorOutcome]) -> None:
-        """A rotation begins: the old monitor goes on watching, or (recorded runs) is cancelled."""
-        if self._patches.taken(ROTATION_WATCH_PATCH):
-            self._old_monitor = handle
-        else:
-            self._rotate_now(handle)
+        """A rotation begins: the old monitor goes on watching until the replacement is Ready."""
+        self._old_monitor = handle
 
     async def _bring_up_watching(self, inp: ProxyInput, old: InstanceRef) -> InstanceRef:
         """Bring up the replacement while the old instance, still serving, stays monitored.
@@ -1027,18 +934,16 @@ class ProxyLifecycle:
     async def _wait_untimed(self, handle: ActivityHandle[MonitorOutcome], wake: Any) -> None:
         """Wait for the monitor or a rotate signal, with no timer.
 
-        Before `rotate`, this wait was on the monitor itself, so a terminate
-        cancelled the monitor here; still done, so recorded histories replay.
+        A terminate cancels the monitor here, as it does in `_monitor`.
         """
         try:
             await workflow.wait_condition(wake)
         except asyncio.CancelledError:
             handle.cancel()
-            if self._patched() and self._patches.taken(LET_GO_OF_LOST_MONITOR_PATCH):
-                # As in _monitor: _terminating awaits it, once the instance is gone
-                # (a run before the patch awaited it here, and replays so: its
-                # terminate could hand over meanwhile, as one with a monitor
-                # pending does not).
+            if taken(LET_GO_OF_LOST_MONITOR):
+                # As in _monitor: _terminating awaits it, once the instance is gone.
+                # A run that meets the question on replay without the marker
+                # (a 0.3.10 terminate) awaited it here.
                 self._retired_monitor = handle
                 raise
             with contextlib.suppress(ActivityError, asyncio.CancelledError):
@@ -1111,7 +1016,7 @@ class ProxyLifecycle:
     def _stable_left(self) -> timedelta | None:
         """Time until the current instance has been Ready for STABLE_AFTER, if that matters."""
         carried = self._carried
-        if not self._patched() or carried.failures_in_a_row == 0 or carried.ready_since is None:
+        if carried.failures_in_a_row == 0 or carried.ready_since is None:
             return None
         return max(timedelta(0), STABLE_AFTER - self._ready_for())
 
@@ -1127,13 +1032,13 @@ class ProxyLifecycle:
         ones wait longer each time. An instance its platform took away
         (`disrupted`: preempted, interrupted, evicted) is no failure of the
         proxy's: it is counted apart and never fails the proxy
-        (DISRUPTION_PATCH), but a platform that keeps taking instances away
+        (DISRUPTIONS_SPARE_THE_CRASH_BUDGET), but a platform that keeps taking instances away
         before one is Ready is backed off from the same way, so it costs a
         create every few minutes, not a loop of them.
         """
         self._raise_if_stopping()
         carried = self._carried
-        if disrupted and self._patches.taken(DISRUPTION_PATCH):
+        if disrupted and taken(DISRUPTIONS_SPARE_THE_CRASH_BUDGET):
             carried.disruptions += 1
             carried.disruptions_in_a_row += 1
             self._note_error(f"platform disruption, no crash counted: {reason}")
@@ -1210,7 +1115,6 @@ class ProxyLifecycle:
         wait: ProviderWait,
     ) -> R:
         """_provider_call's loop; `wait` is its progress, carried for the lifecycle's calls."""
-        patched = self._patched()
         carried = interruptible
         while True:
             if interruptible:
@@ -1225,9 +1129,7 @@ class ProxyLifecycle:
                         arg,
                         profile,
                         summary,
-                        retry_policy=policies.PROVIDER_RETRY
-                        if patched
-                        else policies.TRANSIENT_RETRY,
+                        retry_policy=policies.PROVIDER_RETRY,
                         cancellation_type=self._cancellation(),
                     )
                 finally:
@@ -1239,7 +1141,7 @@ class ProxyLifecycle:
                 if failures.cause_type(err) == ErrorType.QUOTA_EXCEEDED:
                     waiting_for = "quota"
                     delay = failures.next_retry_delay(err) or QUOTA_RETRY_DELAY
-                elif patched and failures.provider_trouble(err):
+                elif failures.provider_trouble(err):
                     waiting_for = "provider"
                     delay = failures.next_retry_delay(err) or PROVIDER_WAIT.delay(
                         wait.provider_failures
@@ -1288,7 +1190,7 @@ class ProxyLifecycle:
         """
         self._begin_wait(summary, waiting_for)
         try:
-            if interruptible and self._patched():
+            if interruptible:
                 with contextlib.suppress(TimeoutError):
                     await workflow.wait_condition(
                         lambda: self._terminate_reason is not None,
@@ -1316,9 +1218,7 @@ class ProxyLifecycle:
                 if failures.cancelled(err):
                     raise  # the caller was cancelled; cleanup deletes what is still owned
                 self._note_error(f"deleting {ref.name}: {failures.message(err)}")
-                if failures.cause_type(err) == ErrorType.PERMANENT and self._patches.taken(
-                    DELETE_REFUSED_PATCH
-                ):
+                if failures.cause_type(err) == ErrorType.PERMANENT:
                     self._give_up_deleting(ref, failures.message(err))
                     return
                 await workflow.sleep(
@@ -1368,17 +1268,13 @@ class ProxyLifecycle:
 
     async def _continue_as_new_if_suggested(self) -> None:
         """Between monitor cycles: hand over to a new run when the server suggests it
-        (since LONG_WAKES_PATCH: or the run passed EVENT_BUDGET)."""
-        if self._long_wakes:
-            long = _history_long()
-        else:
-            long = workflow.info().is_continue_as_new_suggested()
-        if not long:
+        or the run passed EVENT_BUDGET."""
+        if not _history_long():
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._terminate_reason is not None:
             return  # run() is about to clean up; a new run would lose the signal
-        if self._patched() and self._deletions and not self._idle_deletions():
+        if self._deletions and not self._idle_deletions():
             # Their activities would report to a closed run (a warning in the
             # worker's log): continue after the next monitor cycle instead,
             # rather than leave the instance unmonitored while they finish.
@@ -1401,7 +1297,7 @@ class ProxyLifecycle:
         Such a deletion starts again in the next run (`_restore`), so it no
         longer holds a run back that waits for days.
         """
-        return self._in_flight == 0 and self._patches.taken(WAIT_HANDOVER_PATCH)
+        return self._in_flight == 0
 
     async def _hand_over_if_long(self) -> None:
         """In the middle of a long wait: continue as new once the history is long.
@@ -1415,9 +1311,7 @@ class ProxyLifecycle:
         if not _history_long() or self._in_flight or self._terminate_reason is not None:
             return
         monitor = self._retired_monitor
-        if (monitor is not None and not monitor.done()) or not self._patches.taken(
-            WAIT_HANDOVER_PATCH
-        ):
+        if monitor is not None and not monitor.done():
             return  # a rotation's old monitor ends within a heartbeat: at the next call
         watching, self._old_monitor = self._old_monitor, None
         if watching is not None:
@@ -1441,9 +1335,7 @@ class ProxyLifecycle:
         if not _history_long() or self._in_flight:
             return
         monitor = self._retired_monitor
-        if (monitor is not None and not monitor.done()) or not self._patches.taken(
-            TERMINATING_HANDOVER_PATCH
-        ):
+        if monitor is not None and not monitor.done():
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
         await self._publisher.delivered()
@@ -1488,15 +1380,9 @@ class ProxyLifecycle:
             return timedelta(0)
         return workflow.now() - datetime.fromisoformat(ready_since)
 
-    def _patched(self) -> bool:
-        """Whether this run takes the paths of CLEAN_STOP_PATCH (every run started since)."""
-        return self._new_paths
-
     def _cancellation(self) -> ActivityCancellationType:
         """How a cancelled activity ends: waited for, so none outlives the workflow."""
-        if self._patched():
-            return ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
-        return ActivityCancellationType.TRY_CANCEL
+        return ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
 
     def _raise_if_stopping(self) -> None:
         """End the lifecycle's current step once terminate or cancel has arrived.
@@ -1504,7 +1390,7 @@ class ProxyLifecycle:
         A cancelled activity that is waited for may still complete normally
         (its instance was deleted under it); what follows must not act on it.
         """
-        if self._terminate_reason is not None and self._patched():
+        if self._terminate_reason is not None:
             raise asyncio.CancelledError(self._terminate_reason)
 
     @staticmethod

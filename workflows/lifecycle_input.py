@@ -12,19 +12,12 @@ from typing import Any
 
 from temporalio import workflow
 
-from activities.models import ValidateTargetInput
-from workflows import policies
 from workflows.inputs import ProxyInput, parse_input
-from workflows.patches import Patches
 from workflows.target_check import check_target, target_input
-
-# workflow.patched() id: a lifecycle started since learns its installation
-# from validate_target and hashes it into its instance names.
-INSTALLATION_IN_NAMES = "installation-in-instance-names"
 
 
 async def checked_input(
-    raw: Any, argument_problems: list[str], patches: Patches, *, against_worker: bool
+    raw: Any, argument_problems: list[str], *, against_worker: bool
 ) -> tuple[ProxyInput | None, list[str], str | None]:
     """The input, every problem with it, and the worker's installation if it was asked."""
     inp, problems = parse_input(raw)
@@ -47,24 +40,5 @@ async def checked_input(
         raw.get("placement"),
         inp.health.target if inp else "",
     )
-    worker_problems, installation = await _check_target(target, patches)
-    return inp, problems + worker_problems, installation
-
-
-async def _check_target(
-    target: ValidateTargetInput, patches: Patches
-) -> tuple[list[str], str | None]:
-    """The worker's verdict on the target, and its installation (None: not told)."""
-    if not patches.taken(INSTALLATION_IN_NAMES):
-        # Recorded before validate_target returned the installation.
-        problems: list[str] = await workflow.execute_local_activity(
-            "validate_target",
-            target,
-            result_type=list[str],
-            start_to_close_timeout=policies.VALIDATE.start_to_close,
-            schedule_to_close_timeout=policies.VALIDATE.schedule_to_close,
-            retry_policy=policies.TRANSIENT_RETRY,
-        )
-        return problems, None
     check = await check_target(target)
-    return check.problems, check.installation
+    return inp, problems + check.problems, check.installation

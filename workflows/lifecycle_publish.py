@@ -10,12 +10,11 @@ Each upsert of search attributes is a Temporal Cloud action, and one
 workflow task often publishes twice in a row: a proxy's first task
 (Provisioning, then the first instance's name just before its create), its
 last (the last instance gone, then Terminated), a rotation that begins as
-the previous one's old instance is deleted. A run that takes
-`ONE_UPSERT_A_TASK_PATCH` upserts what it last published once the workflow
-waits (every coroutine blocked), so such a task upserts once. A state the
-task passes through (Unhealthy, on its way to Replacing) still gets an
-upsert of its own: every state a proxy was in stays in its history. A run
-started before upserts at each change, and replays so.
+the previous one's old instance is deleted. The publisher upserts what it
+last published once the workflow waits (every coroutine blocked), so such a
+task upserts once. A state the task passes through (Unhealthy, on its way
+to Replacing) still gets an upsert of its own: every state a proxy was in
+stays in its history.
 """
 
 from __future__ import annotations
@@ -40,12 +39,6 @@ from contract import (
 from workflows import lifecycle_view
 from workflows.lifecycle_carried import ProxyStatus
 from workflows.membership import SUMMARY_KEY, MemberReport, signal_input
-
-# Histories recorded before this patch upserted the search attributes at
-# every publish that changed them, two in a row in one task at times;
-# replaying them still does. Since, a task upserts them as it waits, once for
-# all it published (and once for each state it passed through on the way).
-ONE_UPSERT_A_TASK_PATCH = "one-upsert-a-task"
 
 _SearchAttributes = tuple[dict[str, str], list[str]]
 
@@ -80,7 +73,7 @@ class StatusPublisher:
         self._reported = (ProxyState.PROVISIONING, "", 0, None)
 
     def upsert_as_tasks_wait(self) -> None:
-        """Upsert the search attributes as the workflow waits (ONE_UPSERT_A_TASK_PATCH).
+        """Upsert the search attributes as the workflow waits, once for what a task published.
 
         The upserter's condition is checked only once every coroutine of the
         workflow is blocked, and it then lets the coroutines woken by the same

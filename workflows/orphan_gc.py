@@ -60,16 +60,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.deletion import delete_until_gone
     from workflows.failures import message
     from workflows.inputs import Seconds, StrictInput, continued_state, describe_error
+    from workflows.patches import ORPHAN_GC_FLOOR, keep_floor
 
 DEFAULT_GRACE_PERIOD_SECONDS = 600
-# Sweeps recorded before pools existed did not look for their members.
-POOL_MEMBERS_PATCH = "end-members-of-closed-pools"
 MAX_GRACE_PERIOD_SECONDS = 30 * 24 * 3600
 DEFAULT_MAX_DELETE_SHARE = 0.5
 DEFAULT_MAX_DELETE_UNCHECKED = 10
-# Deprecated patch id (docs/upgrades.md): every sweep consults the breaker
-# now; sweeps that recorded its marker still replay.
-CIRCUIT_BREAKER = "gc-circuit-breaker"
 
 # Candidates confirmed, then deleted concurrently, per batch: the bound on
 # concurrent deletions, and on how stale a confirmation can get.
@@ -163,9 +159,9 @@ class OrphanGC:
         self._handled = 0
         self._dry_run = False
         self._finished = False
-        # Decided before the first command, as ProxyLifecycle decides its own
-        # patch: a patch marker after a local activity's marker does not replay.
-        self._ends_pool_members = workflow.patched(POOL_MEMBERS_PATCH)
+        # Where 0.3.10's sweeps recorded the marker: before the first command,
+        # as a patch marker after a local activity's marker does not replay.
+        keep_floor(ORPHAN_GC_FLOOR)
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> GcResult:
@@ -178,7 +174,7 @@ class OrphanGC:
             await self._sweep(progress.sweeps[progress.index], inp)
             progress.index += 1
             progress.pending, progress.more, progress.cursor = None, False, ""
-        members = await _end_members_of_closed_pools(inp) if self._ends_pool_members else []
+        members = await _end_members_of_closed_pools(inp)
         self._finished = True
         self._show()
         result = GcResult(inp.dry_run, inp.grace_period_seconds, progress.sweeps, members)
@@ -258,7 +254,6 @@ class OrphanGC:
                     sweep.skipped = survey.young + survey.untagged
                     sweep.skips.update(survey.young_ids)
                     sweep.skips.update(survey.untagged_ids)
-                    workflow.deprecate_patch(CIRCUIT_BREAKER)
                     sweep.circuit_open = _breaker(sweep.provider, survey, inp)
                     if sweep.circuit_open and not inp.dry_run:
                         self._show()

@@ -1,23 +1,22 @@
-"""Which patched paths a run takes, at one marker a run instead of one a patch.
+"""Every patch the workflows ask, each declared with the release that may delete it.
 
-Each `workflow.patched(id)` that a run takes first records a marker and,
-through the SDK, an upsert of `TemporalChangeVersion`: two Temporal Cloud
-actions (a marker batch, when its workflow task has no other marker, and the
-upsert). By 0.3.8 a pool member's first workflow task asked four patches, a
-pool run seven at its start and up to three later, a standalone proxy's
-first rotation in a run one more: every marker after a run's first bought
-nothing but the actions.
+A change to the commands a running workflow issues is asked as a patch
+(`taken`): a run that meets the question live records the patch's marker
+and takes the new path; a run replaying a history without the marker takes
+the old one (docs/upgrades.md, "A patch, from birth to retirement").
 
-A release marker stands for every patch of a release at once. A run that
-records it takes all the patches it covers without asking each; a run that
-started before it (its history has no such marker) asks each patch as
-before, so every recorded history replays unchanged. A patch added after
-the newest release marker is asked on its own until the next marker covers
-it. What a release marker covers is fixed once a release has recorded it:
-a run that took it may not later find a patch it never knew taken.
+The project upgrades from the release before only (docs/upgrades.md, "The
+floor"): 0.3.10 for 1.0. The runs 0.3.10 started took every patch before
+it, so the code keeps only their new paths. What those runs recorded at
+their start is still in their histories, and the SDK fails a replay on a
+marker the code does not ask ("Non-deprecated patch marker encountered"):
+each workflow asks its floor marker with `workflow.deprecate_patch`
+(`keep_floor`), which accepts the marker and needs none.
 
-Retiring the patches a marker covers is one step for them all
-(docs/upgrades.md, Release markers).
+`retire_in` is the first release that may delete a declaration: for a
+floor marker, the call; for a patch, its old path (its id then becomes the
+next floor's marker). tests/workflows/test_patches.py fails once the
+project's version reaches it and the declaration is still here.
 """
 
 from __future__ import annotations
@@ -26,49 +25,59 @@ from dataclasses import dataclass
 
 from temporalio import workflow
 
-# The marker of 0.3.9, the first release to have one: it covers every patch
-# of ProxyLifecycle and ProxyPool up to 0.3.9 (LIFECYCLE_RELEASE_0_3_9, POOL_RELEASE).
-RELEASE_0_3_9 = "release-0.3.9"
-# 0.3.10's, ProxyLifecycle's only (LIFECYCLE_RELEASE): the pool has no new patch,
-# so its runs go on recording 0.3.9's.
-RELEASE_0_3_10 = "release-0.3.10"
+from contract import ORPHAN_GC, PROXY_LIFECYCLE, PROXY_POOL
 
 
 @dataclass(frozen=True)
-class ReleaseMarker:
-    """A patch id whose marker means: every patch in `covers` is taken."""
+class Patch:
+    """A patch id, the workflow type that asks it, and the release that may delete it."""
 
-    patch: str
-    covers: frozenset[str]
+    id: str
+    workflow: str
+    retire_in: str
 
 
-class Patches:
-    """One run's patch decisions; ask `taken(id)` where `workflow.patched(id)` was asked.
+# The release this code upgrades from: its recordings are the replay corpus.
+FLOOR_RELEASE = "0.3.10"
 
-    The release markers are asked at the run's first `taken`, newest first,
-    so a new run records only the newest. That first ask stands where the
-    run's first `workflow.patched` stood before, which keeps every marker
-    before the local activities of the same workflow task, as a replay needs.
-    Both workflows ask a patch at the start of every run, so an older run
-    meets the question while replaying its first task and answers "no".
-    Were a run's first question to come only after it went live on a new
-    build, the marker would be recorded there and every covered patch taken
-    from then on: what asking each for the first time live answers too.
+# The floor: the marker each workflow's 0.3.10 runs recorded at their start.
+# A lifecycle recorded 0.3.10's release marker, a pool 0.3.9's (0.3.10 added no
+# pool patch), a sweep the one patch it asked live. 1.1 upgrades from 1.0 only,
+# whose runs record these as deprecated markers, which a replay may skip.
+LIFECYCLE_FLOOR = Patch("release-0.3.10", PROXY_LIFECYCLE, retire_in="1.1")
+POOL_FLOOR = Patch("release-0.3.9", PROXY_POOL, retire_in="1.1")
+ORPHAN_GC_FLOOR = Patch("end-members-of-closed-pools", ORPHAN_GC, retire_in="1.1")
+
+# Added after 0.3.10, each asked on its own where it decides. In 1.1 (which
+# upgrades from 1.0 only, whose runs all took them) the old path goes and the
+# id is asked with `keep_floor` instead.
+#
+# A terminate that finds the cancelled monitor still running waits for it at
+# most MONITOR_LET_GO past its next probe, once every instance is gone, rather
+# than until the heartbeat timeout of a monitor whose worker was lost.
+LET_GO_OF_LOST_MONITOR = Patch("let-go-of-lost-monitor", PROXY_LIFECYCLE, retire_in="1.1")
+# An instance its platform took away (preempted, interrupted, evicted) is
+# replaced at once and counted apart; the crash budget is the proxy's own.
+DISRUPTIONS_SPARE_THE_CRASH_BUDGET = Patch(
+    "disruptions-spare-the-crash-budget", PROXY_LIFECYCLE, retire_in="1.1"
+)
+# A member's endpoint check that meets a quota is asked again after the
+# error's delay, rather than refusing the member's report.
+VERIFY_WAITS_OUT_QUOTA = Patch("verify-waits-out-quota", PROXY_POOL, retire_in="1.1")
+
+FLOOR = (LIFECYCLE_FLOOR, POOL_FLOOR, ORPHAN_GC_FLOOR)
+PATCHES = (LET_GO_OF_LOST_MONITOR, DISRUPTIONS_SPARE_THE_CRASH_BUDGET, VERIFY_WAITS_OUT_QUOTA)
+
+
+def taken(patch: Patch) -> bool:
+    """Whether this run takes `patch`'s new path (recording its marker, if live)."""
+    return workflow.patched(patch.id)
+
+
+def keep_floor(floor: Patch) -> None:
+    """Accept the floor's marker where the floor's runs recorded it; the code has one path.
+
+    Asked where the floor's runs asked their first patch, before any local
+    activity of the same workflow task.
     """
-
-    def __init__(self, *releases: ReleaseMarker) -> None:
-        # Newest first: a new run stops at the first, an old one asks them all.
-        self._releases = releases
-        self._covered: frozenset[str] | None = None
-
-    def taken(self, patch: str) -> bool:
-        """Whether this run takes `patch`'s new path (as `workflow.patched` answers)."""
-        if self._covered is None:
-            self._covered = self._release_covers()
-        return patch in self._covered or workflow.patched(patch)
-
-    def _release_covers(self) -> frozenset[str]:
-        for release in self._releases:
-            if workflow.patched(release.patch):
-                return release.covers
-        return frozenset()
+    workflow.deprecate_patch(floor.id)

@@ -85,7 +85,7 @@ with workflow.unsafe.imports_passed_through():
         pool_status,
         pool_view,
     )
-    from workflows.early_signals import EARLY_SIGNALS_PATCH, EarlySignals
+    from workflows.early_signals import EarlySignals
     from workflows.inputs import (
         DEFAULT_HEALTH_TARGET,
         continued_state,
@@ -93,7 +93,7 @@ with workflow.unsafe.imports_passed_through():
         signal_reason,
     )
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
-    from workflows.patches import RELEASE_0_3_9, Patches, ReleaseMarker
+    from workflows.patches import POOL_FLOOR, VERIFY_WAITS_OUT_QUOTA, keep_floor, taken
     from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
     from workflows.pool_input import (
         BanRequest,
@@ -117,80 +117,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.pool_status import PoolStatus
     from workflows.target_check import check_target, target_input
 
-MEMBER_DRAIN_PATCH = "member-drain"
-# Pools recorded before bring-up was paced and commands batched
-# (pool_plan.Situation.paced) issued each step's commands all at once.
-PACED_PATCH = "paced-commands"
-# Pools recorded before endpoints were verified took a report's endpoint as it came.
-VERIFIED_ENDPOINTS_PATCH = "verified-endpoints"
-# Pools recorded before this patch left each member to run its own monitor;
-# since, the pool monitors its members in shards (workflows/pool_monitor.py)
-# and starts them with `monitor: "pool"`.
-POOL_MONITOR_PATCH = "pool-monitors-members"
-# Pools recorded before this patch continued as new as soon as no command was
-# in flight, while members just started or rotated were still reporting: the
-# server refuses a continue-as-new that crosses a new event (UnhandledCommand)
-# and the worker then replays the whole run, seconds at 1,000 members. Since,
-# a holding pool also waits (within MAX_HOLD) until those members settled.
-QUIET_HANDOVER_PATCH = "quiet-handover"
-# Pools recorded before this patch saw that their history had passed its budget
-# only at their next step, which nothing they ignore brings about (reports of
-# members they do not have, which anyone may send): a flood of those grew a
-# run's history until the next timer, toward the server's hard limit. Since,
-# passing the budget is a reason to step (and so to hand over).
-BUDGET_WAKES_PATCH = "budget-wakes"
-# Pools recorded before this patch ran members and activities on their own
-# task queue whatever its name; since, a pool on "<queue>-pools" runs them on
-# "<queue>" (contract.members_task_queue).
-MEMBERS_QUEUE_PATCH = "members-queue"
-# Pools recorded before this patch ended their members in one run however
-# long: terminating 1,000 members writes about 6,000 events (a signal out and
-# two reports in for each), and a replay of that run, after a restart or a
-# completion the server refused because a late report crossed it, took
-# seconds. Since, an ending pool tells the members still starting or
-# rotating first and, past its budget, stops telling, waits until those told
-# have ended and continues as new, its `terminate_reason` carried; the next
-# run ends the rest.
-ENDING_HANDOVER_PATCH = "hand-over-while-ending"
-# Pools recorded before this patch continued as new past 2,000 events
-# (POOL_EVENT_BUDGET_BEFORE_0_3_7): a worker that had to replay such a run
-# after a restart spent up to about 1.9 s at 1,000 members on its first task
-# of it. Since, past POOL_EVENT_BUDGET.
-SHORTER_RUNS_PATCH = "shorter-pool-runs"
-# Pools recorded before this patch started up to COMMAND_BATCH removals and
-# rotations a step however close their run was to its budget: a surge of 100
-# rotations started just under it held the run until all had reported, about
-# 1,030 events. Since, a step starts no more than the events left hold
-# (pool_plan.Situation.room, EVENTS_PER_COMMAND each).
-COMMANDS_WITHIN_BUDGET_PATCH = "commands-within-budget"
-# Pools recorded before this patch refused a member's report when its
-# endpoint check failed with QuotaExceeded (a rate limit, to some providers),
-# as if asking again could not help: a Ready member stayed out of `endpoints`
-# until its next report. Since, the check is asked again once the error's
-# delay has passed. Asked where it decides, at such a failure, so a run that
-# meets none records no marker; not covered by 0.3.9's marker. 0.3.11's pool
-# release marker covers it; it may be deprecated from 0.3.12.
-VERIFY_WAITS_OUT_QUOTA_PATCH = "verify-waits-out-quota"
-# A run that records 0.3.9's marker takes every patch above, and the early
-# signals', without a marker each (workflows/patches.py).
-POOL_RELEASE = ReleaseMarker(
-    RELEASE_0_3_9,
-    frozenset(
-        {
-            MEMBER_DRAIN_PATCH,
-            PACED_PATCH,
-            VERIFIED_ENDPOINTS_PATCH,
-            POOL_MONITOR_PATCH,
-            QUIET_HANDOVER_PATCH,
-            BUDGET_WAKES_PATCH,
-            MEMBERS_QUEUE_PATCH,
-            ENDING_HANDOVER_PATCH,
-            SHORTER_RUNS_PATCH,
-            COMMANDS_WITHIN_BUDGET_PATCH,
-            EARLY_SIGNALS_PATCH,
-        }
-    ),
-)
 # Updates applied lately, by id, with their results: Temporal refuses a
 # repeated update id within a run, not across continue-as-new, so a client
 # retrying one after it would apply it twice (a second full `rotate`).
@@ -213,9 +139,8 @@ REPORTS_REFUSED_HELP = (
 SETTLE = timedelta(seconds=30)
 MIN_ALARM = timedelta(seconds=1)
 MAX_HOLD = timedelta(seconds=60)
-# A paced pool continues as new past either (`_time_to_continue`).
+# A pool continues as new past either (`_time_to_continue`).
 POOL_EVENT_BUDGET = 500
-POOL_EVENT_BUDGET_BEFORE_0_3_7 = 2_000
 # About what one removal or rotation writes into the pool's history: a
 # rotation is the `rotate` signal out (2 events), the member's Ready report
 # (1) and the check of its new endpoint (3), the workflow tasks around them
@@ -325,24 +250,17 @@ class ProxyPool:
         self._autoscale: pool_autoscale.Books | None = None
         self._scaling_why: str | None = None
         self._usage = pool_autoscale.Usage()
-        self._paced = False
-        # The events after which a paced run continues as new (SHORTER_RUNS_PATCH).
-        self._event_budget = POOL_EVENT_BUDGET_BEFORE_0_3_7
-        # Whether a step's removals and rotations fit the events left
-        # (COMMANDS_WITHIN_BUDGET_PATCH).
-        self._within_budget = False
-        # When a paced pool began holding new commands back to continue as new.
+        # When the pool began holding new commands back to continue as new.
         self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
-        self._patches = Patches(POOL_RELEASE)
         self._early = EarlySignals()
-        # The members' monitor, when this run took POOL_MONITOR_PATCH.
+        # The members' monitor, from the run's start until the pool ends.
         self._monitor: PoolMonitor | None = None
         # Where members and activities run when not on the pool's own queue.
         self._members_queue: str | None = None
 
     def _time_to_continue(self) -> bool:
-        """Continue as new when the server suggests it or, paced, past the pool's own budget.
+        """Continue as new when the server suggests it or past the pool's own budget.
 
         A pool of 1,000 members plans over all of them at each workflow task,
         so a worker that must replay its history (after a restart, an
@@ -352,17 +270,16 @@ class ProxyPool:
         (docs/benchmarks.md).
         """
         info = workflow.info()
-        return info.is_continue_as_new_suggested() or (
-            self._paced
-            and (
-                info.get_current_history_length() >= self._event_budget
-                or info.get_current_history_size() >= POOL_HISTORY_BUDGET
-            )
+        return (
+            info.is_continue_as_new_suggested()
+            or info.get_current_history_length() >= POOL_EVENT_BUDGET
+            or info.get_current_history_size() >= POOL_HISTORY_BUDGET
         )
 
     def _step_due(self, *, watch_budget: bool) -> bool:
         """Whether to step again: something changed, the pool is ending, or (watching
-        the budget) its run has just grown past it."""
+        the budget, until it is passed) its run has just grown past it: events it
+        ignores (reports of members it does not have, which anyone may send) grow it too."""
         return (
             self._dirty
             or self._terminate_reason is not None
@@ -373,23 +290,18 @@ class ProxyPool:
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
-        # Decided before the first await: the input check's local activity
-        # resolves in another activation on replay than when first run.
-        self._paced = self._patches.taken(PACED_PATCH)
-        self._members_queue = _members_queue(self._patches)
-        if self._patches.taken(POOL_MONITOR_PATCH):
-            self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
-        quiet_handover = self._patches.taken(QUIET_HANDOVER_PATCH)
-        budget_wakes = self._patches.taken(BUDGET_WAKES_PATCH)
-        if self._patches.taken(SHORTER_RUNS_PATCH):
-            self._event_budget = POOL_EVENT_BUDGET
-        self._within_budget = self._patches.taken(COMMANDS_WITHIN_BUDGET_PATCH)
+        # Where 0.3.10's runs recorded their release marker: before the first
+        # await, as the input check's local activity resolves in another
+        # activation on replay than when first run.
+        keep_floor(POOL_FLOOR)
+        self._members_queue = _members_queue()
+        self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
             PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
         )
-        self._early.decide(self._patches, continued=state is not None)
+        self._early.decide(continued=state is not None)
         inp = await self._validated(raw, argument_problems, continued=state is not None)
         self._inp = inp
         if state is not None:
@@ -405,7 +317,7 @@ class ProxyPool:
             while self._terminate_reason is None:
                 self._dirty = False
                 suggested = self._time_to_continue()
-                if suggested and self._paced and self._hold_since is None:
+                if suggested and self._hold_since is None:
                     self._hold_since = workflow.now()
                 holding = self._hold_since is not None and (
                     workflow.now() - self._hold_since < MAX_HOLD
@@ -426,13 +338,15 @@ class ProxyPool:
                     self._verify_endpoints()
                     more, counted = step.more, step.census
                 refresh_at = self._refresh_monitor()
-                # else: a paced pool issues nothing new once continue-as-new is
+                # else: the pool issues nothing new once continue-as-new is
                 # suggested, so the commands in flight end and it can hand over
                 # (a pool bringing up 1,000 members always has some in flight);
                 # for MAX_HOLD at most, as a long drain may be among them.
                 self._usage.members = len(self._members)
                 self._publish(counted=counted)
-                unsettled = quiet_handover and holding and not pool_plan.settled(self._situation())
+                # Members just started or rotating report within seconds: a
+                # handover they cross would be refused (UnhandledCommand).
+                unsettled = holding and not pool_plan.settled(self._situation())
                 if suggested and not self._tasks and not unsettled:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     if self._terminate_reason is None and not self._tasks:
@@ -455,7 +369,7 @@ class ProxyPool:
                     wake = Wake(self._hold_since + MAX_HOLD, "stop waiting to continue as new")
                 self._arm(wake)
                 await workflow.wait_condition(
-                    functools.partial(self._step_due, watch_budget=budget_wakes and not suggested)
+                    functools.partial(self._step_due, watch_budget=not suggested)
                 )
         except asyncio.CancelledError:
             self._terminate_reason = self._terminate_reason or "pool cancelled"
@@ -500,10 +414,7 @@ class ProxyPool:
         if report.state in ENDED:
             self._ended(member, report.state, report.last_error)
         elif report.state == ProxyState.READY and report.endpoint != member.verified:
-            if self._patches.taken(VERIFIED_ENDPOINTS_PATCH):
-                self._unverified.add(member.member)
-            else:
-                member.verified = report.endpoint
+            self._unverified.add(member.member)
         self._dirty = True
 
     @workflow.query(name="status")
@@ -838,11 +749,9 @@ class ProxyPool:
 
     # ---- one step: the plan applied ----------------------------------------------
 
-    def _room(self) -> int | None:
-        """The removals and rotations this run's events left hold (COMMANDS_WITHIN_BUDGET_PATCH)."""
-        if not self._within_budget:
-            return None
-        left = self._event_budget - workflow.info().get_current_history_length()
+    def _room(self) -> int:
+        """The removals and rotations this run's events left hold (`pool_plan.command_batch`)."""
+        left = POOL_EVENT_BUDGET - workflow.info().get_current_history_length()
         return max(0, left // EVENTS_PER_COMMAND)
 
     def _situation(self, room: int | None = None) -> Situation:
@@ -855,10 +764,8 @@ class ProxyPool:
             start_after=self._start_after,
             last_reconcile=self._last_reconcile,
             reconciling=self._reconciling,
-            starting=len(self._starting),
             ending=self._terminate_reason is not None,
             vacancies=tuple(self._vacancies),
-            paced=self._paced,
             room=room,
         )
 
@@ -943,7 +850,7 @@ class ProxyPool:
         """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
         now = workflow.now()
         for member_id in sorted(self._unverified - self._verifying):
-            if self._paced and len(self._verifying) >= pool_plan.COMMAND_BATCH:
+            if len(self._verifying) >= pool_plan.COMMAND_BATCH:
                 break  # the rest when these answer
             member = self._members.get(member_id)
             if member is None or member.state != ProxyState.READY or not member.endpoint:
@@ -985,7 +892,7 @@ class ProxyPool:
             if (
                 isinstance(cause, ApplicationError)
                 and cause.type == ErrorType.QUOTA_EXCEEDED
-                and self._patches.taken(VERIFY_WAITS_OUT_QUOTA_PATCH)
+                and taken(VERIFY_WAITS_OUT_QUOTA)
             ):
                 # A quota or rate limit passes: still unverified, asked again
                 # once its delay is over (the provider's hint, else minutes).
@@ -1028,8 +935,7 @@ class ProxyPool:
         workflow.metric_meter().create_counter(REPORTS_REFUSED_METRIC, REPORTS_REFUSED_HELP).add(1)
 
     async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
-        # Pools recorded before drains existed signal at once.
-        if drain and self._patches.taken(MEMBER_DRAIN_PATCH):
+        if drain:
             await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
         await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
@@ -1183,29 +1089,27 @@ class ProxyPool:
         await workflow.wait_condition(lambda: not self._starting)
         reason = self._terminate_reason or "pool ending"
         members = list(self._members.values())
-        quiet = hand_over is not None and self._paced and self._patches.taken(ENDING_HANDOVER_PATCH)
-        if quiet:
+        if hand_over is not None:
             # Those still on their way to a report (starting, rotating) are
             # told first, so a handover waits for them as for the others told.
             members.sort(key=lambda m: m.served and m.phase is not MemberPhase.ROTATING)
         told = 0
         for member in members:
-            if self._paced:
-                # Not before a first batch: a pool told to end on a long run
-                # starts ending at once, and the monitor's shards end meanwhile.
-                if quiet and hand_over is not None and told and self._time_to_continue():
-                    await self._until_ended(lambda: any(map(_is_removing, self._members.values())))
-                    # A member this run started closes as an event of it too,
-                    # after its last report.
-                    await workflow.wait_condition(self._children_closed)
-                    await workflow.wait_condition(lambda: not self._tasks)
-                    if monitor is not None:
-                        # A shard's cancellation landing would cross it too.
-                        await monitor.stop()
-                    await workflow.wait_condition(workflow.all_handlers_finished)
-                    hand_over()
-                # A batch of signals per workflow task, not a thousand at once.
-                await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
+            # Not before a first batch: a pool told to end on a long run
+            # starts ending at once, and the monitor's shards end meanwhile.
+            if hand_over is not None and told and self._time_to_continue():
+                await self._until_ended(lambda: any(map(_is_removing, self._members.values())))
+                # A member this run started closes as an event of it too,
+                # after its last report.
+                await workflow.wait_condition(self._children_closed)
+                await workflow.wait_condition(lambda: not self._tasks)
+                if monitor is not None:
+                    # A shard's cancellation landing would cross it too.
+                    await monitor.stop()
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                hand_over()
+            # A batch of signals per workflow task, not a thousand at once.
+            await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
             if member.phase is not MemberPhase.REMOVING and member.member in self._members:
                 member.remove(reason)
                 self._spawn(self._drain_then_terminate(member.member, reason, 0))
@@ -1369,17 +1273,11 @@ def _update_key() -> str:
     return hashlib.sha256(info.id.encode()).hexdigest()[:32]
 
 
-def _members_queue(patches: Patches) -> str | None:
+def _members_queue() -> str | None:
     """The task queue for this run's members and activities; None for its own.
 
-    Decided at a run's start, before its first await, as the patches are.
-    The patch is asked whatever the queue: `info().task_queue` is the queue
-    of the worker running the task, the pool's own on every worker that
-    polls it but not in a Replayer, so a marker written only for some
-    queues would not replay there.
+    A pool on "<queue>-pools" runs them on "<queue>" (contract.members_task_queue).
     """
-    if not patches.taken(MEMBERS_QUEUE_PATCH):
-        return None
     own = workflow.info().task_queue
     members = members_task_queue(own)
     return None if members == own else members

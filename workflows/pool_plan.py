@@ -46,11 +46,11 @@ RECONCILE_EVERY = timedelta(minutes=10)
 RECONCILE_IDLE = timedelta(hours=1)
 RECONCILE_BUSY = timedelta(seconds=30)
 # Member starts in flight at once: a pool of hundreds starts in batches, so
-# no one workflow task carries hundreds of commands. A paced pool
-# (`Situation.paced`) also counts the members it started that have not been
-# Ready yet: the worker that runs them then brings up a bounded number at a
-# time, instead of a thousand first workflow tasks queueing behind each
-# other past the server's 10 s task timeout (docs/benchmarks.md).
+# no one workflow task carries hundreds of commands. The pool also counts
+# the members it started that have not been Ready yet: the worker that runs
+# them then brings up a bounded number at a time, instead of a thousand
+# first workflow tasks queueing behind each other past the server's 10 s
+# task timeout (docs/benchmarks.md).
 START_BATCH = 50
 # Removals and rotations one step (one workflow task) starts at most; the
 # rest follow a second later (`Step.more`).
@@ -139,7 +139,7 @@ class Member:
     # Where its confirmed instance's traffic leaves from ("" unknown): the
     # pool's own check (activities/exit_echo.py) or the provider's word.
     exit_address: str = ""
-    # ROTATING (paced pools): when the `rotate` went out, for its deadline.
+    # ROTATING: when the `rotate` went out, for its deadline.
     rotation_started: str | None = None
     # After an abandoned rotation: its lifetime rotation waits until then.
     retry_at: str | None = None
@@ -206,7 +206,7 @@ class Member:
     def start_rotation(self, now: datetime | None = None) -> None:
         """Sent `rotate`: the rotation lasts until a generation after this one is Ready.
 
-        `now` (paced pools) starts its deadline.
+        `now` starts its deadline.
         """
         self.phase, self.rotating_from = _ROTATING, self.generation
         self.rotation_started = now.isoformat() if now is not None else None
@@ -242,16 +242,11 @@ class Situation:
     start_after: datetime | None = None
     last_reconcile: datetime | None = None
     reconciling: bool = False
-    # Member starts not answered yet.
-    starting: int = 0
     ending: bool = False
-    # Bring-up counted in START_BATCH and commands in batches of
-    # COMMAND_BATCH (a pool started on a build before that was not).
-    paced: bool = False
     # Removals and rotations the run's history still has room for before the
     # pool's event budget, those under way included (`command_batch`); None:
-    # COMMAND_BATCH a step whatever the run's length (a pool started on a
-    # build before 0.3.8).
+    # COMMAND_BATCH a step whatever the run's length (a situation read, not
+    # planned for a run: `status`, the unit tests).
     room: int | None = None
     # Why members the pool did not remove are gone, oldest first: the causes
     # of the starts that replace them (`Start.cause`).
@@ -353,7 +348,7 @@ class _Draft:
 def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> Step:
     """What the pool does now. Pure: a member it changes is a copy, the situation's never."""
     draft = _Draft(situation.members)
-    abandoned = _abandon_late_rotations(draft, inp, now) if situation.paced else []
+    abandoned = _abandon_late_rotations(draft, inp, now)
     for member in draft.members:
         if member.phase is not _ACTIVE or member.lifetime_seconds is None:
             continue
@@ -392,15 +387,15 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
         starts=tuple(starts),
         rotations=tuple(rotations),
         reconcile=reconcile,
-        more=situation.paced and COMMAND_BATCH in (len(removals), len(rotations)),
+        more=COMMAND_BATCH in (len(removals), len(rotations)),
         abandoned=tuple(abandoned),
     )
 
 
-def command_batch(situation: Situation, counted: Census) -> int | None:
-    """How many removals or rotations a step may start now (None: all it has).
+def command_batch(situation: Situation, counted: Census) -> int:
+    """How many removals or rotations a step may start now.
 
-    Paced, COMMAND_BATCH a step; with a `room`, also no more than the run's
+    COMMAND_BATCH a step; with a `room`, also no more than the run's
     history holds beside those under way (rotating, being removed), each of
     which writes a few events before the pool may hand over. Without that, a
     run that starts a surge just under its budget holds until all of it has
@@ -408,8 +403,6 @@ def command_batch(situation: Situation, counted: Census) -> int | None:
     budget. With nothing under way, one goes whatever the room: it is what
     fills the budget that hands over to a run with room again.
     """
-    if not situation.paced:
-        return None
     if situation.room is None:
         return COMMAND_BATCH
     under_way = len(counted.rotating) + counted.members - counted.live
@@ -418,10 +411,10 @@ def command_batch(situation: Situation, counted: Census) -> int | None:
 
 
 def _scale_down(
-    draft: _Draft, counted: Census, replicas: int, drain: int, batch: int | None
+    draft: _Draft, counted: Census, replicas: int, drain: int, batch: int
 ) -> list[Removal]:
     """Members not serving go first, then the oldest instances; `batch` at most."""
-    excess = min(counted.live - replicas, counted.live if batch is None else batch)
+    excess = min(counted.live - replicas, batch)
     if excess <= 0:
         return []
     victims = sorted(
@@ -451,9 +444,8 @@ def _scale_up(
     ):
         return [], situation.start_after, situation.vacancies
     starts = []
-    # A bounded batch per workflow task: the next starts when these answer
-    # (paced: when these are Ready).
-    busy = counted.unserved if situation.paced else situation.starting
+    # A bounded batch per workflow task: the next starts when these are Ready.
+    busy = counted.unserved
     for n in range(min(missing, max(0, START_BATCH - busy))):
         member = _new_member(members, inp, pool_id, situation.next_index + n, now)
         members.append(member)
@@ -521,30 +513,21 @@ def _rotate(
     situation: Situation,
     inp: PoolInput,
     now: datetime,
-    batch: int | None,
+    batch: int,
 ) -> list[Rotation]:
     """Queued rotations to start now, bans first, up to the surge under way at once.
 
-    Paced pools (today's) take `max_surge` of the replicas, the most overdue
-    member first, start lifetime rotations while at most `max_unavailable`
-    members are short of serving, and at most `batch` per step. Pools
-    started before took `max_surge` as a count, by member index, only at
-    full size, all at once.
+    `max_surge` of the replicas, the most overdue member first; lifetime
+    rotations start while at most `max_unavailable` members are short of
+    serving, and at most `batch` per step.
     """
     replicas = situation.replicas
     queued = list(counted.queue)
     rotating, serving = len(counted.rotating), counted.serving
-    if situation.paced:
-        surge = inp.surge(replicas)
-        queued.sort(key=lambda m: (m.banned is None, _overdue_key(m), m.index))
-        # A rotation is make before break: it takes nothing out of service.
-        available = serving >= replicas - inp.unavailable(replicas)
-    else:
-        surge = _legacy_surge(inp.max_surge)
-        queued.sort(key=lambda m: (m.banned is None, m.index))
-        # Other rotations only while the pool is at size, so a rolling rotation
-        # never eats into the members a scale-up is waiting for.
-        available = serving >= replicas
+    surge = inp.surge(replicas)
+    queued.sort(key=lambda m: (m.banned is None, _overdue_key(m), m.index))
+    # A rotation is make before break: it takes nothing out of service.
+    available = serving >= replicas - inp.unavailable(replicas)
     rotations: list[Rotation] = []
     for member in queued[: max(0, surge - rotating)]:
         if member.banned is None and not available:
@@ -554,7 +537,7 @@ def _rotate(
         if len(rotations) == batch:
             break
         rotated = draft.own(member)
-        rotated.start_rotation(now if situation.paced else None)
+        rotated.start_rotation(now)
         rotations.append(Rotation(rotated.member, rotated.reason or "rotate"))
     return rotations
 
@@ -579,11 +562,6 @@ def _queue_shared_exits(draft: _Draft) -> None:
 def distinct_exits(members: Sequence[Member]) -> int:
     """How many different exit addresses the serving members have (unknown ones not counted)."""
     return len({m.exit_address for m in _live(members) if m.exit_address and is_serving(m)})
-
-
-def _legacy_surge(max_surge: int | str) -> int:
-    """`max_surge` as pools before percentages read it: a count (no percentage then)."""
-    return max_surge if isinstance(max_surge, int) else 1
 
 
 def _overdue_key(member: Member) -> datetime:
@@ -798,7 +776,7 @@ class Census:
     queue: tuple[Member, ...]
     # The ids of the live members rotating, in member order.
     rotating: tuple[str, ...]
-    # Live and never Ready yet (a paced pool's starts in flight).
+    # Live and never Ready yet (starts in flight).
     unserved: int
 
     @property

@@ -9,8 +9,8 @@ reaches a fleet with them.
 - ProxyLifecycle and ProxyPool: AUTO_UPGRADE. They run for months; pinned,
   every old version would need its workers until its last proxy or pool
   ended. Each moves to the deployment's current version at its next
-  workflow task, so a change to their commands goes behind
-  `workflow.patched` and the replay corpus (tests/histories/) checks it.
+  workflow task, so a change to their commands goes behind a patch
+  (workflows/patches.py) and the replay corpus (tests/histories/) checks it.
 - OrphanGC: PINNED. A sweep lasts minutes and the schedule starts the next
   one on the current version, so a sweep finishes on the code that began
   it and an old version drains within one sweep.

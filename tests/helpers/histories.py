@@ -1,10 +1,12 @@
-"""The replay corpus: the histories recorded from each release (tests/workflows/test_replay.py).
+"""The replay corpus: the histories a release recorded (tests/workflows/test_replay.py).
 
 `tests/histories/<release>/<name>.json`, one directory per version of the
-project (pyproject.toml's `version`). A release's recordings are the runs
-that may still be open in someone's fleet when the next release reaches it,
-so every later change must replay them: they are kept as they were recorded
-and never rewritten. `make histories` records the current release's
+project (pyproject.toml's `version`): the floor's (the release this code
+upgrades from, workflows/patches.py) and the current one's. A release's
+recordings are the runs that may still be open in someone's fleet when the
+next release reaches it, so they are kept as recorded, save the stack
+traces of failures, which no replay reads; each pins a command sequence no
+other recording has. `make histories` records the current release's
 (docs/upgrades.md says when).
 """
 
@@ -83,6 +85,19 @@ async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
     recorded = {
         "workflow_id": handle.id,
         "namespace": namespace,
-        "history": json.loads(history.to_json()),
+        "history": without_stack_traces(json.loads(history.to_json())),
     }
     path.write_text(json.dumps(recorded))
+
+
+def without_stack_traces(value: Any) -> Any:
+    """`value` with every failure's `stackTrace` dropped: a replay never reads one.
+
+    A fake that raises the same exception object again grows its traceback
+    with each raise, and a month of quota waits recorded megabytes of it.
+    """
+    if isinstance(value, dict):
+        return {k: without_stack_traces(v) for k, v in value.items() if k != "stackTrace"}
+    if isinstance(value, list):
+        return [without_stack_traces(v) for v in value]
+    return value

@@ -40,7 +40,6 @@ def simulate(
     *,
     until: datetime,
     rotation_takes: timedelta,
-    paced: bool = False,
     never_ready: frozenset[str] = frozenset(),
 ) -> list[tuple[str, datetime, datetime]]:
     """Run a pool on plans alone; members start at once and rotate in `rotation_takes`,
@@ -49,7 +48,7 @@ def simulate(
     Returns each rotation as (member, rotate sent, new generation Ready).
     """
     now = T0
-    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0, paced=paced)
+    books = Situation(replicas=inp.replicas, members=(), last_reconcile=T0)
     members: dict[str, Member] = {}
     pending: list[tuple[datetime, str]] = []  # (when, member) a rotation completes
     sent: dict[str, datetime] = {}

@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 import workflows.lifecycle
 from contract import PROXY_LIFECYCLE, ErrorType, ProxyState
+from tests.helpers.histories import load_history, recorded_names, releases, workflow_type
 from workflows.lifecycle_states import (
     FINAL,
     INITIAL,
@@ -26,7 +27,14 @@ from workflows.lifecycle_states import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-HISTORIES = sorted((ROOT / "tests" / "histories").glob("*/*.json"))  # every release's
+# Every recorded lifecycle, found by reading each recording's first event only:
+# collection runs in every xdist worker.
+LIFECYCLE_RECORDINGS = [
+    (release, name)
+    for release in releases()
+    for name in recorded_names(release)
+    if workflow_type(release, name) == PROXY_LIFECYCLE
+]
 
 
 def reachable(start: ProxyState) -> set[ProxyState]:
@@ -82,9 +90,9 @@ def test_the_architecture_doc_shows_the_table() -> None:
     )
 
 
-def recorded_states(path: Path) -> list[ProxyState]:
+def recorded_states(release: str, name: str) -> list[ProxyState]:
     """The ProxyState values a recorded lifecycle published, in order, repeats dropped."""
-    events = json.loads(path.read_text())["history"]["events"]
+    events = load_history(release, name)["history"]["events"]
     states: list[ProxyState] = []
     for event in events:
         upsert = event.get("upsertWorkflowSearchAttributesEventAttributes")
@@ -97,17 +105,11 @@ def recorded_states(path: Path) -> list[ProxyState]:
     return states
 
 
-def lifecycle_histories() -> list[Path]:
-    def workflow_type(path: Path) -> str:
-        started = json.loads(path.read_text())["history"]["events"][0]
-        return str(started["workflowExecutionStartedEventAttributes"]["workflowType"]["name"])
-
-    return [path for path in HISTORIES if workflow_type(path) == PROXY_LIFECYCLE]
-
-
-@pytest.mark.parametrize("path", lifecycle_histories(), ids=lambda path: path.stem)
-def test_recorded_runs_made_only_transitions_the_table_allows(path: Path) -> None:
-    states = recorded_states(path)
+@pytest.mark.parametrize(
+    ("release", "name"), LIFECYCLE_RECORDINGS, ids=[f"{r}/{n}" for r, n in LIFECYCLE_RECORDINGS]
+)
+def test_recorded_runs_made_only_transitions_the_table_allows(release: str, name: str) -> None:
+    states = recorded_states(release, name)
     assert states, "a lifecycle publishes its state"
     for current, following in pairwise(states):
         assert following in TRANSITIONS[current], f"{current} -> {following}"

@@ -1,37 +1,126 @@
-"""A run started on this release records one patch marker, its release's, however
-many patched paths it takes (workflows/patches.py).
+"""Every patch is declared with the release that may delete it, and goes by then.
 
-Each marker a run records costs Temporal Cloud actions: the SDK upserts
-`TemporalChangeVersion` with it, and a workflow task with a marker is one
-`BatchMarkers` more. Up to 0.3.8 a pool member's first task recorded four,
-a pool run seven at its start, and a proxy's first rotation in a run one
-more. These tests take every path whose patch a proxy or a pool asks in
-ordinary life (start, rotation, terminate; a pool's start, `rotate {"all":
-true}` and end) and count.
+workflows/patches.py declares each patch the workflows ask and each floor
+marker they accept (`Patch.retire_in`); docs/upgrades.md says how a patch
+is born and retired. These tests keep the declarations the only way a
+workflow asks a patch, fail once the project's version (pyproject.toml)
+reaches a declaration's release, and count what a run records: one marker
+at its start (the floor's), and one for each patch it meets live.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
-from tests.helpers.histories import current_release
+from startup.upgrade_check import check_upgrade
+from tests.helpers.histories import current_release, load_history, recorded_names, workflow_type
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import pending_activities, rotated, wait_for, wait_status
-from workflows.lifecycle import (
-    DISRUPTION_PATCH,
-    LET_GO_OF_LOST_MONITOR_PATCH,
-    LIFECYCLE_RELEASE,
-    LIFECYCLE_RELEASE_0_3_9,
+from workflows import patches
+from workflows.patches import (
+    FLOOR,
+    FLOOR_RELEASE,
+    LET_GO_OF_LOST_MONITOR,
+    LIFECYCLE_FLOOR,
+    PATCHES,
+    POOL_FLOOR,
+    Patch,
 )
-from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10
-from workflows.pool import POOL_RELEASE, VERIFY_WAITS_OUT_QUOTA_PATCH
 
 CHANGE_VERSION = "TemporalChangeVersion"
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
+# The calls through which a workflow asks a declared patch (workflows/patches.py).
+ASKING = {"taken", "keep_floor"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def _asked() -> dict[str, list[str]]:
+    """Each name passed to `taken`/`keep_floor` in workflows/, with where; and the SDK's
+    own patch calls, under their function's name, which only patches.py may make."""
+    asked: dict[str, list[str]] = {}
+    for path in sorted(WORKFLOWS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            where = f"{path.name}:{node.lineno}"
+            if called in ("patched", "deprecate_patch") and path.name != "patches.py":
+                asked.setdefault(f"workflow.{called}", []).append(where)
+            elif called in ASKING and node.args and isinstance(node.args[0], ast.Name):
+                asked.setdefault(node.args[0].id, []).append(where)
+    return asked
+
+
+def _declared() -> dict[str, Patch]:
+    return {name: v for name, v in vars(patches).items() if isinstance(v, Patch)}
+
+
+def test_every_patch_is_asked_through_its_declaration() -> None:
+    declared = _declared()
+    asked = _asked()
+    direct = {k: v for k, v in asked.items() if k.startswith("workflow.")}
+    assert direct == {}, "declare the patch in workflows/patches.py and ask `taken(...)`"
+    undeclared = sorted(set(asked) - set(declared))
+    assert undeclared == [], f"declare these in workflows/patches.py: {undeclared}"
+    unasked = sorted(set(declared) - set(asked))
+    assert unasked == [], f"declared but asked nowhere, delete them: {unasked}"
+    assert set(declared.values()) == set(FLOOR) | set(PATCHES)
+    ids = [patch.id for patch in (*FLOOR, *PATCHES)]
+    assert len(ids) == len(set(ids)), ids
+
+
+@pytest.mark.parametrize("patch", [*FLOOR, *PATCHES], ids=lambda patch: patch.id)
+def test_a_patch_goes_by_the_release_it_names(patch: Patch) -> None:
+    floor = patch in FLOOR
+    assert _release(current_release()) < _release(patch.retire_in), (
+        f"release {current_release()} reached {patch.id!r}'s retire_in ({patch.retire_in}): "
+        + (
+            "delete its keep_floor call and declaration"
+            if floor
+            else "delete its old path and ask it with keep_floor, as the next floor's marker"
+        )
+        + " (docs/upgrades.md, 'A patch, from birth to retirement')"
+    )
+
+
+@pytest.mark.parametrize("floor", FLOOR, ids=lambda floor: floor.workflow)
+def test_the_floor_marker_is_what_the_floor_release_recorded(floor: Patch) -> None:
+    """Every run of the floor release that asked a patch recorded this one first."""
+    recordings = [
+        name
+        for name in recorded_names(FLOOR_RELEASE)
+        if workflow_type(FLOOR_RELEASE, name) == floor.workflow
+    ]
+    assert recordings, f"no {floor.workflow} recording of {FLOOR_RELEASE}"
+    for name in recordings:
+        markers = _recorded_markers(load_history(FLOOR_RELEASE, name)["history"]["events"])
+        assert markers[:1] in ([], [floor.id]), f"{name}: {markers}"
+    assert any(
+        _recorded_markers(load_history(FLOOR_RELEASE, name)["history"]["events"])
+        for name in recordings
+    )
+
+
+def _recorded_markers(events: list[dict[str, Any]]) -> list[str]:
+    markers = []
+    for event in events:
+        details = event.get("markerRecordedEventAttributes", {}).get("details", {})
+        if "patch-data" in details:
+            data = base64.b64decode(details["patch-data"]["payloads"][0]["data"])
+            markers.append(json.loads(data)["id"])
+    return markers
 
 
 async def _patch_markers(handle: WorkflowHandle[Any, Any]) -> tuple[list[str], int]:
@@ -49,56 +138,6 @@ async def _patch_markers(handle: WorkflowHandle[Any, Any]) -> tuple[list[str], i
     return markers, upserts
 
 
-def test_each_release_marker_covers_exactly_what_its_runs_took() -> None:
-    # Frozen: a run that recorded release-0.3.9 took exactly these paths. A
-    # patch added to a cover later would be taken, on replay, by runs that
-    # never took its path, whose replay could then fail; a new patch is asked
-    # on its own until the next release marker covers it (docs/upgrades.md).
-    assert LIFECYCLE_RELEASE_0_3_9.patch == POOL_RELEASE.patch == RELEASE_0_3_9
-    assert LIFECYCLE_RELEASE_0_3_9.covers == {
-        "clean-stop-and-provider-waits",
-        "delete-refused-for-good",
-        "early-signals-after-takeover",
-        "hand-over-long-waits",
-        "hand-over-terminating-waits",
-        "installation-in-instance-names",
-        "member-hands-over-when-long",
-        "members-start-quietly",
-        "monitor-old-instance-while-rotating",
-    }
-    assert POOL_RELEASE.covers == {
-        "budget-wakes",
-        "commands-within-budget",
-        "early-signals-after-takeover",
-        "hand-over-while-ending",
-        "member-drain",
-        "members-queue",
-        "paced-commands",
-        "pool-monitors-members",
-        "quiet-handover",
-        "shorter-pool-runs",
-        "verified-endpoints",
-    }
-    assert LIFECYCLE_RELEASE.patch == RELEASE_0_3_10
-    assert LIFECYCLE_RELEASE.covers == LIFECYCLE_RELEASE_0_3_9.covers | {"one-upsert-a-task"}
-
-
-def test_patches_since_the_newest_marker_are_covered_by_the_next_release() -> None:
-    # Added after 0.3.10 and asked on its own (a marker and an upsert where
-    # each decides) until a release marker covers it. Cutting 0.3.11 adds that
-    # marker (docs/upgrades.md, "To cut a release"); from 0.3.12 the patch
-    # may be deprecated (docs/upgrades.md, "The patches").
-    assert LET_GO_OF_LOST_MONITOR_PATCH not in LIFECYCLE_RELEASE.covers
-    assert DISRUPTION_PATCH not in LIFECYCLE_RELEASE.covers
-    assert VERIFY_WAITS_OUT_QUOTA_PATCH not in POOL_RELEASE.covers
-    assert current_release() == "0.3.10", (
-        f"release {current_release()}: give it a lifecycle ReleaseMarker that covers "
-        f"{LET_GO_OF_LOST_MONITOR_PATCH!r}, {DISRUPTION_PATCH!r} and 0.3.10's, and a pool "
-        "one that covers "
-        f"{VERIFY_WAITS_OUT_QUOTA_PATCH!r} and 0.3.9's, then update this test"
-    )
-
-
 @pytest.mark.slow
 async def test_a_proxy_started_rotated_and_terminated_records_one_marker(stack: Stack) -> None:
     handle = await stack.start()
@@ -114,8 +153,10 @@ async def test_a_proxy_started_rotated_and_terminated_records_one_marker(stack: 
     await handle.signal("terminate")
     assert (await handle.result())["state"] == "Terminated"
 
-    # The terminate found the monitor still running: 0.3.10's marker does not cover its patch.
-    assert await _patch_markers(handle) == ([RELEASE_0_3_10, LET_GO_OF_LOST_MONITOR_PATCH], 2)
+    # The floor's at its start; the terminate found the monitor still running.
+    # Each with its TemporalChangeVersion upsert, the floor's deprecated one too:
+    # the visibility query of docs/upgrades.md, "The floor", finds it.
+    assert await _patch_markers(handle) == ([LIFECYCLE_FLOOR.id, LET_GO_OF_LOST_MONITOR.id], 2)
 
 
 @pytest.mark.slow
@@ -140,11 +181,22 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
     assert (await pool.result())["state"] == "Terminated"
     assert stack.instances() == []
 
-    assert await _patch_markers(pool) == ([RELEASE_0_3_9], 1)
+    assert await _patch_markers(pool) == ([POOL_FLOOR.id], 1)
     for member in before:
         member_handle = stack.client.get_workflow_handle(member)
-        assert await _patch_markers(member_handle) == ([RELEASE_0_3_10], 1), member
+        assert await _patch_markers(member_handle) == ([LIFECYCLE_FLOOR.id], 1), member
 
 
 async def _all_ready(pool: WorkflowHandle[Any, Any], count: int) -> bool:
     return len(await pool.query("endpoints")) == count
+
+
+@pytest.mark.slow
+async def test_check_upgrade_takes_over_a_fleet_of_this_build(stack: Stack) -> None:
+    handle = await stack.start()
+    await wait_status(handle, lambda s: s.state == "Ready", "Ready")
+    found = await check_upgrade(stack.client)
+    assert found.checked >= 1
+    assert found.ok, (found.before_floor, found.failing)
+    await handle.signal("terminate")
+    await handle.result()

@@ -133,40 +133,36 @@ def test_each_start_says_why_replacements_first_and_a_scale_down_drops_the_vacan
     assert plan(scaled_down, pool_input(), POOL, T0).vacancies == ()
 
 
-def test_a_large_scale_up_starts_in_batches_counting_starts_in_flight() -> None:
+def test_a_large_scale_up_starts_in_batches() -> None:
     assert len(plan(situation(replicas=500), pool_input(), POOL, T0).starts) == START_BATCH
-    busy = situation(replicas=500, starting=START_BATCH - 10)
-    assert len(plan(busy, pool_input(), POOL, T0).starts) == 10
 
 
-def test_a_paced_pool_brings_up_a_bounded_number_of_members_at_a_time() -> None:
+def test_a_pool_brings_up_a_bounded_number_of_members_at_a_time() -> None:
     """Started but never Ready counts against the batch, not just starts in flight."""
     inp = pool_input()
-    first = plan(situation(replicas=1000, paced=True), inp, POOL, T0)
+    first = plan(situation(replicas=1000), inp, POOL, T0)
     assert len(first.starts) == START_BATCH
-    started = situation(*first.members, replicas=1000, paced=True)
+    started = situation(*first.members, replicas=1000)
     assert plan(started, inp, POOL, T0).starts == (), "none Ready yet: nothing more"
     members = [m.copy() for m in first.members]
     for member in members[:10]:
         serves(member, report(member, ProxyState.READY, 0, T0))
-    ten_ready = situation(*members, replicas=1000, paced=True)
+    ten_ready = situation(*members, replicas=1000)
     assert len(plan(ten_ready, inp, POOL, T0).starts) == 10
 
 
-def test_a_paced_pool_removes_and_rotates_in_batches_and_says_there_is_more() -> None:
+def test_a_pool_removes_and_rotates_in_batches_and_says_there_is_more() -> None:
     members = [ready(n) for n in range(300)]
-    step = plan(situation(*members, replicas=0, paced=True), pool_input(), POOL, T0)
+    step = plan(situation(*members, replicas=0), pool_input(), POOL, T0)
     assert len(step.removals) == COMMAND_BATCH and step.more
-    left = situation(*step.members, replicas=0, paced=True)
+    left = situation(*step.members, replicas=0)
     assert len(plan(left, pool_input(), POOL, T0).removals) == COMMAND_BATCH
-    unpaced = plan(situation(*members, replicas=0), pool_input(), POOL, T0)
-    assert len(unpaced.removals) == 300 and not unpaced.more
 
     for member in members:
         member.queue("rotate all")
-    rotating = plan(situation(*members, paced=True), pool_input(max_surge=100), POOL, T0)
+    rotating = plan(situation(*members), pool_input(max_surge=100), POOL, T0)
     assert len(rotating.rotations) == COMMAND_BATCH and rotating.more
-    calm = plan(situation(*(ready(n) for n in range(300)), paced=True), pool_input(), POOL, T0)
+    calm = plan(situation(*(ready(n) for n in range(300))), pool_input(), POOL, T0)
     assert not calm.more
 
 
@@ -182,19 +178,19 @@ def test_a_step_starts_no_more_removals_and_rotations_than_its_runs_events_have_
             member.queue("rotate all")
         return members
 
-    first = plan(situation(*queued(), paced=True, room=30), inp, POOL, T0)
+    first = plan(situation(*queued(), room=30), inp, POOL, T0)
     assert len(first.rotations) == 30 and not first.more, "cut by the room: no step of its own"
     rotating = first.members
-    assert len(plan(situation(*rotating, paced=True, room=40), inp, POOL, T0).rotations) == 10
-    assert plan(situation(*rotating, paced=True, room=20), inp, POOL, T0).rotations == ()
-    assert len(plan(situation(*queued(), paced=True, room=0), inp, POOL, T0).rotations) == 1
-    roomy = plan(situation(*queued(), paced=True, room=1_000), inp, POOL, T0)
+    assert len(plan(situation(*rotating, room=40), inp, POOL, T0).rotations) == 10
+    assert plan(situation(*rotating, room=20), inp, POOL, T0).rotations == ()
+    assert len(plan(situation(*queued(), room=0), inp, POOL, T0).rotations) == 1
+    roomy = plan(situation(*queued(), room=1_000), inp, POOL, T0)
     assert len(roomy.rotations) == COMMAND_BATCH and roomy.more
 
     members = [ready(n) for n in range(300)]
-    down = plan(situation(*members, replicas=0, paced=True, room=25), pool_input(), POOL, T0)
+    down = plan(situation(*members, replicas=0, room=25), pool_input(), POOL, T0)
     assert len(down.removals) == 25 and not down.more
-    removing = situation(*down.members, replicas=0, paced=True, room=35)
+    removing = situation(*down.members, replicas=0, room=35)
     assert len(plan(removing, pool_input(), POOL, T0).removals) == 10, "being removed is under way"
 
 
@@ -387,11 +383,11 @@ def test_a_percentage_surge_keeps_up_with_hour_lifetimes_where_one_at_a_time_can
     boot = timedelta(seconds=75)
     until = T0 + timedelta(hours=3)
     fast = pool_input(replicas=200, max_surge="3%", template=lifetime)
-    spans = simulate(fast, until=until, rotation_takes=boot, paced=True)
+    spans = simulate(fast, until=until, rotation_takes=boot)
     assert rotations_in(spans, T0 + timedelta(hours=2)) >= 200, "every member an hour"
 
     slow = pool_input(replicas=200, max_surge=1, template=lifetime)
-    one_at_a_time = simulate(slow, until=until, rotation_takes=boot, paced=True)
+    one_at_a_time = simulate(slow, until=until, rotation_takes=boot)
     assert rotations_in(one_at_a_time, T0 + timedelta(hours=2)) <= 3600 / 75
 
 
@@ -404,7 +400,6 @@ def test_a_rotation_past_its_deadline_is_abandoned_and_holds_no_other() -> None:
         inp,
         until=T0 + timedelta(hours=3),
         rotation_takes=timedelta(seconds=75),
-        paced=True,
         never_ready=frozenset({stuck}),
     )
     others = {member for member, _, _ in spans}
@@ -419,7 +414,7 @@ def test_an_abandoned_rotation_frees_its_slot_and_is_retried_a_deadline_later() 
     waiting = ready(1)
     waiting.queue("rotate update")
     now = T0 + timedelta(seconds=900)
-    books = situation(late, waiting, replicas=2, paced=True)
+    books = situation(late, waiting, replicas=2)
     wake = next_wake(books, inp)
     assert wake == Wake(now, f"abandon the rotation of {POOL}/0 if still not Ready")
 
@@ -439,9 +434,7 @@ def test_rotations_go_most_overdue_first_not_by_index() -> None:
     members = tuple(
         ready(n, since=T0 - timedelta(minutes=n), lifetime_seconds=600) for n in range(4)
     )
-    step = plan(
-        situation(*members, paced=True), pool_input(max_surge=2), POOL, T0 + timedelta(hours=1)
-    )
+    step = plan(situation(*members), pool_input(max_surge=2), POOL, T0 + timedelta(hours=1))
     assert [r.member for r in step.rotations] == [f"{POOL}/3", f"{POOL}/2"]
 
 
@@ -449,10 +442,9 @@ def test_lifetime_rotations_go_on_while_no_more_than_max_unavailable_are_short()
     members = (*(ready(n, lifetime_seconds=600) for n in range(19)), starting(19))
     later = T0 + timedelta(hours=1)
     # 10% of 20: two may be short; one is.
-    assert plan(situation(*members, paced=True), pool_input(), POOL, later).rotations
+    assert plan(situation(*members), pool_input(), POOL, later).rotations
     strict = pool_input(max_unavailable=0)
-    assert not plan(situation(*members, paced=True), strict, POOL, later).rotations
-    assert not plan(situation(*members), pool_input(), POOL, later).rotations, "unpaced: at size"
+    assert not plan(situation(*members), strict, POOL, later).rotations
 
 
 @pytest.mark.parametrize(
@@ -685,12 +677,12 @@ def test_a_step_carries_the_census_of_the_members_it_leaves() -> None:
     late.start_rotation(T0 - timedelta(hours=1))
     later = T0 + timedelta(hours=1)
     cases = [
-        (situation(replicas=60, paced=True), pool_input(replicas=60), T0),
-        (situation(*(ready(n, lifetime_seconds=600) for n in range(6)), paced=True),
+        (situation(replicas=60), pool_input(replicas=60), T0),
+        (situation(*(ready(n, lifetime_seconds=600) for n in range(6))),
          pool_input(max_surge=2, **lifetime), later),
-        (situation(ready(0), ready(1), banned, late, replicas=6, paced=True),
+        (situation(ready(0), ready(1), banned, late, replicas=6),
          pool_input(replicas=6), later),
-        (situation(*(ready(n) for n in range(80)), replicas=5, paced=True),
+        (situation(*(ready(n) for n in range(80)), replicas=5),
          pool_input(replicas=5), T0),
         (situation(*(ready(n, lifetime_seconds=600) for n in range(5))),
          pool_input(replicas=5, max_surge=1), later),

@@ -1,12 +1,12 @@
-"""Replay every release's recorded histories against today's workflow code, as either worker has it.
+"""Replay the recorded histories against today's workflow code, as either worker has it.
 
 A change that alters the commands an existing history expects (a new
 activity call, a reordered timer) fails here instead of in production, where
-it would wedge every running proxy. The corpus keeps each release's
-recordings (tests/helpers/histories.py), because a fleet upgraded to this
-code may still run workflows started by any of them; `make histories`
-records the current release's, and docs/upgrades.md says when a release's
-recordings, and the patches only they need, may go.
+it would wedge every running proxy. The corpus holds the recordings of the
+release this code upgrades from (workflows/patches.py, FLOOR_RELEASE) and of
+the current one (tests/helpers/histories.py): a run either started may still
+be open when this code reaches a fleet. docs/upgrades.md says how to replay
+a live fleet's own histories before a deploy.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.helpers.histories import (
 from tests.helpers.sandboxed import SandboxedProxyPool
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
+from workflows.patches import FLOOR_RELEASE
 from workflows.pool import ProxyPool
 from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
@@ -44,6 +45,12 @@ def test_the_current_release_has_recordings() -> None:
     assert recorded_names(current_release()), (
         f"no histories for release {current_release()} (pyproject.toml): `make histories`"
     )
+
+
+def test_the_corpus_holds_the_floor_and_the_current_release_only() -> None:
+    kept = {FLOOR_RELEASE, current_release()}
+    retired = sorted(set(releases()) - kept)
+    assert retired == [], f"no run of {retired} may reach this code: delete their recordings"
 
 
 def test_every_recording_belongs_to_a_release() -> None:

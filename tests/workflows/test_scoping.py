@@ -9,11 +9,11 @@ namespace never judges, let alone deletes, another namespace's instances.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +32,6 @@ from providers.memory import MemoryProvider
 from providers.naming import INSTALLATION_KEY, NAMESPACE_KEY, OWNER_KEY, instance_name
 from startup.search_attributes import ensure_search_attributes
 from tests.helpers.config import build_config, lifecycle_instance_name
-from tests.helpers.histories import load_history, record_history
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import wait_for, wait_status
 from tests.helpers.workers import stop_worker
@@ -41,8 +40,8 @@ from workflows.orphan_gc import GcResult
 
 pytestmark = pytest.mark.slow
 
-# The release whose recordings predate installation and namespace in names.
-RECORDED_BEFORE_SCOPED_NAMES = "0.1.0"
+# Instances 0.1.0 runs created, before installation and namespace were in names.
+WRITTEN_BY_0_1_0 = Path(__file__).resolve().parent / "written_by_0_1_0.json"
 
 
 def test_names_differ_per_installation_and_namespace() -> None:
@@ -56,19 +55,13 @@ def test_names_differ_per_installation_and_namespace() -> None:
     assert all(len(name) == 22 and name.startswith("proxy-") for name in names)
 
 
-@pytest.mark.parametrize("history", ["ready_then_terminate", "rotated", "replaced_after_death"])
-def test_lifecycles_recorded_before_the_change_keep_their_names(history: str) -> None:
-    """The old formula still gives every instance those histories created."""
-    recorded = load_history(RECORDED_BEFORE_SCOPED_NAMES, history)
-    results = [
-        base64.b64decode(attributes["result"]["payloads"][0].get("data", ""))
-        for event in recorded["history"]["events"]
-        if (attributes := event.get("activityTaskCompletedEventAttributes"))
-    ]
-    created = [json.loads(result) for result in results if b'"provider_id"' in result]
+def test_lifecycles_started_before_the_change_keep_their_names() -> None:
+    """The old formula still gives every instance such runs created: a lifecycle
+    whose first run carried no installation keeps it across continue-as-new."""
+    created = json.loads(WRITTEN_BY_0_1_0.read_text())["instances_named_unscoped"]
     assert created
     for ref in created:
-        assert ref["name"] == instance_name(recorded["workflow_id"], ref["generation"])
+        assert ref["name"] == instance_name(ref["workflow_id"], ref["generation"])
 
 
 async def test_a_new_lifecycle_names_its_instance_in_its_scope(stack: Stack) -> None:
@@ -80,7 +73,6 @@ async def test_a_new_lifecycle_names_its_instance_in_its_scope(stack: Stack) -> 
     await handle.signal("terminate")
     await handle.result()
     assert stack.instances() == []
-    await record_history(handle, "ready_then_terminate_scoped_names")
 
 
 async def test_a_worker_of_another_installation_refuses_the_create() -> None:
