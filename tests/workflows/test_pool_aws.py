@@ -189,6 +189,8 @@ async def test_a_spot_member_advised_to_rebalance_is_replaced_make_before_break(
         spot, lambda s: s.provider_id == second_id and s.state == "Ready", "the replacement Ready"
     )
     assert (again.generation, again.disruptions, again.failures_in_a_row) == (1, 0, 0)
+    assert again.cause is not None
+    assert again.cause.why == "a rotate signal: EC2 rebalance recommendation"
     await wait_for(lambda: fake.instance(spot_id).state == "terminated", "the advised one gone")
 
     async def pool_serves_the_replacement() -> bool:
