@@ -62,6 +62,7 @@ from activities.probe import OTHER, ProbeResult, probe_connect
 from contract import ROTATE_SIGNAL, ErrorType
 from providers.base import (
     AccessCheck,
+    Advice,
     CreateRequest,
     Disruption,
     Instance,
@@ -440,26 +441,62 @@ class ProviderActivities:
             return False  # cannot tell right now
         if advice is None:
             return False
-        info = activity.info()
-        try:
-            client = activity.client()
-        except RuntimeError:
-            return True  # an ActivityEnvironment given no client: nobody to tell
-        if info.workflow_id is None:
+        workflow_id = activity.info().workflow_id
+        if workflow_id is None:
             return True  # not scheduled by a workflow
-        workflow = client.get_workflow_handle(info.workflow_id)
+        return await _ask_rotation(workflow_id, ref.name, Advice(ref.provider_id, advice))
+
+    @contextlib.asynccontextmanager
+    async def _advising(self) -> AsyncIterator[Callable[[list[WatchedMember]], None]]:
+        """A pool shard's asks for its platform's advice, one at a time, alongside its rounds.
+
+        Yields what a round calls with the members whose probe just passed:
+        it starts an ask unless one is under way (a provider's calls take
+        longer than a probe). An ask still running at the end is cancelled.
+        """
+        taken: set[str] = set()
+        asking: asyncio.Task[None] | None = None
+
+        def ask(passed: list[WatchedMember]) -> None:
+            nonlocal asking
+            if asking is None or asking.done():
+                asking = asyncio.create_task(self._rotate_advised_members(passed, taken))
+
         try:
-            status = await workflow.query("status")
-            if not isinstance(status, dict) or status.get("provider_id") != ref.provider_id:
-                return True  # the workflow serves from another instance
-            if status.get("replaced_because"):
-                return True  # already being replaced
-            await workflow.signal(ROTATE_SIGNAL, {"reason": advice})
-        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-            activity.logger.info("%s: %s; asking again after the next probe", ref.name, err)
-            return False
-        activity.logger.info("%s: %s; asked its workflow to rotate it", ref.name, advice)
-        return True
+            yield ask
+        finally:
+            if asking is not None:
+                asking.cancel()
+
+    async def _rotate_advised_members(self, members: list[WatchedMember], taken: set[str]) -> None:
+        """On their platform's advice, ask pool members' workflows to rotate, make-before-break.
+
+        A pool member runs no monitor of its own: its pool's shard asks
+        each member's provider about the members whose probe just passed,
+        all of a provider's at once, by member id and endpoint (the pool
+        advertises only endpoints its provider confirmed are the member's
+        own). The `rotate` goes to the member, as `_rotate_if_advised`
+        sends it, once per instance; `taken` holds the instances nothing is
+        left to do for. A provider that cannot tell right now is asked
+        again after the next round.
+        """
+        serving: dict[str, dict[str, str]] = {}
+        for member in members:
+            serving.setdefault(member.provider, {})[member.member] = member.endpoint
+        for name, endpoints in serving.items():
+            provider = self._providers.get(name)
+            if not isinstance(provider, ReplacementAdvice):
+                continue
+            try:
+                advised = await self._call(provider.replacements_advised, endpoints)
+            except ApplicationError as err:
+                activity.logger.info("cannot ask %s for advice now: %s", name, err.message)
+                continue
+            for member_id, advice in advised.items():
+                if advice.provider_id in taken or member_id not in endpoints:
+                    continue
+                if await _ask_rotation(member_id, member_id, advice):
+                    taken.add(advice.provider_id)
 
     @activity.defn(name="monitor_members")
     async def monitor_members(self, inp: PoolMonitorInput) -> PoolMonitorOutcome:
@@ -491,8 +528,8 @@ class ProviderActivities:
         timeout = info.heartbeat_timeout or UNTIMED_HEARTBEAT
         period = max(timeout - MONITOR_HEARTBEAT_SLACK, timeout / 2)
         try:
-            async with _heartbeating(period, details):
-                return await self._members_loop(inp, failures, details)
+            async with _heartbeating(period, details), self._advising() as advise:
+                return await self._members_loop(inp, failures, details, advise)
         except asyncio.CancelledError:
             cancelled = activity.cancellation_details()
             if cancelled is None or not cancelled.not_found:
@@ -503,9 +540,16 @@ class ProviderActivities:
             return PoolMonitorOutcome(MonitorReason.HANDOVER, [], 0)
 
     async def _members_loop(
-        self, inp: PoolMonitorInput, failures: dict[str, int], details: dict[str, object]
+        self,
+        inp: PoolMonitorInput,
+        failures: dict[str, int],
+        details: dict[str, object],
+        advise: Callable[[list[WatchedMember]], None],
     ) -> PoolMonitorOutcome:
-        """The pool monitor's rounds; `details` is what its heartbeats carry, updated in place."""
+        """The pool monitor's rounds; `details` is what its heartbeats carry, updated in place.
+
+        After each round, `advise` is given the members whose probe passed.
+        """
         started = time.monotonic()
         probes = 0
         due = checked = started
@@ -516,6 +560,7 @@ class ProviderActivities:
             due = tick + inp.interval_seconds
             results = await asyncio.gather(*(self._probe_member(m, inp) for m in inp.members))
             probes += len(results)
+            advise([m for m, r in zip(inp.members, results, strict=True) if r.ok])
             failing: list[FailingMember] = []
             for member, result in zip(inp.members, results, strict=True):
                 failures[member.member] = 0 if result.ok else failures[member.member] + 1
@@ -759,6 +804,34 @@ async def _heartbeating(period: timedelta, details: dict[str, object]) -> AsyncI
         yield
     finally:
         beats.cancel()
+
+
+async def _ask_rotation(workflow_id: str, name: str, advice: Advice) -> bool:
+    """Send proxy `workflow_id` a `rotate` for `advice` unless nothing is left to do.
+
+    Not when its status shows it serving from another instance or already
+    replacing this one: it asks the workflow, not a memory, so monitors on
+    several workers, or after a handover, send it once per instance. True
+    once nothing is left to do for the instance; False when the workflow
+    could not be asked (ask again later).
+    """
+    try:
+        client = activity.client()
+    except RuntimeError:
+        return True  # an ActivityEnvironment given no client: nobody to tell
+    workflow = client.get_workflow_handle(workflow_id)
+    try:
+        status = await workflow.query("status")
+        if not isinstance(status, dict) or status.get("provider_id") != advice.provider_id:
+            return True  # the workflow serves from another instance
+        if status.get("replaced_because"):
+            return True  # already being replaced
+        await workflow.signal(ROTATE_SIGNAL, {"reason": advice.reason})
+    except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+        activity.logger.info("%s: %s; asking again later", name, err)
+        return False
+    activity.logger.info("%s: %s; asked its workflow to rotate it", name, advice.reason)
+    return True
 
 
 async def _shard_released() -> bool:

@@ -182,16 +182,31 @@ class AccessCheck(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Advice:
+    """The platform advises replacing this instance soon, and why (the rotation's reason)."""
+
+    provider_id: str
+    reason: str
+
+
 @runtime_checkable
 class ReplacementAdvice(Protocol):
     """A provider whose platform may warn that a healthy instance will soon be taken away.
 
     Optional: the monitor of a Ready instance asks it after its successful
     probes, and on advice asks the proxy's workflow for a make-before-break
-    rotation, so the replacement serves before the platform acts. The
-    provider paces its platform calls: asking often costs nothing more.
+    rotation, so the replacement serves before the platform acts. A pool's
+    monitor, which knows its members only by their endpoints, asks about a
+    whole shard of them at once. The provider paces its platform calls:
+    asking often costs nothing more.
     """
 
     def replacement_advised(self, provider_id: str) -> str | None:
         """Why the platform advises replacing the instance now, or None."""
+        ...
+
+    def replacements_advised(self, serving: Mapping[str, str]) -> dict[str, Advice]:
+        """Of the instances serving each owner (owner id -> endpoint), those the
+        platform advises replacing now, by owner id."""
         ...

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -52,12 +53,12 @@ from providers.aws.user_data import (
     interruption_notice,
     user_data,
 )
-from providers.base import CreateRequest, Disruption, Instance, InstanceState
+from providers.base import Advice, CreateRequest, Disruption, Instance, InstanceState
 from providers.boot_script import with_report
 from providers.catalog import ProviderType
 from providers.config import Config, ProviderEntry
 from providers.errors import NotFound, Permanent, Transient
-from providers.naming import INSTALLATION_KEY, adoption_mismatch, ownership_mismatch
+from providers.naming import INSTALLATION_KEY, OWNER_KEY, adoption_mismatch, ownership_mismatch
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -87,8 +88,12 @@ CONSOLE_INTERVAL_SECONDS = 6.0
 # most this often: 1,000 spot proxies make about 8 GetConsoleOutput calls a
 # second. The interruption notice needs no such read (the watcher stops
 # Squid, and the failed probe reads it), so this only bounds how late a
-# replacement starts before the notice.
+# replacement starts before the notice. A pool's monitor also lists the
+# installation's running spot instances at most this often, to find its
+# members' instances by owner and endpoint (docs/providers.md, "Spot").
 ADVICE_INTERVAL_SECONDS = 120.0
+# DescribeInstances' largest page: a 1,000-member fleet is one call.
+LISTING_PAGE = 1000
 # The newest image of the configured name is looked up again after this long.
 IMAGE_CACHE_SECONDS = 3600.0
 # Every state but terminated: an instance in them still holds its name.
@@ -136,6 +141,12 @@ class AwsProvider:
         self._offered: dict[str, frozenset[str]] | None = None
         # How old each instance is, for what EC2 does not show yet.
         self._sightings = Sightings(consistency_window)
+        # For pools' monitors: the installation's running spot instances by
+        # (owner, endpoint), newest first, as last listed and when; and when
+        # each one's console is next read for advice. One listing at a time.
+        self._spot_listing: tuple[dict[tuple[str, str], list[str]], float] | None = None
+        self._advice_due: dict[str, float] = {}
+        self._listing_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, entry: ProviderEntry, config: Config) -> AwsProvider:
@@ -262,6 +273,32 @@ class AwsProvider:
             report = self._console_report(instance_id, self._advice_interval)
         return REBALANCE_REASON if report.rebalance else None
 
+    def replacements_advised(self, serving: Mapping[str, str]) -> dict[str, Advice]:
+        """The spot instances serving these owners that EC2 recommended rebalancing, by owner.
+
+        A pool's monitor knows its members by endpoint, not by instance id:
+        the installation's running spot instances are listed (one paged
+        DescribeInstances, again once `advice_interval` old, shared by every
+        shard this worker runs) and matched by owner tag and endpoint; an
+        owner's newest match first, the one it serves from once a rotation
+        is done. Each instance's console is read at most every
+        `advice_interval`, its first read at a random point within it, so a
+        fleet listed at once is not read in the same second. On-demand
+        instances get no advice, and no call is made.
+        """
+        if self._settings.market != "spot" or not serving:
+            return {}
+        advised: dict[str, Advice] = {}
+        with edge():
+            listed = self._spot_instances()
+            for owner, endpoint in serving.items():
+                for instance_id in listed.get((owner, endpoint), []):
+                    report = self._advice_report(instance_id)
+                    if report is not None and report.rebalance:
+                        advised[owner] = Advice(instance_id, REBALANCE_REASON)
+                        break
+        return advised
+
     def list_by_tag(self, key: str, value: str) -> list[Instance]:
         """Every instance not yet terminated carrying `key=value`, in the provider's region.
 
@@ -282,6 +319,64 @@ class AwsProvider:
                 for ec2 in reservation.get("Instances", [])
             ]
         return [inst for inst in found if inst.tags.get(key) == value]
+
+    # -- advice for pools ----------------------------------------------------
+
+    def _spot_instances(self) -> dict[tuple[str, str], list[str]]:
+        """The installation's running spot instances by (owner, endpoint), newest first.
+
+        Listed again once `advice_interval` old. EC2 filter values take `*`
+        and `?` as wildcards, so the installation tag is checked again here.
+        """
+        with self._listing_lock:
+            if (
+                self._spot_listing is not None
+                and time.monotonic() - self._spot_listing[1] < self._advice_interval
+            ):
+                return self._spot_listing[0]
+            pages = self._ec2.get_paginator("describe_instances").paginate(
+                Filters=[
+                    {"Name": f"tag:{INSTALLATION_KEY}", "Values": [self._installation]},
+                    {"Name": "instance-state-name", "Values": ["running"]},
+                    {"Name": "instance-lifecycle", "Values": ["spot"]},
+                ],
+                PaginationConfig={"PageSize": LISTING_PAGE},
+            )
+            found = [
+                to_instance(ec2)
+                for page in pages
+                for reservation in page["Reservations"]
+                for ec2 in reservation.get("Instances", [])
+            ]
+            listed: dict[tuple[str, str], list[str]] = {}
+            for instance in sorted(found, key=lambda i: i.created_at, reverse=True):
+                owner = instance.tags.get(OWNER_KEY)
+                ours = instance.tags.get(INSTALLATION_KEY) == self._installation
+                if owner and instance.endpoint and ours:
+                    listed.setdefault((owner, instance.endpoint), []).append(instance.provider_id)
+            current = {instance_id for ids in listed.values() for instance_id in ids}
+            with self._lock:
+                # Instances no longer listed are forgotten: the schedule stays fleet-sized.
+                self._advice_due = {i: due for i, due in self._advice_due.items() if i in current}
+            self._spot_listing = (listed, time.monotonic())
+            return listed
+
+    def _advice_report(self, instance_id: str) -> ConsoleReport | None:
+        """The instance's console as last read, read again when its advice read is due.
+
+        None before its first read: an instance first listed waits a random
+        part of `advice_interval` for it.
+        """
+        now = time.monotonic()
+        with self._lock:
+            due = self._advice_due.setdefault(
+                instance_id, now + random.uniform(0, self._advice_interval)
+            )
+            if now < due:
+                known = self._console.get(instance_id)
+                return None if known is None else known[0]
+            self._advice_due[instance_id] = now + self._advice_interval
+        return self._console_report(instance_id, self._advice_interval)
 
     # -- instances ----------------------------------------------------------
 

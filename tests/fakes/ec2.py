@@ -9,7 +9,8 @@ each as the EC2 documentation describes it (docs/fakes.md lists them):
 
 - RunInstances idempotency: a client token answered once returns the same
   instance again; with other parameters it is IdempotentParameterMismatch.
-  DescribeInstances accepts the `client-token` filter.
+  DescribeInstances accepts the `client-token` filter, and
+  `instance-lifecycle` (spot).
 - Readiness: GetConsoleOutput answers what the instance wrote to its serial
   console (`console_write`, as its user data would), not moto's fixed text;
   with `ready_after_polls=N` an instance reports ready on its own after N
@@ -454,7 +455,7 @@ class FakeEc2(ServedFake):
             status, answer = self._forward(body, headers)
             return status, self._credit_modes(answer)
         if action == "DescribeInstances":
-            body = urlencode(self._client_token_filter(form)).encode()
+            body = urlencode(self._lifecycle_filter(self._client_token_filter(form))).encode()
             status, answer = self._forward(body, headers)
             return status, self._unlisted(answer, "reservationSet", "instancesSet/item/instanceId")
         if action == "DescribeSecurityGroups":
@@ -618,6 +619,22 @@ class FakeEc2(ServedFake):
                 prefix = key.removesuffix("Name")
                 for value_key in [k for k in form if k.startswith(f"{prefix}Value.")]:
                     rewritten[value_key] = made.get(form[value_key], "i-00000000")
+        return rewritten
+
+    def _lifecycle_filter(self, form: dict[str, str]) -> dict[str, str]:
+        """The `instance-lifecycle` filter, which moto lacks, as the ids of the instances
+        of that lifecycle (`spot`; moto marks no other)."""
+        rewritten = dict(form)
+        for key, value in form.items():
+            if re.fullmatch(r"Filter\.\d+\.Name", key) and value == "instance-lifecycle":
+                prefix = key.removesuffix("Name")
+                wanted = {form[k] for k in form if k.startswith(f"{prefix}Value.")}
+                for value_key in [k for k in form if k.startswith(f"{prefix}Value.")]:
+                    del rewritten[value_key]
+                ids = [i.id for i in self._backend().all_instances() if i.lifecycle in wanted]
+                rewritten[key] = "instance-id"
+                for n, instance_id in enumerate(ids or ["i-00000000"], start=1):
+                    rewritten[f"{prefix}Value.{n}"] = instance_id
         return rewritten
 
     def _console_output(self, form: dict[str, str]) -> tuple[int, bytes]:

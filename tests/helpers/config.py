@@ -1,4 +1,4 @@
-"""Worker configs for tests and benchmarks: one provider entry, a proxy open to loopback only.
+"""Worker configs for tests and benchmarks: provider entries, a proxy open to loopback only.
 
 One builder so every test and benchmark config has the same shape (auth from
 an environment variable, the 127.0.0.0/8 allowlist, CONNECT to loopback
@@ -59,8 +59,10 @@ def raw_config(
     connect_ports: Sequence[int],
     installation: str = INSTALLATION,
     username: str = USERNAME,
+    also: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The config file's content: `provider` as the only entry, CONNECT to `connect_ports`."""
+    """The config file's content: `provider` as the first entry (then `also`'s), CONNECT
+    to `connect_ports`."""
     return {
         "installation": installation,
         "proxy": {
@@ -69,7 +71,7 @@ def raw_config(
             "allowed_connect_ports": list(connect_ports),
             "denied_destinations": list(LOOPBACK_ORIGIN_DENIED),
         },
-        "providers": [provider],
+        "providers": [provider, *also],
     }
 
 
@@ -79,15 +81,23 @@ def build_config(
     connect_ports: Sequence[int],
     installation: str = INSTALLATION,
     password: str = PASSWORD,
+    also: Sequence[dict[str, Any]] = (),
 ) -> Config:
     """`raw_config` parsed as the worker parses it, the password in its environment."""
-    raw = raw_config(provider, connect_ports=connect_ports, installation=installation)
+    raw = raw_config(provider, connect_ports=connect_ports, installation=installation, also=also)
     return parse_config(raw, environ={PASSWORD_ENV: password})
 
 
-def proxy_config(origin_port: int, provider: dict[str, Any], *, password: str = PASSWORD) -> Config:
-    """A workflow test's config: CONNECT allowed to 443 and to the test origin."""
-    return build_config(provider, connect_ports=[443, origin_port], password=password)
+def proxy_config(
+    origin_port: int,
+    provider: dict[str, Any],
+    *,
+    password: str = PASSWORD,
+    also: Sequence[dict[str, Any]] = (),
+) -> Config:
+    """A workflow test's config: CONNECT allowed to 443 and to the test origin; `provider`
+    first, then the entries `also` names."""
+    return build_config(provider, connect_ports=[443, origin_port], password=password, also=also)
 
 
 def stack_config(origin_port: int, state_dir: str | Path) -> Config:

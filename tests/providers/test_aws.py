@@ -32,7 +32,7 @@ from providers.aws.user_data import (
     interruption_notice,
     user_data,
 )
-from providers.base import CreateRequest, Disruption, InstanceState
+from providers.base import Advice, CreateRequest, Disruption, Instance, InstanceState
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
@@ -457,6 +457,68 @@ def test_an_on_demand_instance_is_never_advised_and_its_console_not_read_for_it(
     assert fake_ec2.calls("GetConsoleOutput") == []
     with pytest.raises(ValueError, match="not a spot instance"):
         fake_ec2.recommend_rebalance(created.provider_id)
+
+
+def ready_instances(fake: FakeEc2, provider: AwsProvider, *owners: str) -> dict[str, Instance]:
+    """An instance per owner, created by `provider` and reported ready: by owner."""
+    made = {}
+    for owner in owners:
+        created = provider.create(make_request(owner))
+        fake.report(created.provider_id, "ready")
+        made[owner] = provider.get(created.provider_id)
+    return made
+
+
+def test_a_pool_is_advised_about_its_spot_members_by_owner_and_endpoint(
+    fake_ec2: FakeEc2,
+) -> None:
+    provider = make_provider(fake_ec2, market="spot")
+    made = ready_instances(fake_ec2, provider, "pool/0", "pool/1", "pool/2")
+    fake_ec2.recommend_rebalance(made["pool/0"].provider_id)
+    fake_ec2.recommend_rebalance(made["pool/2"].provider_id)
+
+    advised = provider.replacements_advised(
+        {
+            "pool/0": made["pool/0"].endpoint,
+            "pool/1": made["pool/1"].endpoint,
+            # Not the endpoint its instance serves on: no word about that instance.
+            "pool/2": "192.0.2.9:3128",
+        }
+    )
+
+    assert advised == {"pool/0": Advice(made["pool/0"].provider_id, "EC2 rebalance recommendation")}
+    assert len(fake_ec2.calls("DescribeInstances")) > 0
+    listing = fake_ec2.calls("DescribeInstances")[-1].params
+    assert "instance-lifecycle" in listing.values() and "spot" in listing.values()
+
+
+def test_a_pool_s_advice_lists_and_reads_each_console_at_most_every_advice_interval(
+    fake_ec2: FakeEc2,
+) -> None:
+    provider = make_provider(fake_ec2, market="spot", advice_interval=3600)
+    made = ready_instances(fake_ec2, provider, "pool/0", "pool/1")
+    serving = {owner: instance.endpoint for owner, instance in made.items()}
+    lists, reads = len(fake_ec2.calls("DescribeInstances")), len(fake_ec2.calls("GetConsoleOutput"))
+
+    for _ in range(5):
+        provider.replacements_advised(serving)
+
+    assert len(fake_ec2.calls("DescribeInstances")) == lists + 1  # one listing, shared
+    # Each console at most once in the interval (its first read at a random point in it).
+    assert len(fake_ec2.calls("GetConsoleOutput")) - reads <= len(made)
+
+
+def test_an_on_demand_member_is_never_asked_about(fake_ec2: FakeEc2) -> None:
+    on_demand = make_provider(fake_ec2)
+    made = ready_instances(fake_ec2, on_demand, "pool/0")
+    serving = {"pool/0": made["pool/0"].endpoint}
+    calls, reads = len(fake_ec2.calls()), len(fake_ec2.calls("GetConsoleOutput"))
+
+    assert on_demand.replacements_advised(serving) == {}
+    assert len(fake_ec2.calls()) == calls  # not a call made
+    # A spot entry of the installation asked about it (by mistake) reads no console either.
+    assert make_provider(fake_ec2, market="spot").replacements_advised(serving) == {}
+    assert len(fake_ec2.calls("GetConsoleOutput")) == reads
 
 
 def test_only_a_spot_instance_is_interrupted(fake_ec2: FakeEc2, provider: AwsProvider) -> None:
