@@ -310,9 +310,7 @@ class Router:
         if not username or not password:
             return None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._checks, self._credentials.check, username, password
-        )
+        return await loop.run_in_executor(self._checks, self._credentials.check, username, password)
 
     def _write_log(self, started: float, record: list[str]) -> None:
         status, peer, host, port, method, target, username = record
