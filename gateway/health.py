@@ -9,8 +9,8 @@ Readiness (/readyz), besides liveness:
 - the gateway can learn its membership: Temporal answered a question about
   the pool (the follower's describe or `endpoints` query, or a wake hold's
   query) within `stale_after`, STALE_POLLS polls plus SDK_RETRY_SECONDS,
-  the time the SDK retries one call before it fails. A reload of the backs
-  does not count against it: the gateway asks nothing while it reloads;
+  the time the SDK retries one call before it fails. Applying a change to
+  the router does not count against it: the gateway asks nothing meanwhile;
 - it has a member to route to, or it holds clients for an autoscaled pool
   at zero (gateway/wake.py). A CONNECT to such a gateway wakes the pool, so
   it stays ready at zero: a gateway that turned unready there would keep
@@ -54,7 +54,7 @@ class GatewayHealth(cli.Health):
         now = time.monotonic()
         self._checked_at = now
         self._known_at = now
-        self._reloading = False
+        self._applying = False
         self._error = ""
         self._members = 0
         self._holding = False
@@ -73,17 +73,17 @@ class GatewayHealth(cli.Health):
         self._error = " ".join(str(err).split())[:MAX_ERROR] or type(err).__name__
 
     @contextlib.contextmanager
-    def reloading(self) -> Iterator[None]:
-        """While the backs reload: the follower asks again once they are done."""
-        self._reloading = True
+    def applying(self) -> Iterator[None]:
+        """While the router takes a change: the follower asks again once it is in force."""
+        self._applying = True
         try:
             yield
         finally:
-            self._reloading = False
+            self._applying = False
             self._known_at = max(self._known_at, time.monotonic())
 
     def routes(self, members: Sequence[GatewayMember]) -> None:
-        """What the backs forward to now: the pool's members, or the wake holder."""
+        """What the router forwards to now: the pool's members, or the wake holder."""
         self._members = len(real(members))
         self._holding = len(members) > self._members
 
@@ -99,7 +99,7 @@ class GatewayHealth(cli.Health):
         if problem is not None:
             return problem
         age = time.monotonic() - self._known_at
-        if not self._reloading and age > self.stale_seconds:
+        if not self._applying and age > self.stale_seconds:
             why = f": {self._error}" if self._error else ""
             return f"cannot learn pool {self.pool}'s members: no answer for {age:.0f}s{why}"
         if not self._members and not self._holding:

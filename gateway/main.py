@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser,
         "--debounce",
         DEFAULT_DEBOUNCE_SECONDS,
-        "seconds a membership change must hold still before a reload",
+        "seconds a membership change must hold still before it goes to the router",
     )
     demand.add_arguments(parser)
     cli.env_argument(
@@ -262,7 +262,7 @@ async def serve(
         health.answered()
         return position
 
-    # An autoscaled pool's backs get the wake holder while it has no member.
+    # An autoscaled pool's router gets the wake holder while it has no member.
     holding = contextlib.AsyncExitStack()
     fetch = await holding.enter_async_context(
         wake.holding(args, client, pool, demand.name_of(args, listen), pool_members)
@@ -357,11 +357,11 @@ async def _run(
         for member in new:
             names.add(member.member)
         try:
-            with health.reloading():
+            with health.applying():
                 await asyncio.to_thread(squid.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()
-            log.error("reload failed, keeping the previous members: %s", err)
+            log.error("membership change failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.set_members(wake.real(new))
