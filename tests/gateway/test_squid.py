@@ -578,7 +578,14 @@ def test_a_killed_front_worker_is_restarted_and_serves_again(
         15,
         "Squid's master to start a new front worker",
     )
-    wait_until(lambda: through(gateway, tls_origin, USERNAME).ok, 30, "the new front to serve")
+    # One worker holds the listening socket: refused until the new one binds it.
+    wait_until(
+        lambda: (
+            accepts_connections(gateway.front.port) and through(gateway, tls_origin, USERNAME).ok
+        ),
+        30,
+        "the new front to serve",
+    )
     assert gateway.running()
 
 
