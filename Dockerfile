@@ -51,17 +51,14 @@ RUN apt-get update \
     && install -d -o 10001 -g 10001 /app/.data
 USER 10001:10001
 
-# proxy-operator-gateway: one SMP Squid (a front worker, two back workers)
-# over a pool's members, with the worker's code for its config and Temporal
-# connection. Squid's workers put their IPC sockets in /run/squid, so the
-# gateway's user owns it (on Kubernetes an emptyDir is mounted there).
+# proxy-operator-gateway: one Squid and the router behind it over a pool's
+# members, with the worker's code for its config and Temporal connection.
 #   docker build --target gateway -t proxy-operator-gateway:0.1.0 .
 FROM worker AS gateway
 USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends squid \
-    && rm -rf /var/lib/apt/lists/* \
-    && install -d -o 10001 -g 10001 -m 0750 /run/squid
+    && rm -rf /var/lib/apt/lists/*
 USER 10001:10001
 # The metrics listener is 127.0.0.1:9465 unless PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS
 # (or --metrics-address) says otherwise, as the manifests do.

@@ -176,8 +176,8 @@ def pinned_probe(
 
 
 def gateway_processes(gateway: GatewayProcess) -> list[int]:
-    """The gateway's process and everything it runs: its children (Squid, helpers,
-    routers) and anything serving from its state directory."""
+    """The gateway's process and everything it runs: its children (Squid, the router,
+    the watchdog) and anything serving from its state directory."""
     assert gateway.process is not None
     below = descendants(gateway.process.pid, children_by_parent())
     return sorted(set(below) | set(procfs.processes_under(gateway.state_dir)))

@@ -161,7 +161,7 @@ class PoolControl:
         )
         if parsed is None:
             return None, None
-        # The members its filters admit: the backs' ACLs leave Squid no others.
+        # The members its filters admit: the router sends the session to no others.
         serving = {m.member: m for m in self._serving() if m.matches(parsed.filters)}
         member = userhash_member(username, list(serving))
         if member is None:

@@ -2,12 +2,12 @@
 
 What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
 
-- open tunnels: the connections the front worker holds to its back workers,
+- open tunnels: the connections Squid holds to the router (gateway/router.py),
   counted in the kernel's socket table (/proc/net/tcp and tcp6: ESTABLISHED,
-  remote end = a back's loopback address) every SAMPLE_SECONDS; a report
-  gives the most seen at once since the last one. The front opens one such
+  remote end = the router's loopback address) every SAMPLE_SECONDS; a report
+  gives the most seen at once since the last one. Squid opens one such
   connection per CONNECT it passes on, and it lives as long as the tunnel; a
-  back that refuses the CONNECT (no or wrong credentials, a user over its
+  router that refuses the CONNECT (no or wrong credentials, a user over its
   `tunnels=` limit, a username no member admits) answers and the connection
   closes, once its credentials are checked. A connection counts only once
   two looks in a row (SAMPLE_SECONDS apart) found it open, so one that lives
@@ -113,10 +113,10 @@ def moved(last: Sample | None, now: Sample) -> bool:
 class DemandMeter:
     """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
 
-    def __init__(self, backs: Collection[tuple[str, int]]) -> None:
-        """`backs`: the back workers' loopback (address, port), which the front's
+    def __init__(self, routers: Collection[tuple[str, int]]) -> None:
+        """`routers`: the router's loopback (address, port), which Squid's
         tunnels are open to."""
-        self.backs = backs
+        self.routers = routers
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
@@ -124,7 +124,7 @@ class DemandMeter:
 
     def _held(self) -> int:
         """Connections open now that the previous look found open too."""
-        now = connections_to(self.backs)
+        now = connections_to(self.routers)
         with self._lock:
             held, self._last_seen = len(now & self._last_seen), now
         return held

@@ -10,8 +10,8 @@ Readiness (/readyz), besides liveness:
   each open pool (the follower's describe or `endpoints` query, or a wake
   hold's query) within `stale_after`, STALE_POLLS polls plus
   SDK_RETRY_SECONDS, the time the SDK retries one call before it fails. A
-  reload of the backs does not count against it: the gateway asks nothing
-  while it reloads. A pool that has closed is not asked any more, and does
+  change applied to the router does not count against it: the gateway asks
+  nothing meanwhile. A pool that has closed is not asked any more, and does
   not count either: the gateway serves the others (gateway/pools.py);
 - it has a member to route to, or it holds clients for an autoscaled pool
   at zero (gateway/wake.py). A CONNECT to such a gateway wakes the pool, so
@@ -58,7 +58,7 @@ class GatewayHealth(cli.Health):
         # Per open pool: when Temporal last answered about it, and its last error.
         self._known_at = dict.fromkeys(self.pools, now)
         self._errors = dict.fromkeys(self.pools, "")
-        self._reloading = False
+        self._applying = False
         self._members = 0
         self._holding = False
 
@@ -83,13 +83,13 @@ class GatewayHealth(cli.Health):
         self._errors.pop(pool, None)
 
     @contextlib.contextmanager
-    def reloading(self) -> Iterator[None]:
-        """While the backs reload: the follower asks again once they are done."""
-        self._reloading = True
+    def applying(self) -> Iterator[None]:
+        """While a change goes to the router: the follower asks again once it is in force."""
+        self._applying = True
         try:
             yield
         finally:
-            self._reloading = False
+            self._applying = False
             now = time.monotonic()
             self._known_at = {pool: max(at, now) for pool, at in self._known_at.items()}
 
@@ -112,7 +112,7 @@ class GatewayHealth(cli.Health):
         now = time.monotonic()
         for pool, known_at in self._known_at.items():
             age = now - known_at
-            if not self._reloading and age > self.stale_seconds:
+            if not self._applying and age > self.stale_seconds:
                 why = f": {self._errors[pool]}" if self._errors[pool] else ""
                 return f"cannot learn pool {pool}'s members: no answer for {age:.0f}s{why}"
         if self._members or self._holding:

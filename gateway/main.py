@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser,
         "--debounce",
         DEFAULT_DEBOUNCE_SECONDS,
-        "seconds a membership change must hold still before a reload",
+        "seconds a membership change must hold still before it goes to the router",
     )
     demand.add_arguments(parser)
     cli.env_argument(
@@ -246,7 +246,7 @@ async def serve(
     followed = Pools(client, pool_ids, allowed, health)
     await followed.start()
 
-    # The autoscaled pools' wake holder stands in while no pool has a member.
+    # The autoscaled pools' wake holder is the router's member while no pool has one.
     holding = contextlib.AsyncExitStack()
     followed.holder = await holding.enter_async_context(
         wake.holding(
@@ -349,11 +349,11 @@ async def _run(
         for member in new:
             names.add(member.member)
         try:
-            with health.reloading():
+            with health.applying():
                 await asyncio.to_thread(squid.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()
-            log.error("reload failed, keeping the previous members: %s", err)
+            log.error("membership change failed, keeping the previous members: %s", err)
             return False
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.set_members(wake.real(new))

@@ -1,14 +1,14 @@
-"""The networks a gateway's parents must be in: the second wall around membership.
+"""The networks a gateway's members must be in: the second wall around membership.
 
-Every parent a gateway renders receives the fleet's Proxy-Authorization with
+Every member a gateway's router forwards to receives the fleet's Proxy-Authorization with
 each request it carries. The pool's `endpoints` answer is meant to come only
 from sources a namespace user cannot write (docs/security.md), but should a
 forged endpoint get through, the gateway itself refuses to make it a parent
 unless its address is in the networks the operator declared for members
 (`--member-networks`, by default what the providers config says: the local
 provider's bind address). A host that is not an IP address is refused too,
-unless the operator allows hostnames: a name can resolve anywhere, and Squid
-resolves it after this check. Each refused endpoint is logged and counted
+unless the operator allows hostnames: a name can resolve anywhere, and the
+router resolves it after this check. Each refused endpoint is logged and counted
 once, when it first appears in the pool's answer; the credentials are never
 in the log line.
 """

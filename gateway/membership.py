@@ -1,9 +1,10 @@
 """Which members the gateway forwards to: the pool's `endpoints` query, followed.
 
 The pool lists its Ready members only, and takes a member out before its
-instance is deleted (the drain); the gateway polls, and reloads its backs
-once a change has held still for the debounce time, so a rolling rotation
-that changes members one after another costs a few reloads, not one each.
+instance is deleted (the drain); the gateway polls, and hands the router
+the new members once a change has held still for the debounce time, so a
+rolling rotation that changes members one after another is a few changes
+(each a rebuild of the router's index), not one each.
 
 What it polls is cheap: Temporal Cloud bills every query as an action, and
 a 2 s query poll was 1,800 actions an hour per gateway. A workflow's state
@@ -36,7 +37,7 @@ ENDPOINTS_QUERY = "endpoints"
 # (12 queries an hour): a net under the history-length gate, never its load.
 REFRESH_SECONDS = 300.0
 # A membership that keeps changing is applied after this many debounce waits
-# anyway, so a long rolling rotation does not starve the gateway of reloads.
+# anyway, so a long rolling rotation does not keep the router on old members.
 MAX_DEBOUNCE_ROUNDS = 5
 
 
@@ -161,7 +162,7 @@ class HistoryGate:
         self._fetched_when = asyncio.get_running_loop().time()
 
     def forget(self) -> None:
-        """Fetch at the next poll whatever the describe says (a failed fetch or reload)."""
+        """Fetch at the next poll whatever the describe says (a failed fetch or change)."""
         self._fetched_at = None
 
 
@@ -208,4 +209,4 @@ async def follow(
             applied = set(members)
             gate.fetched()
         else:
-            gate.forget()  # a failed reload is tried again at the next poll
+            gate.forget()  # a change that failed is tried again at the next poll

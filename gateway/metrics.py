@@ -1,12 +1,13 @@
-"""The gateway's Prometheus series, read from its Squid workers' access logs.
+"""The gateway's Prometheus series, read from its access logs.
 
-The workers log every request in `providers.squid.GATEWAY_LOG_FORMAT`:
+Squid (front.log) and the router (router.log) log every request in
+`providers.squid.GATEWAY_LOG_FORMAT`'s fields:
 
     <time> <ms> <status> <squid status>/<hierarchy> <peer name> <peer ip> <peer port> <method> <url>
 
-The backs' lines say which member carried a request (the peer name, mapped
-back to the member id), the front's what the client was answered. Lines are
-read as Squid writes them, by a thread that follows each file.
+The router's lines say which member carried a request (the peer name, mapped
+back to the member id), Squid's what the client was answered. Lines are
+read as they are written, by a thread that follows each file.
 
 Two views of one registry. The control API's /metrics (gateway/api.py,
 behind its token) serves every series. PUBLIC, for the metrics listener
@@ -51,7 +52,7 @@ RELOAD_FAILED = "failed"
 RELOAD_OUTCOMES = (RELOAD_OK, RELOAD_FAILED)
 RELOADS = Counter(
     "proxy_operator_gateway_reloads",
-    "Membership changes applied to the back workers, by outcome",
+    "Membership changes applied to the router, by outcome",
     ["outcome"],
 )
 MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation, every pool's")

@@ -11,9 +11,9 @@ the members a set of filters admits are listed once per change and kept,
 rotation is a counter per such list, a pin is a dictionary lookup, and a
 session's member is remembered per key until the next change.
 
-Sessions use Squid's `userhash` (src/peer_userhash.cc), the algorithm the
-gateway's Squid routed them with: a 32-bit hash of the username mixed with
-each allowed member's name hash, the highest wins. It is a rendezvous hash:
+Sessions use the algorithm of Squid's `userhash` (src/peer_userhash.cc): a
+32-bit hash of the username mixed with each allowed member's name hash, the
+highest wins. It is a rendezvous hash:
 removing a member moves only the keys it held (about 1/N of them), adding
 one takes about 1/N, and every gateway with the same members maps a key to
 the same member, with nothing shared but the member ids. The control API
@@ -56,7 +56,7 @@ def _mixed(value: int) -> int:
 
 
 def member_hash(member: str) -> int:
-    """A member's userhash weight-free hash: of the session peer name Squid gave it, a
+    """A member's userhash weight-free hash: of its session peer name (`peer_name`), a
     function of the member id alone, so a key maps to the same member in every gateway,
     across restarts and the member's own rotations."""
     return _mixed(_string_hash(peer_name(member, Route.SESSION)))

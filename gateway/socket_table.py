@@ -1,9 +1,8 @@
 """The kernel's table of TCP connections (/proc/net/tcp and tcp6), read for the gateway.
 
-Two readers: the demand meter counts the tunnels the front holds open to its
-back workers (gateway/demand.py), and the tunnel-limit helper checks which tunnels it
-admitted are still open (gateway/tunnel_helper.py). Standard library only:
-the helper runs under Squid's user with whatever python3 the system has.
+The demand meter counts the tunnels Squid holds open to the router with it
+(gateway/demand.py): Squid writes a tunnel's access log line only when it
+ends, so the kernel's table is what says which are open now.
 
 Each row gives its local and remote ends as hex (an IPv4 address as one
 32-bit word, an IPv6 address as four, each word in the host's byte order),
@@ -38,19 +37,6 @@ def established(tables: Iterable[Path] = TCP_TABLES) -> Iterator[Connection]:
             yield (*local, *remote)
 
 
-def established_as_written(tables: Iterable[Path] = TCP_TABLES) -> set[tuple[str, str]]:
-    """Every ESTABLISHED connection's (local, remote) ends as the kernel writes them (an
-    IPv4 client of an IPv6 socket as an IPv4 socket's would be): what `as_written` is
-    looked up in, without decoding each row (a helper asks at every CONNECT)."""
-    return {(_as_ipv4(local), _as_ipv4(remote)) for local, remote in _rows(tables)}
-
-
-def as_written(connection: Connection) -> tuple[str, str]:
-    """`connection`'s (local, remote) ends as `established_as_written` gives them."""
-    local, local_port, remote, remote_port = connection
-    return _written(local, local_port), _written(remote, remote_port)
-
-
 def _rows(tables: Iterable[Path]) -> Iterator[tuple[str, str]]:
     for table in tables:
         try:
@@ -61,19 +47,6 @@ def _rows(tables: Iterable[Path]) -> Iterator[tuple[str, str]]:
             fields = line.split(maxsplit=4)
             if len(fields) > 3 and fields[3] == ESTABLISHED:
                 yield fields[1], fields[2]
-
-
-def _as_ipv4(end: str) -> str:
-    """A v4-mapped IPv6 end as an IPv4 socket's (its last word is the IPv4 address, as
-    written for IPv4); any other as it is."""
-    address, _, port = end.rpartition(":")
-    if len(address) == 32 and address.startswith(_MAPPED_PREFIX):
-        return f"{address[24:]}:{port}"
-    return end
-
-
-def _written(address: Address, port: int) -> str:
-    return f"{_host_order(address.packed).hex().upper()}:{port:04X}"
 
 
 def _host_order(packed: bytes) -> bytes:
@@ -100,7 +73,3 @@ def unmapped(address: Address) -> Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
-
-
-# The first three words of a v4-mapped IPv6 address as the kernel writes them.
-_MAPPED_PREFIX = _host_order(ipaddress.IPv6Address("::ffff:0.0.0.0").packed).hex().upper()[:24]

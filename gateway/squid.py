@@ -105,9 +105,6 @@ APPLY_DEADLINE = 30.0
 # The front is reloaded at most this many times at start until its probe finds the router.
 FRONT_RELOADS = 3
 STOP_GRACE = 10.0
-# Where SMP Squids keep their IPC sockets; the gateway's runs one worker and
-# needs none, but cleans up after a gateway of an earlier layout.
-IPC_DIR = Path("/var/run/squid")
 # Lines of Squid's cache.log the gateway waits for.
 ACCEPTING = "Accepting HTTP Socket connections"
 RECONFIGURING = "Reconfiguring Squid Cache"
@@ -258,7 +255,7 @@ class GatewaySquid:
     def _launch(self) -> None:
         """Write squid.conf, start Squid and its watchdog; return once it serves."""
         self._write_checked(self.conf, self._front_conf())
-        remove_leftovers(self._service)
+        remove_shm(self._service)
         clear_stale_pid_file(self._pid_file)
         for log_file in (self.cache_log, self.front.access_log):
             make_writable(log_file, self._account)
@@ -374,7 +371,7 @@ class GatewaySquid:
                 stop(process.pid, lambda: process.poll() is not None, STOP_GRACE, group=True)
             except SquidError as err:
                 raise GatewayError(str(err)) from err
-        remove_leftovers(self._service)
+        remove_shm(self._service)
         self._stop_router()
         _end_by_its_input(self.watchdog)
 
@@ -531,14 +528,6 @@ class GatewaySquid:
         raise GatewayTimeout(f"{failure} after {deadline:.0f}s: {output}")
 
 
-def remove_leftovers(service: str) -> None:
-    """Squid's shm segments and IPC sockets: it leaves both behind when it exits or is killed."""
-    remove_shm(service)
-    for leftover in IPC_DIR.glob(f"{service}-*.ipc"):
-        with contextlib.suppress(OSError):
-            leftover.unlink()
-
-
 def _end_by_its_input(process: subprocess.Popen[Any] | None) -> None:
     """Close the standard input of a process that ends with it; kill it if it lingers."""
     if process is None:
@@ -572,7 +561,7 @@ def _free_ports(count: int) -> list[int]:
 
     Between this check and Squid's bind the ports are free for anyone: one
     from the ephemeral range (what binding port 0 gives) can meanwhile become
-    the local end of any process's outgoing connection, and the back worker
+    the local end of any process's outgoing connection, and the router
     then never listens (seen once in the suite). Below the range, only an
     explicit bind can take it. Held open together, so none repeats.
     """

@@ -2,7 +2,7 @@
 
     # one user a line: name:hash (from `python -m gateway.users hash NAME`),
     # then optional limits: zones=<zone>,<zone> (each username must name one),
-    # tunnels=<n> (at most n tunnels open at once, gateway/tunnel_helper.py)
+    # tunnels=<n> (at most n tunnels open at once, counted by gateway/router.py)
     alice:scrypt$16384$8$1$<salt, hex>$<key, hex>
     carol:scrypt$16384$8$1$<salt, hex>$<key, hex> zones=europe-west1-b tunnels=20
 
@@ -17,8 +17,8 @@ a name that is none of the file's is checked against a hash as costly
 an account exists.
 
 The gateway reads the file at start and follows it (its copy in the state
-directory is what Squid's auth helper reads); see gateway/auth_helper.py.
-Standard library only: the helper imports this module under Squid's user,
+directory is what the router reads, at each check: `Checker`).
+Standard library only: the router imports this module under Squid's user,
 with whatever python3 the system has.
 """
 
@@ -206,12 +206,12 @@ def read_users(path: str, fleet_user: str) -> dict[str, User]:
 
 
 class FollowedUsers:
-    """The users of a file that Squid's helpers read as the gateway replaces it.
+    """The users of a file that the router reads as the gateway replaces it.
 
     `refresh` reads it again when its inode, size or mtime changed (the
     gateway replaces it atomically, never removes it); a version that does
-    not parse is reported on stderr (Squid's cache.log) and the users read
-    before stay.
+    not parse is reported on stderr (the router's router.err) and the users
+    read before stay.
     """
 
     def __init__(self, path: str, fleet_user: str, reader: str) -> None:

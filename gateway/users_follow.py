@@ -1,9 +1,10 @@
-"""Following the gateway's users file: each valid change goes to Squid's auth helper.
+"""Following the gateway's users file: each valid change goes to the router.
 
 The file is checked every FOLLOW_SECONDS (its inode, size and mtime: a
 Kubernetes Secret's update swaps a symlink) and on SIGHUP. A change that
-parses is copied to where the auth helper reads it (GatewaySquid.install_users);
-one that does not is logged, and the users read before stay.
+parses is copied to where the router reads it (GatewaySquid.install_users), in
+force at the next check of each username; one that does not is logged, and
+the users read before stay.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ class Holder:
             if head is None or not head.startswith(b"CONNECT "):
                 return  # Squid's probe of its parent, or not a tunnel
             if time.monotonic() < self._gave_up_until:
-                # Squid tries a CONNECT its parent answered 503 again, on the
-                # other back: answered at once, the client waits one timeout.
+                # Squid may try a CONNECT its parent answered 503 again:
+                # answered at once, the client waits one timeout.
                 upstream = None
                 metrics.WAKES.labels(outcome=metrics.WAKE_RETRY_REFUSED).inc()
             else:
@@ -215,7 +215,7 @@ def _cause(err: BaseException) -> object:
 
 
 def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:
-    """The pool's members among what the backs have: not the holder."""
+    """The pool's members among what the router has: not the holder."""
     return [m for m in members if m.member != HOLD_MEMBER]
 
 

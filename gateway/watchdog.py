@@ -8,12 +8,12 @@ End of input therefore means the gateway is gone: it stopped Squid itself
 and closed the pipe, or it was killed (SIGKILL included) and the kernel
 closed it. Then we kill Squid's whole process group.
 
-Why: the gateway pauses the front worker (SIGSTOP) while a back reloads, and
-only the gateway resumes it. A gateway killed in between would leave a Squid
-that accepts connections and never answers them, and no process that keeps
-its membership current. A gateway is stateless, so the safe outcome is no
-Squid at all: the port refuses, and the supervisor (a Deployment, systemd)
-starts a new gateway, which starts a new Squid.
+Why: Squid runs in a session of its own, so nothing else ends it with the
+gateway. A killed gateway would leave a Squid that accepts connections with
+no process that keeps its membership current (the router ends with the
+gateway: its standard input closes). A gateway is stateless, so the safe
+outcome is no Squid at all: the port refuses, and the supervisor (a
+Deployment, systemd) starts a new gateway, which starts a new Squid.
 
 We ignore SIGINT and SIGHUP and run in a session of our own, so a Ctrl-C or
 a closed terminal that stops the gateway gracefully leaves the order of
@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 
-from gateway.squid import remove_leftovers
+from providers.squid_process import remove_shm
 
 
 def main(argv: list[str]) -> int:
@@ -40,10 +40,10 @@ def main(argv: list[str]) -> int:
     while os.read(sys.stdin.fileno(), 4096):
         pass  # nobody writes; only end of input matters
     # Squid was started in a session of its own, so its pid is its process
-    # group: the master and every worker. Stopped workers die of SIGKILL too.
+    # group: the master and its worker.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(squid, signal.SIGKILL)
-    remove_leftovers(service)
+    remove_shm(service)
     return 0
 
 

@@ -15,7 +15,7 @@ so no provider can produce an open proxy. The rules, in order:
    `destination_exceptions` (address and port, asked for by that address)
    escape this rule and rule 3, and nothing else does;
 5. without valid basic-auth credentials the answer is 407 (the gateway's
-   front passes credentials on to back workers, which check them);
+   Squid passes credentials on to its router, which checks them);
 6. everything else is denied.
 
 Nothing is cached. The password never appears in `squid.conf`; the htpasswd
@@ -340,7 +340,7 @@ TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
 
 
 class Route(StrEnum):
-    """How a username picks a member; each member is one cache_peer per route."""
+    """How a username picks a member (gateway/routing.py); it names the member in logs."""
 
     ROTATE = "rotate"  # USER: round-robin per CONNECT
     SESSION = "session"  # USER-session-<key>: Squid's userhash, a consistent hash
@@ -372,11 +372,11 @@ class GatewayMember:
 
 
 def peer_name(member: str, route: Route) -> str:
-    """The cache_peer name of `member` for `route`.
+    """The name the router's access log gives `member` for `route`.
 
-    A function of the member id alone, so every gateway of a pool, before and
-    after a reload, and across the member's own rotations, hashes a session
-    key to the same member: Squid's userhash hashes peer names.
+    A function of the member id alone, so every gateway of a pool, across
+    membership changes and the member's own rotations, hashes a session key
+    to the same member: sessions hash this name (gateway/routing.py).
     """
     return f"{route}-{hashlib.sha256(member.encode()).hexdigest()[:16]}"
 

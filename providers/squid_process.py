@@ -2,8 +2,9 @@
 
 Both start the Debian `squid` binary from a directory of rendered files.
 Started as root, Squid drops to the `proxy` user (SQUID_USER), and that user
-must then reach the directory: its helpers read the htpasswd and, for the
-gateway, the auth helper, and it writes its logs. It may not write the
+must then reach the directory: a proxy's auth helper reads the htpasswd,
+the gateway's router (run as that user too) its copy of itself and the
+users file, and Squid and the router write their logs. It may not write the
 directory itself (`make_dir`): its logs are made for it (`make_writable`),
 and every file is written so that nothing planted in its place is followed
 (`write_file`). A checkout under a home
@@ -17,7 +18,7 @@ to a file), wait for it the same way (`await_ready`: until it serves, or
 until it exits, then with what its logs say) and stop it the same way
 (`stop`: SIGTERM, SIGKILL after a bound). What is theirs stays with them:
 the local provider's records and adoption of a Squid across worker
-restarts, the gateway's SMP workers, reloads and watchdog.
+restarts, the gateway's router and watchdog.
 
 Squid parses whatever a client sends, and so do the helpers it starts; a
 Squid bug a client reaches runs as Squid's user, who may read the

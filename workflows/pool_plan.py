@@ -36,8 +36,8 @@ from workflows.pool_input import BanLimit, PoolInput
 
 # How long a member leaving the pool (scaled down, or the old instance of a
 # rotation) keeps serving after it left `endpoints`, unless the template sets
-# `drain_seconds`: longer than a gateway takes to poll, debounce and reload
-# (docs/architecture.md, "The gateway").
+# `drain_seconds`: longer than a gateway takes to poll, debounce and hand the
+# change to its router (docs/architecture.md, "The gateway").
 DEFAULT_MEMBER_DRAIN_SECONDS = 15
 # The reconcile runs when the pool is awake anyway and this long has passed,
 RECONCILE_EVERY = timedelta(minutes=10)

@@ -420,12 +420,6 @@ def _print_guide(guide: Guide, internet: str | None) -> None:
         if internet is not None and site is not None
         else ""
     )
-    # The gateway's SMP Squid needs its IPC directory (docs/operations.md).
-    unprivileged = (
-        "\n  sudo chmod 1777 /var/run/squid    # once per boot, as you are not root"
-        if os.geteuid() != 0
-        else ""
-    )
     _say(
         f"""
 proxy-operator is running.
@@ -452,7 +446,7 @@ In another terminal:
   {temporal} workflow list --query "ProxyState = 'Ready'"
   {temporal} workflow signal --workflow-id proxy-demo --name terminate
 
-  # a pool of three, and one endpoint in front of it (the gateway){unprivileged}
+  # a pool of three, and one endpoint in front of it (the gateway)
   {temporal} workflow start --type ProxyPool --task-queue proxy-operator --workflow-id pool-demo \\
       --input '{{"replicas": 3, "template": {{"provider": "local", {health}}}}}'
   PROXY_PASSWORD={secret} {gateway} --pool pool-demo --listen 127.0.0.1:8888 \\

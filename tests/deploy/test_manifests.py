@@ -25,7 +25,6 @@ import pytest
 import yaml
 
 from gateway.main import UsageError, member_networks, parse_args
-from gateway.squid import IPC_DIR
 from providers.config import parse_config
 from providers.kubernetes import PORT_NAME, RBAC_VERBS, KubernetesConfig, labels
 from providers.naming import MANAGED_BY_KEY, MANAGED_BY_VALUE, owner_tags
@@ -322,10 +321,6 @@ def test_the_dockerfile_runs_the_deployments_command_as_the_same_numeric_user() 
         assert users[-1] == f"{security['runAsUser']}:{security['runAsGroup']}"
     assert re.search(r"^FROM python:3\.11-slim AS worker$", dockerfile, re.MULTILINE)
     assert '"proxy-operator-worker", "--providers-config"' in dockerfile
-    # The gateway's Squid workers need their IPC directory (gateway.squid.IPC_DIR).
-    (gateway,) = [stage for stage in stages if stage.startswith("worker AS gateway")]
-    uid, gid = security["runAsUser"], security["runAsGroup"]
-    assert f"install -d -o {uid} -g {gid} -m 0750 /run/squid" in gateway
 
 
 def test_the_worker_image_has_its_bytecode_compiled_although_python_writes_none() -> None:
@@ -448,13 +443,10 @@ def test_the_gateway_runs_its_console_script_on_the_workers_config_and_password(
     assert env["PROXY_PASSWORD"] == worker_env["PROXY_PASSWORD"], "the same Secret"
     assert env["TEMPORAL_ADDRESS"] == worker_env["TEMPORAL_ADDRESS"]
     assert env["PROXY_OPERATOR_GATEWAY_POOL"]["value"]
-    # Squid's files, and its workers' IPC sockets (gateway.squid.IPC_DIR,
-    # /var/run/squid, which is /run/squid), need writable directories on a
-    # read-only root.
+    # Squid's and the router's files need a writable directory on a read-only root.
     state = command[command.index("--state-dir") + 1]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert state in mounts
-    assert str(IPC_DIR).removeprefix("/var") in mounts
     assert pod["automountServiceAccountToken"] is False
 
 

@@ -1,7 +1,7 @@
 """The gateway's demand (gateway/demand.py) and its autoscaling flags, without a pool.
 
 Open tunnels are read from the kernel's socket table, so these tests hold
-real connections to a real listener (a stand-in for a back worker); the
+real connections to a real listener (a stand-in for the router); the
 reports themselves are tested against a pool in tests/workflows/test_pool_autoscale_e2e.py.
 """
 
@@ -62,7 +62,7 @@ def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnel
 
 
 def test_a_connection_that_lives_between_two_looks_is_no_demand() -> None:
-    """A refused CONNECT's connection to a back lives while its credentials are
+    """A refused CONNECT's connection to the router lives while its credentials are
     checked: however many there are, none lasts from one look to the next."""
     with listener_with_clients(1) as port:
         meter = DemandMeter([(HOST, port)])

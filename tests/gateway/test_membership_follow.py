@@ -77,7 +77,7 @@ class Following:
         self.counter = counter
         self.applied: list[list[str]] = []
         self.errors: list[BaseException] = []
-        # Reloads fail while this is set, as a Squid that rejects a config would.
+        # Changes fail while this is set, as with a router that is gone or does not answer.
         self.refuse = False
 
     async def fetch(self) -> list[GatewayMember]:
@@ -151,7 +151,7 @@ async def test_a_change_is_applied(following: Following) -> None:
         loop.cancel()
 
 
-async def test_a_failed_reload_is_tried_again_though_the_pool_is_unchanged(
+async def test_a_failed_change_is_tried_again_though_the_pool_is_unchanged(
     following: Following,
 ) -> None:
     following.refuse = True
@@ -160,10 +160,10 @@ async def test_a_failed_reload_is_tried_again_though_the_pool_is_unchanged(
         await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
         handle = following.client.get_workflow_handle(following.pool)
         await handle.signal(ScriptedPool.set, [endpoint(2)])
-        await wait_for(lambda: len(following.applied) >= 2, "a second attempt at the reload", 60)
+        await wait_for(lambda: len(following.applied) >= 2, "a second attempt at the change", 60)
         following.refuse = False
         attempts = len(following.applied)
-        await wait_for(lambda: len(following.applied) > attempts, "the reload that works", 60)
+        await wait_for(lambda: len(following.applied) > attempts, "the change that works", 60)
         served = len(following.applied)
         await polls_pass(POLLS_WATCHED)
         assert len(following.applied) == served  # applied: no more attempts

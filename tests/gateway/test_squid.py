@@ -50,7 +50,7 @@ pytestmark = [requires_squid, pytest.mark.slow]
 
 POOL = "pool-t"
 ROOT = Path(__file__).resolve().parents[2]
-# How long a reloading gateway may take to reach the step a test kills it at.
+# How long a changing gateway may take to reach the step a test kills it at.
 STEP_DEADLINE = 60.0
 
 
@@ -467,7 +467,7 @@ def test_a_state_dir_squids_user_cannot_reach_still_serves(
 ) -> None:
     """A --state-dir under a private directory (as /root is): the files go where `proxy` reaches.
 
-    The auth helper runs from a copy there too, so a virtualenv under /root
+    The router runs from a copy there too, so a virtualenv under /root
     does not stop it.
     """
     private = state_dir / "private"
@@ -500,7 +500,7 @@ def test_a_gateway_killed_while_its_members_change_leaves_nothing_serving(
         "members": [dataclasses.astuple(m) for m in members.by_member.values()],
     }
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.reloading_gateway", str(state_dir / "gw"), str(port)],
+        [sys.executable, "-m", "tests.helpers.changing_gateway", str(state_dir / "gw"), str(port)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -578,7 +578,14 @@ def test_a_killed_front_worker_is_restarted_and_serves_again(
         15,
         "Squid's master to start a new front worker",
     )
-    wait_until(lambda: through(gateway, tls_origin, USERNAME).ok, 30, "the new front to serve")
+    # One worker holds the listening socket: refused until the new one binds it.
+    wait_until(
+        lambda: (
+            accepts_connections(gateway.front.port) and through(gateway, tls_origin, USERNAME).ok
+        ),
+        30,
+        "the new front to serve",
+    )
     assert gateway.running()
 
 
@@ -862,8 +869,8 @@ def test_links_planted_in_the_state_dir_write_nothing_of_roots(
     Followed, the gateway (root) would overwrite, chmod and chown the file a
     link names. Squid's user cannot write the state directory; links that
     are there all the same (as in a directory it could once write) are
-    replaced or removed, never followed, by a reload, a users change and a
-    restart.
+    replaced or removed, never followed, by a membership change, a users
+    change and a restart.
     """
     target = state_dir / "root-only"
     target.write_text("root's own\n")

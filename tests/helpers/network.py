@@ -14,7 +14,7 @@ from tests.helpers.xdist import worker_number
 # own bind. A port the kernel hands out for port 0 can meanwhile become the
 # local end of any outgoing connection (the server then fails "address in
 # use": seen in a loaded run). Clear of the local Squids' 21000..23999
-# (tests/helpers/xdist.py), the benchmarks' 25000.. and the gateway's backs'
+# (tests/helpers/xdist.py), the benchmarks' 25000.. and the gateway's routers'
 # 26000.. (gateway/squid.py).
 LISTEN_PORTS = range(24000, 25000)
 # Each test process walks the range from a place of its own (xdist worker N of

@@ -36,7 +36,7 @@ async def test_a_rotation_drains_the_old_instance_before_deleting_it(stack: Stac
 
     assert draining.state == "Ready" and draining.endpoint != first.endpoint
     assert first.instance in draining.waiting_for
-    # Still serving: a gateway that has not reloaded yet loses nothing.
+    # Still serving: a gateway that has not taken the change yet loses nothing.
     assert first.instance in stack.instances() and accepts_connections(old_port)
     await wait_for(lambda: first.instance not in stack.instances(), "the old instance deleted")
     assert (await status_of(handle)).waiting_for is None

@@ -276,7 +276,7 @@ def browsed_through_gateway(text: str, printed: str, gateway: ApiGateway) -> Non
     wait_until(
         lambda: any(BROWSER_SESSION in m.sessions for m in client.members()),
         60,
-        f"a member listed as carrying session {BROWSER_SESSION} (the back logged its CONNECT)",
+        f"a member listed as carrying session {BROWSER_SESSION} (the router logged its CONNECT)",
     )
 
 

@@ -276,14 +276,14 @@ async def test_connects_at_zero_on_two_gateways_wake_one_member_and_are_tunnelle
         assert status["scaling"]["last_decision"].startswith("woken by gateway gw-")
         served_metric = ("proxy_operator_gateway_held_connects_total", (("outcome", "served"),))
         assert all(g.metrics()[served_metric] == 1 for g in (first, second))
-        # Once the backs have the member, CONNECTs go to it directly.
+        # Once the router has the member, CONNECTs go to it directly.
         await settled_at(handle, 1, "the woken member serving")
 
-        async def member_in_backs() -> bool:
+        async def member_in_router() -> bool:
             found = await asyncio.to_thread(first.metrics)
             return found[("proxy_operator_gateway_members", ())] == 1
 
-        await wait_for(member_in_backs, "the gateway's backs on the member", deadline=DEADLINE)
+        await wait_for(member_in_router, "the gateway's router on the member", deadline=DEADLINE)
         head, served = await asyncio.to_thread(request_through, first, stack, 60)
         assert served, head
         assert first.metrics()[served_metric] == 1

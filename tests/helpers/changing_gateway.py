@@ -1,6 +1,6 @@
 """A gateway whose membership changes without end, in a process a test can SIGKILL.
 
-    python -m tests.helpers.reloading_gateway STATE_DIR PORT < settings-and-members.json
+    python -m tests.helpers.changing_gateway STATE_DIR PORT < settings-and-members.json
 
 The input is one JSON object: `settings` (ProxySettings' fields, the password
 among them, so it never shows in a process list) and `members` (member,
