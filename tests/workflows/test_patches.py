@@ -30,6 +30,7 @@ from workflows.lifecycle import (
 )
 from workflows.patches import RELEASE_0_3_9, RELEASE_0_3_10
 from workflows.pool import POOL_RELEASE, VERIFY_WAITS_OUT_QUOTA_PATCH
+from workflows.pool_feed import PUBLISH_ENDPOINTS_DIGEST_PATCH
 
 CHANGE_VERSION = "TemporalChangeVersion"
 
@@ -91,11 +92,13 @@ def test_patches_since_the_newest_marker_are_covered_by_the_next_release() -> No
     assert LET_GO_OF_LOST_MONITOR_PATCH not in LIFECYCLE_RELEASE.covers
     assert DISRUPTION_PATCH not in LIFECYCLE_RELEASE.covers
     assert VERIFY_WAITS_OUT_QUOTA_PATCH not in POOL_RELEASE.covers
+    assert PUBLISH_ENDPOINTS_DIGEST_PATCH not in POOL_RELEASE.covers
     assert current_release() == "0.3.10", (
         f"release {current_release()}: give it a lifecycle ReleaseMarker that covers "
         f"{LET_GO_OF_LOST_MONITOR_PATCH!r}, {DISRUPTION_PATCH!r} and 0.3.10's, and a pool "
         "one that covers "
-        f"{VERIFY_WAITS_OUT_QUOTA_PATCH!r} and 0.3.9's, then update this test"
+        f"{VERIFY_WAITS_OUT_QUOTA_PATCH!r}, {PUBLISH_ENDPOINTS_DIGEST_PATCH!r} and 0.3.9's, "
+        "then update this test"
     )
 
 
@@ -140,7 +143,8 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
     assert (await pool.result())["state"] == "Terminated"
     assert stack.instances() == []
 
-    assert await _patch_markers(pool) == ([RELEASE_0_3_9], 1)
+    # Asked at every run's start: 0.3.9's marker does not cover it.
+    assert await _patch_markers(pool) == ([RELEASE_0_3_9, PUBLISH_ENDPOINTS_DIGEST_PATCH], 2)
     for member in before:
         member_handle = stack.client.get_workflow_handle(member)
         assert await _patch_markers(member_handle) == ([RELEASE_0_3_10], 1), member
