@@ -52,6 +52,10 @@ KEYWORDS = (STATE, PROVIDER, ENDPOINT)
 # ProxyPool sets it to its own id, so `ProxyPool='pool-demo'` lists pool and members.
 POOL = SearchAttributeKey.for_keyword("ProxyPool")
 SEARCH_ATTRIBUTES: tuple[SearchAttributeKey[Any], ...] = (*KEYWORDS, INSTANCES, POOL)
+# The memo key under which a ProxyPool keeps a digest of its `endpoints`
+# answer (workflows/pool_feed.py): a gateway describes the pool, which is not
+# billed, and queries `endpoints` only when the digest moved.
+ENDPOINTS_DIGEST_MEMO = "endpoints_digest"
 
 
 def members_task_queue(pool_queue: str) -> str:

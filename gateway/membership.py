@@ -2,17 +2,26 @@
 
 The pool lists its Ready members only, and takes a member out before its
 instance is deleted (the drain); the gateway polls, and hands the router
-the new members once a change has held still for the debounce time, so a
-rolling rotation that changes members one after another is a few changes
-(each a rebuild of the router's index), not one each.
+the new members at once (or, with a debounce, once a change has held still
+that long).
 
 What it polls is cheap: Temporal Cloud bills every query as an action, and
-a 2 s query poll was 1,800 actions an hour per gateway. A workflow's state
-changes only through events in its history, so the gateway describes the
-pool (DescribeWorkflowExecution, not billed) and queries `endpoints` only
-when the pool's current run or its history length moved since the last
-query, and at least every REFRESH_SECONDS as a safety net. Any pool, of any
-release, answers a describe: nothing in the pool had to change for this.
+a 2 s query poll was 1,800 actions an hour per gateway. So the gateway
+describes the pool (DescribeWorkflowExecution, not billed) and queries
+`endpoints` only when the describe says the answer may have changed since
+the last query, and at least every REFRESH_SECONDS as a safety net:
+
+- a pool that keeps a digest of its `endpoints` in its memo
+  (contract.ENDPOINTS_DIGEST_MEMO, workflows/pool_feed.py) is queried when
+  its run or that digest moved: once per change of its members, however
+  busy its history;
+- a pool without one (a run started before the pool kept it) is queried
+  when its run or its history length moved: a workflow's state changes only
+  through events in its history, but a busy pool's history moves at every
+  member report, timer and signal, so several times per change.
+
+While a change settles (the debounce), a describe also tells whether the
+answer just fetched still stands, so a change that held still costs one query.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from contract import ENDPOINTS_DIGEST_MEMO
 from gateway.placement import region_of, zone_of
 from providers.base import split_endpoint
 from providers.squid import GatewayMember
@@ -33,8 +43,8 @@ from providers.squid import GatewayMember
 log = logging.getLogger("proxy_operator.gateway")
 
 ENDPOINTS_QUERY = "endpoints"
-# However still the pool's history, its endpoints are queried this often
-# (12 queries an hour): a net under the history-length gate, never its load.
+# However still the pool, its endpoints are queried this often (12 queries
+# an hour): a net under the digest and history-length gates, never their load.
 REFRESH_SECONDS = 300.0
 # A membership that keeps changing is applied after this many debounce waits
 # anyway, so a long rolling rotation does not keep the router on old members.
@@ -42,8 +52,17 @@ MAX_DEBOUNCE_ROUNDS = 5
 
 
 Fetch = Callable[[], Awaitable[list[GatewayMember]]]
-# Where the pool's history stands: (run id, history length).
-Position = tuple[str, int]
+
+
+class Position(NamedTuple):
+    """Where the pool stands, as a describe tells: what a query would answer depends on it."""
+
+    run_id: str
+    history_length: int
+    # The digest of its `endpoints` in its memo; None for a pool that keeps none.
+    endpoints_digest: str | None = None
+
+
 Describe = Callable[[], Awaitable[Position]]
 
 
@@ -114,7 +133,8 @@ async def query_members(client: Client, pool: str) -> list[GatewayMember]:
 
 
 async def pool_position(client: Client, pool: str) -> Position:
-    """The pool's current run and its history length: one describe, which Temporal does not bill.
+    """The pool's current run, its history length and its endpoints' digest: one describe,
+    which Temporal does not bill.
 
     PoolClosed if that run has closed (the message says how and when).
     """
@@ -130,17 +150,45 @@ async def pool_position(client: Client, pool: str) -> Position:
             f"pool {pool!r} has closed ({described.status.name.lower()}{when}): it lists no "
             "member and takes no demand report or wake"
         )
-    return described.run_id or "", described.history_length
+    return Position(
+        described.run_id or "", described.history_length, await _endpoints_digest(described)
+    )
+
+
+async def _endpoints_digest(described: WorkflowExecutionDescription) -> str | None:
+    """The digest the pool keeps in its memo; None for none, or for one that is not a digest."""
+    try:
+        value = await described.memo_value(ENDPOINTS_DIGEST_MEMO, None)
+    except Exception as err:  # a value this client cannot decode: the history gate
+        # At debug: a describe every poll would repeat it 1,800 times an hour.
+        log.debug("pool memo %r unreadable, following history: %s", ENDPOINTS_DIGEST_MEMO, err)
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _same_answer(before: Position | None, now: Position) -> bool:
+    """Whether a query at `now` surely answers as one at `before` did.
+
+    The same run and, where both describes carry the pool's digest, the same
+    digest; otherwise the same history length, as a pool's state changes only
+    through events in its history.
+    """
+    if before is None or before.run_id != now.run_id:
+        return False
+    if before.endpoints_digest is not None and now.endpoints_digest is not None:
+        return before.endpoints_digest == now.endpoints_digest
+    return before.history_length == now.history_length
 
 
 class HistoryGate:
     """Whether the pool may have changed since the endpoints were last fetched.
 
-    It may have unless the describe finds the same run at the same history
-    length as just before the last successful fetch (state changes only
-    through events), or it is REFRESH_SECONDS since that fetch. The position
-    is read before the fetch, so an event that lands between the two makes
-    the next poll fetch again: a change can cost a second query, never be missed.
+    It may have unless the describe finds the same run with the same
+    endpoints' digest (or, for a pool that keeps none, the same history
+    length) as just before the last successful fetch, or it is
+    REFRESH_SECONDS since that fetch. The position is read before the fetch,
+    so a change that lands between the two makes the next poll fetch again:
+    a change can cost a second query, never be missed.
     """
 
     def __init__(self, describe: Describe, *, refresh_seconds: float = REFRESH_SECONDS) -> None:
@@ -154,7 +202,17 @@ class HistoryGate:
         """Describe the pool; False only when a fetch now would surely answer as the last one."""
         self._pending = await self._describe()
         stale = asyncio.get_running_loop().time() - self._fetched_when >= self._refresh_seconds
-        return stale or self._pending != self._fetched_at
+        return stale or not _same_answer(self._fetched_at, self._pending)
+
+    async def moved(self) -> bool:
+        """Describe the pool again; False when a fetch now would answer as the latest one.
+
+        The latest fetch is the one after the last describe (`may_have_changed`
+        or this), whether or not its answer was taken in.
+        """
+        before = self._pending
+        self._pending = await self._describe()
+        return not _same_answer(before, self._pending)
 
     def fetched(self) -> None:
         """The fetch after `may_have_changed` succeeded and its answer was taken in."""
@@ -179,7 +237,8 @@ async def follow(
     """Poll `fetch` forever; `apply` a new membership once it held still for the debounce.
 
     `apply` says whether the gateway now serves that membership. A poll
-    fetches only when `gate` says the pool may have changed.
+    fetches only when `gate` says the pool may have changed, and a debounce
+    round only when it says the pool moved since the last fetch.
 
     A failed poll keeps the members the gateway has: a pool that cannot be
     asked for a moment has not lost them. A pool that has closed ends it
@@ -195,8 +254,11 @@ async def follow(
             if set(members) == applied:
                 gate.fetched()
                 continue
-            for _ in range(MAX_DEBOUNCE_ROUNDS):  # wait for the change to stop changing
+            # With a debounce, wait for the change to stop changing.
+            for _ in range(MAX_DEBOUNCE_ROUNDS if debounce_seconds > 0 else 0):
                 await asyncio.sleep(debounce_seconds)
+                if not await gate.moved():
+                    break  # held still: the answer fetched stands, no query
                 again = await fetch()
                 if set(again) == set(members):
                     break

@@ -64,9 +64,17 @@ DISRUPTIONS_SPARE_THE_CRASH_BUDGET = Patch(
 # A member's endpoint check that meets a quota is asked again after the
 # error's delay, rather than refusing the member's report.
 VERIFY_WAITS_OUT_QUOTA = Patch("verify-waits-out-quota", PROXY_POOL, retire_in="1.1")
+# A pool keeps a digest of its `endpoints` in its memo, so a gateway queries
+# them once per change rather than whenever the history moved (pool_feed.py).
+PUBLISH_ENDPOINTS_DIGEST = Patch("publish-endpoints-digest", PROXY_POOL, retire_in="1.1")
 
 FLOOR = (LIFECYCLE_FLOOR, POOL_FLOOR, ORPHAN_GC_FLOOR)
-PATCHES = (LET_GO_OF_LOST_MONITOR, DISRUPTIONS_SPARE_THE_CRASH_BUDGET, VERIFY_WAITS_OUT_QUOTA)
+PATCHES = (
+    LET_GO_OF_LOST_MONITOR,
+    DISRUPTIONS_SPARE_THE_CRASH_BUDGET,
+    VERIFY_WAITS_OUT_QUOTA,
+    PUBLISH_ENDPOINTS_DIGEST,
+)
 
 
 def taken(patch: Patch) -> bool:

@@ -81,6 +81,7 @@ with workflow.unsafe.imports_passed_through():
         policies,
         pool_autoscale,
         pool_carried,
+        pool_feed,
         pool_plan,
         pool_status,
         pool_view,
@@ -93,7 +94,13 @@ with workflow.unsafe.imports_passed_through():
         signal_reason,
     )
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
-    from workflows.patches import POOL_FLOOR, VERIFY_WAITS_OUT_QUOTA, keep_floor, taken
+    from workflows.patches import (
+        POOL_FLOOR,
+        PUBLISH_ENDPOINTS_DIGEST,
+        VERIFY_WAITS_OUT_QUOTA,
+        keep_floor,
+        taken,
+    )
     from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
     from workflows.pool_input import (
         BanRequest,
@@ -258,6 +265,8 @@ class ProxyPool:
         self._monitor: PoolMonitor | None = None
         # Where members and activities run when not on the pool's own queue.
         self._members_queue: str | None = None
+        # The digest of `endpoints` in the memo, for gateways (workflows/pool_feed.py).
+        self._feed = pool_feed.EndpointsFeed()
 
     def _time_to_continue(self) -> bool:
         """Continue as new when the server suggests it or past the pool's own budget.
@@ -296,6 +305,7 @@ class ProxyPool:
         keep_floor(POOL_FLOOR)
         self._members_queue = _members_queue()
         self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
+        feed = taken(PUBLISH_ENDPOINTS_DIGEST)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
         state, argument_problems = continued_state(
@@ -310,6 +320,7 @@ class ProxyPool:
             self._replicas = inp.replicas
             self._last_reconcile = workflow.now()
         self._early.took_over()
+        self._feed.start(feed, self.endpoints)
         if inp.autoscale is not None and self._autoscale is None:
             self._autoscale = pool_autoscale.new_books(inp.autoscale)
         workflow.upsert_search_attributes([POOL.value_set(workflow.info().workflow_id)])
@@ -355,7 +366,9 @@ class ProxyPool:
                             # within a round or two, when they ask whether this
                             # run is still open (activities/provider.py).
                             self._monitor.cancel()
-                        workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
+                        workflow.continue_as_new(
+                            args=[raw, self._compact_carry(inp)], memo=self._feed.carried()
+                        )
                     counted = None  # reports may have come in the wait
                 wake = self._next_wake(counted)
                 verify_wake = self._verify_wake()
@@ -376,7 +389,9 @@ class ProxyPool:
             await self._end_members()
             raise
         await self._end_members(
-            hand_over=lambda: workflow.continue_as_new(args=[raw, self._compact_carry(inp)])
+            hand_over=lambda: workflow.continue_as_new(
+                args=[raw, self._compact_carry(inp)], memo=self._feed.carried()
+            )
         )
         return PoolResult(PoolState.TERMINATED, self._terminate_reason, self._next_index)
 
@@ -1112,6 +1127,7 @@ class ProxyPool:
             await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
             if member.phase is not MemberPhase.REMOVING and member.member in self._members:
                 member.remove(reason)
+                self._feed.touch()  # out of `endpoints` now, not at the last batch
                 self._spawn(self._drain_then_terminate(member.member, reason, 0))
                 told += 1
         self._publish()
@@ -1222,8 +1238,10 @@ class ProxyPool:
     def _publish(
         self, state: PoolState | None = None, counted: pool_plan.Census | None = None
     ) -> None:
-        """ProxyState on the pool, and the member table in the Web UI's current details;
-        `counted`: the members' census, if taken already."""
+        """ProxyState on the pool, the member table in the Web UI's current details and
+        (as the task waits) the digest of `endpoints` in the memo; `counted`: the
+        members' census, if taken already."""
+        self._feed.touch()
         situation = self._situation()
         counted = counted or pool_plan.census(situation.members)
         state = state or pool_plan.pool_state(situation, counted)

@@ -3,25 +3,26 @@
 The pool here is a workflow that answers `endpoints` with what it was last
 signalled, on the real dev server, so what the gateway's loop sees is what
 Temporal answers: the describe's run id and history length, and the query.
-Counts of queries are the behaviour under test (Temporal Cloud bills each),
-not a timing.
+It keeps no digest of its endpoints in its memo, as a pool run started
+before `publish-endpoints-digest` (workflows/pool_feed.py): the gateway
+follows it by its history's length. A real pool's digest is followed in
+tests/workflows/test_pool_feed.py. Counts of queries are the behaviour
+under test (Temporal Cloud bills each), not a timing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator
 
 import pytest
 from temporalio import workflow
-from temporalio.client import Client, Interceptor, OutboundInterceptor, QueryWorkflowInput
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from gateway import membership
-from providers.squid import GatewayMember
+from tests.helpers.membership import Following, counted_client
 from tests.helpers.waiting import wait_for
 
 POLL_SECONDS = 0.2
@@ -48,70 +49,13 @@ class ScriptedPool:
         return self._endpoints
 
 
-class _CountQueries(OutboundInterceptor):
-    def __init__(self, next: OutboundInterceptor, counter: QueryCounter) -> None:
-        super().__init__(next)
-        self._counter = counter
-
-    async def query_workflow(self, input: QueryWorkflowInput) -> Any:
-        self._counter.queries += 1
-        return await super().query_workflow(input)
-
-
-class QueryCounter(Interceptor):
-    """Client interceptor: how many queries the client sent."""
-
-    def __init__(self) -> None:
-        self.queries = 0
-
-    def intercept_client(self, next: OutboundInterceptor) -> OutboundInterceptor:
-        return _CountQueries(next, self)
-
-
-class Following:
-    """A gateway's follow loop over a ScriptedPool, recording what it applied."""
-
-    def __init__(self, client: Client, pool: str, counter: QueryCounter) -> None:
-        self.client = client
-        self.pool = pool
-        self.counter = counter
-        self.applied: list[list[str]] = []
-        self.errors: list[BaseException] = []
-        # Changes fail while this is set, as with a router that is gone or does not answer.
-        self.refuse = False
-
-    async def fetch(self) -> list[GatewayMember]:
-        return await membership.query_members(self.client, self.pool)
-
-    async def apply(self, members: Sequence[GatewayMember]) -> bool:
-        self.applied.append([m.member for m in members])
-        return not self.refuse
-
-    async def run(self, refresh_seconds: float) -> None:
-        await membership.follow(
-            self.fetch,
-            self.apply,
-            await self.fetch(),
-            poll_seconds=POLL_SECONDS,
-            debounce_seconds=POLL_SECONDS,
-            on_error=self.errors.append,
-            gate=membership.HistoryGate(
-                lambda: membership.pool_position(self.client, self.pool),
-                refresh_seconds=refresh_seconds,
-            ),
-        )
-
-
 def endpoint(n: int) -> dict[str, str]:
     return {"member": f"scripted/{n}", "endpoint": f"127.0.0.1:{20000 + n}"}
 
 
 @pytest.fixture
 async def following(temporal_env: WorkflowEnvironment) -> AsyncIterator[Following]:
-    counter = QueryCounter()
-    config = temporal_env.client.config()
-    config["interceptors"] = [counter]
-    client = Client(**config)
+    client, counter = counted_client(temporal_env.client)
     task_queue = f"scripted-{uuid.uuid4().hex[:8]}"
     async with Worker(client, task_queue=task_queue, workflows=[ScriptedPool]):
         handle = await client.start_workflow(
@@ -127,7 +71,7 @@ async def polls_pass(count: int) -> None:
 
 
 async def test_an_unchanged_pool_is_described_not_queried(following: Following) -> None:
-    loop = asyncio.create_task(following.run(refresh_seconds=3600))
+    loop = asyncio.create_task(following.run(poll_seconds=POLL_SECONDS, refresh_seconds=3600))
     try:
         await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
         before = following.counter.queries
@@ -139,7 +83,7 @@ async def test_an_unchanged_pool_is_described_not_queried(following: Following) 
 
 
 async def test_a_change_is_applied(following: Following) -> None:
-    loop = asyncio.create_task(following.run(refresh_seconds=3600))
+    loop = asyncio.create_task(following.run(poll_seconds=POLL_SECONDS, refresh_seconds=3600))
     try:
         await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
         handle = following.client.get_workflow_handle(following.pool)
@@ -151,11 +95,29 @@ async def test_a_change_is_applied(following: Following) -> None:
         loop.cancel()
 
 
+async def test_a_pool_without_a_digest_is_queried_when_its_history_moves(
+    following: Following,
+) -> None:
+    loop = asyncio.create_task(following.run(poll_seconds=POLL_SECONDS, refresh_seconds=3600))
+    try:
+        await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
+        before = following.counter.queries
+        handle = following.client.get_workflow_handle(following.pool)
+        await handle.signal(ScriptedPool.set, [endpoint(0)])  # the same members: history only
+        await wait_for(
+            lambda: following.counter.queries > before, "a query after the history moved", 60
+        )
+        assert following.applied == [] and following.errors == []
+        assert all(p.endpoints_digest is None for p in following.described)
+    finally:
+        loop.cancel()
+
+
 async def test_a_failed_change_is_tried_again_though_the_pool_is_unchanged(
     following: Following,
 ) -> None:
     following.refuse = True
-    loop = asyncio.create_task(following.run(refresh_seconds=3600))
+    loop = asyncio.create_task(following.run(poll_seconds=POLL_SECONDS, refresh_seconds=3600))
     try:
         await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
         handle = following.client.get_workflow_handle(following.pool)
@@ -172,7 +134,9 @@ async def test_a_failed_change_is_tried_again_though_the_pool_is_unchanged(
 
 
 async def test_the_refresh_queries_a_still_pool_now_and_then(following: Following) -> None:
-    loop = asyncio.create_task(following.run(refresh_seconds=POLL_SECONDS))
+    loop = asyncio.create_task(
+        following.run(poll_seconds=POLL_SECONDS, refresh_seconds=POLL_SECONDS)
+    )
     try:
         await wait_for(lambda: following.counter.queries >= 2, "the first poll's query", 30)
         before = following.counter.queries

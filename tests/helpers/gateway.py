@@ -53,7 +53,7 @@ class GatewayProcess:
         namespace: str,
         directory: Path,
         poll_seconds: float = 0.5,
-        debounce_seconds: float = 0.5,
+        debounce_seconds: float = 0.0,
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
     ) -> None:

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 
 REPLICAS = 3
 QUIET_HEALTH = {"interval_seconds": 3600, "failure_threshold": 2}
-# Longer than the test gateway's poll (0.5 s) and debounce (0.5 s, at most five
-# rounds), with room for a loaded machine; the default is 15 s.
+# Longer than the test gateway's poll (0.5 s) and its query and change (no
+# debounce), with room for a loaded machine; the default is 15 s.
 DRAIN_SECONDS = 6
 
 

@@ -32,6 +32,7 @@ from workflows.patches import (
     LIFECYCLE_FLOOR,
     PATCHES,
     POOL_FLOOR,
+    PUBLISH_ENDPOINTS_DIGEST,
     Patch,
 )
 
@@ -181,7 +182,7 @@ async def test_a_pool_and_its_members_record_one_marker_a_run(stack: Stack) -> N
     assert (await pool.result())["state"] == "Terminated"
     assert stack.instances() == []
 
-    assert await _patch_markers(pool) == ([POOL_FLOOR.id], 1)
+    assert await _patch_markers(pool) == ([POOL_FLOOR.id, PUBLISH_ENDPOINTS_DIGEST.id], 2)
     for member in before:
         member_handle = stack.client.get_workflow_handle(member)
         assert await _patch_markers(member_handle) == ([LIFECYCLE_FLOOR.id], 1), member

@@ -27,7 +27,13 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from contract import MEMBER_CHANGED_SIGNAL, ROTATE_SIGNAL, TERMINATE_SIGNAL, ProxyState
+from contract import (
+    ENDPOINTS_DIGEST_MEMO,
+    MEMBER_CHANGED_SIGNAL,
+    ROTATE_SIGNAL,
+    TERMINATE_SIGNAL,
+    ProxyState,
+)
 from providers.base import CreateRequest, InstanceState
 from providers.local import LocalProvider
 from providers.memory import MemoryProvider
@@ -360,7 +366,23 @@ async def test_a_pool_flooded_with_reports_it_ignores_hands_over_to_a_new_run(
     status = await handle.query("status")
     assert [m["member"] for m in status["members"]] == [f"{handle.id}/0"]
     assert status["rejected_reports"] == 0
+    # Its endpoints' digest came with it: no upsert, and a gateway sees no change.
+    started, upserts = await _digest_at_start_and_upserts(handle)
+    assert started is not None and upserts == 0
     await _terminated(stack, handle)
+
+
+async def _digest_at_start_and_upserts(handle: WorkflowHandle[Any, Any]) -> tuple[Any, int]:
+    """The endpoints' digest in the pool's current run's memo at its start, and the
+    run's memo upserts since (workflows/pool_feed.py)."""
+    started, upserts = None, 0
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+            memo = event.workflow_execution_started_event_attributes.memo.fields
+            if ENDPOINTS_DIGEST_MEMO in memo:
+                started = json.loads(memo[ENDPOINTS_DIGEST_MEMO].data)
+        upserts += event.event_type == EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED
+    return started, upserts
 
 
 async def test_a_pool_hands_over_past_its_own_event_budget(stack: Stack) -> None:
