@@ -49,7 +49,7 @@ from providers.config import Config, ConfigError, load_config
 from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
 from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
-from startup.upgrade_check import check_upgrade, report
+from workflows.upgrade_check import check_upgrade, report
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.payloads import with_input_payload_converter

@@ -222,22 +222,16 @@ class Router:
             if tried == MAX_TRIES:
                 break
             tried += 1
-            upstream = await self._open(member)
-            if upstream is None:
+            asked = await self._ask(member, head)
+            if asked is None:
                 continue
-            member_reader, member_writer = upstream
-            record[1:4] = [peer_name(member.member, route), member.host, str(member.port)]
+            member_reader, member_writer, answer = asked
+            peer = peer_name(member.member, route)
+            record[0:4] = [_status(answer), peer, member.host, str(member.port)]
             try:
-                member_writer.write(_member_head(head, self._login))
-                await member_writer.drain()
-                answer = await asyncio.wait_for(
-                    member_reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT
-                )
                 writer.write(answer)
                 await writer.drain()
-                status = answer[9:12].decode("latin-1")
-                record[0] = status if status.isdigit() else "000"
-                if status == "200":
+                if record[0] == "200":
                     await relay(reader, writer, member_reader, member_writer)
             finally:
                 member_writer.close()
@@ -269,21 +263,34 @@ class Router:
                 yield member
         yield from skipped
 
-    async def _open(
-        self, member: GatewayMember
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """A connection to `member`, or None (counted against it) if it refuses or is silent."""
+    async def _ask(
+        self, member: GatewayMember, head: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes] | None:
+        """`member`'s connection and its answer to the CONNECT, or None (counted against it)
+        if it refuses, is silent, or closes before it answers: nothing has reached the
+        client yet, so the next member may take the request."""
         try:
-            upstream = await asyncio.wait_for(
+            member_reader, member_writer = await asyncio.wait_for(
                 asyncio.open_connection(member.host, member.port), MEMBER_CONNECT_TIMEOUT
             )
         except (OSError, TimeoutError):
             self._failed(member)
             return None
+        try:
+            member_writer.write(_member_head(head, self._login))
+            await member_writer.drain()
+            answer = await asyncio.wait_for(member_reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            member_writer.close()
+            self._failed(member)  # died under the request (a killed Squid accepts, then resets)
+            return None
+        except BaseException:
+            member_writer.close()
+            raise
         health = self._health.pop(member.member, None)
         if health is not None and health.probing is not None:
             health.probing.cancel()
-        return upstream
+        return member_reader, member_writer, answer
 
     def _failed(self, member: GatewayMember) -> None:
         if member.member not in self.members.by_id:
@@ -337,6 +344,12 @@ def _logged(text: str) -> str:
     """`text` as one field of a log line: what a client sent may hold spaces or line
     breaks, which would forge fields or lines the metrics and the session map read."""
     return quote(text, safe=LOG_SAFE) if text else "-"
+
+
+def _status(answer: bytes) -> str:
+    """The status code of a member's answer head, "000" if it has none."""
+    status = answer[9:12].decode("latin-1")
+    return status if status.isdigit() else "000"
 
 
 def _credentials(header_lines: list[str]) -> tuple[str, str]:

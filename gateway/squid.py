@@ -94,7 +94,7 @@ ROUTER_SOURCES = {
 }
 ROUTER_DIR = "router"
 # The router's loopback port comes from below the kernel's ephemeral range
-# (`_free_ports`), from 26000 up: clear of the local provider's default
+# (`_free_port`), from 26000 up: clear of the local provider's default
 # 20000..20999 and of the suite's and benchmarks' local Squids (21000..25999).
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 DEFAULT_EPHEMERAL_LOW = 32768
@@ -166,7 +166,7 @@ class GatewaySquid:
         self.members: tuple[GatewayMember, ...] = ()
 
     def _new_router(self) -> Listener:
-        return Listener("router", "127.0.0.1", _free_ports(1)[0], self.directory / "router.log")
+        return Listener("router", "127.0.0.1", _free_port(), self.directory / "router.log")
 
     @property
     def conf(self) -> Path:
@@ -208,7 +208,7 @@ class GatewaySquid:
             except GatewayError:
                 if bindable(self.router.address, self.router.port):
                     raise
-                # Between _free_ports' check and the router's bind another
+                # Between _free_port's check and the router's bind another
                 # process took its port: once more, on another.
                 log.warning("the router's port %d was taken; starting again", self.router.port)
                 self._stop_router()
@@ -556,31 +556,25 @@ def _kid_pid(master: int, number: int) -> int | None:
     )
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports free now, below the kernel's ephemeral range.
+def _free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range.
 
-    Between this check and Squid's bind the ports are free for anyone: one
-    from the ephemeral range (what binding port 0 gives) can meanwhile become
-    the local end of any process's outgoing connection, and the router
-    then never listens (seen once in the suite). Below the range, only an
-    explicit bind can take it. Held open together, so none repeats.
+    Between this check and the router's bind the port is free for anyone:
+    one from the ephemeral range (what binding port 0 gives) can meanwhile
+    become the local end of any process's outgoing connection, and the
+    router then never listens (seen once in the suite). Below the range,
+    only an explicit bind can take it.
     """
     low = _ephemeral_low()
-    window = range(ROUTER_PORTS_FROM if low > ROUTER_PORTS_FROM + count else 1024, low)
-    with contextlib.ExitStack() as stack:
-        ports: list[int] = []
-        for port in random.sample(window, len(window)):
-            sock = socket.socket()
+    window = range(ROUTER_PORTS_FROM if low > ROUTER_PORTS_FROM + 1 else 1024, low)
+    for port in random.sample(window, len(window)):
+        with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
-                sock.close()  # not held: a busy window must not run out of descriptors
                 continue
-            stack.enter_context(sock)
-            ports.append(port)
-            if len(ports) == count:
-                return ports
-    raise GatewayError(f"no {count} free loopback ports in {window.start}..{window.stop - 1}")
+        return port
+    raise GatewayError(f"no free loopback port in {window.start}..{window.stop - 1}")
 
 
 def _ephemeral_low() -> int:

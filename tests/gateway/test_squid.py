@@ -399,6 +399,41 @@ def test_a_killed_member_is_skipped_without_a_failed_request(
     assert through(gateway, tls_origin, f"{USERNAME}-proxy-{victim}").connect_status == 503
 
 
+def test_a_member_that_dies_under_a_request_passes_it_to_the_next(
+    gateway: GatewaySquid, members: Members, tls_origin: TlsOrigin
+) -> None:
+    """A Squid killed at that instant still completes connects it cannot answer.
+
+    Stood in for by a listener that takes each connection and closes it
+    unanswered: nothing has reached the client yet, so the request goes on
+    to the next member, and no client sees the death.
+    """
+    dying = socket.create_server(("127.0.0.1", 0))
+    dying.settimeout(0.2)  # the acceptor looks at `closing` between accepts
+    closing = threading.Event()
+
+    def accept_and_close() -> None:
+        while not closing.is_set():
+            with contextlib.suppress(OSError):
+                connection, _ = dying.accept()
+                connection.close()
+
+    acceptor = threading.Thread(target=accept_and_close)
+    acceptor.start()
+    try:
+        port = dying.getsockname()[1]
+        gateway.apply([*members.by_member.values(), GatewayMember(f"{POOL}/8", "127.0.0.1", port)])
+        answers = [through(gateway, tls_origin, USERNAME) for _ in range(12)]
+        answers += [through(gateway, tls_origin, f"{USERNAME}-session-k{i}") for i in range(30)]
+        assert all(a.ok for a in answers), collections.Counter(answers)
+        pinned = through(gateway, tls_origin, f"{USERNAME}-proxy-{POOL}/8")
+        assert pinned.connect_status == 503, pinned
+    finally:
+        closing.set()
+        dying.close()
+        acceptor.join()
+
+
 def test_the_members_password_is_in_no_file_argument_or_environment(
     gateway: GatewaySquid, tls_origin: TlsOrigin
 ) -> None:
@@ -842,22 +877,26 @@ def test_one_client_address_holds_at_most_its_connections(
 
 
 def test_the_routers_port_comes_from_below_the_ephemeral_range_and_skips_taken_ones(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # A port from the ephemeral range can become any process's outgoing
-    # connection between the check and Squid's bind; below it, it cannot.
-    low = gateway_squid._ephemeral_low()
-    monkeypatch.setattr(gateway_squid, "ROUTER_PORTS_FROM", low - 5)
-    window = set(range(low - 5, low))
+    # connection between the check and the router's bind; below it, it cannot.
+    # A range of its own (15000..15004, which nothing of the suite uses), so
+    # other tests' gateways cannot take its ports meanwhile.
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("15005\t60999\n")
+    monkeypatch.setattr(gateway_squid, "EPHEMERAL_RANGE", str(ranges))
+    monkeypatch.setattr(gateway_squid, "ROUTER_PORTS_FROM", 15000)
+    window = sorted(range(15000, 15005))
     with contextlib.ExitStack() as stack:
-        taken = set(sorted(window)[:3])
-        for port in taken:
+        for port in window[:4]:
             sock = stack.enter_context(socket.socket())
-            with contextlib.suppress(OSError):  # held by someone else: taken too
-                sock.bind(("127.0.0.1", port))
-        assert sorted(gateway_squid._free_ports(2)) == sorted(window - taken)
-        with pytest.raises(GatewayError, match=f"no 3 free loopback ports in {low - 5}"):
-            gateway_squid._free_ports(3)
+            sock.bind(("127.0.0.1", port))
+        assert gateway_squid._free_port() == window[4]
+        sock = stack.enter_context(socket.socket())
+        sock.bind(("127.0.0.1", window[4]))
+        with pytest.raises(GatewayError, match=r"no free loopback port in 15000\.\.15004"):
+            gateway_squid._free_port()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a boundary only when the gateway runs as root")

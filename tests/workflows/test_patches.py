@@ -20,7 +20,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
-from startup.upgrade_check import check_upgrade
+from workflows.upgrade_check import check_upgrade
 from tests.helpers.histories import current_release, load_history, recorded_names, workflow_type
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import pending_activities, rotated, wait_for, wait_status

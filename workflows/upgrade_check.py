@@ -12,6 +12,8 @@ stop a deploy (docs/upgrades.md, "The floor"):
 - a run whose replay fails: a nondeterminism this build would meet live.
 
 Read-only: it lists, fetches and replays, and starts or signals nothing.
+Not workflow code: it sits beside the workflows it replays, and no workflow
+imports it (activities and start-up never import workflows/).
 """
 
 from __future__ import annotations

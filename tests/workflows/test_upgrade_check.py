@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowHistory
 
-from startup.upgrade_check import floor_marker_missing
+from workflows.upgrade_check import floor_marker_missing
 from tests.helpers.histories import load_history, recorded_names, workflow_type
 from workflows.patches import FLOOR_RELEASE
 
