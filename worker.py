@@ -49,11 +49,11 @@ from providers.config import Config, ConfigError, load_config
 from providers.registry import build_providers
 from startup.schedule import DEFAULT_INTERVAL, ensure_orphan_gc_schedule, parse_duration
 from startup.search_attributes import SearchAttributesMissing, ensure_search_attributes
-from workflows.upgrade_check import check_upgrade, report
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.payloads import with_input_payload_converter
 from workflows.pool import ProxyPool
+from workflows.upgrade_check import check_upgrade, report
 from workflows.versioned import VersionedOrphanGC, VersionedProxyLifecycle, VersionedProxyPool
 
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"

@@ -20,7 +20,6 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
-from workflows.upgrade_check import check_upgrade
 from tests.helpers.histories import current_release, load_history, recorded_names, workflow_type
 from tests.helpers.stacks import Stack
 from tests.helpers.waiting import pending_activities, rotated, wait_for, wait_status
@@ -35,6 +34,7 @@ from workflows.patches import (
     PUBLISH_ENDPOINTS_DIGEST,
     Patch,
 )
+from workflows.upgrade_check import check_upgrade
 
 CHANGE_VERSION = "TemporalChangeVersion"
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowHistory
 
-from workflows.upgrade_check import floor_marker_missing
 from tests.helpers.histories import load_history, recorded_names, workflow_type
 from workflows.patches import FLOOR_RELEASE
+from workflows.upgrade_check import floor_marker_missing
 
 # A recording of each workflow type the floor release recorded.
 FIRST_OF_EACH = {
