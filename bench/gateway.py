@@ -130,6 +130,8 @@ class Size:
     sessions_moved: float | None = None
     actions: dict[str, Counter[str]] = field(default_factory=dict)
     window_rotations: dict[str, int] = field(default_factory=dict)
+    # The gateway's own time per change, to the router's answer: (changes, seconds).
+    router_changes: tuple[float, float] = (0.0, 0.0)
 
     @property
     def failed(self) -> int:
@@ -257,6 +259,11 @@ async def _measure(
             (load_before, load_average()),
             rotator.probes,
             sessions,
+        )
+        samples = await asyncio.to_thread(gateway.metrics)
+        result.router_changes = (
+            samples.get(("proxy_operator_gateway_change_seconds_count", ()), 0.0),
+            samples.get(("proxy_operator_gateway_change_seconds_sum", ()), 0.0),
         )
         if full:
             await _actions_windows(bench, pools, gateway, result)
@@ -574,6 +581,12 @@ def report(size: Size) -> None:
             f"change applied (new endpoint listed -> pinned request reaches it), "
             f"{len(size.changes)} timed: p50 {percentile(size.changes, 50) * 1000:.0f} ms, "
             f"max {max(size.changes) * 1000:.0f} ms"
+        )
+    count, seconds = size.router_changes
+    if count:
+        print(
+            f"the gateway's own time per change (to the router's answer), "
+            f"{count:.0f} changes: mean {seconds / count * 1000:.1f} ms"
         )
     print(
         f"changes not applied within {CHANGE_DEADLINE:.0f} s: {size.changes_missed}; "

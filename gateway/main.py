@@ -351,7 +351,7 @@ async def _run(
         for member in new:
             names.add(member.member)
         try:
-            with health.applying():
+            with health.applying(), metrics.CHANGE_SECONDS.time():
                 await asyncio.to_thread(squid.apply, new)
         except (GatewayError, subprocess.SubprocessError) as err:
             metrics.RELOADS.labels(outcome=metrics.RELOAD_FAILED).inc()

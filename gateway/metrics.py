@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -54,6 +54,11 @@ RELOADS = Counter(
     "proxy_operator_gateway_reloads",
     "Membership changes applied to the router, by outcome",
     ["outcome"],
+)
+CHANGE_SECONDS = Histogram(
+    "proxy_operator_gateway_change_seconds",
+    "From a membership change leaving the follower to the router answering that it is in force",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 MEMBERS = Gauge("proxy_operator_gateway_members", "Pool members in rotation, every pool's")
 POOL_MEMBERS = Gauge(

@@ -260,6 +260,7 @@ async def test_a_full_rotation_and_a_killed_member_fail_no_request(
     assert loop.kill is None, "the member was killed"
     samples = gateway.metrics()
     assert samples[("proxy_operator_gateway_reloads_total", (("outcome", "ok"),))] >= 1
+    assert samples[("proxy_operator_gateway_change_seconds_count", ())] >= 1
     assert not [k for k in samples if k[0] == "proxy_operator_gateway_failures_total"]
     assert set(loop.outcomes) == {"ok"}, (loop.outcomes, _tail(gateway))
     assert loop.outcomes["ok"] > 100
