@@ -18,7 +18,10 @@ each with `--clients` threads making closed-loop HTTPS requests (CONNECT,
 TLS, GET, close) through the gateway to a local TLS origin:
 
 1. still: `--seconds` with the pool unchanged;
-2. rotating: `--seconds` while one member after another is rotated
+2. (N only) sessions moved: `/v1/sessions/<key>` for `--session-keys` keys,
+   one member scaled away and, once the gateway lists one fewer, the same
+   keys again; the share whose member changed. Then the pool is scaled back.
+3. rotating: `--seconds` while one member after another is rotated
    (`rotate {"member": ...}` every `--rotate-every` s, 3,600 an hour at the
    default, beyond the issue's 1,000 an hour); meanwhile one change at a time is
    timed from the member's new endpoint appearing in the pool's `endpoints`
@@ -26,10 +29,9 @@ TLS, GET, close) through the gateway to a local TLS origin:
    instance (told by which Squid logged it: a member's next instance is always
    on another Squid). The endpoints query is polled every 0.25 s, so a change
    is seen up to that late and timed that much short.
-3. (N only) sessions moved: `/v1/sessions/<key>` for `--session-keys` keys,
-   one member scaled away and, once the gateway lists one fewer, the same
-   keys again; the share whose member changed. Then the pool is scaled back.
-4. (N only) Temporal actions per rotation: the dev server's `action` counter
+4. (N only) rotating all: `--seconds` right after every pool was sent
+   `rotate {"all": true}` (its `max_surge` is 10%).
+5. (N only) Temporal actions per rotation: the dev server's `action` counter
    over a `--seconds` window of the same rotations with the gateway running,
    and again with it stopped; the difference divided by the rotations done
    (each window's pool generations before and after).
@@ -42,7 +44,7 @@ memory (RSS of its process tree) and CPU, and ends with one line:
     longest_stall_ms=M change_applied_p50_ms=M sessions_moved=F actions_per_rotation=A
 
 ratios of the N run's rotating phase to the 10-member run's rotating phase;
-failed and longest stall over both of the N run's phases.
+failed and longest stall over all of the N run's phases.
 
 An old instance's address keeps answering after its instance is deleted
 (the Squids behind are shared), so a gateway that is late to apply a change
@@ -111,6 +113,9 @@ WORKER_CALLS = ("grpc_RecordActivityTaskHeartbeat", "grpc_Respond")
 COUNTER_LAG = 3.0
 PROBE_GAP = 0.05
 SETTLE_SECONDS = 5.0
+# A rotation of every member at `max_surge` 10%: about 150 s at 1,000 (bench.pool).
+ROTATE_ALL_DEADLINE = 900.0
+ROTATE_ALL_POLL = 5.0
 
 
 @dataclass
@@ -128,18 +133,24 @@ class Size:
     load: tuple[str, str]
     probes: Counter[str] = field(default_factory=Counter)
     sessions_moved: float | None = None
+    # The clients while every pool rotates all its members (`max_surge` 10%).
+    rotating_all: Phase | None = None
     actions: dict[str, Counter[str]] = field(default_factory=dict)
     window_rotations: dict[str, int] = field(default_factory=dict)
     # The gateway's own time per change, to the router's answer: (changes, seconds).
     router_changes: tuple[float, float] = (0.0, 0.0)
 
     @property
+    def phases(self) -> list[Phase]:
+        return [self.still, self.rotating, *([self.rotating_all] if self.rotating_all else [])]
+
+    @property
     def failed(self) -> int:
-        return self.still.failures + self.rotating.failures
+        return sum(phase.failures for phase in self.phases)
 
     @property
     def longest_stall(self) -> float:
-        return max(self.still.longest_gap, self.rotating.longest_gap)
+        return max(phase.longest_gap for phase in self.phases)
 
     def actions_per_rotation(self) -> float:
         """Client calls (`grpc_` actions but the workers' heartbeats) in the window with
@@ -247,6 +258,7 @@ async def _measure(
         rotator = Rotator(bench, pools, gateway)
         await rotator.prepare()
         rotating = await _phase(bench, gateway, "rotating", rotator)
+        rotating_all = await _rotating_all(bench, gateway, pools, members) if full else None
         rss = await asyncio.to_thread(gateway_rss_kib, gateway)
         result = Size(
             members,
@@ -259,6 +271,7 @@ async def _measure(
             (load_before, load_average()),
             rotator.probes,
             sessions,
+            rotating_all,
         )
         samples = await asyncio.to_thread(gateway.metrics)
         result.router_changes = (
@@ -342,6 +355,30 @@ async def _until_gateway_lists(gateway: GatewayProcess, members: int, within: fl
         await asyncio.sleep(0.5)
 
 
+async def _instances(pools: Sequence[WorkflowHandle[Any, Any]]) -> int:
+    """The sum of every member's generation over `pools`: instances created so far."""
+    found = await asyncio.gather(*(generations(pool) for pool in pools))
+    return sum(sum(each.values()) for each in found)
+
+
+async def _rotating_all(
+    bench: Bench, gateway: GatewayProcess, pools: Sequence[WorkflowHandle[Any, Any]], members: int
+) -> Phase:
+    """The clients while `rotate {"all": true}` (the pools' `max_surge` 10%) is under way;
+    returns once every member has a new instance, so what follows is measured apart."""
+    before = await _instances(pools)
+    await asyncio.gather(*(pool.execute_update("rotate", {"all": True}) for pool in pools))
+    phase = await _phase(bench, gateway, "rotating all", None)
+    deadline = time.monotonic() + ROTATE_ALL_DEADLINE
+    while time.monotonic() < deadline:
+        if await _instances(pools) >= before + members:
+            break
+        await asyncio.sleep(ROTATE_ALL_POLL)
+    else:
+        print(f"rotate all: not done within {ROTATE_ALL_DEADLINE:.0f} s", flush=True)
+    return phase
+
+
 async def _phase(
     bench: Bench, gateway: GatewayProcess, name: str, rotator: Rotator | None
 ) -> Phase:
@@ -423,8 +460,7 @@ class Rotator:
 
     async def generations(self) -> int:
         """The sum of every member's generation over the pools: instances created so far."""
-        found = await asyncio.gather(*(generations(pool) for pool in self._pools))
-        return sum(sum(each.values()) for each in found)
+        return await _instances(self._pools)
 
     async def done(self) -> int:
         """Rotations completed since `prepare`."""
@@ -564,7 +600,7 @@ def report(size: Size) -> None:
     print(f"\n{size.members} members (load average before/after: {size.load[0]} / {size.load[1]})")
     print("| phase | requests/s | p50 | p99 | failed | longest stall | longest request |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for phase in (size.still, size.rotating):
+    for phase in size.phases:
         failed = f"{phase.failures} {phase.failed}" if phase.failures else "0"
         print(
             f"| {phase.name} | {phase.rate:.1f} | {phase.p(50) * 1000:.0f} ms "
