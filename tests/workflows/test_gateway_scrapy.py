@@ -180,12 +180,20 @@ async def test_a_crawl_gets_every_page_reporting_each_ban_and_leaking_no_credent
     assert stats.get("proxy_operator/ban_reports_failed", 0) == 0, stats
     assert stats.get("proxy_operator/ban_retries_exhausted", 0) == 0, stats
 
+    seen: dict[str, list[str]] = {}
+
     async def replaced() -> bool:
         live = set(stack.instances())
         serving = set(pool.instance_by_endpoint().get(e) for e in (await pool.endpoints()).values())
+        seen.update(live=sorted(live), serving=sorted(map(str, serving)))
         return not (set(banned) & live) and len(serving) == REPLICAS and not (serving & set(banned))
 
-    await wait_for(replaced, f"the banned exits {banned} replaced", deadline=180)
+    try:
+        await wait_for(replaced, f"the banned exits {banned} replaced", deadline=180)
+    except AssertionError as err:
+        status = await pool.handle.query("status")
+        rows = [(m["member"], m["state"], m.get("reason")) for m in status["members"]]
+        raise AssertionError(f"{err}; last seen {seen}; members {rows}") from None
     client = GatewayClient(gateway.api, gateway.token)
     members = await asyncio.to_thread(client.members)
     assert len(members) == REPLICAS
