@@ -2,20 +2,16 @@
 
 What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
 
-- open tunnels: the connections Squid holds to the router (gateway/router.py),
-  counted in the kernel's socket table (/proc/net/tcp and tcp6: ESTABLISHED,
-  remote end = the router's loopback address) every SAMPLE_SECONDS; a report
-  gives the most seen at once since the last one. Squid opens one such
-  connection per CONNECT it passes on, and it lives as long as the tunnel; a
-  router that refuses the CONNECT (no or wrong credentials, a user over its
-  `tunnels=` limit, a username no member admits) answers and the connection
-  closes, once its credentials are checked. A connection counts only once
-  two looks in a row (SAMPLE_SECONDS apart) found it open, so one that lives
-  only for that check, even under a flood of them, is never counted. So a
-  socket that sends nothing, or whose CONNECT was refused, is no demand,
-  though the front holds it until its timeout: only a client holding
-  credentials can hold a pool up. Squid logs a CONNECT only when it
-  ends, so its access log cannot say what is open now;
+- open tunnels: the tunnels a member granted (answered 200) that are open
+  now, counted by the router where they open and close
+  (`GatewaySquid.open_tunnels`), every SAMPLE_SECONDS; a report gives the
+  most seen at once since the last one. A client refused (no or wrong
+  credentials, a user over its `tunnels=` limit, a username no member
+  admits, a port not allowed) or still being checked holds none, however
+  long its check takes, nor does a socket that sends nothing, though Squid
+  holds it until its timeout: only a client holding credentials can hold a
+  pool up. A CONNECT held while an autoscaled pool wakes counts once its
+  member granted it (the holder wakes the pool itself);
 - new tunnels: the CONNECTs the front granted (200) since the last report
   (its access log, which the gateway follows for its metrics anyway; Squid
   writes a tunnel's line when it closes).
@@ -39,15 +35,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from temporalio.client import (
@@ -60,7 +54,6 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
-from gateway.socket_table import TCP_TABLES, Connection, established, unmapped
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -72,18 +65,6 @@ HEARTBEAT = 300.0
 # A change of open tunnels smaller than this share (and than one) is not
 # worth a report.
 MOVED_SHARE = 0.1
-
-
-def connections_to(
-    ends: Collection[tuple[str, int]], tables: Iterable[Path] = TCP_TABLES
-) -> set[Connection]:
-    """ESTABLISHED connections whose remote end is one of `ends` (address, port).
-
-    Only the dialling side of a connection has the listener as its remote
-    end: the listener's own sockets, in the same table, are not among them.
-    """
-    wanted = {(unmapped(ipaddress.ip_address(host)), port) for host, port in ends}
-    return {c for c in established(tables) if (c[2], c[3]) in wanted}
 
 
 def gateway_name(listen: tuple[str, int]) -> str:
@@ -113,24 +94,15 @@ def moved(last: Sample | None, now: Sample) -> bool:
 class DemandMeter:
     """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
 
-    def __init__(self, routers: Collection[tuple[str, int]]) -> None:
-        """`routers`: the router's loopback (address, port), which Squid's
-        tunnels are open to."""
-        self.routers = routers
+    def __init__(self, open_tunnels: Callable[[], int]) -> None:
+        """`open_tunnels`: how many granted tunnels are open now (the router's count)."""
+        self._open_tunnels = open_tunnels
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
-        self._last_seen: set[Connection] = set()
-
-    def _held(self) -> int:
-        """Connections open now that the previous look found open too."""
-        now = connections_to(self.routers)
-        with self._lock:
-            held, self._last_seen = len(now & self._last_seen), now
-        return held
 
     def sample(self) -> int:
-        now = self._held()
+        now = self._open_tunnels()
         with self._lock:
             self._peak = max(self._peak, now)
         return now
@@ -157,7 +129,7 @@ class DemandMeter:
 
     def take(self) -> Sample:
         """What was seen since the last take; starts the next window at what is open now."""
-        current = self._held()
+        current = self._open_tunnels()
         with self._lock:
             sample = Sample(max(self._peak, current), self._answered)
             self._peak, self._answered = current, 0

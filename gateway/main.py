@@ -280,8 +280,7 @@ async def serve(
 
     try:
         await asyncio.to_thread(squid.start, members)
-        # The router's port is known once it serves (a start may trade a taken one).
-        meter = demand.DemandMeter([(squid.router.address, squid.router.port)])
+        meter = demand.DemandMeter(squid.open_tunnels)
         follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
         follower.follow(squid.router.access_log, on_router_line)
         follower.start()

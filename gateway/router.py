@@ -5,7 +5,9 @@
     python3 router.py LISTEN_PORT ACCESS_LOG FLEET_USER [--users FILE]
     stdin:  {"password": "..."}              once, first: the fleet's password
             {"members": [{...}, ...]}        the members in rotation, whole, at each change
-    stdout: "listening", then "members <n>" once each change is in force
+            {"tunnels": null}                how many tunnels a member granted are open
+    stdout: "listening", then "members <n>" once each change is in force, and
+            "tunnels <n>" to each question
 
 A membership change replaces an in-memory index (gateway/routing.py) between
 two requests: nothing reloads, no client waits, and a tunnel to a member
@@ -118,6 +120,8 @@ class Router:
         self._health: dict[str, Health] = {}
         self._tunnels: Counter[str] = Counter()
         self.connections = 0
+        # Tunnels open now that a member granted (answered 200): the gateway's demand.
+        self.granted = 0
         self.max_connections = _descriptors() // 2 - DESCRIPTORS_KEPT
         self._login = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
@@ -232,7 +236,11 @@ class Router:
                 writer.write(answer)
                 await writer.drain()
                 if record[0] == "200":
-                    await relay(reader, writer, member_reader, member_writer)
+                    self.granted += 1
+                    try:
+                        await relay(reader, writer, member_reader, member_writer)
+                    finally:
+                        self.granted -= 1
             finally:
                 member_writer.close()
             return
@@ -426,8 +434,12 @@ async def _serve(port: int, log: TextIO, user: str, users: str | None) -> int:
     print("listening", flush=True)
     async with server:
         while line := await stdin.readline():
-            router.update([_member(fields) for fields in json.loads(line)["members"]])
-            print(f"members {len(router.members.members)}", flush=True)
+            message = json.loads(line)
+            if "members" in message:
+                router.update([_member(fields) for fields in message["members"]])
+                print(f"members {len(router.members.members)}", flush=True)
+            else:
+                print(f"tunnels {router.granted}", flush=True)
     return 0  # the gateway is gone
 
 

@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -160,6 +161,7 @@ class GatewaySquid:
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: subprocess.Popen[bytes] | None = None
         self.router_process: subprocess.Popen[str] | None = None
+        self._router_lock = threading.Lock()
         host, port = listen
         self.front = Listener("front", host, port, self.directory / "front.log")
         self.router = self._new_router()
@@ -334,22 +336,41 @@ class GatewaySquid:
         self._tell_router({"members": listed}, f"members {len(listed)}", APPLY_DEADLINE)
         self.members = tuple(members)
 
+    def open_tunnels(self) -> int:
+        """Tunnels open now that a member granted: what the gateway's demand is made of.
+
+        Counted by the router, where tunnels open and close: a client refused
+        (no or wrong credentials, a port not allowed) or still being checked
+        holds none, however long its check takes.
+        """
+        line = self._ask_router({"tunnels": None}, APPLY_DEADLINE)
+        word, _, count = line.partition(" ")
+        if word != "tunnels" or not count.isdigit():
+            raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
+        return int(count)
+
     def _tell_router(self, message: dict[str, object], answer: str, deadline: float) -> None:
         """Send the router one line; return once it answers `answer`."""
+        line = self._ask_router(message, deadline)
+        if line != answer:
+            raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
+
+    def _ask_router(self, message: dict[str, object], deadline: float) -> str:
+        """Send the router one line and read its answer (one question at a time: a change
+        and a demand sample come from different threads)."""
         router = self.router_process
         if router is None or router.stdin is None or router.stdout is None:
             raise GatewayError("the router was never started")
-        try:
-            router.stdin.write(json.dumps(message) + "\n")
-            router.stdin.flush()
-        except OSError as err:
-            raise GatewayError(f"the router is gone: {self._router_failure()}") from err
-        ready, _, _ = select.select([router.stdout], [], [], deadline)
-        line = router.stdout.readline().strip() if ready else None
-        if line is None:
-            raise GatewayTimeout(f"the router did not answer in {deadline:.0f}s")
-        if line != answer:
-            raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
+        with self._router_lock:
+            try:
+                router.stdin.write(json.dumps(message) + "\n")
+                router.stdin.flush()
+            except OSError as err:
+                raise GatewayError(f"the router is gone: {self._router_failure()}") from err
+            ready, _, _ = select.select([router.stdout], [], [], deadline)
+            if not ready:
+                raise GatewayTimeout(f"the router did not answer in {deadline:.0f}s")
+            return router.stdout.readline().strip()
 
     def _router_failure(self) -> str:
         router = self.router_process

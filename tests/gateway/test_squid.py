@@ -988,3 +988,18 @@ def test_what_a_client_sends_forges_no_router_log_line(
     wait_until(lambda: len(logged()) >= 2, DEADLINE, "both requests in the router's log")
     assert all(len(line.split()) == 10 for line in logged()), logged()
     assert not any(line.startswith("1.000 ") for line in logged()), logged()
+
+
+def test_open_tunnels_are_those_a_member_granted(
+    gateway: GatewaySquid, tls_origin: TlsOrigin
+) -> None:
+    """What the gateway's demand is made of: not a client refused, nor one still asking."""
+    assert gateway.open_tunnels() == 0
+    with contextlib.ExitStack() as stack:
+        for _ in range(2):
+            stack.enter_context(open_tunnel(gateway, tls_origin, USERNAME, PASSWORD))
+        silent = stack.enter_context(socket.create_connection(("127.0.0.1", gateway.front.port)))
+        silent.sendall(b"CONNECT ")  # half a head: Squid waits, the router never sees it
+        assert through(gateway, tls_origin, USERNAME, "wrong").connect_status == 407
+        assert gateway.open_tunnels() == 2
+    wait_until(lambda: gateway.open_tunnels() == 0, DEADLINE, "the closed tunnels to end")
