@@ -258,13 +258,14 @@ async def _measure(
         rotator = Rotator(bench, pools, gateway)
         await rotator.prepare()
         rotating = await _phase(bench, gateway, "rotating", rotator)
+        rotations = await rotator.done()  # before rotate-all adds its own
         rotating_all = await _rotating_all(bench, gateway, pools, members) if full else None
         rss = await asyncio.to_thread(gateway_rss_kib, gateway)
         result = Size(
             members,
             still,
             rotating,
-            await rotator.done(),
+            rotations,
             rotator.changes,
             rotator.missed,
             rss,
