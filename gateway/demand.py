@@ -54,6 +54,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
+from gateway.squid import GatewayError
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -95,14 +96,27 @@ class DemandMeter:
     """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
 
     def __init__(self, open_tunnels: Callable[[], int]) -> None:
-        """`open_tunnels`: how many granted tunnels are open now (the router's count)."""
+        """`open_tunnels`: how many granted tunnels are open now (the router's count;
+        GatewayError when the router did not answer)."""
         self._open_tunnels = open_tunnels
         self._lock = threading.Lock()
         self._peak = 0
         self._answered = 0
+        self._last = 0
+
+    def _now(self) -> int:
+        """What is open now, or what was last counted if the router did not answer: a
+        missed look must not end the reports (the gateway stops if the router is gone)."""
+        try:
+            now = self._open_tunnels()
+        except GatewayError as err:
+            log.warning("open tunnels not counted this second: %s", err)
+            return self._last
+        self._last = now
+        return now
 
     def sample(self) -> int:
-        now = self._open_tunnels()
+        now = self._now()
         with self._lock:
             self._peak = max(self._peak, now)
         return now
@@ -129,7 +143,7 @@ class DemandMeter:
 
     def take(self) -> Sample:
         """What was seen since the last take; starts the next window at what is open now."""
-        current = self._open_tunnels()
+        current = self._now()
         with self._lock:
             sample = Sample(max(self._peak, current), self._answered)
             self._peak, self._answered = current, 0

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.demand import DemandMeter, Sample, gateway_name, moved
 from gateway.main import UsageError, checked, parse_args
+from gateway.squid import GatewayError
 
 
 def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
@@ -22,6 +23,19 @@ def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnel
         count(line)  # only a granted tunnel is demand: not a refused client
     assert meter.take() == Sample(open_tunnels=5, new_tunnels=1)
     assert meter.take() == Sample(open_tunnels=0, new_tunnels=0)
+
+
+def test_a_look_the_router_did_not_answer_keeps_the_last_count() -> None:
+    answers: list[int] = [3]
+
+    def router_count() -> int:
+        if not answers:
+            raise GatewayError("the router did not answer in 30s")
+        return answers.pop()
+
+    meter = DemandMeter(router_count)
+    assert [meter.sample(), meter.sample()] == [3, 3]
+    assert meter.take() == Sample(open_tunnels=3, new_tunnels=0)
 
 
 @pytest.mark.parametrize(
