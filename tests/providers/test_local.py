@@ -622,10 +622,11 @@ async def test_two_installations_on_one_machine_serve_a_proxy_of_the_same_name(
 ) -> None:
     """Service names and /dev/shm are machine-wide: each installation's are its own.
 
-    The same instance name in two installations' state directories (a
-    lifecycle started before installations were hashed into names, or two
-    installations given the same owner id) used to share Squid's service
-    name: each start removed the other's shm segments, and so did each delete.
+    The same instance name can be in two installations' state directories
+    (a lifecycle whose names predate installation-scoped names, or two
+    installations given the same owner id). Were Squid's service name the
+    instance name alone, each start would remove the other's shm segments,
+    and so would each delete.
     """
     name = "proxy-same-name"
     with fresh_state_dir() as other_dir:

@@ -45,7 +45,7 @@ def round_trip(value: Any) -> Any:
 
 def test_the_largest_pool_with_every_string_at_its_cap_continues_under_the_warning_size() -> None:
     state = worst_state()
-    before = payload_size(state)  # the dataclass as releases up to 0.2.0 carried it
+    before = payload_size(state)  # the dataclass itself, uncompacted
     compact = payload_size(encode(state, POOL, LIFETIMES))
     assert before > LIMIT_SIZE, "the worst case is a real one: it broke the old encoding"
     assert compact < WARNING_SIZE, f"{compact} bytes"
