@@ -30,6 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--pool", "web", "--listen", "8888"], ["--listen: '8888' is not host:port"]),
         (["--pool", "web", "--listen", "0.0.0.0:99999"], ["--listen"]),
         (["--pool", "web", "--poll-interval", "0"], ["--poll-interval: 0.0 is not between"]),
+        (
+            ["--pool", "web", "--poll-interval", "0.01"],
+            ["--poll-interval: 0.01 is not between 0.1 and 3600 seconds"],
+        ),
+        (["--pool", "web", "--poll-interval", "nan"], ["--poll-interval: nan is not between"]),
         (["--pool", "web", "--debounce", "-1"], ["--debounce: -1.0 is not between"]),
         (
             ["--pool", "eu", "--pool", "us", "--pool", "eu"],

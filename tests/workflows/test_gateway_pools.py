@@ -14,8 +14,10 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.provider import ProviderActivities
@@ -31,6 +33,12 @@ from tests.helpers.waiting import wait_for
 from tests.helpers.workers import stop_worker
 from tests.helpers.xdist import local_ports
 from tests.workflows.test_gateway import REPLICAS, Pool, running_pool
+from tests.workflows.test_pool_autoscale_e2e import (
+    held_tunnels,
+    request_through,
+    settled_at,
+    start_pool,
+)
 from worker import build_worker
 
 pytestmark = pytest.mark.slow
@@ -217,3 +225,47 @@ async def test_one_gateway_routes_sessions_pins_and_bans_across_two_pools(
                 return answer.ok and carried(pools, before) == {member}
 
             await wait_for(served, f"a pin to {member} carried by its new instance")
+
+
+async def test_a_gateway_over_two_autoscaled_pools_wakes_both_and_reports_to_each(
+    temporal_env: WorkflowEnvironment, regions: dict[str, Stack]
+) -> None:
+    handles = {
+        name: await start_pool(regions[name], 0, max_replicas=1, scale_down_after_seconds=3600)
+        for name in REGIONS
+    }
+    eu, us = handles["eu"].id, handles["us"].id
+    flags = ("--pool", us, "--wake-timeout", "180", "--report-interval", "5")
+    try:
+        async with pool_gateway(
+            temporal_env, regions["eu"], eu, lambda _: (*flags, "--gateway-name", "gw-test")
+        ) as gateway:
+            # A client at zero is held, both pools are woken, and the client is tunnelled.
+            head, served = await asyncio.to_thread(request_through, gateway, regions["eu"], 210)
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+            for handle in handles.values():
+                status = await settled_at(handle, 1, f"{handle.id} woken to one member")
+                assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+
+            # A tunnel held open is demand each pool is told of.
+            held = held_tunnels(gateway, regions["eu"])
+            try:
+                await asyncio.to_thread(held.open, 1)
+                for handle in handles.values():
+
+                    async def told(handle: WorkflowHandle[Any, Any] = handle) -> bool:
+                        status = await handle.query("status")
+                        return bool(status["scaling"]["open_tunnels"] >= 1)
+
+                    await wait_for(told, f"{handle.id} told of the open tunnel", deadline=120)
+                assert held.failures == 0
+            finally:
+                await asyncio.to_thread(held.close)
+    finally:
+        for handle in handles.values():
+            await handle.signal("terminate")
+    await wait_for(
+        lambda: not any(stack.instances() for stack in regions.values()),
+        "every member's Squid gone",
+        deadline=120,
+    )
