@@ -17,6 +17,7 @@ WORKDIR /app
 COPY requirements/app.txt requirements/
 RUN pip install --require-hashes -r requirements/app.txt
 COPY pyproject.toml README.md ./
+COPY squid/ squid/
 COPY providers/ providers/
 COPY activities/ activities/
 COPY workflows/ workflows/

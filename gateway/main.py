@@ -47,7 +47,8 @@ from gateway.users import UsersFileError
 from gateway.users_follow import UsersFollower, load_users
 from providers.base import split_endpoint
 from providers.config import Config, ConfigError, load_config
-from providers.squid import GatewayMember, ProxySettings
+from squid.conf import ProxySettings
+from squid.gateway import GatewayMember
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9465"

@@ -36,7 +36,7 @@ from gateway import membership, metrics
 from gateway.health import GatewayHealth
 from gateway.member_networks import Gatekeeper, MemberNetworks
 from gateway.wake import Holder
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
 

@@ -18,7 +18,7 @@ members as at 10,000.
 For each CONNECT the front passes on (with the client's credentials):
 
 - the credentials: the fleet's (every username form of the fleet's USER,
-  providers.squid.parse_gateway_username) or a users-file user's (its
+  proxy_operator.username.parse_gateway_username) or a users-file user's (its
   scrypt hash, gateway/users.py, checked in a thread of its own and
   remembered while the file stays the same); anything else 407;
 - a users-file user's `zones=` and `tunnels=` (open tunnels counted here,
@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.relay import read_head, relay
 from gateway.routing import Members
 from gateway.users import Checker, Verdict
-from providers.squid import (
+from proxy_operator.username import GatewayUsername, parse_gateway_username
+from squid.gateway import (
     MEMBER_CONNECT_FAIL_LIMIT,
     MEMBER_CONNECT_TIMEOUT,
     NO_MEMBER_PAGE,
@@ -77,9 +78,7 @@ from providers.squid import (
     TUNNEL_LIMIT_TEMPLATE,
     TUNNEL_REFUSED_HEADER,
     GatewayMember,
-    GatewayUsername,
     Route,
-    parse_gateway_username,
     peer_name,
 )
 

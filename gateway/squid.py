@@ -44,16 +44,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from providers import procfs
-from providers import squid as squid_module
-from providers.squid import (
-    SQUID_USER,
-    GatewayMember,
-    ProxySettings,
-    SquidPaths,
-    render_gateway_front,
-)
-from providers.squid_process import (
+from proxy_operator import username as username_module
+from squid import gateway as squid_gateway
+from squid import procfs
+from squid.conf import SQUID_USER, ProxySettings, SquidPaths, render_gateway_front
+from squid.gateway import GatewayMember
+from squid.process import (
     SquidError,
     SquidExited,
     accepts,
@@ -90,8 +86,10 @@ ROUTER_SOURCES = {
     Path("gateway/relay.py"): _HERE.with_name("relay.py"),
     Path("gateway/routing.py"): _HERE.with_name("routing.py"),
     Path("gateway/users.py"): _HERE.with_name("users.py"),
-    Path("providers/__init__.py"): None,
-    Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
+    Path("proxy_operator/__init__.py"): None,
+    Path("proxy_operator/username.py"): Path(username_module.__file__).resolve(),
+    Path("squid/__init__.py"): None,
+    Path("squid/gateway.py"): Path(squid_gateway.__file__).resolve(),
 }
 ROUTER_DIR = "router"
 # The router's loopback port comes from below the kernel's ephemeral range

@@ -51,7 +51,7 @@ from temporalio.service import RPCError
 import cli
 from gateway import metrics
 from gateway.relay import read_head, relay
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 from workflows.pool_autoscale import AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")

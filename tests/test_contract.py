@@ -47,27 +47,6 @@ def test_activities_and_start_up_never_import_workflows() -> None:
     assert offenders == {}
 
 
-def test_the_scrapers_package_shares_only_the_gateways_username_grammar() -> None:
-    # A scraper imports proxy_operator: it must load no Temporal client, no
-    # workflow and no gateway, only the grammar the gateway's Squid checks.
-    ours = {"contract", "cli", "worker", "workflows", "activities", "startup", "gateway"}
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(borrowed)
-        for path in sorted((ROOT / "proxy_operator").glob("**/*.py"))
-        if (
-            borrowed := {
-                m
-                for m in _imported_modules(path)
-                if m.split(".")[0] in ours | {"temporalio"}
-                or (m.startswith("providers") and m != "providers.squid")
-            }
-        )
-    }
-    assert offenders == {}
-    squid = {m.split(".")[0] for m in _imported_modules(ROOT / "providers" / "squid.py")}
-    assert squid.isdisjoint(ours | {"temporalio", "providers"})
-
-
 def test_the_checker_sees_an_import_of_workflows(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import json\nfrom workflows.lifecycle import X\n")

@@ -36,9 +36,10 @@ from providers.base import CreateRequest
 from providers.config import Config
 from providers.local import LocalProvider
 from providers.naming import owner_tags
-from providers.procfs import group_members
-from providers.squid import SQUID_USER, GatewayMember
-from providers.squid_process import RUNTIME_ROOT
+from squid.conf import SQUID_USER
+from squid.gateway import GatewayMember
+from squid.process import RUNTIME_ROOT
+from squid.procfs import group_members
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import accepts_connections, closed_by_peer, free_port, read_head
 from tests.helpers.squid_upstream import requires_squid

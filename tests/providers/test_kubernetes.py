@@ -56,7 +56,8 @@ from providers.kubernetes import (
     labels,
 )
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
-from providers.squid import ProxySettings, render, sha512_crypt
+from squid.conf import ProxySettings, render
+from squid.htpasswd import sha512_crypt
 from tests.fakes.kubernetes import (
     DELETION_BY_TAINT_MANAGER,
     MERGE_PATCH,
