@@ -272,9 +272,9 @@ async def test_a_gateway_over_two_pools_at_zero_wakes_only_the_pool_a_request_ca
                 await asyncio.to_thread(held.open, 1)
 
                 async def told_apart() -> bool:
-                    eu_status, us_status = (
+                    eu_status, us_status = [
                         (await handles[name].query("status"))["scaling"] for name in REGIONS
-                    )
+                    ]
                     return bool(
                         us_status["open_tunnels"] >= 1
                         and eu_status["gateways"] >= 1
