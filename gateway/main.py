@@ -258,12 +258,10 @@ async def serve(
     followed = Pools(client, pool_ids, allowed, health)
     await followed.start()
 
-    # The autoscaled pools' wake holder is the router's member while no pool has one.
+    # An autoscaled pool's wake holder is the router's stand-in for it while it has no member.
     holding = contextlib.AsyncExitStack()
-    followed.holder = await holding.enter_async_context(
-        wake.holding(
-            args, client, followed.open(), demand.name_of(args, listen), followed.fetch_each
-        )
+    followed.holders = await holding.enter_async_context(
+        wake.holding(args, client, followed.open(), demand.name_of(args, listen), followed.fetch)
     )
     members = followed.routed()
     private = args.state_dir is None
@@ -274,6 +272,7 @@ async def serve(
         listen,
         users=users,
         client_connections=args.client_max_connections,
+        pool_of=followed.pool_of,
     )
     names = metrics.MemberNames()
     for member in members:
@@ -291,7 +290,7 @@ async def serve(
     try:
         await asyncio.to_thread(squid.start, members)
         meter = demand.DemandMeter(squid.open_tunnels)
-        follower.follow(squid.front.access_log, meter.counting(metrics.count_front_line))
+        follower.follow(squid.front.access_log, metrics.count_front_line)
         follower.follow(squid.router.access_log, on_router_line)
         follower.start()
         metrics.set_members(wake.real(members))

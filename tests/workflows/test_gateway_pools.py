@@ -14,10 +14,8 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.provider import ProviderActivities
@@ -227,7 +225,7 @@ async def test_one_gateway_routes_sessions_pins_and_bans_across_two_pools(
             await wait_for(served, f"a pin to {member} carried by its new instance")
 
 
-async def test_a_gateway_over_two_autoscaled_pools_wakes_both_and_reports_to_each(
+async def test_a_gateway_over_two_pools_at_zero_wakes_only_the_pool_a_request_can_reach(
     temporal_env: WorkflowEnvironment, regions: dict[str, Stack]
 ) -> None:
     handles = {
@@ -236,28 +234,54 @@ async def test_a_gateway_over_two_autoscaled_pools_wakes_both_and_reports_to_eac
     }
     eu, us = handles["eu"].id, handles["us"].id
     flags = ("--pool", us, "--wake-timeout", "180", "--report-interval", "5")
+
+    async def replicas(name: str) -> int:
+        status = await handles[name].query("status")
+        return int(status["replicas"])
+
     try:
         async with pool_gateway(
             temporal_env, regions["eu"], eu, lambda _: (*flags, "--gateway-name", "gw-test")
         ) as gateway:
-            # A client at zero is held, both pools are woken, and the client is tunnelled.
+            # A request no pool could ever serve is refused at once, not held.
+            refused = await asyncio.to_thread(
+                through, gateway, regions["eu"], f"{USERNAME}-provider-ap"
+            )
+            assert refused.connect_status == 503
+
+            # Every pool at zero: a plain request wakes the first pool given, alone.
             head, served = await asyncio.to_thread(request_through, gateway, regions["eu"], 210)
             assert head.startswith(b"HTTP/1.1 200") and served, head
-            for handle in handles.values():
-                status = await settled_at(handle, 1, f"{handle.id} woken to one member")
-                assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+            status = await settled_at(handles["eu"], 1, "pool A woken to one member")
+            assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+            assert await replicas("us") == 0
 
-            # A tunnel held open is demand each pool is told of.
-            held = held_tunnels(gateway, regions["eu"])
+            # A request only pool B can serve, B at zero, A serving: it wakes B alone.
+            only_us = f"{USERNAME}-provider-us"
+            head, served = await asyncio.to_thread(
+                request_through, gateway, regions["eu"], 210, only_us
+            )
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+            status = await settled_at(handles["us"], 1, "pool B woken to one member")
+            assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+            assert await replicas("eu") == 1
+
+            # A tunnel held open through pool B is B's demand, not A's.
+            held = held_tunnels(gateway, regions["eu"], username=only_us)
             try:
                 await asyncio.to_thread(held.open, 1)
-                for handle in handles.values():
 
-                    async def told(handle: WorkflowHandle[Any, Any] = handle) -> bool:
-                        status = await handle.query("status")
-                        return bool(status["scaling"]["open_tunnels"] >= 1)
+                async def told_apart() -> bool:
+                    eu_status, us_status = [
+                        (await handles[name].query("status"))["scaling"] for name in REGIONS
+                    ]
+                    return bool(
+                        us_status["open_tunnels"] >= 1
+                        and eu_status["gateways"] >= 1
+                        and eu_status["open_tunnels"] == 0
+                    )
 
-                    await wait_for(told, f"{handle.id} told of the open tunnel", deadline=120)
+                await wait_for(told_apart, "B told of its tunnel, A of none", deadline=120)
                 assert held.failures == 0
             finally:
                 await asyncio.to_thread(held.close)
