@@ -1,7 +1,7 @@
 """The gateway at fleet scale (issue 45): N members at the speed of 10, while the pool rotates.
 
     python -m bench.gateway --members N [--seconds 20] [--clients 4] [--squids 3]
-                            [--rotate-every 1.0] [--session-keys 2000]
+                            [--rotate-every 1.0] [--session-keys 2000] [--shared-cores]
 
 The real `proxy-operator-gateway` process, started from its command line and
 read only through its proxy port, its control API and /proc, in front of
@@ -12,6 +12,14 @@ are on the memory provider, each instance at an address of its own
 address, so every member is a distinct host:port; the gateway is told
 `--member-networks 127.0.0.0/8`. A pool holds at most 1,000 members: beyond,
 ceil(N / 1,000) pools, each given to the gateway with its own `--pool`.
+
+The request path (the clients, the gateway, the member Squids and the
+origin) runs on the machine's first core and the control plane (the dev
+server and the pools' workers) on the others, as a gateway host that runs
+no workers and no Temporal would: at 1,000 members the workers' own work
+(monitor shards, reports, rotations) would otherwise take its CPU from the
+request path, and the ratios would measure the workers. `--shared-cores`
+runs everything on every core.
 
 In one run, first a 10-member pool with its own gateway, then N members,
 each with `--clients` threads making closed-loop HTTPS requests (CONNECT,
@@ -62,11 +70,12 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
@@ -189,6 +198,7 @@ async def main() -> None:
     parser.add_argument("--squids", type=int, default=3)
     parser.add_argument("--rotate-every", type=float, default=1.0)
     parser.add_argument("--session-keys", type=int, default=2000)
+    parser.add_argument("--shared-cores", action="store_true")
     args = parser.parse_args()
     if not 1 <= args.members <= 100_000:
         parser.error(f"--members: {args.members} is not from 1 to 100000")
@@ -196,8 +206,11 @@ async def main() -> None:
         parser.error("--squids: at least 2 (a member's next instance is on another Squid)")
     if args.seconds <= 0 or args.rotate_every <= 0:
         parser.error("--seconds and --rotate-every: more than 0")
+    cores = Cores.split(shared=args.shared_cores)
+    print(cores, flush=True)
     metrics_port = free_port()
-    env = await start_dev_server("--metrics-port", str(metrics_port))
+    with cores.control_plane():
+        env = await start_dev_server("--metrics-port", str(metrics_port))
     actions = Actions(f"http://127.0.0.1:{metrics_port}/metrics", env.client.namespace)
     try:
         async with squid_ground("gateway", bind_address="0.0.0.0") as ground:
@@ -209,10 +222,11 @@ async def main() -> None:
                 "task_queue": spec["task_queue"] + POOL_QUEUE_SUFFIX,
                 "serve": SERVE_POOLS,
             }
-            workers = [
-                WorkerProcess(_subdirectory(ground.workdir, name), worker)
-                for name, worker in (("members", spec), ("pools", pools_spec))
-            ]
+            with cores.control_plane():
+                workers = [
+                    WorkerProcess(_subdirectory(ground.workdir, name), worker)
+                    for name, worker in (("members", spec), ("pools", pools_spec))
+                ]
             try:
                 for worker in workers:
                     await worker.wait_ready()
@@ -235,6 +249,51 @@ async def main() -> None:
     finally:
         await env.shutdown()
     summary(baseline, scaled)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Which cores the request path runs on, and which the control plane."""
+
+    request_path: frozenset[int]
+    control: frozenset[int]
+
+    @classmethod
+    def split(cls, *, shared: bool) -> Cores:
+        """The first core for the request path (this process from here on), the rest for
+        the control plane; every core for both when `shared` or with one core."""
+        every = frozenset(os.sched_getaffinity(0))
+        if shared or len(every) < 2:
+            return cls(every, every)
+        first = min(every)
+        cores = cls(frozenset({first}), every - {first})
+        _pin_this_process(cores.request_path)
+        return cores
+
+    @contextlib.contextmanager
+    def control_plane(self) -> Iterator[None]:
+        """Processes started inside run on the control plane's cores (they inherit them)."""
+        _pin_this_process(self.control)
+        try:
+            yield
+        finally:
+            _pin_this_process(self.request_path)
+
+    def __str__(self) -> str:
+        if self.request_path == self.control:
+            return f"cores: everything on {sorted(self.control)}"
+        return (
+            f"cores: request path (clients, gateway, member Squids, origin) on "
+            f"{sorted(self.request_path)}, control plane (dev server, workers) on "
+            f"{sorted(self.control)}"
+        )
+
+
+def _pin_this_process(cpus: frozenset[int]) -> None:
+    """Every thread of this process onto `cpus`: an affinity is per thread on Linux."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cpus)
 
 
 async def measure(bench: Bench, members: int, *, full: bool) -> Size:
