@@ -53,7 +53,7 @@ def test_the_scrapers_package_shares_only_the_gateways_username_grammar() -> Non
     ours = {"contract", "cli", "worker", "workflows", "activities", "startup", "gateway"}
     offenders = {
         str(path.relative_to(ROOT)): sorted(borrowed)
-        for path in sorted((ROOT / "proxy_operator").glob("**/*.py"))
+        for path in sorted((ROOT / "clients" / "python" / "proxy_operator").glob("**/*.py"))
         if (
             borrowed := {
                 m

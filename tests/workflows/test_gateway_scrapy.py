@@ -37,7 +37,7 @@ from proxy_operator.client import GatewayClient
 from tests.docs.markdown import Example, examples
 from tests.helpers.banning_origin import HOME_TITLE, BanningOrigin, serve_banning_origin
 from tests.helpers.config import PASSWORD, USERNAME
-from tests.helpers.gateway import GatewayProcess, pool_gateway
+from tests.helpers.gateway import CHECKOUT_PYTHONPATH, GatewayProcess, pool_gateway
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.tls_origin import TlsOrigin
@@ -110,7 +110,7 @@ def run_python(arguments: list[str], workdir: Path, env: dict[str, str], timeout
     run = subprocess.run(
         [sys.executable, *arguments],
         cwd=workdir,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env={**os.environ, "PYTHONPATH": CHECKOUT_PYTHONPATH, **env},
         capture_output=True,
         text=True,
         timeout=timeout,
