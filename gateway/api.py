@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from prometheus_client import REGISTRY, generate_latest
 
 from gateway.api_tokens import TokenStore
-from providers.squid import SESSION_KEY
+from proxy_operator.username import SESSION_KEY
 
 log = logging.getLogger("proxy_operator.gateway")
 

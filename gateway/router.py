@@ -77,11 +77,10 @@ from providers.squid import (
     TUNNEL_LIMIT_TEMPLATE,
     TUNNEL_REFUSED_HEADER,
     GatewayMember,
-    GatewayUsername,
     Route,
-    parse_gateway_username,
     peer_name,
 )
+from proxy_operator.username import GatewayUsername, parse_gateway_username
 
 # The front sends a request's head at once: it has read all of it already.
 HEAD_TIMEOUT = 10.0

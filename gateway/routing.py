@@ -28,7 +28,8 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from providers.squid import GatewayMember, GatewayUsername, Route, peer_name
+from providers.squid import GatewayMember, Route, peer_name
+from proxy_operator.username import GatewayUsername
 
 # The members a session is tried on, best first, before it fails.
 FIRST_TRIES = 10

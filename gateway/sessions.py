@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gateway.metrics import MemberNames
-from providers.squid import SESSION_INFIX, SESSION_KEY
+from proxy_operator.username import SESSION_INFIX, SESSION_KEY
 
 MAX_SESSIONS = 100_000
 # A router log line's fields (providers.squid.GATEWAY_LOG_FORMAT): status, peer

@@ -76,6 +76,7 @@ from providers.squid_process import (
     stop,
     write_file,
 )
+from proxy_operator import username as username_module
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -92,6 +93,8 @@ ROUTER_SOURCES = {
     Path("gateway/users.py"): _HERE.with_name("users.py"),
     Path("providers/__init__.py"): None,
     Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
+    Path("proxy_operator/__init__.py"): None,
+    Path("proxy_operator/username.py"): Path(username_module.__file__).resolve(),
 }
 ROUTER_DIR = "router"
 # The router's loopback port comes from below the kernel's ephemeral range

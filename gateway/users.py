@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from providers.squid import parse_gateway_username
+from proxy_operator.username import parse_gateway_username
 
 SCHEME = "scrypt"
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1

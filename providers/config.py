@@ -29,7 +29,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from providers.catalog import TYPE_NAMES, provider_type
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, PROXY_USERNAME, ProxySettings
+from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from proxy_operator.username import PROXY_USERNAME
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from gateway.main import METRICS_ENV, UsageError, checked, parse_args
 from gateway.membership import parse_endpoints
 from gateway.users import hash_password
 from providers.base import split_endpoint
-from providers.squid import GatewayMember, gateway_account
+from providers.squid import GatewayMember
+from proxy_operator.username import gateway_account
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gateway.routing import Members, userhash_member
-from providers.squid import GatewayMember, parse_gateway_username
+from providers.squid import GatewayMember
+from proxy_operator.username import parse_gateway_username
 
 USER = "proxy"
 

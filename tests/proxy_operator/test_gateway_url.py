@@ -6,13 +6,13 @@ import urllib.request
 
 import pytest
 
-from providers.squid import gateway_account, parse_gateway_username
 from proxy_operator.gateway_url import (
     InvalidProxySetting,
     gateway_proxy,
     gateway_username,
     proxy_url,
 )
+from proxy_operator.username import gateway_account, parse_gateway_username
 
 PASSWORD = "p@ss:w/rd%#"
 

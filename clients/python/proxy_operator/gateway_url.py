@@ -6,8 +6,8 @@ pins one member, and routing filters before either (`-zone-<zone>`,
 `-region-<region>`, `-provider-<name>`) keep to the members that match them.
 The gateway answers any username it cannot parse with a
 bare 407, which says nothing of what was wrong; built here, a bad field is
-named before the first request. The grammar's pieces are the gateway's own
-(providers/squid.py), so client and gateway cannot drift apart.
+named before the first request. The grammar's pieces (username.py) are the
+ones the gateway's router parses with, so client and gateway cannot drift apart.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypedDict, Unpack
 from urllib.parse import quote, urlsplit
 
-from providers.squid import (
+from proxy_operator.username import (
     FILTER_VALUE,
     FILTERS,
     PIN_INFIX,

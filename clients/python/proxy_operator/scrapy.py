@@ -41,13 +41,13 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import task, threads
 
-from providers.squid import FILTERS
 from proxy_operator.client import MAX_REASON, GatewayApiError, GatewayClient
 from proxy_operator.gateway_url import (
     GatewayProxy,
     InvalidProxySetting,
     gateway_proxy,
 )
+from proxy_operator.username import FILTERS
 
 if TYPE_CHECKING:
     from scrapy import Spider
