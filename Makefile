@@ -4,8 +4,9 @@ PYTHON ?= python3
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 # The client distribution's locked wheels (requirements/client.txt), from
-# which tests/test_client_install.py installs clients/python into a fresh
-# virtualenv with no index: the suite needs no network once make installed.
+# which tests/workflows/test_client_install.py installs clients/python into
+# a fresh virtualenv with no index: the suite needs no network once make
+# has installed.
 WHEELHOUSE = $(VENV)/wheelhouse
 # The suite runs in parallel (pytest-xdist). It waits on servers, Squids and
 # timers far more than it computes, so it runs more processes than the 2 cores
