@@ -20,6 +20,7 @@ COPY requirements/app.txt requirements/
 RUN pip install --require-hashes -r requirements/app.txt
 COPY pyproject.toml README.md ./
 COPY clients/python/ clients/python/
+COPY squid/ squid/
 COPY providers/ providers/
 COPY activities/ activities/
 COPY workflows/ workflows/

@@ -24,11 +24,14 @@ TLS, GET, close) through the gateway to a local TLS origin:
 3. rotating: `--seconds` while one member after another is rotated
    (`rotate {"member": ...}` every `--rotate-every` s, 3,600 an hour at the
    default, beyond the issue's 1,000 an hour); meanwhile one change at a time is
-   timed from the member's new endpoint appearing in the pool's `endpoints`
-   query until a request pinned to it (`USER-proxy-<member>`) reaches its new
-   instance (told by which Squid logged it: a member's next instance is always
-   on another Squid). The endpoints query is polled every 0.25 s, so a change
-   is seen up to that late and timed that much short.
+   timed from the pool's change (the workflow task that put the member's new
+   endpoint in `endpoints`, as the server stamped its upsert of their digest
+   in the pool's history) until a request pinned to it (`USER-proxy-<member>`)
+   reaches its new instance (told by which Squid logged it: a member's next
+   instance is always on another Squid), timed to that probe's start. Which
+   upsert was the member's: the first between the `endpoints` poll (every
+   0.25 s) before the new endpoint was listed and the poll that listed it, so
+   a change is timed from no later than the pool made it.
 4. (N only) rotating all: `--seconds` right after every pool was sent
    `rotate {"all": true}` (its `max_surge` is 10%).
 5. (N only) Temporal actions per rotation: the dev server's `action` counter
@@ -65,9 +68,11 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -87,12 +92,14 @@ from bench.gateway_load import (
 )
 from bench.pool import generations
 from bench.stats import percentile
-from contract import POOL_QUEUE_SUFFIX
+from contract import ENDPOINTS_DIGEST_MEMO, POOL_QUEUE_SUFFIX
+from gateway.main import DEFAULT_DEBOUNCE_SECONDS, DEFAULT_POLL_SECONDS
 from providers.base import split_endpoint
 from tests.helpers.config import PASSWORD_ENV, USERNAME, local_entry, raw_config
 from tests.helpers.gateway import GatewayProcess
 from tests.helpers.network import free_port
 from tests.helpers.procfs import load_average
+from tests.helpers.run_chain import run_histories
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
 from worker import SERVE_POOLS
@@ -100,11 +107,11 @@ from workflows.pool_input import MAX_REPLICAS
 
 BASELINE = 10
 CREDENTIALS = (USERNAME, PASSWORD)
-# The gateway's own defaults (docs/operations.md), as an operator runs it.
-GATEWAY_POLL_SECONDS = 2.0
-GATEWAY_DEBOUNCE_SECONDS = 1.0
 MEMBER_NETWORKS = "127.0.0.0/8"
 ENDPOINTS_POLL = 0.25
+# A query answers from the worker's state, which takes in a change a moment
+# before the server stamps the task's upsert.
+STAMP_SLACK = 0.5
 CHANGE_DEADLINE = 30.0
 READY_POLL = 2.0
 # Actions the workers cause by calling the server, not the gateway.
@@ -126,7 +133,7 @@ class Size:
     still: Phase
     rotating: Phase
     rotations: int
-    # Seconds from a new endpoint in `endpoints` to a pinned request reaching it.
+    # Seconds from the pool's change to a pinned request reaching the new endpoint.
     changes: list[float]
     changes_missed: int
     rss_kib: int
@@ -137,6 +144,8 @@ class Size:
     rotating_all: Phase | None = None
     actions: dict[str, Counter[str]] = field(default_factory=dict)
     window_rotations: dict[str, int] = field(default_factory=dict)
+    # Changes served that no upsert in the pool's history could be told for.
+    changes_untimed: int = 0
     # The gateway's own time per change, to the router's answer: (changes, seconds).
     router_changes: tuple[float, float] = (0.0, 0.0)
 
@@ -274,6 +283,7 @@ async def _measure(
             sessions,
             rotating_all,
         )
+        result.changes_untimed = rotator.untimed
         samples = await asyncio.to_thread(gateway.metrics)
         result.router_changes = (
             samples.get(("proxy_operator_gateway_change_seconds_count", ()), 0.0),
@@ -333,8 +343,9 @@ def _gateway(bench: Bench, pools: Sequence[str], directory: Path) -> GatewayProc
         temporal_address=bench.client.service_client.config.target_host,
         namespace=bench.client.namespace,
         directory=directory,
-        poll_seconds=GATEWAY_POLL_SECONDS,
-        debounce_seconds=GATEWAY_DEBOUNCE_SECONDS,
+        # The gateway's own defaults (docs/operations.md), as an operator runs it.
+        poll_seconds=DEFAULT_POLL_SECONDS,
+        debounce_seconds=DEFAULT_DEBOUNCE_SECONDS,
         extra_args=[
             *itertools.chain.from_iterable(("--pool", pool) for pool in pools[1:]),
             *("--member-networks", MEMBER_NETWORKS),
@@ -398,6 +409,7 @@ async def _phase(
     cpu = await asyncio.to_thread(gateway_cpu, gateway) - cpu_before
     if rotator is not None:
         await rotator.stop()  # the changes still under way timed, without the load
+        await rotator.time_changes()
     return load.phase(name, seconds, cpu)
 
 
@@ -412,8 +424,16 @@ class Rotator:
         gateway: GatewayProcess,
     ) -> None:
         self._bench, self._pools, self._gateway = bench, pools, gateway
+        # Seconds from the pool's change to traffic, once `time_changes` has them.
         self.changes: list[float] = []
         self.missed = 0
+        # Changes served whose pool change the history does not show in their window.
+        self.untimed = 0
+        # Each change served, in wall-clock time (the server's stamps are too): when the
+        # poll before its listing was sent, when the listing poll answered, when the
+        # first probe to reach the new instance was sent (a probe takes a while to be
+        # told apart: its Squid's log line).
+        self._served: list[tuple[float, float, float]] = []
         self.rejected: Counter[str] = Counter()
         # Pinned probes by where they went: the new instance, the old, nowhere.
         self.probes: Counter[str] = Counter()
@@ -501,13 +521,17 @@ class Rotator:
 
     async def _watch(self) -> None:
         """Poll the first pool's endpoints; a member's new endpoint starts its probes."""
+        polled = time.time()
         while True:
+            asked = time.time()
             self._listed = await _endpoints(self._pools[0])
+            window = (polled, time.time())
+            polled = asked
             now = time.monotonic()
             for member, (old, rotated) in list(self._awaited.items()):
                 new = self._listed.get(member, old)
                 if new != old:
-                    tracker = asyncio.create_task(self._until_served(member, new, now))
+                    tracker = asyncio.create_task(self._until_served(member, new, window))
                     self._trackers.add(tracker)
                     del self._awaited[member]
                 elif now - rotated > CHANGE_DEADLINE:
@@ -515,13 +539,15 @@ class Rotator:
                     del self._awaited[member]
             await asyncio.sleep(ENDPOINTS_POLL)
 
-    async def _until_served(self, member: str, new: str, listed: float) -> None:
-        """Pinned probes to `member` until one reaches its instance at `new`."""
+    async def _until_served(self, member: str, new: str, window: tuple[float, float]) -> None:
+        """Pinned probes to `member` until one reaches its instance at `new`, listed
+        between the two wall-clock times of `window`."""
         address = split_endpoint(new)
         assert address is not None, new
         bench = self._bench
-        while time.monotonic() - listed < CHANGE_DEADLINE:
+        while time.time() - window[1] < CHANGE_DEADLINE:
             async with self._probing:
+                sent = time.time()
                 served = await asyncio.to_thread(
                     pinned_probe,
                     self._gateway,
@@ -532,11 +558,35 @@ class Rotator:
                 )
             if served == address[1]:
                 self.probes["new"] += 1
-                self.changes.append(time.monotonic() - listed)
+                self._served.append((*window, sent))
                 return
             self.probes["failed" if served is None else "old"] += 1
             await asyncio.sleep(PROBE_GAP)
         self.missed += 1
+
+    async def time_changes(self) -> None:
+        """Each change served, timed from the pool's change: the first upsert of its
+        endpoints' digest in the window its listing was seen in."""
+        pool = self._pools[0]
+        run = pool.first_execution_run_id or pool.result_run_id
+        assert run is not None, pool.id
+        upserts = sorted(
+            [
+                event.event_time.ToDatetime(UTC).timestamp()
+                async for events in run_histories(self._bench.client, pool.id, run)
+                for event in events
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED
+                and ENDPOINTS_DIGEST_MEMO
+                in event.workflow_properties_modified_event_attributes.upserted_memo.fields
+            ]
+        )
+        for after, listed, served in self._served:
+            changed = next((t for t in upserts if after < t <= listed + STAMP_SLACK), None)
+            if changed is None:
+                self.untimed += 1
+            else:
+                self.changes.append(served - changed)
+        self._served.clear()
 
 
 def _index(member: str) -> int:
@@ -615,7 +665,7 @@ def report(size: Size) -> None:
     )
     if size.changes:
         print(
-            f"change applied (new endpoint listed -> pinned request reaches it), "
+            f"change applied (the pool's change -> pinned request reaches it), "
             f"{len(size.changes)} timed: p50 {percentile(size.changes, 50) * 1000:.0f} ms, "
             f"max {max(size.changes) * 1000:.0f} ms"
         )
@@ -627,6 +677,7 @@ def report(size: Size) -> None:
         )
     print(
         f"changes not applied within {CHANGE_DEADLINE:.0f} s: {size.changes_missed}; "
+        f"served but not told in the pool's history: {size.changes_untimed}; "
         f"pinned probes: {dict(size.probes)}"
     )
     print(

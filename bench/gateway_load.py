@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import percentile
-from providers import procfs
+from squid import procfs
 from tests.helpers.api import call
 from tests.helpers.gateway import GatewayProcess
 from tests.helpers.procfs import children_by_parent, cpu_seconds, descendants, status_value

@@ -25,7 +25,7 @@ from bench.stats import percentile
 from providers.base import CreateRequest, InstanceState
 from providers.local import METADATA_FILE, LocalConfig, LocalProvider
 from providers.naming import owner_tags
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 from tests.helpers.config import LOOPBACK_ORIGIN_DENIED
 from tests.helpers.procfs import children_by_parent
 from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin

@@ -25,7 +25,7 @@ from providers.aws import AwsConfig, AwsProvider
 from providers.base import CreateRequest, InstanceState, Provider
 from providers.gcp import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, GcpConfig, GcpProvider
 from providers.naming import instance_name, owner_tags
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute
 from tests.fakes.ec2 import REGION, FakeEc2
 

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from providers.squid_process import find_binary, remove_shm, service_name
+from squid.process import find_binary, remove_shm, service_name
 from tests.helpers.network import free_port
 
 RELOAD_GAP = 1.5

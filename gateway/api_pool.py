@@ -29,8 +29,8 @@ from gateway.api import ApiError
 from gateway.placement import region_of, zone_of
 from gateway.routing import userhash_member
 from gateway.sessions import SessionMap
-from providers.squid import GatewayMember
 from proxy_operator.username import SESSION_INFIX, parse_gateway_username
+from squid.gateway import GatewayMember
 from workflows.pool_carried import aware_time
 from workflows.pool_input import DEFAULT_PAGE, MAX_REPLICAS
 

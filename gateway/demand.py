@@ -1,33 +1,30 @@
-"""The gateway's demand, measured and reported to its pool (`report_demand` update).
+"""The gateway's demand, measured and reported to its pools (`report_demand` update).
 
-What an autoscaled pool sizes itself by (workflows/pool_autoscale.py):
+What an autoscaled pool sizes itself by (workflows/pool_autoscale.py),
+each pool its own, counted by the router (`GatewaySquid.open_tunnels`), which
+knows the pool of the member it sends each tunnel to:
 
-- open tunnels: the tunnels a member granted (answered 200) that are open
-  now, counted by the router where they open and close
-  (`GatewaySquid.open_tunnels`), every SAMPLE_SECONDS; a report gives the
-  most seen at once since the last one. A client refused (no or wrong
-  credentials, a user over its `tunnels=` limit, a username no member
-  admits, a port not allowed) or still being checked holds none, however
-  long its check takes, nor does a socket that sends nothing, though Squid
-  holds it until its timeout: only a client holding credentials can hold a
-  pool up. A CONNECT held while an autoscaled pool wakes counts once its
-  member granted it (the holder wakes the pool itself);
-- new tunnels: the CONNECTs the front granted (200) since the last report
-  (its access log, which the gateway follows for its metrics anyway; Squid
-  writes a tunnel's line when it closes).
+- open tunnels: the tunnels one of the pool's members granted (answered
+  200) that are open now, counted where they open and close, every
+  SAMPLE_SECONDS; a report gives the most seen at once since the last one.
+  A client refused (no or wrong credentials, a user over its `tunnels=`
+  limit, a username no member admits, a port not allowed) or still being
+  checked holds none, however long its check takes, nor does a socket that
+  sends nothing, though Squid holds it until its timeout: only a client
+  holding credentials can hold a pool up. A CONNECT held while a pool at
+  zero wakes counts for that pool once its member granted it (the pool's
+  stand-in, gateway/wake.py, is counted as the pool's);
+- new tunnels: the tunnels the pool's members granted since the last report.
 
 A report is an action billed by Temporal Cloud and a history event, so the
-gateway reports sparingly: every REPORT_SECONDS at most, and only when the
-demand moved (`moved`) or HEARTBEAT has passed (the pool forgets a report
-after workflows/pool_autoscale.REPORT_STALE). A pool that is not autoscaled
-says so, and the gateway stops reporting to it.
+gateway reports sparingly: every REPORT_SECONDS at most, and to a pool only
+when its demand moved (`moved`) or HEARTBEAT has passed since its last report
+(the pool forgets a report after workflows/pool_autoscale.REPORT_STALE). A
+pool that is not autoscaled says so, and the gateway stops reporting to it.
 
-Behind a gateway of several pools (gateway/pools.py), each autoscaled pool
-is told the gateway's whole demand: a tunnel is counted before the router
-picks its member, and a rotating client may land on any pool, so each is
-sized as if it alone carried the gateway's clients. That errs towards
-members that idle (bounded by each pool's `max_replicas`), never towards
-clients held at a pool too small for them.
+Behind a gateway of several pools (gateway/pools.py) each pool is told only
+the tunnels its own members carry: a pool whose members carry nothing is
+told 0 and may scale to zero while another pool takes the gateway's clients.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +51,7 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
-from gateway.squid import GatewayError
+from gateway.squid import GatewayError, Tunnels
 from workflows.pool_autoscale import GATEWAY_NAME, MIN_REPORT_INTERVAL, NOT_AUTOSCALED
 
 log = logging.getLogger("proxy_operator.gateway")
@@ -93,22 +90,22 @@ def moved(last: Sample | None, now: Sample) -> bool:
 
 
 class DemandMeter:
-    """Peak open tunnels and answered CONNECTs since the last `take`; thread-safe."""
+    """Per pool: peak open tunnels and tunnels granted since the last `take`; thread-safe."""
 
-    def __init__(self, open_tunnels: Callable[[], int]) -> None:
-        """`open_tunnels`: how many granted tunnels are open now (the router's count;
-        GatewayError when the router did not answer)."""
-        self._open_tunnels = open_tunnels
+    def __init__(self, tunnels: Callable[[], Tunnels]) -> None:
+        """`tunnels`: the router's count, per pool (GatewayError when it did not answer)."""
+        self._tunnels = tunnels
         self._lock = threading.Lock()
-        self._peak = 0
-        self._answered = 0
-        self._last = 0
+        self._peak: dict[str, int] = {}
+        # Each pool's granted tunnels (since the router started) at the last take.
+        self._granted: dict[str, int] = {}
+        self._last = Tunnels(0, {})
 
-    def _now(self) -> int:
+    def _now(self) -> Tunnels:
         """What is open now, or what was last counted if the router did not answer: a
         missed look must not end the reports (the gateway stops if the router is gone)."""
         try:
-            now = self._open_tunnels()
+            now = self._tunnels()
         except GatewayError as err:
             log.warning("open tunnels not counted this second: %s", err)
             return self._last
@@ -116,38 +113,26 @@ class DemandMeter:
         return now
 
     def sample(self) -> int:
+        """One look; the tunnels open now over every pool."""
         now = self._now()
         with self._lock:
-            self._peak = max(self._peak, now)
-        return now
+            for pool, (open_now, _) in now.pools.items():
+                self._peak[pool] = max(self._peak.get(pool, 0), open_now)
+        return now.open
 
-    def count_front_line(self, line: str) -> None:
-        """One line of the front's access log: a tunnel counts if it was granted (200).
-
-        A client refused (407, 403) is no demand: unauthenticated clients
-        must not hold a pool up.
-        """
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == "200":
-            with self._lock:
-                self._answered += 1
-
-    def counting(self, handle: Callable[[str], None]) -> Callable[[str], None]:
-        """`handle` for the front's access log lines, each also counted here."""
-
-        def both(line: str) -> None:
-            handle(line)
-            self.count_front_line(line)
-
-        return both
-
-    def take(self) -> Sample:
-        """What was seen since the last take; starts the next window at what is open now."""
-        current = self._now()
+    def take(self) -> dict[str, Sample]:
+        """Each pool's demand since the last take (a pool with none: not listed); starts
+        the next window at what is open now."""
+        now = self._now()
         with self._lock:
-            sample = Sample(max(self._peak, current), self._answered)
-            self._peak, self._answered = current, 0
-        return sample
+            taken = {}
+            for pool in now.pools.keys() | self._peak.keys():
+                open_now, granted = now.pools.get(pool, (0, self._granted.get(pool, 0)))
+                peak = max(self._peak.get(pool, 0), open_now)
+                taken[pool] = Sample(peak, max(0, granted - self._granted.get(pool, 0)))
+            self._peak = {pool: open_now for pool, (open_now, _) in now.pools.items()}
+            self._granted = {pool: granted for pool, (_, granted) in now.pools.items()}
+        return {pool: sample for pool, sample in taken.items() if sample != Sample(0, 0)}
 
 
 class DemandReporter:
@@ -169,11 +154,12 @@ class DemandReporter:
         self.fixed: set[str] = set()
         self.meter = meter
         self.name = name
-        self.last: Sample | None = None
-        self.last_at = 0.0
+        # Per pool: the last report it took, and when.
+        self.last: dict[str, Sample] = {}
+        self.last_at: dict[str, float] = {}
 
     async def run(self, report_seconds: float = REPORT_SECONDS) -> None:
-        """Until cancelled, or until the pool turns out not to be autoscaled."""
+        """Until cancelled, or until every pool turns out not to be autoscaled."""
         window_start = time.monotonic()
         while True:
             while time.monotonic() - window_start < report_seconds:
@@ -181,24 +167,44 @@ class DemandReporter:
                 await asyncio.sleep(SAMPLE_SECONDS)
             window = time.monotonic() - window_start
             window_start = time.monotonic()
-            sample = await asyncio.to_thread(self.meter.take)
-            if not moved(self.last, sample) and time.monotonic() - self.last_at < HEARTBEAT:
-                continue
-            if not await self.report(sample, window):
+            samples = await asyncio.to_thread(self.meter.take)
+            if not await self.report(samples, window):
                 return
 
-    async def report(self, sample: Sample, window: float) -> bool:
-        """One report to each pool; False once every pool said it is not autoscaled (stop)."""
-        body = {
-            "gateway": self.name,
-            "open_tunnels": sample.open_tunnels,
-            "new_tunnels": sample.new_tunnels,
-            "window_seconds": max(1, min(3600, round(window))),
+    def due(self, samples: Mapping[str, Sample]) -> dict[str, Sample]:
+        """The pools to report to now, each with its own demand: it moved, or HEARTBEAT
+        passed since the pool's last report."""
+        now = time.monotonic()
+        return {
+            pool: sample
+            for pool in self.pools()
+            if pool not in self.fixed
+            for sample in [samples.get(pool, Sample(0, 0))]
+            if moved(self.last.get(pool), sample) or now - self.last_at[pool] >= HEARTBEAT
         }
-        pools = [pool for pool in self.pools() if pool not in self.fixed]
-        sent = await asyncio.gather(*(self._report_to(pool, body) for pool in pools))
-        if any(sent):
-            self.last, self.last_at = sample, time.monotonic()
+
+    async def report(self, samples: Mapping[str, Sample], window: float) -> bool:
+        """Its own demand to each pool `due`; False once every pool said it is not
+        autoscaled (stop)."""
+        due = self.due(samples)
+        seconds = max(1, min(3600, round(window)))
+        sent = await asyncio.gather(
+            *(
+                self._report_to(
+                    pool,
+                    {
+                        "gateway": self.name,
+                        "open_tunnels": sample.open_tunnels,
+                        "new_tunnels": sample.new_tunnels,
+                        "window_seconds": seconds,
+                    },
+                )
+                for pool, sample in due.items()
+            )
+        )
+        for (pool, sample), took in zip(due.items(), sent, strict=True):
+            if took:
+                self.last[pool], self.last_at[pool] = sample, time.monotonic()
         return any(pool not in self.fixed for pool in self.pools())
 
     async def _report_to(self, pool: str, body: dict[str, Any]) -> bool:

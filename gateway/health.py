@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import cli
 from gateway.wake import real
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 LIVE_SECONDS = 30.0
 STALE_POLLS = 3

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from providers.config import Config
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
 

@@ -38,7 +38,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from contract import ENDPOINTS_DIGEST_MEMO
 from gateway.placement import region_of, zone_of
 from providers.base import split_endpoint
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
 

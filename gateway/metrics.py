@@ -1,7 +1,7 @@
 """The gateway's Prometheus series, read from its access logs.
 
 Squid (front.log) and the router (router.log) log every request in
-`providers.squid.GATEWAY_LOG_FORMAT`'s fields:
+`squid.gateway.GATEWAY_LOG_FORMAT`'s fields:
 
     <time> <ms> <status> <squid status>/<hierarchy> <peer name> <peer ip> <peer port> <method> <url>
 
@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from providers.squid import GatewayMember, Route, peer_name
+from squid.gateway import GatewayMember, Route, peer_name
 
 REQUESTS = Counter(
     "proxy_operator_gateway_requests",

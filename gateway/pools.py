@@ -36,7 +36,7 @@ from gateway import membership, metrics
 from gateway.health import GatewayHealth
 from gateway.member_networks import Gatekeeper, MemberNetworks
 from gateway.wake import Holder
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -91,8 +91,8 @@ class Pools:
     """The gateway's pools: what each admits now, which are open, and their union.
 
     `apply` is what puts a membership in force (the router's); the union goes
-    to it whole, one call at a time, with the wake holder standing in while
-    no pool lists a member (gateway/wake.py).
+    to it whole, one call at a time, with an autoscaled pool's wake holder
+    standing in for it while it lists no member (gateway/wake.py).
     """
 
     def __init__(
@@ -105,10 +105,13 @@ class Pools:
         self.client = client
         self.ids = tuple(ids)
         self.health = health
-        self.holder: Holder | None = None
+        # The autoscaled pools' wake holders, by pool.
+        self.holders: dict[str, Holder] = {}
         self._gatekeepers = {pool: Gatekeeper(allowed) for pool in ids}
         self._admitted: dict[str, tuple[GatewayMember, ...]] = dict.fromkeys(ids, ())
         self._closed: set[str] = set()
+        # Each routed member's pool, as `routed` last gave them.
+        self._pool_of: dict[str, str] = {}
         self._applying = asyncio.Lock()
         for pool in ids:
             metrics.MEMBERSHIP_ERRORS.labels(pool=pool)
@@ -139,21 +142,17 @@ class Pools:
         self.health.answered(pool)
         return self._gatekeepers[pool].admit(listed)
 
-    async def fetch_each(self, pools: Sequence[str]) -> list[GatewayMember]:
-        """The members of `pools` together; a pool that cannot answer now adds none."""
-        answers = await asyncio.gather(*(self.fetch(p) for p in pools), return_exceptions=True)
-        found: list[GatewayMember] = []
-        for pool, answer in zip(pools, answers, strict=True):
-            if isinstance(answer, BaseException):
-                log.warning("endpoints query for pool %s failed: %s", pool, answer)
-            else:
-                found += answer
-        return found
-
     def routed(self) -> list[GatewayMember]:
-        """What the router gets: every pool's members, or the wake holder while there is none."""
+        """What the router gets: every pool's members, then a stand-in for each autoscaled
+        open pool that lists none, in the pools' order (the order they are tried in)."""
         members: dict[str, GatewayMember] = {}
+        pools: dict[str, str] = {}
+        stand_ins = []
         for pool in self.ids:
+            holder = self.holders.get(pool)
+            if not self._admitted[pool] and holder is not None and pool not in self._closed:
+                stand_ins.append(holder.stand_in())
+                pools[stand_ins[-1].member] = pool
             for member in self._admitted[pool]:
                 kept = members.setdefault(member.member, member)
                 if kept is not member:
@@ -162,9 +161,14 @@ class Pools:
                         pool,
                         member.member[:MAX_SHOWN_ID],
                     )
-        if not members and self.holder is not None:
-            return [self.holder.stand_in()]
-        return sorted(members.values(), key=lambda m: m.member)
+                else:
+                    pools[member.member] = pool
+        self._pool_of = pools
+        return sorted(members.values(), key=lambda m: m.member) + stand_ins
+
+    def pool_of(self, member: str) -> str | None:
+        """The pool whose member (or stand-in) `member` is in what `routed` last gave."""
+        return self._pool_of.get(member)
 
     async def follow(self, apply: Apply, *, poll_seconds: float, debounce_seconds: float) -> None:
         """Follow every open pool until cancelled; PoolClosed once none is open."""

@@ -5,9 +5,17 @@
     python3 router.py LISTEN_PORT ACCESS_LOG FLEET_USER [--users FILE]
     stdin:  {"password": "..."}              once, first: the fleet's password
             {"members": [{...}, ...]}        the members in rotation, whole, at each change
-            {"tunnels": null}                how many tunnels a member granted are open
+            {"tunnels": null}                the tunnels members granted, per pool
     stdout: "listening", then "members <n>" once each change is in force, and
-            "tunnels <n>" to each question
+            'tunnels <n> {"<pool>": [<open>, <granted>], ...}' to each question
+
+A member is `{"member", "host", "port"}`, optionally with the `"zone"`,
+`"region"` and `"provider"` filters match and the `"pool"` its tunnels count
+for. A tunnels answer gives the tunnels open now that a member granted
+(answered 200), all of them and per pool, and per pool the tunnels granted
+since the router started: the gateway's demand, each pool's own
+(gateway/demand.py). A pool none of whose members has granted a tunnel is
+not listed.
 
 A membership change replaces an in-memory index (gateway/routing.py) between
 two requests: nothing reloads, no client waits, and a tunnel to a member
@@ -18,7 +26,7 @@ members as at 10,000.
 For each CONNECT the front passes on (with the client's credentials):
 
 - the credentials: the fleet's (every username form of the fleet's USER,
-  providers.squid.parse_gateway_username) or a users-file user's (its
+  proxy_operator.username.parse_gateway_username) or a users-file user's (its
   scrypt hash, gateway/users.py, checked in a thread of its own and
   remembered while the file stays the same); anything else 407;
 - a users-file user's `zones=` and `tunnels=` (open tunnels counted here,
@@ -66,7 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.relay import read_head, relay
 from gateway.routing import Members
 from gateway.users import Checker, Verdict
-from providers.squid import (
+from proxy_operator.username import GatewayUsername, parse_gateway_username
+from squid.gateway import (
     MEMBER_CONNECT_FAIL_LIMIT,
     MEMBER_CONNECT_TIMEOUT,
     NO_MEMBER_PAGE,
@@ -80,7 +89,6 @@ from providers.squid import (
     Route,
     peer_name,
 )
-from proxy_operator.username import GatewayUsername, parse_gateway_username
 
 # The front sends a request's head at once: it has read all of it already.
 HEAD_TIMEOUT = 10.0
@@ -121,12 +129,18 @@ class Router:
         self.connections = 0
         # Tunnels open now that a member granted (answered 200): the gateway's demand.
         self.granted = 0
+        # Each member's pool, and per pool the tunnels open now and granted since start.
+        self._pool_of: dict[str, str] = {}
+        self._open_by_pool: Counter[str] = Counter()
+        self._granted_by_pool: Counter[str] = Counter()
         self.max_connections = _descriptors() // 2 - DESCRIPTORS_KEPT
         self._login = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
-    def update(self, members: list[GatewayMember]) -> None:
-        """The members in rotation from now on; a member that left keeps its open tunnels."""
+    def update(self, members: list[GatewayMember], pools: dict[str, str]) -> None:
+        """The members in rotation from now on (`pools`: each one's pool); a member that
+        left keeps its open tunnels, still counted for its pool."""
         self.members = Members(members)
+        self._pool_of = pools
         for gone in self._health.keys() - self.members.by_id.keys():
             health = self._health.pop(gone)
             if health.probing is not None:
@@ -235,11 +249,15 @@ class Router:
                 writer.write(answer)
                 await writer.drain()
                 if record[0] == "200":
+                    pool = self._pool_of.get(member.member, "")
                     self.granted += 1
+                    self._open_by_pool[pool] += 1
+                    self._granted_by_pool[pool] += 1
                     try:
                         await relay(reader, writer, member_reader, member_writer)
                     finally:
                         self.granted -= 1
+                        self._open_by_pool[pool] -= 1
             finally:
                 member_writer.close()
             return
@@ -318,6 +336,14 @@ class Router:
                 probe.close()
                 self._health.pop(member.member, None)
                 return
+
+    def tunnels(self) -> str:
+        """The answer to a tunnels question (the module docstring)."""
+        pools = {
+            pool: [self._open_by_pool[pool], granted]
+            for pool, granted in self._granted_by_pool.items()
+        }
+        return f"tunnels {self.granted} {json.dumps(pools, separators=(',', ':'))}"
 
     async def _check(self, username: str, password: str) -> Verdict | None:
         """Who `username` with `password` is, or None: no account has that username form."""
@@ -412,6 +438,11 @@ async def _answer(
     await writer.drain()
 
 
+def _pools(members: list[dict[str, Any]]) -> dict[str, str]:
+    """Each member's pool, for those the message names one for."""
+    return {str(m["member"]): str(m["pool"]) for m in members if m.get("pool") is not None}
+
+
 def _member(fields: dict[str, Any]) -> GatewayMember:
     return GatewayMember(
         str(fields["member"]),
@@ -435,10 +466,11 @@ async def _serve(port: int, log: TextIO, user: str, users: str | None) -> int:
         while line := await stdin.readline():
             message = json.loads(line)
             if "members" in message:
-                router.update([_member(fields) for fields in message["members"]])
-                print(f"members {len(router.members.members)}", flush=True)
+                listed = message["members"]
+                router.update([_member(fields) for fields in listed], _pools(listed))
+                print(f"members {len(listed)}", flush=True)
             else:
-                print(f"tunnels {router.granted}", flush=True)
+                print(router.tunnels(), flush=True)
     return 0  # the gateway is gone
 
 

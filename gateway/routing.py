@@ -5,6 +5,12 @@
     USER-proxy-<member>       pin: that member alone
     USER-zone-<z>-...         filters first: only members whose values they name
 
+A stand-in (`STAND_IN`, an id no pool member has: gateway/wake.py's holder
+for a pool at zero) is tried only when no member in rotation is admitted,
+and never pinned: a request some member can serve wakes nobody. Stand-ins
+are tried in the order given (the pools' order), so a request several pools
+at zero could serve goes to the first of them alone.
+
 A pure index over the members in rotation, rebuilt whole at each membership
 change (`Members`), so a choice costs the same at 10 members as at 10,000:
 the members a set of filters admits are listed once per change and kept,
@@ -28,9 +34,11 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from providers.squid import GatewayMember, Route, peer_name
 from proxy_operator.username import GatewayUsername
+from squid.gateway import GatewayMember, Route, peer_name
 
+# The id of a pool's stand-in is this and the pool's id; a member's is `<pool>/<n>`.
+STAND_IN = "wake-hold:"
 # The members a session is tried on, best first, before it fails.
 FIRST_TRIES = 10
 _MASK = 0xFFFFFFFF
@@ -83,11 +91,18 @@ def userhash_member(username: str, members: Sequence[str]) -> str | None:
     return best
 
 
+def is_stand_in(member: str) -> bool:
+    """Whether `member` is a pool's stand-in while it is at zero, not a member."""
+    return member.startswith(STAND_IN)
+
+
 class Members:
     """The members in rotation, indexed for each request's choice; replaced at each change."""
 
     def __init__(self, members: Sequence[GatewayMember]) -> None:
-        self.members = tuple(members)
+        """`members`: the members in rotation and the stand-ins, told apart by their ids."""
+        self.members = tuple(m for m in members if not is_stand_in(m.member))
+        self.stand_ins = tuple(m for m in members if is_stand_in(m.member))
         self.by_id = {member.member: member for member in self.members}
         self._hashes = {member.member: member_hash(member.member) for member in self.members}
         self._admitted: dict[tuple[tuple[str, str], ...], tuple[GatewayMember, ...]] = {}
@@ -108,7 +123,8 @@ class Members:
 
         Rotation starts each CONNECT one further along its list and then goes
         round it; a session tries its key's members by falling score; a pin
-        has its member alone, if its filters admit it. Empty: no member may
+        has its member alone, if its filters admit it. No member admitted:
+        the stand-ins the filters admit, in order. Empty: no member may
         take the request, which then goes nowhere.
         """
         if parsed.pin is not None:
@@ -118,6 +134,7 @@ class Members:
             return
         admitted = self.admitted(parsed.filters)
         if not admitted:
+            yield from (m for m in self.stand_ins if m.matches(parsed.filters))
             return
         if parsed.session is not None:
             yield from self._by_score(username, admitted)

@@ -29,7 +29,7 @@ from gateway.metrics import MemberNames
 from proxy_operator.username import SESSION_INFIX, SESSION_KEY
 
 MAX_SESSIONS = 100_000
-# A router log line's fields (providers.squid.GATEWAY_LOG_FORMAT): status, peer
+# A router log line's fields (squid.gateway.GATEWAY_LOG_FORMAT): status, peer
 # name, peer address and port, and the username last.
 _STATUS, _PEER, _ADDRESS, _PORT, _USER = 2, 4, 5, 6, 9
 

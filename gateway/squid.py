@@ -44,16 +44,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from providers import procfs
-from providers import squid as squid_module
-from providers.squid import (
-    SQUID_USER,
-    GatewayMember,
-    ProxySettings,
-    SquidPaths,
-    render_gateway_front,
-)
-from providers.squid_process import (
+from proxy_operator import username as username_module
+from squid import gateway as squid_gateway
+from squid import procfs
+from squid.conf import SQUID_USER, ProxySettings, SquidPaths, render_gateway_front
+from squid.gateway import GatewayMember
+from squid.process import (
     SquidError,
     SquidExited,
     accepts,
@@ -76,7 +72,6 @@ from providers.squid_process import (
     stop,
     write_file,
 )
-from proxy_operator import username as username_module
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -91,10 +86,10 @@ ROUTER_SOURCES = {
     Path("gateway/relay.py"): _HERE.with_name("relay.py"),
     Path("gateway/routing.py"): _HERE.with_name("routing.py"),
     Path("gateway/users.py"): _HERE.with_name("users.py"),
-    Path("providers/__init__.py"): None,
-    Path("providers/squid.py"): Path(squid_module.__file__).resolve(),
     Path("proxy_operator/__init__.py"): None,
     Path("proxy_operator/username.py"): Path(username_module.__file__).resolve(),
+    Path("squid/__init__.py"): None,
+    Path("squid/gateway.py"): Path(squid_gateway.__file__).resolve(),
 }
 ROUTER_DIR = "router"
 # The router's loopback port comes from below the kernel's ephemeral range
@@ -134,6 +129,15 @@ class Listener:
     access_log: Path
 
 
+@dataclass(frozen=True)
+class Tunnels:
+    """The router's count: tunnels open now that a member granted, and per pool (open
+    now, granted since the router started); a pool that granted none is not listed."""
+
+    open: int
+    pools: dict[str, tuple[int, int]]
+
+
 class GatewaySquid:
     """Starts, updates and stops the gateway's Squid and router; blocking calls."""
 
@@ -145,11 +149,14 @@ class GatewaySquid:
         squid_binary: str = "squid",
         users: str | None = None,
         client_connections: int | None = None,
+        pool_of: Callable[[str], str | None] = lambda member: None,
     ) -> None:
         """`users` is a users file's text (gateway/users.py), checked; None: the fleet's
         credential alone. `client_connections`: the most connections one client address
-        may hold at the front; None, no cap."""
+        may hold at the front; None, no cap. `pool_of`: a member's pool, which its
+        tunnels count for (`open_tunnels`)."""
         self._settings = settings
+        self._pool_of = pool_of
         self._users = users
         self._client_connections = client_connections
         try:
@@ -333,24 +340,33 @@ class GatewaySquid:
                 "zone": m.zone,
                 "region": m.region,
                 "provider": m.provider,
+                "pool": self._pool_of(m.member),
             }
             for m in members
         ]
         self._tell_router({"members": listed}, f"members {len(listed)}", APPLY_DEADLINE)
         self.members = tuple(members)
 
-    def open_tunnels(self) -> int:
-        """Tunnels open now that a member granted: what the gateway's demand is made of.
+    def open_tunnels(self) -> Tunnels:
+        """Tunnels open now that a member granted, and per pool: what demand is made of.
 
         Counted by the router, where tunnels open and close: a client refused
         (no or wrong credentials, a port not allowed) or still being checked
         holds none, however long its check takes.
         """
         line = self._ask_router({"tunnels": None}, APPLY_DEADLINE)
-        word, _, count = line.partition(" ")
-        if word != "tunnels" or not count.isdigit():
+        word, _, rest = line.partition(" ")
+        count, _, pools = rest.partition(" ")
+        try:
+            by_pool = json.loads(pools)
+            tunnels = Tunnels(
+                int(count), {str(p): (int(n[0]), int(n[1])) for p, n in by_pool.items()}
+            )
+        except (ValueError, TypeError, AttributeError, IndexError):
+            tunnels = None
+        if word != "tunnels" or not count.isdigit() or tunnels is None:
             raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
-        return int(count)
+        return tunnels
 
     def _tell_router(self, message: dict[str, object], answer: str, deadline: float) -> None:
         """Send the router one line; return once it answers `answer`."""

@@ -1,21 +1,35 @@
-"""Scale to zero, the gateway's half: hold a client while the pool wakes, then tunnel it.
+"""Scale to zero, the gateway's half: hold a client while a pool wakes, then tunnel it.
 
 A pool at zero lists no member, and a gateway with no member answers every
-CONNECT 503 at once. For an autoscaled pool the gateway instead gives its
-router one stand-in member while the pool lists no member (with several
-pools: while no pool lists one, gateway/pools.py): the `Holder`, a
-listener on loopback in the gateway's own process (`HOLD_MEMBER`, given to
-the router like any member: it checks the client's credentials as usual and
-sends the CONNECT on with the fleet's, as to a member). For each CONNECT it
-gets, the holder
+CONNECT 503 at once. For each autoscaled pool the gateway instead gives its
+router a stand-in member while that pool lists no member: the pool's
+`Holder`, a listener on loopback in the gateway's own process (given to the
+router like any member: it checks the client's credentials as usual and
+sends the CONNECT on with the fleet's, as to a member). The router tries a
+stand-in only when no member in rotation is admitted, and stand-ins in the
+order the pools were given (gateway/routing.py), so:
 
-1. asks the pool to `wake` (at most one update in flight, and one per
-   WAKE_RESEND: the pool's handler starts one member for any number of
-   wakes, so several gateways waking together start one member). Behind
-   a gateway of several pools, every autoscaled one is woken: the holder
-   sees the CONNECT with the fleet's credentials, not the client's
-   username, so it cannot tell which pool's filters the client asked for;
-2. polls the autoscaled pools' `endpoints` until a member is listed, for up to the
+- a request some pool's member can serve is served, and wakes nobody;
+- a request no member is admitted for goes to the first pool at zero whose
+  stand-in its filters admit, and wakes that pool alone: with every pool at
+  zero, a plain request wakes the first autoscaled pool given (`--pool`);
+- a request no pool could ever serve gets 503 at once, as without a pool
+  at zero.
+
+A stand-in carries the zone, region and provider that every member its
+pool can start would have (`placed`), read from the pool's input (its
+`template`, or every entry of its `spread`): a filter admits it only where
+the member woken is sure to match. A value the input does not fix (a
+template with no zone, whose provider picks one; a spread over several
+zones or providers) is none on the stand-in, so a filter on it wakes
+nothing and gets 503 at once, unless the pool has members. A pin never goes
+to a stand-in. For each CONNECT it gets, a pool's holder
+
+1. asks its pool to `wake` (at most one update in flight, and one per
+   WAKE_RESEND, per pool: the pool's handler starts one member for any
+   number of wakes, so a flood of requests, or several gateways waking
+   together, start one member);
+2. polls its pool's `endpoints` until a member is listed, for up to the
    wake timeout (`--wake-timeout`, default 30 s);
 3. then opens the tunnel through that member itself (the CONNECT as the
    router sent it, fleet credentials included) and relays the member's
@@ -26,8 +40,8 @@ gets, the holder
    not two.
 
 Meanwhile the gateway's membership follower sees the member too and gives
-it to the router: tunnels already relayed by the holder carry on, new
-CONNECTs go to the member directly.
+it to the router in place of the stand-in: tunnels already relayed by the
+holder carry on, new CONNECTs go to the member directly.
 """
 
 from __future__ import annotations
@@ -35,11 +49,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio.client import (
     Client,
     WorkflowQueryFailedError,
@@ -50,9 +67,12 @@ from temporalio.service import RPCError
 
 import cli
 from gateway import metrics
+from gateway.placement import region_of, zone_of
 from gateway.relay import read_head, relay
-from providers.squid import GatewayMember
+from gateway.routing import STAND_IN, is_stand_in
+from squid.gateway import GatewayMember
 from workflows.pool_autoscale import AUTOSCALED
+from workflows.pool_input import PoolInput
 
 log = logging.getLogger("proxy_operator.gateway")
 
@@ -66,22 +86,27 @@ POLL_SECONDS = 0.5
 # After a hold timed out, CONNECTs are refused at once for this long: Squid
 # may retry a CONNECT its parent answered 503 at once.
 RETRY_GRACE = 5.0
-# A stand-in member id no pool member can have (theirs are `<pool>/<n>`).
-HOLD_MEMBER = "wake-hold"
 CONNECT_TIMEOUT = 10.0
 
 Fetch = Callable[[], Awaitable[list[GatewayMember]]]
 
 
 class Holder:
-    """The stand-in parent: holds CONNECTs while no pool has a member, waking `pools`."""
+    """A pool's stand-in parent: holds CONNECTs while the pool lists no member, waking it."""
 
     def __init__(
-        self, client: Client, pools: Sequence[str], gateway: str, fetch: Fetch, timeout: float
+        self,
+        client: Client,
+        pool: str,
+        where: Placed,
+        gateway: str,
+        fetch: Fetch,
+        timeout: float,
     ) -> None:
-        """`fetch` lists the members of the autoscaled `pools`, which the holder wakes."""
+        """`fetch` lists `pool`'s members; `where` is what its stand-in matches filters by."""
         self.client = client
-        self.pools = tuple(pools)
+        self.pool = pool
+        self.where = where
         self.gateway = gateway
         self.fetch = fetch
         self.timeout = timeout
@@ -103,7 +128,15 @@ class Holder:
                 await self._server.wait_closed()
 
     def stand_in(self) -> GatewayMember:
-        return GatewayMember(HOLD_MEMBER, "127.0.0.1", self.port)
+        """The pool's stand-in in the router while it lists no member."""
+        return GatewayMember(
+            STAND_IN + self.pool,
+            "127.0.0.1",
+            self.port,
+            self.where.zone,
+            self.where.region,
+            self.where.provider,
+        )
 
     # ---- one held CONNECT -----------------------------------------------------------------
 
@@ -192,9 +225,7 @@ class Holder:
         self._wake = asyncio.create_task(self._send_wake())
 
     async def _send_wake(self) -> None:
-        await asyncio.gather(*(self._wake_one(pool) for pool in self.pools))
-
-    async def _wake_one(self, pool: str) -> None:
+        pool = self.pool
         try:
             answer: Any = await self.client.get_workflow_handle(pool).execute_update(
                 WAKE_UPDATE, {"gateway": self.gateway}
@@ -215,8 +246,8 @@ def _cause(err: BaseException) -> object:
 
 
 def real(members: Sequence[GatewayMember]) -> list[GatewayMember]:
-    """The pool's members among what the router has: not the holder."""
-    return [m for m in members if m.member != HOLD_MEMBER]
+    """The pools' members among what the router has: not the stand-ins."""
+    return [m for m in members if not is_stand_in(m.member)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -249,28 +280,72 @@ async def autoscaled(client: Client, pool: str) -> bool:
     return isinstance(scaling, dict) and scaling.get("mode") == AUTOSCALED
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where every member a pool starts is: a value its input does not fix is None."""
+
+    zone: str | None = None
+    region: str | None = None
+    provider: str | None = None
+
+
+def placed_by(inp: PoolInput) -> Placed:
+    """What the template, or every spread entry, gives each member alike."""
+    places = (
+        [(e.provider, e.placement.as_dict()) for e in inp.spread]
+        if inp.spread
+        else [(inp.template.provider, inp.template.placement.as_dict())]
+    )
+
+    def shared(values: list[str | None]) -> str | None:
+        return values[0] if len(set(values)) == 1 else None
+
+    return Placed(
+        shared([zone_of(placement) for _, placement in places]),
+        shared([region_of(placement) for _, placement in places]),
+        shared([provider for provider, _ in places]),
+    )
+
+
+async def placed(client: Client, pool: str) -> Placed:
+    """Where `pool`'s members are, by the input its current run started with (the run's
+    first history event: a read, not billed); nothing fixed if it cannot be read."""
+    try:
+        async for event in client.get_workflow_handle(pool).fetch_history_events(page_size=1):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            raw = (await client.data_converter.decode(payloads[:1]))[0] if payloads else None
+            return placed_by(PoolInput.model_validate(raw))
+    except (RPCError, ValidationError, ValueError, TypeError) as err:
+        log.warning("cannot read pool %s's input, so its stand-in matches no filter: %s", pool, err)
+    return Placed()
+
+
 @contextlib.asynccontextmanager
 async def holding(
     args: argparse.Namespace,
     client: Client,
     pools: Sequence[str],
     gateway: str,
-    fetch: Callable[[Sequence[str]], Awaitable[list[GatewayMember]]],
-) -> AsyncIterator[Holder | None]:
-    """A `Holder` for the autoscaled ones among `pools` (`fetch` lists some pools' members),
-    or None when none is autoscaled or `--wake-timeout` is 0."""
-    woken = [pool for pool in pools if args.wake_timeout and await autoscaled(client, pool)]
-    if not woken:
-        yield None
-        return
-    holder = Holder(client, woken, gateway, lambda: fetch(woken), args.wake_timeout)
-    await holder.start()
-    log.info(
-        "holding clients up to %gs while no pool has a member, waking %s",
-        args.wake_timeout,
-        ", ".join(woken),
-    )
-    try:
-        yield holder
-    finally:
-        await holder.stop()
+    fetch: Callable[[str], Awaitable[list[GatewayMember]]],
+) -> AsyncIterator[dict[str, Holder]]:
+    """A `Holder` for each autoscaled one among `pools` (`fetch` lists a pool's members),
+    none when `--wake-timeout` is 0."""
+    holders: dict[str, Holder] = {}
+    async with contextlib.AsyncExitStack() as started:
+        for pool in pools:
+            if not (args.wake_timeout and await autoscaled(client, pool)):
+                continue
+            where = await placed(client, pool)
+            holder = Holder(
+                client, pool, where, gateway, functools.partial(fetch, pool), args.wake_timeout
+            )
+            await holder.start()
+            started.push_async_callback(holder.stop)
+            holders[pool] = holder
+            log.info(
+                "holding clients up to %gs while pool %s has no member, waking it (%s)",
+                args.wake_timeout,
+                pool,
+                ", ".join(f"{k}={v}" for k, v in vars(where).items() if v) or "no filter",
+            )
+        yield holders

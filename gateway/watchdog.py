@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 
-from providers.squid_process import remove_shm
+from squid.process import remove_shm
 
 
 def main(argv: list[str]) -> int:

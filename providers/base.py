@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 
 
 class InstanceState(enum.StrEnum):

@@ -4,7 +4,7 @@ GCP's startup script and EC2's user data ship as template files (package
 data) and read (and diff) as the bash they are. Only `@UPPER_CASE@` is a
 placeholder, so bash's own `$` and `"${APT[@]}"` need no escaping. Both
 install Squid, write the config from the project's one renderer
-(providers.squid) and report progress where the provider can read it:
+(squid/conf.py) and report progress where the provider can read it:
 `installing`, then READY once Squid listens, or `failed: <why>`.
 """
 
@@ -16,7 +16,7 @@ import string
 from pathlib import Path
 
 from providers.base import Instance, InstanceState
-from providers.squid import SQUID_USER, ProxySettings, SquidPaths, render
+from squid.conf import SQUID_USER, ProxySettings, SquidPaths, render
 
 STARTUP_READY = "ready"
 STARTUP_FAILED_PREFIX = "failed"
@@ -53,7 +53,7 @@ def fill(
 ) -> str:
     """`template` for a VM serving `proxy`; `where_to_report` fills the provider's own placeholders.
 
-    `password_setting` is the htpasswd hash's salt and rounds (providers.squid.render).
+    `password_setting` is the htpasswd hash's salt and rounds (squid/conf.py, `render`).
     Every placeholder must be filled: `substitute` raises on a missing one.
     """
     paths = SquidPaths()

@@ -29,8 +29,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from providers.catalog import TYPE_NAMES, provider_type
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 from proxy_operator.username import PROXY_USERNAME
+from squid.conf import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ProxyDefaults(StrictModel):
     auth: AuthConfig
     allowed_cidrs: Annotated[list[str], Field(min_length=1)]
     allowed_connect_ports: Annotated[list[Port], Field(min_length=1)] = [443]
-    # None: providers.squid.DEFAULT_DENIED_DESTINATIONS. A list replaces it
+    # None: squid/conf.py's DEFAULT_DENIED_DESTINATIONS. A list replaces it
     # whole; [] lets CONNECT reach every address, private ones included.
     denied_destinations: list[str] | None = None
     # `IPv4:port` pairs CONNECT may reach although `denied_destinations`

@@ -61,7 +61,7 @@ from providers.naming import (
     ownership_mismatch,
     short_hash,
 )
-from providers.squid import RenderedSquid, SquidPaths, render
+from squid.conf import RenderedSquid, SquidPaths, render
 
 # Object names such as a PriorityClass's: RFC 1123 subdomains.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

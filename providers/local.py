@@ -5,7 +5,7 @@ Each instance is one Squid bound to `bind_address`, on its own port from
 
     tags.json                 the owner's tags: list_by_tag selects on them,
                               delete and adoption check them; first in, last out
-    squid.conf, htpasswd      rendered by providers.squid
+    squid.conf, htpasswd      rendered by squid/conf.py
     instance.json             port and created_at, recorded before Squid starts;
                               its pid (and start time) once it serves
     cache.log, access.log     Squid's own logs
@@ -19,7 +19,7 @@ start time, or, when the worker died before recording the pid, by its
 command line, and adopts it: there is never a second Squid for one instance.
 Squid started as root drops to the `proxy` user, so the directories are
 shared with that user's group, which may read them and not write them
-(providers/squid_process.py says why); its logs are made for it.
+(squid/process.py says why); its logs are made for it.
 
 Only instances whose tags say they belong to this installation are deleted,
 and only the one a request's owner, generation and namespace made is adopted.
@@ -48,14 +48,14 @@ from typing import Any
 
 from pydantic import ValidationInfo, field_validator
 
-from providers import squid_process
 from providers.base import CreateRequest, Instance, InstanceState
 from providers.catalog import ProviderType
 from providers.config import Config, Port, ProviderEntry, ProviderSettings
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import adoption_mismatch, ownership_mismatch
-from providers.procfs import command_lines, processes_under, start_time
-from providers.squid import SQUID_USER, SquidPaths, render
+from squid import process as squid_process
+from squid.conf import SQUID_USER, SquidPaths, render
+from squid.procfs import command_lines, processes_under, start_time
 
 
 class LocalConfig(ProviderSettings):

@@ -47,25 +47,6 @@ def test_activities_and_start_up_never_import_workflows() -> None:
     assert offenders == {}
 
 
-def test_the_scrapers_package_imports_nothing_of_the_operator() -> None:
-    # A scraper installs and imports proxy_operator alone: it must load no
-    # Temporal client, no workflow, no gateway, no provider. The username
-    # grammar the gateway shares with it lives in proxy_operator itself.
-    ours = {"contract", "cli", "worker", "workflows", "activities", "startup", "gateway"}
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(borrowed)
-        for path in sorted((ROOT / "clients" / "python" / "proxy_operator").glob("**/*.py"))
-        if (
-            borrowed := {
-                m
-                for m in _imported_modules(path)
-                if m.split(".")[0] in ours | {"temporalio", "providers"}
-            }
-        )
-    }
-    assert offenders == {}
-
-
 def test_the_checker_sees_an_import_of_workflows(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import json\nfrom workflows.lifecycle import X\n")

@@ -34,7 +34,7 @@ from contract import POOL_QUEUE_SUFFIX
 from providers.base import CreateRequest
 from providers.local import LocalProvider
 from providers.naming import owner_tags
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 from tests.helpers.config import (
     LOOPBACK_ORIGIN_DENIED,
     PASSWORD,

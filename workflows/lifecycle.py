@@ -80,7 +80,6 @@ with workflow.unsafe.imports_passed_through():
         InstanceCause,
         ProviderWait,
         ProxyStatus,
-        from_older_release,
         instance_cause,
         status_of,
     )
@@ -208,7 +207,7 @@ class ProxyLifecycle:
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:
         # Untyped, so no argument can fail to decode outside our validation.
-        state, problems = continued_state(CarriedState, from_older_release(carried), extra)
+        state, problems = continued_state(CarriedState, carried, extra)
         if not problems:
             # Where 0.3.10's runs recorded their release marker: before the
             # first command, ahead of the input check's local-activity marker.

@@ -10,7 +10,6 @@ own and comes in as arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from activities.models import InstanceRef, ProbeSummary
 from contract import ProxyState
@@ -92,11 +91,8 @@ class ProviderWait:
 class CarriedState:
     """Everything a lifecycle knows that outlives a run; continue-as-new carries it whole.
 
-    Older releases also carried `terminate_reason` (always None: a run with a
-    terminate pending never continued; one that hands over while Terminating
-    carries `terminating`) and `waiting_for_quota` (read by none); decoding
-    ignores keys a dataclass does not have, so their payloads still decode,
-    as do those `from_older_release` lifts.
+    A terminate pending is not here: a run with one never continues as new,
+    and one that hands over while Terminating carries `terminating`.
     """
 
     state: ProxyState = INITIAL
@@ -183,35 +179,3 @@ def status_of(
         replaced_because=carried.next_cause if serving else None,
         disruptions=carried.disruptions,
     )
-
-
-# What releases before CarriedState was the store kept in a nested `status`
-# (a ProxyStatus) and now carry at the top: the same names, the same values.
-_LIFTED = (
-    "state",
-    "provider",
-    "generation",
-    "ready_since",
-    "last_probe",
-    "replacements",
-    "failures_in_a_row",
-    "last_error",
-    "last_error_at",
-)
-
-
-def from_older_release(carried: Any) -> Any:
-    """Carried state as an older release wrote it, in today's layout; anything else as is.
-
-    Those releases carried the status query's answer under `status`, the
-    current instance's ready time twice (`ready_at` and `status.ready_since`)
-    and no `shown`: at continue-as-new the instance shown is always the
-    current one (or none, after it was retired). Total over any JSON, since
-    it runs before the carried state is checked (workflows/inputs.py).
-    """
-    if not isinstance(carried, dict) or not isinstance(carried.get("status"), dict):
-        return carried
-    status = carried["status"]
-    lifted = {key: status[key] for key in _LIFTED if key in status}
-    rest = {key: value for key, value in carried.items() if key != "status"}
-    return {**lifted, "shown": carried.get("current"), **rest}

@@ -7,9 +7,9 @@ columns touch ("Ready127.0.0.1:200073"), and no inline `style` may space
 them. What the workflows write there follows from that:
 
 - `text` escapes what someone else wrote (a ban reason, a signal's reason,
-  a provider's error) so it shows as written, never as markup: a `|` no
-  longer ends a table cell, `<b>` no longer becomes bold, `[x](y)` no
-  longer becomes a link (a bare URL still does: the UI links those itself);
+  a provider's error) so it shows as written, never as markup: a `|` does
+  not end a table cell, `<b>` does not become bold, `[x](y)` does not
+  become a link (a bare URL does: the UI links those itself);
 - `table` ends every cell with an em space, a character the renderer's
   whitespace handling keeps, so the columns stand apart.
 """

@@ -3,7 +3,7 @@
 A member started by a ProxyPool signals it (`MEMBER_CHANGED`) whenever its
 state, endpoint or generation changes, so the pool never polls its members.
 A lifecycle without a parent sends nothing, so a standalone proxy's history
-is the same as before pools existed.
+holds nothing of pools.
 
 Anyone who may signal workflows in the namespace can send this signal too,
 so a report is untrusted input: `parse_report` checks every field and caps
@@ -38,8 +38,8 @@ MAX_COUNTER = 2**62
 # No member reports a time before this. The pool adds lifetimes to reported
 # times, so a report may not reach the ends of what a datetime holds: with
 # `ready_since` no later than `at`, which the pool refuses far in its future,
-# a forged "9999-12-31" can no longer overflow the pool's arithmetic (it
-# failed every workflow task of the pool from then on).
+# a forged "9999-12-31" cannot overflow the pool's arithmetic (which would
+# fail every workflow task of the pool from then on).
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 
 
@@ -81,8 +81,8 @@ SUMMARY_KEY = "_summary"
 def signal_input(report: MemberReport) -> dict[str, Any]:
     """The `member_changed` input: the report, led by a summary a person can read.
 
-    `parse_report` ignores the summary (it is not a field), as pools of
-    earlier releases do.
+    `parse_report` ignores the summary (it is not a field), so a report with
+    or without one parses the same.
     """
     endpoint = report.endpoint or "no endpoint"
     summary = f"{report.member} {report.state}, {endpoint}, generation {report.generation}"

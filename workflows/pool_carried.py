@@ -5,7 +5,7 @@ payload, which Temporal warns about over 512 KiB and refuses over 2 MiB
 (then the pool fails, its members lose their owner, and orphan GC deletes
 the fleet). As dataclasses, one dict per member with long keys, that was
 660 KiB with no errors and over 2 MiB with long ones. So `encode` writes
-schema `SCHEMA`:
+schema `SCHEMA`, the only one `decode` reads:
 
 - each member is a row (a JSON array, `_ROW` gives the order), not a dict;
 - every text (errors, reasons, bans, vacancies) is stored once in `texts`
@@ -17,10 +17,6 @@ schema `SCHEMA`:
 - the texts together get at most `TEXT_BUDGET` bytes: when they would take
   more, the longest are cut to a common length, so the payload stays bounded
   whatever members report (tests/helpers/worst_pool.py builds the worst case).
-
-`decode` takes this schema and the dataclass shape of earlier releases (and,
-through `pool_plan.legacy_carried`, the shape from before member phases), so
-pools running on any earlier build continue.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ from typing import Any
 from temporalio.converter import value_to_type
 
 from workflows.pool_autoscale import Books, Usage
-from workflows.pool_plan import Member, MemberPhase, jittered_lifetime, legacy_carried
+from workflows.pool_plan import Member, MemberPhase, jittered_lifetime
 
 SCHEMA = 2
 # Bytes (as JSON) all carried texts may take together: with the rows of
@@ -64,7 +60,6 @@ class PoolCarried:
     """Everything continue-as-new hands to the next run (as the pool holds it)."""
 
     replicas: int
-    # Runs from before MemberPhase carried another shape (pool_plan.legacy_carried).
     members: list[Member]
     next_index: int
     failures_in_a_row: int = 0
@@ -242,11 +237,9 @@ def encode(carried: PoolCarried, pool_id: str, lifetimes: Lifetimes | None) -> C
 
 
 def decode(raw: Any, pool_id: str) -> PoolCarried:
-    """The carried state of a previous run, in any shape a release wrote; raises if none."""
+    """The carried state of a previous run, as `encode` wrote it; raises on anything else."""
     if not (isinstance(raw, dict) and raw.get("v") == SCHEMA):
-        # Releases up to 0.2.0 wrote the dataclass as it is.
-        state: PoolCarried = value_to_type(PoolCarried, legacy_carried(raw))
-        return state
+        raise ValueError(f"not the carried state of schema {SCHEMA}")
     compact: CompactCarried = value_to_type(CompactCarried, raw)
     texts, names = compact.texts, compact.names
 

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from providers.procfs import command_lines, processes_under  # noqa: E402
-from providers.squid_process import RUNTIME_ROOT, runtime_dir  # noqa: E402
+from squid.process import RUNTIME_ROOT, runtime_dir  # noqa: E402
+from squid.procfs import command_lines, processes_under  # noqa: E402
 
 # WorkflowExecutionStatus RUNNING, as Temporal's SQL persistence stores it.
 RUNNING = 1

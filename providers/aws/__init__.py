@@ -3,7 +3,7 @@
 Each proxy is a small instance (t3.micro by default) with a public IPv4
 address, launched from a configured AMI or the newest Debian 12 image of the
 region. Squid is installed and configured by the user data, rendered by
-providers.squid like every other provider's config. One security group per
+squid/conf.py like every other provider's config. One security group per
 installation opens the proxy port to `allowed_cidrs` only.
 
 EC2 calls an instance `running` as soon as it boots, minutes before its user

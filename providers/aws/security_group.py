@@ -33,7 +33,7 @@ from providers.naming import (
     MANAGED_BY_VALUE,
     ownership_mismatch,
 )
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client

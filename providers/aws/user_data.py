@@ -2,7 +2,7 @@
 
 The script is `user_data.sh.tmpl` next to this module, shipped as package
 data; cloud-init runs it as root on the first boot. Squid's config comes from
-the project's one renderer (providers.squid), as for every other provider.
+the project's one renderer (squid/conf.py), as for every other provider.
 
 What it carries is what GCP's startup script carries in instance metadata:
 the squid.conf and the htpasswd *hash*, never the password, which stays in
@@ -39,7 +39,8 @@ from providers.boot_script import (
     fill,
     load_template,
 )
-from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings
+from squid.conf import ProxySettings
+from squid.htpasswd import SHA512_CRYPT_ROUNDS
 
 # The console line the script writes at each step: `<marker> <state>`.
 STATE_MARKER = "proxy-operator-state:"

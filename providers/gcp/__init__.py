@@ -2,7 +2,7 @@
 
 Each proxy is a small VM (e2-micro by default) with an ephemeral external IP. Squid is
 installed and configured by a startup script carried in the instance metadata,
-rendered by providers.squid like every other provider's config. One firewall
+rendered by squid/conf.py like every other provider's config. One firewall
 rule per installation opens the proxy port to `allowed_cidrs` only, for VMs
 carrying the installation's network tag.
 

@@ -26,7 +26,7 @@ from google.cloud import compute_v1
 from providers.errors import Permanent, Transient
 from providers.gcp.operations import CALL_TIMEOUT_SECONDS, Waiter, wait_succeeded
 from providers.gcp.settings import network_path
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 
 # How long a check of the rule is trusted. A rule deleted or narrowed by
 # hand, or by another writer, is put back by the first create after this.

@@ -62,7 +62,7 @@ from providers.naming import (
     adoption_mismatch,
     ownership_mismatch,
 )
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 
 PROVIDER_TYPE = ProviderType(
     name="gcp",

@@ -29,7 +29,7 @@ from providers.boot_script import (
     fill,
     load_template,
 )
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 
 # Where the startup script reports its progress: `installing`, `ready`, or
 # `failed: <why>`. Any process on the VM could write it; only Squid runs there.

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from temporalio.client import Client
 
-from providers.procfs import running
+from squid.procfs import running
 from tests.docs.markdown import examples
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 from tests.helpers.devenv import DEMO_SITE, DEVENV, demo_config, load_devenv

@@ -19,7 +19,7 @@ from providers.aws import AwsConfig, AwsProvider, group_name
 from providers.aws.security_group import PORT_GRACE_SECONDS
 from providers.base import CreateRequest
 from providers.naming import INSTALLATION_KEY, instance_name, owner_tags
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 from tests.fakes.ec2 import REGION, FakeEc2
 from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
 

@@ -7,35 +7,58 @@ tests/workflows/test_pool_autoscale_e2e.py.
 
 from __future__ import annotations
 
+import time
+from typing import cast
+
 import pytest
+from temporalio.client import Client
 
-from gateway.demand import DemandMeter, Sample, gateway_name, moved
+from gateway.demand import DemandMeter, DemandReporter, Sample, gateway_name, moved
 from gateway.main import UsageError, checked, parse_args
-from gateway.squid import GatewayError
+from gateway.squid import GatewayError, Tunnels
 
 
-def test_the_meter_reports_the_peak_since_the_last_report_and_the_granted_tunnels() -> None:
-    counts = iter([2, 5, 1, 0, 0])
+def test_the_meter_gives_each_pool_its_own_peak_and_granted_tunnels() -> None:
+    counts = iter(
+        [
+            Tunnels(2, {"eu": (2, 2)}),
+            Tunnels(5, {"eu": (4, 5), "us": (1, 1)}),
+            Tunnels(1, {"eu": (0, 5), "us": (1, 1)}),
+            Tunnels(1, {"eu": (0, 5), "us": (1, 1)}),
+            Tunnels(0, {"eu": (0, 5), "us": (0, 3)}),
+        ]
+    )
     meter = DemandMeter(lambda: next(counts))
     assert [meter.sample(), meter.sample(), meter.sample()] == [2, 5, 1]
-    count = meter.counting(lambda line: None)
-    for line in ("1 2 200 TCP_TUNNEL/200 ...", "", "1 2 407 TCP_DENIED/407 ...", "200"):
-        count(line)  # only a granted tunnel is demand: not a refused client
-    assert meter.take() == Sample(open_tunnels=5, new_tunnels=1)
-    assert meter.take() == Sample(open_tunnels=0, new_tunnels=0)
+    assert meter.take() == {"eu": Sample(open_tunnels=4, new_tunnels=5), "us": Sample(1, 1)}
+    # Since the last take: eu granted none and held none; us held one and granted two more.
+    assert meter.take() == {"us": Sample(open_tunnels=1, new_tunnels=2)}
 
 
 def test_a_look_the_router_did_not_answer_keeps_the_last_count() -> None:
-    answers: list[int] = [3]
+    answers = [Tunnels(3, {"eu": (3, 3)})]
 
-    def router_count() -> int:
+    def router_count() -> Tunnels:
         if not answers:
             raise GatewayError("the router did not answer in 30s")
         return answers.pop()
 
     meter = DemandMeter(router_count)
     assert [meter.sample(), meter.sample()] == [3, 3]
-    assert meter.take() == Sample(open_tunnels=3, new_tunnels=0)
+    assert meter.take() == {"eu": Sample(open_tunnels=3, new_tunnels=3)}
+
+
+def test_each_pool_is_reported_its_own_demand_when_it_moved() -> None:
+    pools = ["eu", "us", "fixed"]
+    reporter = DemandReporter(
+        cast(Client, None), lambda: pools, DemandMeter(lambda: Tunnels(0, {})), "gw"
+    )
+    reporter.fixed.add("fixed")
+    assert reporter.due({"us": Sample(3, 1)}) == {"eu": Sample(0, 0), "us": Sample(3, 1)}
+    reporter.last = {"eu": Sample(0, 0), "us": Sample(3, 1)}
+    reporter.last_at = dict.fromkeys(pools, time.monotonic())
+    assert reporter.due({"us": Sample(3, 0)}) == {"us": Sample(3, 0)}
+    assert reporter.due({"eu": Sample(1, 1), "us": Sample(3, 1)}) == {"eu": Sample(1, 1)}
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from gateway.main import METRICS_ENV, UsageError, checked, parse_args
 from gateway.membership import parse_endpoints
 from gateway.users import hash_password
 from providers.base import split_endpoint
-from providers.squid import GatewayMember
 from proxy_operator.username import gateway_account
+from squid.gateway import GatewayMember
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--pool", "web", "--listen", "8888"], ["--listen: '8888' is not host:port"]),
         (["--pool", "web", "--listen", "0.0.0.0:99999"], ["--listen"]),
         (["--pool", "web", "--poll-interval", "0"], ["--poll-interval: 0.0 is not between"]),
+        (
+            ["--pool", "web", "--poll-interval", "0.01"],
+            ["--poll-interval: 0.01 is not between 0.1 and 3600 seconds"],
+        ),
+        (["--pool", "web", "--poll-interval", "nan"], ["--poll-interval: nan is not between"]),
         (["--pool", "web", "--debounce", "-1"], ["--debounce: -1.0 is not between"]),
         (
             ["--pool", "eu", "--pool", "us", "--pool", "eu"],

@@ -13,7 +13,7 @@ from gateway import metrics
 from gateway.main import UsageError, member_networks, parse_args
 from gateway.member_networks import Gatekeeper, MemberNetworks, parse_networks
 from providers.config import Config, parse_config
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 from tests.helpers.config import PASSWORD, PASSWORD_ENV, local_entry, raw_config
 
 FLAG = "--member-networks"

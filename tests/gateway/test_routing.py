@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.routing import Members, userhash_member
-from providers.squid import GatewayMember
+from gateway.routing import STAND_IN, Members, userhash_member
 from proxy_operator.username import parse_gateway_username
+from squid.gateway import GatewayMember
 
 USER = "proxy"
 
@@ -73,3 +73,39 @@ def test_an_index_is_rebuilt_whole_so_a_change_leaves_no_stale_choice() -> None:
     rest = [m for m in first.members if m.member != chosen]
     assert order(Members(rest), username) == [rest[0].member]
     assert order(Members([]), USER) == []
+
+
+def stand_in(pool: str, zone: str | None, provider: str | None) -> GatewayMember:
+    region = zone[:-2] if zone else None
+    return GatewayMember(f"{STAND_IN}{pool}", "127.0.0.1", 4000, zone, region, provider)
+
+
+def test_a_stand_in_takes_only_what_no_member_is_admitted_for_first_pool_first() -> None:
+    members = Members(
+        [
+            member(0),
+            stand_in("pool-us", "us-east1-c", "aws"),
+            stand_in("pool-ap", None, "gcp"),
+            stand_in("pool-any", None, None),
+        ]
+    )
+    # A member can serve it: served, no stand-in tried (nobody woken).
+    assert order(members, USER) == ["pool/0"]
+    assert order(members, f"{USER}-provider-gcp-session-k") == ["pool/0"]
+    # Only a pool at zero can: its stand-in alone.
+    assert order(members, f"{USER}-zone-us-east1-c") == [f"{STAND_IN}pool-us"]
+    assert order(members, f"{USER}-region-us-east1-provider-aws") == [f"{STAND_IN}pool-us"]
+    # A value a stand-in does not fix (its pool's zone) admits it for no filter on it.
+    assert order(members, f"{USER}-zone-asia-east1-a") == []
+    assert order(members, f"{USER}-zone-asia-east1-a-provider-gcp") == []
+    # Never pinned, even by its own id.
+    assert order(members, f"{USER}-proxy-{STAND_IN}pool-us") == []
+
+
+def test_with_every_pool_at_zero_a_plain_request_goes_to_the_first_pool_given() -> None:
+    members = Members(
+        [stand_in("pool-eu", "europe-west1-b", "gcp"), stand_in("pool-us", None, "aws")]
+    )
+    assert [order(members, USER)[0] for _ in range(3)] == [f"{STAND_IN}pool-eu"] * 3
+    assert order(members, f"{USER}-session-k")[0] == f"{STAND_IN}pool-eu"
+    assert order(members, f"{USER}-provider-aws") == [f"{STAND_IN}pool-us"]

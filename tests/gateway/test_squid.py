@@ -30,15 +30,16 @@ import pytest
 
 from gateway import squid as gateway_squid
 from gateway.routing import userhash_member
-from gateway.squid import GatewayError, GatewaySquid
+from gateway.squid import GatewayError, GatewaySquid, Tunnels
 from gateway.users import hash_password
 from providers.base import CreateRequest
 from providers.config import Config
 from providers.local import LocalProvider
 from providers.naming import owner_tags
-from providers.procfs import group_members
-from providers.squid import SQUID_USER, GatewayMember
-from providers.squid_process import RUNTIME_ROOT
+from squid.conf import SQUID_USER
+from squid.gateway import GatewayMember
+from squid.process import RUNTIME_ROOT
+from squid.procfs import group_members
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import accepts_connections, closed_by_peer, free_port, read_head
 from tests.helpers.squid_upstream import requires_squid
@@ -990,16 +991,34 @@ def test_what_a_client_sends_forges_no_router_log_line(
     assert not any(line.startswith("1.000 ") for line in logged()), logged()
 
 
-def test_open_tunnels_are_those_a_member_granted(
-    gateway: GatewaySquid, tls_origin: TlsOrigin
+def test_open_tunnels_are_those_a_member_granted_counted_for_its_pool(
+    state_dir: Path, config: Config, members: Members, tls_origin: TlsOrigin
 ) -> None:
-    """What the gateway's demand is made of: not a client refused, nor one still asking."""
-    assert gateway.open_tunnels() == 0
-    with contextlib.ExitStack() as stack:
-        for _ in range(2):
-            stack.enter_context(open_tunnel(gateway, tls_origin, USERNAME, PASSWORD))
-        silent = stack.enter_context(socket.create_connection(("127.0.0.1", gateway.front.port)))
-        silent.sendall(b"CONNECT ")  # half a head: Squid waits, the router never sees it
-        assert through(gateway, tls_origin, USERNAME, "wrong").connect_status == 407
-        assert gateway.open_tunnels() == 2
-    wait_until(lambda: gateway.open_tunnels() == 0, DEADLINE, "the closed tunnels to end")
+    """What each pool's demand is made of: not a client refused, nor one still asking."""
+    pool_of = {f"{POOL}/0": "pool-eu", f"{POOL}/1": "pool-us", f"{POOL}/2": "pool-us"}
+    gateway = GatewaySquid(
+        config.proxy_settings(),
+        state_dir / ".pools",
+        ("127.0.0.1", free_port()),
+        pool_of=pool_of.get,
+    )
+    try:
+        gateway.start(list(members.by_member.values()))
+        assert gateway.open_tunnels() == Tunnels(0, {})
+        with contextlib.ExitStack() as stack:
+            for member in (f"{POOL}/0", f"{POOL}/1", f"{POOL}/2"):
+                pinned = f"{USERNAME}-proxy-{member}"
+                stack.enter_context(open_tunnel(gateway, tls_origin, pinned, PASSWORD))
+            silent = stack.enter_context(
+                socket.create_connection(("127.0.0.1", gateway.front.port))
+            )
+            silent.sendall(b"CONNECT ")  # half a head: Squid waits, the router never sees it
+            assert through(gateway, tls_origin, USERNAME, "wrong").connect_status == 407
+            assert gateway.open_tunnels() == Tunnels(3, {"pool-eu": (1, 1), "pool-us": (2, 2)})
+        wait_until(
+            lambda: gateway.open_tunnels() == Tunnels(0, {"pool-eu": (0, 1), "pool-us": (0, 2)}),
+            DEADLINE,
+            "the closed tunnels to end, still counted as granted",
+        )
+    finally:
+        gateway.stop()

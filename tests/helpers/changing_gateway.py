@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from gateway.squid import GatewaySquid
-from providers.squid import GatewayMember, ProxySettings
+from squid.conf import ProxySettings
+from squid.gateway import GatewayMember
 
 
 def main(argv: list[str]) -> int:

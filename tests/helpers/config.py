@@ -14,7 +14,7 @@ from typing import Any
 from providers.config import Config, parse_config
 from providers.local import LocalConfig
 from providers.naming import instance_name
-from providers.squid import DEFAULT_DENIED_DESTINATIONS
+from squid.conf import DEFAULT_DENIED_DESTINATIONS
 from tests.helpers.xdist import local_ports, scoped
 
 # `test`, or `test-gw<N>` in xdist worker N: instance names (and so Squid's

@@ -13,7 +13,7 @@ from typing import Any
 from temporalio.client import Client, Interceptor, OutboundInterceptor, QueryWorkflowInput
 
 from gateway import membership
-from providers.squid import GatewayMember
+from squid.gateway import GatewayMember
 
 
 class _CountQueries(OutboundInterceptor):

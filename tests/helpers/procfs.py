@@ -1,6 +1,6 @@
 """Reading processes and the machine from /proc (proc(5)), for tests and benchmarks.
 
-Reading one process is providers.procfs's (the local provider and the
+Reading one process is squid.procfs's (the local provider and the
 gateway use it too); here is what only tests and benchmarks measure: CPU,
 memory, process trees, what a process's environment holds, the machine's load.
 """
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from providers import procfs
+from squid import procfs
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Indices in `procfs.stat_fields` (proc(5) field N is at N - 3): fields 14 and 15.

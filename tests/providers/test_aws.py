@@ -21,7 +21,6 @@ from typing import Any
 import boto3
 import pytest
 
-from providers import squid
 from providers.aws import NAME_TAG, STATE_MARKER, AwsConfig, AwsProvider, group_name
 from providers.aws.provider import PROVIDER_TYPE
 from providers.aws.security_group import PORT_GRACE_SECONDS, PORTS_TAG
@@ -36,7 +35,9 @@ from providers.base import Advice, CreateRequest, Disruption, Instance, Instance
 from providers.config import ConfigError, parse_config
 from providers.errors import NotFound, Permanent, ProviderError, QuotaExceeded, Transient
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags
-from providers.squid import SHA512_CRYPT_ROUNDS, ProxySettings, sha512_crypt
+from squid import conf as squid_conf
+from squid.conf import ProxySettings
+from squid.htpasswd import SHA512_CRYPT_ROUNDS, sha512_crypt
 from tests.fakes.ec2 import DEBIAN_IMAGES, NEWEST_DEBIAN_12, REGION, FakeEc2
 from tests.fakes.ec2 import fake_ec2_fixture as fake_ec2_fixture
 
@@ -1100,7 +1101,7 @@ def test_a_render_hashes_the_password_once_with_the_instance_s_salt(
         settings.append(setting)
         return sha512_crypt(password, setting)
 
-    monkeypatch.setattr(squid, "sha512_crypt", counted)
+    monkeypatch.setattr(squid_conf, "sha512_crypt", counted)
     user_data(proxy_settings(), spot=False, name="proxy-aaaa")
 
     assert settings == [f"$6$rounds={SHA512_CRYPT_ROUNDS}${htpasswd_salt('proxy-aaaa')}"]

@@ -36,7 +36,7 @@ from providers.naming import (
     ownership_mismatch,
 )
 from providers.registry import build_providers
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, ProxySettings
+from squid.conf import DEFAULT_DENIED_DESTINATIONS, ProxySettings
 
 REPO = Path(__file__).resolve().parents[2]
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")

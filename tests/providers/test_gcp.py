@@ -34,7 +34,8 @@ from providers.naming import (
     owner_tags,
     short_hash,
 )
-from providers.squid import ProxySettings, sha512_crypt
+from squid.conf import ProxySettings
+from squid.htpasswd import sha512_crypt
 from tests.conftest import RealCredentialsForbidden
 from tests.fakes.compute import DEFAULT_PROJECT, DEFAULT_ZONES, FakeCompute, remote
 from tests.fakes.compute import fake_compute_fixture as fake_compute_fixture

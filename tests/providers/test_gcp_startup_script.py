@@ -24,7 +24,8 @@ import pytest
 
 from providers.gcp import STARTUP_READY, STARTUP_STATE_ATTRIBUTE, startup_script
 from providers.gcp.startup import TEMPLATE, TEMPLATE_FILE
-from providers.squid import ProxySettings, sha512_crypt
+from squid.conf import ProxySettings
+from squid.htpasswd import sha512_crypt
 from tests.helpers.network import free_port
 
 BASH = shutil.which("bash") or "/bin/bash"

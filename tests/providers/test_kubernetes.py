@@ -56,7 +56,8 @@ from providers.kubernetes import (
     labels,
 )
 from providers.naming import INSTALLATION_KEY, OWNER_KEY, instance_name, owner_tags, short_hash
-from providers.squid import ProxySettings, render, sha512_crypt
+from squid.conf import ProxySettings, render
+from squid.htpasswd import sha512_crypt
 from tests.fakes.kubernetes import (
     DELETION_BY_TAINT_MANAGER,
     MERGE_PATCH,
@@ -85,7 +86,7 @@ SETTINGS = KubernetesConfig(
     memory_request="128Mi",
     memory_limit="128Mi",
     # The provider's default, 10 s: the fake answers in milliseconds on an
-    # idle machine, but took over 2 s (this used to be 2) with both cores busy.
+    # idle machine, but took over 2 s with both cores busy.
     request_timeout_seconds=10.0,
 )
 # The `proxy` user of Debian/Ubuntu's base-passwd: run_as_user's default.

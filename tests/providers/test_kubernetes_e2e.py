@@ -40,7 +40,7 @@ from providers.base import CreateRequest, Instance, InstanceState
 from providers.errors import NotFound, Transient
 from providers.kubernetes import KubernetesConfig, KubernetesProvider
 from providers.naming import OWNER_KEY, instance_name, owner_tags
-from providers.squid import ProxySettings
+from squid.conf import ProxySettings
 from tests.helpers.network import read_head
 from tests.helpers.waiting import wait_until
 

@@ -42,8 +42,8 @@ from providers.local import (
     LocalProvider,
 )
 from providers.naming import NAMESPACE_KEY, owner_tags
-from providers.squid import DEFAULT_DENIED_DESTINATIONS, NCSA_AUTH_HELPER, ProxySettings
-from providers.squid_process import RUNTIME_ROOT, SHM_DIR, service_name
+from squid.conf import DEFAULT_DENIED_DESTINATIONS, NCSA_AUTH_HELPER, ProxySettings
+from squid.process import RUNTIME_ROOT, SHM_DIR, service_name
 from tests.helpers.config import CALLER_SECRETS, LOOPBACK_ORIGIN_DENIED, PASSWORD_ENV
 from tests.helpers.network import raw_status
 from tests.helpers.procfs import environment, processes_below, secrets_held
@@ -368,7 +368,7 @@ def test_squid_survives_its_worker_and_a_new_provider_takes_over(
         from providers.base import CreateRequest
         from providers.local import LocalConfig
         from providers.local import LocalProvider
-        from providers.squid import ProxySettings
+        from squid.conf import ProxySettings
 
         provider = LocalProvider(LocalConfig(
             state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT}),
@@ -622,10 +622,11 @@ async def test_two_installations_on_one_machine_serve_a_proxy_of_the_same_name(
 ) -> None:
     """Service names and /dev/shm are machine-wide: each installation's are its own.
 
-    The same instance name in two installations' state directories (a
-    lifecycle started before installations were hashed into names, or two
-    installations given the same owner id) used to share Squid's service
-    name: each start removed the other's shm segments, and so did each delete.
+    The same instance name can be in two installations' state directories
+    (a lifecycle whose names predate installation-scoped names, or two
+    installations given the same owner id). Were Squid's service name the
+    instance name alone, each start would remove the other's shm segments,
+    and so would each delete.
     """
     name = "proxy-same-name"
     with fresh_state_dir() as other_dir:
@@ -684,7 +685,7 @@ def test_a_worker_killed_between_launch_and_record_leaves_one_squid_that_is_adop
         f"""
         from providers.base import CreateRequest
         from providers.local import LocalConfig, LocalProvider
-        from providers.squid import ProxySettings
+        from squid.conf import ProxySettings
 
         provider = LocalProvider(LocalConfig(
             state_dir={str(state_dir)!r}, first_port={FIRST_PORT}, last_port={LAST_PORT},

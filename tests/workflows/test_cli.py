@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from providers.procfs import running
+from squid.procfs import running
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack

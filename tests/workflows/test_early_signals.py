@@ -7,12 +7,12 @@ workflow task back until HELD after the old run began
 (`history.workflowIdReuseMinimalInterval` on server 1.32, 1 s by default,
 10 s here so that a busy machine still gets its signal in), so a signal sent as soon as the
 new run exists reaches it before that task, while the run has not yet
-taken over its carried state. A `terminate` sent then used to be lost: the
-pool ran on. Each attempt checks in the new run's history whether its
+taken over its carried state. A `terminate` sent then must not be lost
+(the pool would run on). Each attempt checks in the new run's history whether its
 signal came that early; the test needs one that did.
 
-An update sent then is the same race: it used to be refused ("not taking
-updates"); it now waits for the takeover and applies to the carried state.
+An update sent then is the same race: it must not be refused ("not taking
+updates"), but wait for the takeover and apply to the carried state.
 
 A member's `Ready` report lost the same way is test_pool_lifetimes'
 `test_members_live_on_across_the_pools_continue_as_new`.

@@ -1,10 +1,10 @@
 """Forged continue-as-new state, as an attacker with only `workflow start` rights sends it.
 
 Both workflows take a second argument that only their own continue-as-new
-may pass. Started by a client with one, a ProxyLifecycle used to probe the
+may pass. Taken from a client, it would make a ProxyLifecycle probe the
 instance it named (sending the fleet's password to any address) and delete
-the instances it listed; an OrphanGC used to delete the candidates it listed
-without surveying them. Each must now fail at once as invalid input, before
+the instances it listed, and an OrphanGC delete the candidates it listed
+without surveying them. Each must fail at once as invalid input, before
 any activity runs.
 """
 
@@ -84,7 +84,7 @@ async def activities_run(handle: WorkflowHandle[Any, Any]) -> list[str]:
 async def test_forged_current_instance_never_gets_the_fleet_password(
     stack: Stack, listener: LoopbackPeer
 ) -> None:
-    """The issue's reproduction: the monitor used to CONNECT to 127.0.0.1:<port> with auth."""
+    """A forged instance must not make the monitor CONNECT to 127.0.0.1:<port> with auth."""
     forged = {"status": {}, "current": forged_ref("x", listener.port)}
     handle = await stack.client.start_workflow(
         "ProxyLifecycle",
@@ -156,7 +156,7 @@ async def test_a_retry_never_honours_the_carried_state_of_its_first_attempt(
         task_queue=task_queue,
         # Each run's limit: the first, with no worker, times out and is
         # retried; the retry must fail on its input within it, which took
-        # over 1 s (this used to be 1) with both cores busy.
+        # over 1 s with both cores busy.
         run_timeout=timedelta(seconds=15),
         retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=2),
     )
@@ -178,7 +178,7 @@ async def test_a_retry_never_honours_the_carried_state_of_its_first_attempt(
 
 
 async def test_forged_gc_progress_deletes_nothing(temporal_env: WorkflowEnvironment) -> None:
-    """Forged candidates used to go straight to confirm and delete, with no survey."""
+    """Forged candidates must not go straight to confirm and delete, with no survey."""
     provider = MemoryProvider()
     config = build_config({"name": "mem", "type": "memory"}, connect_ports=[443])
     victim = provider.add(config.installation, f"owner-{uuid.uuid4().hex}", 0)

@@ -31,6 +31,12 @@ from tests.helpers.waiting import wait_for
 from tests.helpers.workers import stop_worker
 from tests.helpers.xdist import local_ports
 from tests.workflows.test_gateway import REPLICAS, Pool, running_pool
+from tests.workflows.test_pool_autoscale_e2e import (
+    held_tunnels,
+    request_through,
+    settled_at,
+    start_pool,
+)
 from worker import build_worker
 
 pytestmark = pytest.mark.slow
@@ -217,3 +223,73 @@ async def test_one_gateway_routes_sessions_pins_and_bans_across_two_pools(
                 return answer.ok and carried(pools, before) == {member}
 
             await wait_for(served, f"a pin to {member} carried by its new instance")
+
+
+async def test_a_gateway_over_two_pools_at_zero_wakes_only_the_pool_a_request_can_reach(
+    temporal_env: WorkflowEnvironment, regions: dict[str, Stack]
+) -> None:
+    handles = {
+        name: await start_pool(regions[name], 0, max_replicas=1, scale_down_after_seconds=3600)
+        for name in REGIONS
+    }
+    eu, us = handles["eu"].id, handles["us"].id
+    flags = ("--pool", us, "--wake-timeout", "180", "--report-interval", "5")
+
+    async def replicas(name: str) -> int:
+        status = await handles[name].query("status")
+        return int(status["replicas"])
+
+    try:
+        async with pool_gateway(
+            temporal_env, regions["eu"], eu, lambda _: (*flags, "--gateway-name", "gw-test")
+        ) as gateway:
+            # A request no pool could ever serve is refused at once, not held.
+            refused = await asyncio.to_thread(
+                through, gateway, regions["eu"], f"{USERNAME}-provider-ap"
+            )
+            assert refused.connect_status == 503
+
+            # Every pool at zero: a plain request wakes the first pool given, alone.
+            head, served = await asyncio.to_thread(request_through, gateway, regions["eu"], 210)
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+            status = await settled_at(handles["eu"], 1, "pool A woken to one member")
+            assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+            assert await replicas("us") == 0
+
+            # A request only pool B can serve, B at zero, A serving: it wakes B alone.
+            only_us = f"{USERNAME}-provider-us"
+            head, served = await asyncio.to_thread(
+                request_through, gateway, regions["eu"], 210, only_us
+            )
+            assert head.startswith(b"HTTP/1.1 200") and served, head
+            status = await settled_at(handles["us"], 1, "pool B woken to one member")
+            assert status["scaling"]["last_decision"].startswith("woken by gateway gw-test")
+            assert await replicas("eu") == 1
+
+            # A tunnel held open through pool B is B's demand, not A's.
+            held = held_tunnels(gateway, regions["eu"], username=only_us)
+            try:
+                await asyncio.to_thread(held.open, 1)
+
+                async def told_apart() -> bool:
+                    eu_status, us_status = [
+                        (await handles[name].query("status"))["scaling"] for name in REGIONS
+                    ]
+                    return bool(
+                        us_status["open_tunnels"] >= 1
+                        and eu_status["gateways"] >= 1
+                        and eu_status["open_tunnels"] == 0
+                    )
+
+                await wait_for(told_apart, "B told of its tunnel, A of none", deadline=120)
+                assert held.failures == 0
+            finally:
+                await asyncio.to_thread(held.close)
+    finally:
+        for handle in handles.values():
+            await handle.signal("terminate")
+    await wait_for(
+        lambda: not any(stack.instances() for stack in regions.values()),
+        "every member's Squid gone",
+        deadline=120,
+    )

@@ -90,8 +90,8 @@ NUMBERS = {
     "bans.window_seconds",
     "spread.0.weight",
 }
-# Out of every numeric field's range: `max_lifetime_seconds: 10**20` used to
-# pass validation and raise OverflowError in workflow code once Ready.
+# Out of every numeric field's range: `max_lifetime_seconds: 10**20`, let
+# through, would raise OverflowError in workflow code once Ready.
 OUT_OF_RANGE = [10**20, -(10**20), 2**63, 1e308, float("nan"), float("inf"), float("-inf")]
 # No members: a pool that runs starts nothing, so the cases stay cheap.
 POOL_INPUT: dict[str, Any] = {"replicas": 0, "template": LIFECYCLE_INPUT}

@@ -11,7 +11,7 @@ from temporalio.client import WorkflowFailureError
 
 from activities.probe import probe_connect
 from providers.errors import Permanent, QuotaExceeded, Transient
-from providers.procfs import running
+from squid.procfs import running
 from tests.helpers.config import PASSWORD, USERNAME
 from tests.helpers.histories import record_history
 from tests.helpers.stacks import Stack

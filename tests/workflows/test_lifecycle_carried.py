@@ -1,11 +1,14 @@
-"""Carried state from older runs still decodes: continue-as-new input outlives releases.
+"""Carried state from the floor release still decodes: continue-as-new input outlives releases.
 
-A run that continued as new under an older release starts its next run under
-whatever release is deployed then, with the carried state the old code wrote.
+A run that continued as new under 0.3.10 starts its next run under whatever
+release is deployed then, with the carried state 0.3.10 wrote. Older shapes
+are not read: runs from before the floor are drained before an upgrade
+(docs/upgrades.md, "The floor").
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -14,50 +17,41 @@ from temporalio.converter import DataConverter, value_to_type
 
 from contract import ProxyState
 from workflows.lifecycle import CarriedState
-from workflows.lifecycle_carried import MAX_CAUSE, from_older_release, instance_cause, status_of
+from workflows.lifecycle_carried import MAX_CAUSE, instance_cause, status_of
 
-# Taken from a 0.1.0 recording, before its release's recordings were retired.
-WRITTEN_BY_0_1_0 = Path(__file__).resolve().parent / "written_by_0_1_0.json"
+# A run 0.3.10 started by continue-as-new: its second argument is the carried state.
+CONTINUED = (
+    Path(__file__).resolve().parents[1] / "histories/0.3.10/continued_as_new_then_terminated.json"
+)
 
 
-def recorded_carried_state() -> dict[str, Any]:
-    """The second argument of a run started by continue-as-new, as an older release wrote it."""
-    carried: dict[str, Any] = json.loads(WRITTEN_BY_0_1_0.read_text())["carried_state"]
-    return carried
+def carried_by_the_floor() -> dict[str, Any]:
+    """The carried state a 0.3.10 run handed to its next run, as recorded."""
+    started = json.loads(CONTINUED.read_text())["history"]["events"][0]
+    _, carried = started["workflowExecutionStartedEventAttributes"]["input"]["payloads"]
+    state: dict[str, Any] = json.loads(base64.b64decode(carried["data"]))
+    return state
 
 
 def decoded(carried: Any) -> CarriedState:
     """As ProxyLifecycle.run decodes its second argument (workflows/inputs.py)."""
-    return value_to_type(CarriedState, from_older_release(carried))
+    return value_to_type(CarriedState, carried)
 
 
-def test_an_older_release_s_carried_state_gives_the_status_it_had() -> None:
-    carried = recorded_carried_state()
+def test_the_floor_release_s_carried_state_gives_the_status_it_had() -> None:
+    carried = carried_by_the_floor()
     state = decoded(carried)
     status = status_of(state, waiting_for=None, terminate_reason=None)
-    old = carried["status"]
     assert status.state == ProxyState.READY
-    for key in ("endpoint", "provider_id", "instance", "generation", "ready_since", "replacements"):
-        assert getattr(status, key) == old[key], key
-    assert status.last_probe is not None and status.last_probe.ok
-    assert state.current is not None and state.current.name == old["instance"]
-    assert [ref.name for ref in state.owned] == [old["instance"]]
-    assert state.next_generation == 2
-    # That release did not say why its instance was made: nothing is made up.
-    assert state.cause is None and status.cause is None
+    assert state.current is not None
+    assert state.current.name == carried["current"]["name"]
+    assert status.instance == carried["current"]["name"]
+    assert status.generation == carried["generation"]
+    assert [ref.name for ref in state.owned] == [ref["name"] for ref in carried["owned"]]
 
 
-def test_carried_state_with_fields_since_removed_decodes() -> None:
-    carried = recorded_carried_state()
-    # Written by releases that had them; no release reads them now.
-    carried.update(terminate_reason=None, waiting_for_quota=True)
-    state = decoded(carried)
-    assert state.current is not None and state.next_generation == 2
-    assert not hasattr(state, "waiting_for_quota")
-
-
-def test_today_s_carried_state_decodes_as_it_was_written() -> None:
-    state = decoded(recorded_carried_state())
+def test_carried_state_round_trips_through_continue_as_new() -> None:
+    state = decoded(carried_by_the_floor())
     state.rotate_reason = "rotate signal"
     state.cause = instance_cause("first start", "2026-01-01T00:00:00+00:00")
     state.next_cause = instance_cause("a rotate signal: " + "x" * 2000, "2026-01-02T00:00:00+00:00")
@@ -66,8 +60,3 @@ def test_today_s_carried_state_decodes_as_it_was_written() -> None:
     (payload,) = DataConverter.default.payload_converter.to_payloads([state])
     again = decoded(json.loads(payload.data))
     assert again == state
-
-
-def test_anything_else_passes_through_for_the_check_to_refuse() -> None:
-    for hostile in (None, [], "status", {"status": "Ready"}, {"current": None}):
-        assert from_older_release(hostile) == hostile

@@ -1,11 +1,11 @@
-"""A proxy's search attributes: upserted once where a workflow task used to
-upsert twice, every state still shown, and every instance named before it
-can exist (workflows/lifecycle_publish.py).
+"""A proxy's search attributes: upserted once a workflow task, every state
+still shown, and every instance named before it can exist
+(workflows/lifecycle_publish.py).
 
-Each upsert is a Temporal Cloud action. Up to 0.3.9 a proxy's first task
-upserted twice (Provisioning, then its first instance's name just before
-the create), and so did its last (the last instance gone, then Terminated)
-and a rotation's first when the previous one's old instance had just gone.
+Each upsert is a Temporal Cloud action. A proxy's first task publishes twice
+(Provisioning, then its first instance's name just before the create), and
+so does its last (the last instance gone, then Terminated) and a rotation's
+first when the previous one's old instance has just gone: one upsert each.
 Orphan GC trusts `ProxyInstances`: an instance whose name is not there is
 an orphan, so the name must be upserted in the task that schedules the
 create, never after it.

@@ -78,13 +78,15 @@ def gateway_for(
     return pool_gateway(env, stack, pool, lambda _directory: flags)
 
 
-def held_tunnels(gateway: GatewayProcess, stack: Stack, timeout: float = TIMEOUT) -> HeldTunnels:
+def held_tunnels(
+    gateway: GatewayProcess, stack: Stack, timeout: float = TIMEOUT, username: str = USERNAME
+) -> HeldTunnels:
     origin = stack.origin
     return HeldTunnels(
         ("127.0.0.1", gateway.port),
         (origin.host, origin.port),
         origin.client_ssl_context,
-        (USERNAME, PASSWORD),
+        (username, PASSWORD),
         timeout,
     )
 
@@ -238,11 +240,13 @@ async def test_sockets_without_a_granted_tunnel_are_cut_and_wake_no_pool(
     await wait_for(lambda: not stack.instances(), "every member's Squid gone", deadline=DEADLINE)
 
 
-def request_through(gateway: GatewayProcess, stack: Stack, timeout: float) -> tuple[bytes, bool]:
+def request_through(
+    gateway: GatewayProcess, stack: Stack, timeout: float, username: str = USERNAME
+) -> tuple[bytes, bool]:
     """(the gateway's answer head to a CONNECT, whether a GET through the tunnel then got 200)."""
     origin = stack.origin
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=timeout) as sock:
-        sock.sendall(connect_request(USERNAME, PASSWORD, (origin.host, origin.port)))
+        sock.sendall(connect_request(username, PASSWORD, (origin.host, origin.port)))
         head = read_head(sock)
         if not head.startswith(b"HTTP/1.1 200"):
             return head, False

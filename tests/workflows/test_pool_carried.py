@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from temporalio.converter import default
 
 from contract import ProxyState
@@ -45,7 +46,7 @@ def round_trip(value: Any) -> Any:
 
 def test_the_largest_pool_with_every_string_at_its_cap_continues_under_the_warning_size() -> None:
     state = worst_state()
-    before = payload_size(state)  # the dataclass as releases up to 0.2.0 carried it
+    before = payload_size(state)  # the dataclass itself, uncompacted
     compact = payload_size(encode(state, POOL, LIFETIMES))
     assert before > LIMIT_SIZE, "the worst case is a real one: it broke the old encoding"
     assert compact < WARNING_SIZE, f"{compact} bytes"
@@ -100,9 +101,11 @@ def test_a_typical_state_round_trips_exactly() -> None:
     assert decode(round_trip(encode(state, POOL, LIFETIMES)), POOL) == state
 
 
-def test_a_state_carried_by_an_earlier_release_still_decodes() -> None:
-    state = typical_state()
-    assert decode(round_trip(state), POOL) == state
+def test_a_state_in_any_other_shape_is_refused() -> None:
+    """Only `encode`'s schema is read: the floor release wrote nothing else."""
+    for other in (round_trip(typical_state()), None, [], {"v": 1}):
+        with pytest.raises(ValueError, match="not the carried state of schema 2"):
+            decode(other, POOL)
 
 
 def test_texts_over_the_budget_are_cut_to_a_common_length_and_short_ones_kept() -> None:

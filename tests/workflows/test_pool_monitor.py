@@ -207,8 +207,8 @@ async def test_a_member_flooded_with_signals_it_ignores_hands_over_to_a_new_run(
 ) -> None:
     """A member its pool monitors waits for nothing but a rotation or its pool's word,
     so events it ignores (here `instance_failing` about another endpoint, which
-    anyone may send) used to grow its run for as long as it served. A long
-    history (past EVENT_BUDGET, or here the server's suggestion) now wakes it,
+    anyone may send) would grow its run for as long as it served. A long
+    history (past EVENT_BUDGET, or here the server's suggestion) wakes it,
     and it continues as new.
     """
     stack = await stack_on(eager_can_env)

@@ -16,12 +16,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from temporalio.converter import default, value_to_type
 
 from contract import PoolState, ProxyState
 from tests.helpers.pool_simulation import POOL, T0, report, rotations_in, serves, simulate
 from workflows.inputs import parse_model
-from workflows.pool import PoolCarried
 from workflows.pool_input import PoolInput
 from workflows.pool_plan import (
     COMMAND_BATCH,
@@ -42,7 +40,6 @@ from workflows.pool_plan import (
     distinct_exits,
     is_serving,
     jittered_lifetime,
-    legacy_carried,
     next_wake,
     plan,
     pool_state,
@@ -705,52 +702,6 @@ def test_what_the_pool_waits_for_names_a_few_rotations_and_counts_the_rest() -> 
 # ---- carried state ------------------------------------------------------------------------
 
 
-def legacy_member(index: int, **fields: Any) -> dict[str, Any]:
-    """A member as runs from before MemberPhase carried it."""
-    return {
-        "member": f"{POOL}/{index}", "index": index, "provider": "local", "placement": {},
-        "started_at": T0.isoformat(), "spread": None, "lifetime_seconds": 600.0,
-        "state": "Ready", "endpoint": "127.0.0.1:4000", "generation": 2,
-        "ready_since": T0.isoformat(), "last_error": None, "report": None, "served": True,
-        "rotate_reason": None, "rotating_from": None, "rotating_since": None,
-        "banned": None, "removing": None, **fields,
-    }  # fmt: skip
-
-
-def test_carried_state_of_a_run_from_before_member_phases_still_decodes() -> None:
-    carried = {
-        "replicas": 4,
-        "next_index": 4,
-        "members": [
-            legacy_member(0),
-            legacy_member(1, rotate_reason="ban: 403", banned="403"),
-            legacy_member(2, rotating_from=2, rotating_since=T0.isoformat()),
-            legacy_member(3, removing="scaled down, draining 15s"),
-        ],
-    }
-
-    state = value_to_type(PoolCarried, legacy_carried(carried))
-
-    assert [(m.phase, m.reason, m.rotating_from, m.banned) for m in state.members] == [
-        (MemberPhase.ACTIVE, None, None, None),
-        (MemberPhase.QUEUED, "ban: 403", None, "403"),
-        (MemberPhase.ROTATING, None, 2, None),
-        (MemberPhase.REMOVING, "scaled down, draining 15s", None, None),
-    ]
-
-
-def test_carried_state_of_today_round_trips_and_anything_else_is_left_to_the_check() -> None:
-    queued = ready(0)
-    queued.queue("rotate all")
-    converter = default().payload_converter
-    payload = converter.to_payload(PoolCarried(replicas=1, members=[queued], next_index=1))
-    carried = converter.from_payload(payload)  # untyped, as the run method takes it
-
-    assert value_to_type(PoolCarried, legacy_carried(carried)).members == [queued]
-    for hostile in (None, [], "x", {"members": "x"}, {"members": [1, None, {"removing": 3}]}):
-        legacy_carried(hostile)  # total: it runs before the carried state is checked
-
-
 # ---- verified endpoints -----------------------------------------------------------------
 
 
@@ -782,21 +733,6 @@ def test_ban_history_keeps_only_the_window_the_limit_counts() -> None:
     bans = [(T0 + timedelta(minutes=n)).isoformat() for n in range(100)]  # one a minute
     kept = recent_bans(bans, limit, T0 + timedelta(minutes=99))
     assert kept == bans[90:], "the last ten minutes' ten bans"
-
-
-def test_a_carried_last_report_keeps_only_its_stamp() -> None:
-    old_report = {
-        "at": T0.isoformat(),
-        "seq": 4,
-        "endpoint": "127.0.0.1:1",
-        "last_error": "x" * 500,
-    }
-    [member] = legacy_carried({"members": [legacy_member(0, report=old_report)]})["members"]
-    assert "report" not in member
-    assert (member["report_at"], member["report_seq"]) == (T0.isoformat(), 4)
-    garbled = {"at": 5, "seq": "four"}
-    [member] = legacy_carried({"members": [legacy_member(0, report=garbled)]})["members"]
-    assert (member["report_at"], member["report_seq"]) == (None, 0)
 
 
 def test_a_banned_member_stays_out_until_its_new_endpoint_is_confirmed() -> None:

@@ -19,20 +19,23 @@ so no provider can produce an open proxy. The rules, in order:
 6. everything else is denied.
 
 Nothing is cached. The password never appears in `squid.conf`; the htpasswd
-holds a salted SHA-512-crypt hash that Squid's `basic_ncsa_auth` verifies.
+holds a salted SHA-512-crypt hash (squid/htpasswd.py) that Squid's
+`basic_ncsa_auth` verifies.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from squid.gateway import GATEWAY_LOG_FIELDS, GATEWAY_LOG_FORMAT
+from squid.htpasswd import sha512_crypt
 
 NCSA_AUTH_HELPER = "/usr/lib/squid/basic_ncsa_auth"
 SQUID_USER = "proxy"
+# Every request of the gateway's Squid goes to its router, never to the origin.
+NEVER_DIRECT = "never_direct allow all"
 
 # How long a client connection may go without asking (`_client_limits`):
 # its first byte, its whole request head, the next request on a kept connection.
@@ -270,18 +273,12 @@ def _client_limits(client_connections: int | None) -> list[str]:
     ]
 
 
-# ---- the gateway (docs/architecture.md, "The gateway") ---------------------------
+def _format_name(definition: str | None) -> str:
+    return definition.split()[1] if definition else "squid"
 
-# What the gateway's workers write per request: what its metrics, and which
-# member carried each session (gateway/sessions.py), are read from.
-GATEWAY_LOG_FORMAT = "gateway"
-_GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru %un"
-# A member the router fails to connect to this many times in a row is skipped
-# until its probe (a TCP connect a second) sees it answer again; a connect
-# that hangs gives up after MEMBER_CONNECT_TIMEOUT seconds and the request
-# goes to the next member (gateway/router.py).
-MEMBER_CONNECT_FAIL_LIMIT = 10
-MEMBER_CONNECT_TIMEOUT = 3
+
+# ---- the gateway's Squid (docs/architecture.md, "The gateway") ----------------
+
 # The gateway's Squid never marks its router dead: it relays members' and
 # origins' errors, which Squid would count against it.
 ROUTER_CONNECT_FAIL_LIMIT = 1_000_000
@@ -289,78 +286,6 @@ ROUTER_CONNECT_FAIL_LIMIT = 1_000_000
 # ("TCP connection to <peer> succeeded") or not ("... dead"): the gateway
 # waits at start for its Squid's probe of the router.
 GATEWAY_DEBUG = "debug_options ALL,1 15,2"
-# Every request of the gateway's Squid goes to its router, never to the origin.
-NEVER_DIRECT = "never_direct allow all"
-# A username no member admits (its filters match none, or it pins one not in
-# the pool) is answered this, with this page, by the router: never sent elsewhere.
-NO_MEMBER_STATUS = 503
-NO_MEMBER_TEMPLATE = "ERR_GATEWAY_NO_MEMBER"
-NO_MEMBER_PAGE = (
-    "No member of the pool matches this username: its routing filters "
-    "(-zone-, -region-, -provider-) match none of the members in rotation, or "
-    "the member it pins (-proxy-) is not one of them. The request was sent "
-    "nowhere else.\n"
-)
-
-# A users-file user with `tunnels=N` (gateway/users.py) holds at most N open
-# tunnels, counted by the router; past that, a CONNECT is answered
-# TUNNEL_LIMIT_STATUS, named TUNNEL_LIMIT_TEMPLATE in its X-Squid-Error.
-TUNNEL_LIMIT_STATUS = 429
-TUNNEL_LIMIT_TEMPLATE = "ERR_GATEWAY_TUNNEL_LIMIT"
-TUNNEL_LIMIT_PAGE = (
-    "This user already holds as many open tunnels as its limit allows (%o). "
-    "The request was sent nowhere. Close a tunnel, or ask for a higher tunnels= "
-    "in the gateway's users file.\n"
-)
-# The refusal's reason, in a header: Squid relays a parent's refusal's
-# status and headers to the client, not its page.
-TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
-
-
-class Route(StrEnum):
-    """How a username picks a member (gateway/routing.py); it names the member in logs."""
-
-    ROTATE = "rotate"  # USER: round-robin per CONNECT
-    SESSION = "session"  # USER-session-<key>: Squid's userhash, a consistent hash
-    PIN = "pin"  # USER-proxy-<member>: that member only
-
-
-@dataclass(frozen=True)
-class GatewayMember:
-    """A pool member the gateway forwards to: its workflow id, where it listens, and what
-    a username's routing filters match it by (None: it has no such attribute)."""
-
-    member: str
-    host: str
-    port: int
-    zone: str | None = None
-    region: str | None = None
-    provider: str | None = None
-    # Where its traffic leaves from, as the pool confirmed it (metrics only).
-    exit_address: str | None = None
-
-    def attribute(self, name: str) -> str | None:
-        """Its value for routing filter `name` (one of FILTERS)."""
-        value: str | None = getattr(self, name)
-        return value
-
-    def matches(self, filters: dict[str, str]) -> bool:
-        """Whether every one of a username's routing filters names this member's value."""
-        return all(self.attribute(name) == value for name, value in filters.items())
-
-
-def peer_name(member: str, route: Route) -> str:
-    """The name the router's access log gives `member` for `route`.
-
-    A function of the member id alone, so every gateway of a pool, across
-    membership changes and the member's own rotations, hashes a session key
-    to the same member: sessions hash this name (gateway/routing.py).
-    """
-    return f"{route}-{hashlib.sha256(member.encode()).hexdigest()[:16]}"
-
-
-def _format_name(definition: str | None) -> str:
-    return definition.split()[1] if definition else "squid"
 
 
 def render_gateway_front(
@@ -390,7 +315,7 @@ def render_gateway_front(
     return render(
         settings,
         paths,
-        log_format=f"logformat {GATEWAY_LOG_FORMAT} {_GATEWAY_LOG_FIELDS}",
+        log_format=f"logformat {GATEWAY_LOG_FORMAT} {GATEWAY_LOG_FIELDS}",
         routing=[*lines, ""],
         authenticate=False,
         client_connections=client_connections,
@@ -416,87 +341,3 @@ def _listen_on(address: str | None, port: int) -> str:
         return str(port)
     # IPv6 literals need brackets, or Squid reads the last group as the port.
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
-_ITOA64 = "./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-SHA512_CRYPT_ROUNDS = 20_000
-# What a setting without `rounds=` means.
-SHA512_CRYPT_DEFAULT_ROUNDS = 5000
-_SALT_CHARS = 16
-# The order in which SHA-crypt's spec spreads the 64 digest bytes over the
-# 86 output characters: 21 groups of three, rotated by one each time, then byte 63.
-_SHA512_ORDER = [(i, i + 21, i + 42)[i % 3 :] + (i, i + 21, i + 42)[: i % 3] for i in range(21)]
-
-
-def sha512_crypt(password: str, setting: str | None = None) -> str:
-    """SHA-512-crypt (`$6$`), as specified at https://www.akkadia.org/drepper/SHA-crypt.txt.
-
-    `basic_ncsa_auth` hands the hash to crypt(3), which on Debian and Ubuntu
-    (glibc, libxcrypt) verifies `$6$`. Written out here because Python's
-    `crypt` module is deprecated and gone in 3.13; the spec's test vectors
-    hold it to the C implementation (tests/providers/test_squid.py).
-
-    Like crypt(3), `setting` is `$6$[rounds=N$]salt`, or a whole hash to check
-    a password against (`sha512_crypt(pw, hashed) == hashed`); None draws a
-    fresh 16-character salt and SHA512_CRYPT_ROUNDS. Each round is a SHA-512
-    pass: 20,000 is four times glibc's default, and costs Squid's helper a few
-    milliseconds once per credentials TTL.
-    """
-    if setting is None:
-        salt = "".join(secrets.choice(_ITOA64) for _ in range(_SALT_CHARS))
-        rounds: int | None = SHA512_CRYPT_ROUNDS
-    else:
-        salt, rounds = _parse_setting(setting)
-    pw = password.encode()
-    salt_b = salt.encode()[:_SALT_CHARS]
-
-    def repeated(block: bytes, length: int) -> bytes:
-        return (block * (length // len(block) + 1))[:length]
-
-    alternate = hashlib.sha512(pw + salt_b + pw).digest()
-    ctx = hashlib.sha512(pw + salt_b + repeated(alternate, len(pw)))
-    n = len(pw)
-    while n:
-        ctx.update(alternate if n & 1 else pw)
-        n >>= 1
-    digest = ctx.digest()
-    p_bytes = repeated(hashlib.sha512(pw * len(pw)).digest(), len(pw))
-    s_bytes = repeated(hashlib.sha512(salt_b * (16 + digest[0])).digest(), len(salt_b))
-
-    for rnd in range(rounds or SHA512_CRYPT_DEFAULT_ROUNDS):
-        step = p_bytes if rnd & 1 else digest
-        if rnd % 3:
-            step += s_bytes
-        if rnd % 7:
-            step += p_bytes
-        step += digest if rnd & 1 else p_bytes
-        digest = hashlib.sha512(step).digest()
-
-    encoded = "".join(
-        _to64((digest[a] << 16) | (digest[b] << 8) | digest[c], 4) for a, b, c in _SHA512_ORDER
-    )
-    encoded += _to64(digest[63], 2)
-    # A setting without `rounds=` gets a hash without it, as in crypt(3).
-    spec = "" if rounds is None else f"rounds={rounds}$"
-    return f"$6${spec}{salt_b.decode()}${encoded}"
-
-
-def _parse_setting(setting: str) -> tuple[str, int | None]:
-    """The salt and rounds (None: not given, the default) of `$6$[rounds=N$]salt[$hash]`."""
-    if not setting.startswith("$6$"):
-        raise ValueError("a sha512-crypt setting starts with $6$")
-    rest = setting.removeprefix("$6$")
-    if not rest.startswith("rounds="):
-        return rest.partition("$")[0], None
-    count, _, rest = rest.removeprefix("rounds=").partition("$")
-    if not count.isdigit() or not 1000 <= int(count) <= 999_999_999:
-        raise ValueError(f"sha512-crypt rounds must be 1000..999999999, not {count!r}")
-    return rest.partition("$")[0], int(count)
-
-
-def _to64(value: int, count: int) -> str:
-    out = ""
-    for _ in range(count):
-        out += _ITOA64[value & 0x3F]
-        value >>= 6
-    return out

@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from providers import procfs
-from providers.squid import SQUID_USER
+from squid import procfs
+from squid.conf import SQUID_USER
 
 log = logging.getLogger("proxy_operator.squid")
 

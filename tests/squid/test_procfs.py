@@ -1,4 +1,4 @@
-"""providers.procfs on real processes: running, exited but unreaped (a zombie), and gone.
+"""squid.procfs on real processes: running, exited but unreaped (a zombie), and gone.
 
 A zombie is the case that matters: Squid killed while its parent is gone
 stays one where nobody reaps (a container), and must read as not running,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from providers import procfs
+from squid import procfs
 
 # Sleeps until its stdin closes; says so on stdout once it runs.
 WAITER = "import sys; print('up', flush=True); sys.stdin.read()"

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from providers.squid import (
+from squid.conf import (
     NCSA_AUTH_HELPER,
-    SHA512_CRYPT_ROUNDS,
     ProxySettings,
     RenderedSquid,
     SquidPaths,
     render,
     render_gateway_front,
-    sha512_crypt,
 )
+from squid.htpasswd import SHA512_CRYPT_ROUNDS, sha512_crypt
 from tests.helpers.loopback_peer import LoopbackPeer, connect_status, loopback_peer
 from tests.helpers.network import free_port
 from tests.helpers.squid_upstream import LocalSquid, SquidUpstreams

@@ -1,4 +1,4 @@
-"""providers.squid_process's process mechanics, on real processes standing in for Squid.
+"""squid.process's process mechanics, on real processes standing in for Squid.
 
 Launching, awaiting and stopping do not depend on what runs: a Python child
 that ignores SIGTERM, leaves a helper behind, listens or fails stands in for
@@ -19,15 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from providers import procfs
-from providers.squid_process import (
-    SquidExited,
-    accepts,
-    await_ready,
-    clear_stale_pid_file,
-    launch,
-    stop,
-)
+from squid import procfs
+from squid.process import SquidExited, accepts, await_ready, clear_stale_pid_file, launch, stop
 from tests.helpers.waiting import wait_until
 
 # A stop's bound, short enough for a test.
