@@ -13,25 +13,28 @@ WORKDIR /app
 # The application's locked dependencies first, each file checked against its
 # hash (requirements/app.txt, `make lock`), in a layer of their own that a
 # change to the code leaves cached. The project then goes in on top with
-# nothing more resolved, built by the locked setuptools.
+# nothing more resolved, by the locked setuptools: run from this checkout in
+# /app (an application, not a wheel of top-level modules in site-packages),
+# beside the scrapers' client whose username grammar it imports.
 COPY requirements/app.txt requirements/
 RUN pip install --require-hashes -r requirements/app.txt
 COPY pyproject.toml README.md ./
+COPY clients/python/ clients/python/
 COPY squid/ squid/
 COPY providers/ providers/
 COPY activities/ activities/
 COPY workflows/ workflows/
 COPY startup/ startup/
 COPY gateway/ gateway/
-COPY proxy_operator/ proxy_operator/
 COPY worker.py contract.py cli.py ./
 # PYTHONDONTWRITEBYTECODE stops some pips writing bytecode too (23.2 writes
 # none, 26.3 does), and the workflow sandbox re-imports the workflow modules
 # for every new workflow run: without .pyc files each run compiles them again
 # (a seventh of a busy worker's CPU while a 1,000-member pool starts;
-# docs/benchmarks.md). Compiled here, once, whatever pip the image has.
-RUN pip install --no-deps --no-build-isolation . \
-    && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+# docs/benchmarks.md). Compiled here, once, whatever pip the image has: the
+# checkout in /app, which is where the code runs from.
+RUN pip install --no-deps --no-build-isolation -e ./clients/python -e . \
+    && python -m compileall -q /app \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin worker
 
 # Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.

@@ -3,6 +3,11 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+# The client distribution's locked wheels (requirements/client.txt), from
+# which tests/workflows/test_client_install.py installs clients/python into
+# a fresh virtualenv with no index: the suite needs no network once make
+# has installed.
+WHEELHOUSE = $(VENV)/wheelhouse
 # The suite runs in parallel (pytest-xdist). It waits on servers, Squids and
 # timers far more than it computes, so it runs more processes than the 2 cores
 # CI has; a fixed count keeps CI predictable. What each process must own alone
@@ -16,11 +21,13 @@ PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 ## The virtualenv holds exactly the locked versions (requirements/dev.txt,
 ## every file checked against its hash), so a clone installs next month what
 ## it installs today; the project itself goes in on top, without resolving
-## anything more. `make lock` moves the pins.
-$(STAMP): pyproject.toml requirements/dev.txt
+## anything more, beside the scrapers' client it imports (clients/python).
+## `make lock` moves the pins.
+$(STAMP): pyproject.toml clients/python/pyproject.toml requirements/dev.txt requirements/client.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --require-hashes -r requirements/dev.txt
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e ./clients/python -e .
+	$(BIN)/python -m pip download -q --require-hashes --only-binary :all: -r requirements/client.txt -d $(WHEELHOUSE)
 	touch $@
 
 ## The workflow sandbox re-imports the workflow modules for every new
@@ -72,8 +79,10 @@ bench: $(STAMP) tools bytecode
 	$(BIN)/python -m bench
 
 ## Refreshes the locks to the newest releases pyproject.toml's ranges allow:
-## requirements/app.txt (the application, as the Dockerfile installs it) and
-## requirements/dev.txt (it and the test extra, held to app.txt's pins).
+## requirements/app.txt (the application, as the Dockerfile installs it),
+## requirements/dev.txt (it and the test extra, held to app.txt's pins) and
+## requirements/client.txt (clients/python with its scrapy extra, held to
+## dev.txt's pins: the wheels the client's install test uses).
 ## `make lock UPGRADE='temporalio scrapy'` moves only those and keeps every
 ## other pin (also the way to take in a dependency added to pyproject.toml).
 ## Markers are evaluated for the machine that runs it, so it runs only where
@@ -88,8 +97,10 @@ lock: $(STAMP)
 		sys.version_info[:2] == (3, 11) else "make lock runs on Python 3.11 on Linux only")'
 	$(PIP_COMPILE) --all-build-deps -o requirements/app.txt pyproject.toml
 	$(PIP_COMPILE) --extra test -o requirements/dev.txt pyproject.toml requirements/dev.in
+	$(PIP_COMPILE) --extra scrapy -o requirements/client.txt \
+		clients/python/pyproject.toml requirements/client.in
 	sed -i '2a # on Linux, where CI and the image run it (the hashes cover every platform)' \
-		requirements/app.txt requirements/dev.txt
+		requirements/app.txt requirements/dev.txt requirements/client.txt
 
 ## Removes .data (make run's workflows and proxies), the virtualenv and the
 ## build's leftovers; refuses while workflows are open in .data or make run

@@ -33,6 +33,9 @@ from tests.helpers.state_dir import local_state_dir
 from tests.helpers.tunnel import Answer, request
 
 ROOT = Path(__file__).resolve().parents[2]
+# Where a child Python finds this checkout's code: the operator, and the
+# scrapers' client it imports (clients/python), whatever the virtualenv holds.
+CHECKOUT_PYTHONPATH = os.pathsep.join(str(path) for path in (ROOT, ROOT / "clients" / "python"))
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 START_DEADLINE = 60.0
 # More than the gateway's own bounds on stopping (gateway/squid.py: up to
@@ -90,7 +93,7 @@ class GatewayProcess:
             PASSWORD_ENV: PASSWORD,
             "TEMPORAL_ADDRESS": temporal_address,
             "TEMPORAL_NAMESPACE": namespace,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": CHECKOUT_PYTHONPATH,
             **(extra_env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None

@@ -37,7 +37,7 @@ from proxy_operator.client import GatewayClient
 from tests.docs.markdown import Example, examples
 from tests.helpers.banning_origin import HOME_TITLE, BanningOrigin, serve_banning_origin
 from tests.helpers.config import PASSWORD, USERNAME
-from tests.helpers.gateway import GatewayProcess, pool_gateway
+from tests.helpers.gateway import CHECKOUT_PYTHONPATH, GatewayProcess, pool_gateway
 from tests.helpers.network import free_port
 from tests.helpers.stacks import Stack
 from tests.helpers.tls_origin import TlsOrigin
@@ -60,6 +60,8 @@ EXAMPLE_TIMEOUT = 120
 CHROMIUM = Path("/usr/lib/chromium/chromium-headless-shell")
 # The Playwright example's session key: its tunnel must reach a member on it.
 BROWSER_SESSION = "login-3"
+# What would let another virtualenv's Python import from this checkout or this one.
+ISOLATED_ENV = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV"})
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,26 @@ async def gateway(
         yield ApiGateway(process, f"http://127.0.0.1:{port}", token)
 
 
-def run_python(arguments: list[str], workdir: Path, env: dict[str, str], timeout: float) -> str:
-    """`python <arguments>` in `workdir` with this checkout importable: what it printed (exit 0)."""
+def run_python(
+    arguments: list[str],
+    workdir: Path,
+    env: dict[str, str],
+    timeout: float,
+    python: Path | None = None,
+) -> str:
+    """`python <arguments>` in `workdir`: what it printed (exit 0).
+
+    The suite's Python with this checkout importable, or `python` (another
+    virtualenv's) with only what is installed there.
+    """
+    if python is None:
+        inherited = {**os.environ, "PYTHONPATH": CHECKOUT_PYTHONPATH}
+    else:
+        inherited = {k: v for k, v in os.environ.items() if k not in ISOLATED_ENV}
     run = subprocess.run(
-        [sys.executable, *arguments],
+        [str(python or sys.executable), *arguments],
         cwd=workdir,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env={**inherited, **env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -136,9 +152,15 @@ Crawl = tuple[str, list[dict[str, object]], dict[str, int]]
 
 
 def crawl(
-    gateway: ApiGateway, origin: str, workdir: Path, *, pages: int = PAGES, **env_overrides: str
+    gateway: ApiGateway,
+    origin: str,
+    workdir: Path,
+    *,
+    pages: int = PAGES,
+    python: Path | None = None,
+    **env_overrides: str,
 ) -> Crawl:
-    """Run the spider to its end: everything it logged, its items, its stats."""
+    """Run the spider to its end (on `python`, as run_python): what it logged, items, stats."""
     items, stats = workdir / "items.jsonl", workdir / "stats.json"
     env = middleware_env(gateway) | env_overrides
     # The token as a setting, the password from the environment: both ways are covered.
@@ -151,6 +173,7 @@ def crawl(
         workdir,
         env | {"PAGES_ORIGIN": origin, "PAGES_COUNT": str(pages), "PAGES_STATS": str(stats)},
         CRAWL_TIMEOUT,
+        python,
     )
     found = [json.loads(line) for line in items.read_text().splitlines()] if items.exists() else []
     return log, found, json.loads(stats.read_text())
