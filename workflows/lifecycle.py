@@ -25,6 +25,12 @@ one CarriedState (workflows/lifecycle_carried.py), from which `status` is
 computed; StatusPublisher (workflows/lifecycle_publish.py) is the one step
 that tells search attributes, the Web UI and a parent pool of a change.
 
+What the states use is one object each, beside this file, so the states
+read as the lifecycle they are: ProviderCalls (provider calls that wait out
+quota and outages on visible timers), Deletions (until gone, or refused for
+good), CrashBudget, Monitors (Ready's watch, and the monitors on their way
+out), Rotation (make before break) and HandOver (continue-as-new).
+
 The workflow id is the proxy's identity. Steady state costs a handful of
 history events an hour: a single long-running `monitor` activity probes and
 heartbeats, and returns only when health changes, the instance vanishes, or
