@@ -1,12 +1,20 @@
-"""Reading activity failures in workflow code: their taxonomy type, message and delay."""
+"""Reading activity failures in workflow code: their taxonomy type, message and delay.
+
+Also `InstanceFailed`, the failure a lifecycle's bring-up raises for
+anything a replacement could fix.
+"""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
 
 from contract import ErrorType
+
+if TYPE_CHECKING:
+    from activities.models import InstanceRef
 
 
 def cause_type(err: ActivityError) -> str | None:
@@ -51,3 +59,15 @@ def cancelled(err: ActivityError) -> bool:
     Such a failure must end what awaited it, never count as a broken instance.
     """
     return isinstance(err.cause, CancelledError)
+
+
+class InstanceFailed(Exception):
+    """An instance could not be brought to Ready; the lifecycle replaces it."""
+
+    def __init__(
+        self, reason: str, ref: InstanceRef | None = None, *, disrupted: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.ref = ref
+        # The platform took the instance away: no failure of the proxy's.
+        self.disrupted = disrupted

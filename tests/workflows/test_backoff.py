@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from workflows.lifecycle import PROVIDER_WAIT
+from workflows.lifecycle_calls import PROVIDER_WAIT
 from workflows.policies import REPLACE_BACKOFF, Backoff
 
 

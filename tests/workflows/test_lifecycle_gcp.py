@@ -48,7 +48,7 @@ from tests.helpers.stacks import ProviderStack, StackFactory
 from tests.helpers.time_skipping import skip_past_pending_timer
 from tests.helpers.tls_origin import TlsOrigin
 from tests.helpers.waiting import status_of, wait_for, wait_status
-from workflows.lifecycle import CRASH_BUDGET
+from workflows.lifecycle_crash_budget import CRASH_BUDGET
 
 pytestmark = [pytest.mark.slow, requires_squid]
 
