@@ -8,22 +8,21 @@ keeps a summary of each, fed by the `member_changed` signal every member
 sends its pool on a change (workflows/membership.py), plus a reconcile
 against visibility now and then as a safety net (activities/pool.py).
 
-What to do is decided in workflows/pool_plan.py, pure functions this
-workflow only applies: each time it wakes (a report, an update, its timer)
-it hands `pool_plan.plan` a `Situation` (its members and books) and turns
-the `Step` it gets back into commands, in the order given: terminate
-signals after a drain, child starts, rotate signals, the reconcile. Each
-member's place in the pool is a `MemberPhase` (active, queued, rotating,
-removing); reports, updates and the plan move it from one to the next.
-What a person reads of it in the Web UI (each member start's summary and
-details, the timer's summary, the member table in the current details) is
-written by workflows/pool_view.py.
+`run` is a loop of three parts. Plan: each time the pool wakes (a report, an
+update, its alarm) it hands `pool_plan.plan` a `Situation` (its members and
+books) and gets a `Step` back. Act: it turns the step into commands, in the
+order given (terminate signals after a drain, child starts, rotate signals,
+the reconcile), each in a task of its own (workflows/pool_commands.py), and
+checks the endpoints members report (workflows/pool_verify.py). Wait: it
+sets its alarm for the earliest thing it must do on its own
+(workflows/pool_alarm.py) and waits for that or a change. Each member's
+place in the pool is a `MemberPhase` (active, queued, rotating, removing);
+reports, updates and the plan move it from one to the next. What a person
+reads of it in the Web UI is written by workflows/pool_view.py.
 
-The pool never polls a member and sets one timer at a time, for the earliest
-thing it must do on its own (`pool_plan.next_wake`): a member's rotation
-falling due, the end of a replacement backoff, or the next reconcile; the
-timer's summary says which. So a pool in steady state writes history only
-when a member's lifetime ends.
+A run continues as new past its event budget (workflows/pool_budget.py),
+carrying its state (workflows/pool_carried.py); a pool told to terminate
+ends its members first (workflows/pool_ending.py), across runs if need be.
 
 A pool started on "<queue>-pools" (contract.POOL_QUEUE_SUFFIX) runs in a
 worker of its own and starts its members, and runs every activity it asks
@@ -41,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -55,24 +53,17 @@ from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
-    from activities.models import (
-        EndpointCheck,
-        FailingMember,
-        VerifyEndpointInput,
-    )
+    from activities.models import FailingMember
     from activities.pool import MembersInput, MembersOutput, PoolActivities
-    from activities.provider import ProviderActivities
     from contract import (
         INSTANCE_FAILING_SIGNAL,
         MEMBER_CHANGED_SIGNAL,
         POOL,
         PROXY_LIFECYCLE,
         PROXY_POOL,
-        QUOTA_RETRY_DELAY,
         ROTATE_SIGNAL,
         STATE,
         TERMINATE_SIGNAL,
-        ErrorType,
         PoolState,
         ProxyState,
         members_task_queue,
@@ -83,33 +74,20 @@ with workflow.unsafe.imports_passed_through():
         pool_carried,
         pool_feed,
         pool_plan,
+        pool_requests,
         pool_status,
         pool_view,
     )
     from workflows.early_signals import EarlySignals
-    from workflows.inputs import (
-        DEFAULT_HEALTH_TARGET,
-        continued_state,
-        parse_model,
-        signal_reason,
-    )
+    from workflows.inputs import continued_state, signal_reason
     from workflows.membership import MAX_ERROR_LENGTH, parse_report
-    from workflows.patches import (
-        POOL_FLOOR,
-        PUBLISH_ENDPOINTS_DIGEST,
-        VERIFY_WAITS_OUT_QUOTA,
-        keep_floor,
-        taken,
-    )
-    from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
-    from workflows.pool_input import (
-        BanRequest,
-        PoolInput,
-        RotateRequest,
-        ScaleRequest,
-        StatusRequest,
-        pool_id_problems,
-    )
+    from workflows.patches import POOL_FLOOR, PUBLISH_ENDPOINTS_DIGEST, keep_floor, taken
+    from workflows.pool_alarm import Alarm
+    from workflows.pool_budget import EventBudget, Reading
+    from workflows.pool_carried import Lifetimes, PoolCarried
+    from workflows.pool_commands import Commands
+    from workflows.pool_ending import Ending
+    from workflows.pool_input import BanRequest, PoolInput, RotateRequest, ScaleRequest
     from workflows.pool_monitor import PoolMonitor
     from workflows.pool_plan import (
         ENDED,
@@ -121,15 +99,10 @@ with workflow.unsafe.imports_passed_through():
         Step,
         Wake,
     )
+    from workflows.pool_requests import AppliedUpdates, status_request
     from workflows.pool_status import PoolStatus
-    from workflows.target_check import check_target, target_input
+    from workflows.pool_verify import EndpointChecks
 
-# Updates applied lately, by id, with their results: Temporal refuses a
-# repeated update id within a run, not across continue-as-new, so a client
-# retrying one after it would apply it twice (a second full `rotate`).
-REMEMBERED_UPDATES = 64
-# A remembered result keeps this many entries of a list (`rotate`'s queued).
-REMEMBERED_LIST = 50
 # A report stamped further ahead of the pool's clock than this is forged (a
 # member stamps its reports with its own workflow time): taken, it would
 # shadow the member's real reports until then.
@@ -143,18 +116,7 @@ REPORTS_REFUSED_HELP = (
 )
 # A member id missing from visibility this soon after its start is not
 # suspect: visibility lags.
-SETTLE = timedelta(seconds=30)
-MIN_ALARM = timedelta(seconds=1)
-MAX_HOLD = timedelta(seconds=60)
-# A pool continues as new past either (`_time_to_continue`).
-POOL_EVENT_BUDGET = 500
-# About what one removal or rotation writes into the pool's history: a
-# rotation is the `rotate` signal out (2 events), the member's Ready report
-# (1) and the check of its new endpoint (3), the workflow tasks around them
-# shared with others; a surge of 100 took a run from just under 500 events
-# to about 1,030 (5.3 each).
-EVENTS_PER_COMMAND = 6
-POOL_HISTORY_BUDGET = 1024 * 1024
+VISIBILITY_LAG = timedelta(seconds=30)
 RECONCILE = policies.ActivityProfile(
     start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
@@ -188,14 +150,15 @@ def _applied_once(
 
     The wrapper waits for the pool's state (`ProxyPool._taken_over`), then
     answers an update applied already, in this run or an earlier one, with
-    what `_remember` kept; only a new update reaches `handler`. The same steps
-    in the same order for `scale`, `rotate` and `report_ban`, so one place.
+    what `AppliedUpdates.remember` kept; only a new update reaches `handler`.
+    The same steps in the same order for `scale`, `rotate` and `report_ban`,
+    so one place.
     """
 
     @functools.wraps(handler)
     async def once(pool: ProxyPool, request: Any = None, *extra: Any) -> dict[str, Any]:
         await pool._taken_over()
-        applied = pool._applied()
+        applied = pool._applied_updates.result()
         if applied is not None:
             return applied
         return handler(pool, request, *extra)
@@ -220,6 +183,7 @@ SANDBOXED = False
 class ProxyPool:
     def __init__(self) -> None:
         self._inp: PoolInput | None = None
+        # What a run carries to the next (`_carry`, `_restore`).
         self._replicas = 0
         self._members: dict[str, Member] = {}
         self._next_index = 0
@@ -232,34 +196,17 @@ class ProxyPool:
         self._terminate_reason: str | None = None
         # Why members the pool did not remove are gone: the causes of their replacements.
         self._vacancies: list[str] = []
-        self._dirty = True
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._alarm: asyncio.Task[None] | None = None
-        self._alarm_at: datetime | None = None
-        self._reconciling = False
-        # Members whose start command has not been answered yet.
-        self._starting: set[str] = set()
-        # Members this run started: their closing is an event of this run.
-        self._children: dict[str, workflow.ChildWorkflowHandle[Any, Any]] = {}
-        # Members whose reported endpoint awaits its provider's word, and
-        # those whose check is under way.
-        self._unverified: set[str] = set()
-        self._verifying: set[str] = set()
-        # Members whose check met a quota or rate limit: asked again from then.
-        self._verify_after: dict[str, datetime] = {}
         self._rejected_reports = 0
         self._last_rejected: str | None = None
-        # Not carried: the next run's checks say it again if it still holds.
-        self._last_exit_problem: str | None = None
-        self._applied_updates: dict[str, dict[str, Any]] = {}
-        self._published: tuple[str, str] | None = None
-        # An autoscaled pool's books, and why it has its size now.
+        self._applied_updates = AppliedUpdates()
+        # An autoscaled pool's books (pool_autoscale.py), and its usage in member-seconds.
         self._autoscale: pool_autoscale.Books | None = None
-        self._scaling_why: str | None = None
         self._usage = pool_autoscale.Usage()
-        # When the pool began holding new commands back to continue as new.
-        self._hold_since: datetime | None = None
         self._rotations_abandoned = 0
+        # The run's own.
+        self._scaling_why: str | None = None
+        self._reconciling = False
+        self._published: tuple[str, str] | None = None
         self._early = EarlySignals()
         # The members' monitor, from the run's start until the pool ends.
         self._monitor: PoolMonitor | None = None
@@ -267,132 +214,55 @@ class ProxyPool:
         self._members_queue: str | None = None
         # The digest of `endpoints` in the memo, for gateways (workflows/pool_feed.py).
         self._feed = pool_feed.EndpointsFeed()
-
-    def _time_to_continue(self) -> bool:
-        """Continue as new when the server suggests it or past the pool's own budget.
-
-        A pool of 1,000 members plans over all of them at each workflow task,
-        so a worker that must replay its history (after a restart, an
-        eviction or a timed-out task) pays that for every task in it: the
-        budget keeps that replay to about 0.3 to 0.6 s in process at 1,000
-        members, a run holding for a surge of rotations the longest
-        (docs/benchmarks.md).
-        """
-        info = workflow.info()
-        return (
-            info.is_continue_as_new_suggested()
-            or info.get_current_history_length() >= POOL_EVENT_BUDGET
-            or info.get_current_history_size() >= POOL_HISTORY_BUDGET
+        self._alarm = Alarm()
+        self._budget = EventBudget()
+        self._commands = Commands(self._alarm.note_change)
+        self._checks = EndpointChecks(
+            members=lambda: self._members,
+            commands=self._commands,
+            failed=self._failed,
+            refuse=self._reject,
         )
-
-    def _step_due(self, *, watch_budget: bool) -> bool:
-        """Whether to step again: something changed, the pool is ending, or (watching
-        the budget, until it is passed) its run has just grown past it: events it
-        ignores (reports of members it does not have, which anyone may send) grow it too."""
-        return (
-            self._dirty
-            or self._terminate_reason is not None
-            or (watch_budget and self._time_to_continue())
+        self._ending = Ending(
+            members=lambda: self._members,
+            commands=self._commands,
+            alarm=self._alarm,
+            budget=self._budget,
+            publish=self._publish,
+            tell_to_end=self._tell_to_end,
+            check_on_members=self._reconcile_when_due,
         )
 
     # ---- the contract: run, signals, queries, updates -------------------------------
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
-        # Where 0.3.10's runs recorded their release marker: before the first
-        # await, as the input check's local activity resolves in another
-        # activation on replay than when first run.
-        keep_floor(POOL_FLOOR)
-        self._members_queue = _members_queue()
-        self._monitor = PoolMonitor(self._tell_failing, self._wake_up, self._members_queue)
-        feed = taken(PUBLISH_ENDPOINTS_DIGEST)
-        # Untyped, so no argument can fail to decode outside our validation.
-        pool_id = workflow.info().workflow_id
-        state, argument_problems = continued_state(
-            PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
-        )
-        self._early.decide(continued=state is not None)
-        inp = await self._validated(raw, argument_problems, continued=state is not None)
-        self._inp = inp
-        if state is not None:
-            self._restore(state)
-        else:
-            self._replicas = inp.replicas
-            self._last_reconcile = workflow.now()
-        self._early.took_over()
-        self._feed.start(feed, self.endpoints)
-        if inp.autoscale is not None and self._autoscale is None:
-            self._autoscale = pool_autoscale.new_books(inp.autoscale)
-        workflow.upsert_search_attributes([POOL.value_set(workflow.info().workflow_id)])
+        inp = await self._take_over(raw, carried, extra)
         try:
             while self._terminate_reason is None:
-                self._dirty = False
-                suggested = self._time_to_continue()
-                if suggested and self._hold_since is None:
-                    self._hold_since = workflow.now()
-                holding = self._hold_since is not None and (
-                    workflow.now() - self._hold_since < MAX_HOLD
-                )
-                more = False
-                # The members' census, when this step's plan took it (nothing
-                # changes the members from the plan to the wait below).
-                counted: pool_plan.Census | None = None
+                self._alarm.changed = False
+                budget = self._budget.read(workflow.now())
+                # Plan and act; nothing new while holding for the handover.
                 self._usage = pool_autoscale.counted(
                     self._usage, len(self._members), workflow.now()
                 )
-                if not holding:
-                    self._autoscale_step()
-                    step = pool_plan.plan(
-                        self._situation(room=self._room()), inp, pool_id, workflow.now()
-                    )
-                    self._apply(step)
-                    self._verify_endpoints()
-                    more, counted = step.more, step.census
+                step = None if budget.holding else self._step(inp)
                 refresh_at = self._refresh_monitor()
-                # else: the pool issues nothing new once continue-as-new is
-                # suggested, so the commands in flight end and it can hand over
-                # (a pool bringing up 1,000 members always has some in flight);
-                # for MAX_HOLD at most, as a long drain may be among them.
                 self._usage.members = len(self._members)
+                counted = None if step is None else step.census
                 self._publish(counted=counted)
-                # Members just started or rotating report within seconds: a
-                # handover they cross would be refused (UnhandledCommand).
-                unsettled = holding and not pool_plan.settled(self._situation())
-                if suggested and not self._tasks and not unsettled:
-                    await workflow.wait_condition(workflow.all_handlers_finished)
-                    if self._terminate_reason is None and not self._tasks:
-                        if self._monitor is not None:
-                            # The next run starts its own; these end quietly
-                            # within a round or two, when they ask whether this
-                            # run is still open (activities/provider.py).
-                            self._monitor.cancel()
-                        workflow.continue_as_new(
-                            args=[raw, self._compact_carry(inp)], memo=self._feed.carried()
-                        )
+                if budget.spent and await self._hand_over_when_quiet(raw, budget):
                     counted = None  # reports may have come in the wait
-                wake = self._next_wake(counted)
-                verify_wake = self._verify_wake()
-                if verify_wake is not None and (wake is None or verify_wake.at < wake.at):
-                    wake = verify_wake
-                if refresh_at is not None and (wake is None or refresh_at < wake.at):
-                    wake = Wake(refresh_at, "refresh the members' monitor")
-                if more:
-                    wake = Wake(workflow.now(), "start the next batch of removals and rotations")
-                if holding and self._hold_since is not None:
-                    wake = Wake(self._hold_since + MAX_HOLD, "stop waiting to continue as new")
-                self._arm(wake)
+                # Wait for a change, or the alarm.
+                self._alarm.set(self._next_wake(budget, step, counted, refresh_at))
                 await workflow.wait_condition(
-                    functools.partial(self._step_due, watch_budget=not suggested)
+                    functools.partial(self._step_due, watch_budget=not budget.spent)
                 )
         except asyncio.CancelledError:
             self._terminate_reason = self._terminate_reason or "pool cancelled"
             await self._end_members()
             raise
-        await self._end_members(
-            hand_over=lambda: workflow.continue_as_new(
-                args=[raw, self._compact_carry(inp)], memo=self._feed.carried()
-            )
-        )
+        await self._end_members(hand_over=lambda: self._continue_as_new(raw))
         return PoolResult(PoolState.TERMINATED, self._terminate_reason, self._next_index)
 
     @workflow.signal(name=TERMINATE_SIGNAL)
@@ -411,7 +281,7 @@ class ProxyPool:
         Anyone who may signal in the namespace can send one, so it is checked
         and capped (workflows/membership.py), never raises, and its endpoint
         is used only once the member's provider confirms it
-        (`_verify_endpoints`). Refused reports are counted in `status`.
+        (workflows/pool_verify.py). Refused reports are counted in `status`.
         """
         self._early.hold(lambda: self.member_changed(raw))
         report, problem = parse_report(raw)
@@ -429,8 +299,8 @@ class ProxyPool:
         if report.state in ENDED:
             self._ended(member, report.state, report.last_error)
         elif report.state == ProxyState.READY and report.endpoint != member.verified:
-            self._unverified.add(member.member)
-        self._dirty = True
+            self._checks.reported(member.member)
+        self._alarm.note_change()
 
     @workflow.query(name="status")
     def status(self, request: Any = None, *extra: Any) -> PoolStatus:
@@ -439,7 +309,7 @@ class ProxyPool:
         Argument optional: `{"after": <member index>, "limit": <n>}`; the
         answer's `next_page` is the argument for the next page.
         """
-        page = _status_request(request, extra)
+        page = status_request(request, extra)
         situation = self._situation()
         counted = pool_plan.census(situation.members)
         members, next_page = pool_status.member_page(situation.members, page)
@@ -465,7 +335,7 @@ class ProxyPool:
                 workflow.now(),
             ),
             distinct_exits=pool_plan.distinct_exits(situation.members),
-            last_exit_problem=self._last_exit_problem,
+            last_exit_problem=self._checks.last_exit_problem,
             rotations_abandoned=self._rotations_abandoned,
             monitored=0 if self._monitor is None else self._monitor.watched,
             members_total=len(situation.members),
@@ -492,11 +362,11 @@ class ProxyPool:
         self._stopped = None
         self._failures_in_a_row = 0
         self._start_after = None
-        self._dirty = True
+        self._alarm.note_change()
         if self._autoscale is not None:
             before = self._autoscale
             self._autoscale, _ = pool_autoscale.rebound(before, req.min_replicas, req.max_replicas)
-            return self._remember(
+            return self._applied_updates.remember(
                 {
                     "min_replicas": self._autoscale.min_replicas,
                     "max_replicas": self._autoscale.max_replicas,
@@ -505,7 +375,7 @@ class ProxyPool:
             )
         assert req.replicas is not None  # _scale_request refuses a fixed pool's bounds
         previous, self._replicas = self._replicas, req.replicas
-        return self._remember({"replicas": req.replicas, "previous": previous})
+        return self._applied_updates.remember({"replicas": req.replicas, "previous": previous})
 
     @scale.validator
     def _validate_scale(self, request: Any = None, *extra: Any) -> None:
@@ -539,7 +409,7 @@ class ProxyPool:
         report = self._demand_report(request, extra)
         assert self._autoscale is not None  # _demand_report refuses a fixed pool
         self._autoscale = pool_autoscale.take(self._autoscale, report, workflow.now())
-        self._dirty = True
+        self._alarm.note_change()
         return self._scaling_answer()
 
     @report_demand.validator
@@ -568,7 +438,7 @@ class ProxyPool:
         decision = pool_autoscale.wake(books, self._replicas, req.gateway, workflow.now())
         if decision.changed:
             self._take_decision(decision)
-            self._dirty = True
+            self._alarm.note_change()
         return {**self._scaling_answer(), "woken": decision.changed}
 
     @wake.validator
@@ -606,8 +476,8 @@ class ProxyPool:
         )
         reason = "rotate all" if req.all else "rotate update"
         queued = [member.member for member in targets if member.queue(reason)]
-        self._dirty = True
-        return self._remember({"queued": queued})
+        self._alarm.note_change()
+        return self._applied_updates.remember({"queued": queued})
 
     @rotate.validator
     def _validate_rotate(self, request: Any = None, *extra: Any) -> None:
@@ -628,8 +498,10 @@ class ProxyPool:
         now = workflow.now()
         self._bans = [*pool_plan.recent_bans(self._bans, self._inp.bans, now), now.isoformat()]
         member.ban(req.reason or "reported banned")
-        self._dirty = True
-        return self._remember({"member": member.member, "banned": True, "already": False})
+        self._alarm.note_change()
+        return self._applied_updates.remember(
+            {"member": member.member, "banned": True, "already": False}
+        )
 
     @report_ban.validator
     def _validate_report_ban(self, request: Any = None, *extra: Any) -> None:
@@ -650,59 +522,16 @@ class ProxyPool:
         req: BanRequest = self._request(BanRequest, request, "report_ban", extra)
         return req, self._live_member(req.member)
 
-    # ---- validation -----------------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------
 
     async def _validated(
         self, raw: Any, argument_problems: list[str], *, continued: bool
     ) -> PoolInput:
-        inp, problems = parse_model(
-            PoolInput, raw, "with at least 'template' and 'replicas' (or 'autoscale')"
-        )
-        if continued and inp is not None and not argument_problems:
-            return inp  # validated when the pool first started
-        problems = argument_problems + problems + pool_id_problems(workflow.info().workflow_id)
-        if not argument_problems and isinstance(raw, dict):
-            problems += await self._worker_problems(raw)
-        if problems or inp is None:
-            message = "invalid input: " + "; ".join(problems)
-            self._last_error = message
-            raise invalid_input(message)
-        return inp
-
-    async def _worker_problems(self, raw: dict[str, Any]) -> list[str]:
-        """What only the worker can check, for the template and every spread entry.
-
-        Read from the raw input, so these are named even when other fields
-        are wrong too.
-        """
-        template = raw.get("template")
-        template = template if isinstance(template, dict) else {}
-        spread = raw.get("spread")
-        targets = [("template.", template)] + [
-            (f"spread.{i}.", entry)
-            for i, entry in enumerate(spread if isinstance(spread, list) else [])
-            if isinstance(entry, dict)
-        ]
-        port = template.get("port")
-        health = template.get("health")
-        target = health.get("target") if isinstance(health, dict) else None
-        problems: list[str] = []
-        for prefix, entry in targets:
-            provider, placement = entry.get("provider"), entry.get("placement")
-            if not isinstance(provider, str):
-                continue
-            found = await check_target(
-                target_input(
-                    provider,
-                    port if isinstance(port, int) and 0 < port < 65536 else None,
-                    placement,
-                    target if isinstance(target, str) else DEFAULT_HEALTH_TARGET,
-                )
-            )
-            problems += [
-                prefix + problem for problem in found.problems if prefix + problem not in problems
-            ]
-        return problems
+        checked = await pool_requests.checked_input(raw, argument_problems, continued=continued)
+        if isinstance(checked, str):
+            self._last_error = checked
+            raise invalid_input(checked)
+        return checked
 
     async def _taken_over(self) -> None:
         """An update waits until the run has its state, to be checked and applied against it.
@@ -728,32 +557,16 @@ class ProxyPool:
         if not self._early.taken_over:
             self._request(model, raw, what, extra)
             return False
-        return self._applied() is None
-
-    def _applied(self) -> dict[str, Any] | None:
-        """The result of the current update if its id was applied already (in an earlier run)."""
-        return self._applied_updates.get(_update_key())
-
-    def _remember(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Keep the current update's result under its id, the oldest going past the bound."""
-        kept = {k: v[:REMEMBERED_LIST] if isinstance(v, list) else v for k, v in result.items()}
-        self._applied_updates[_update_key()] = kept
-        while len(self._applied_updates) > REMEMBERED_UPDATES:
-            del self._applied_updates[next(iter(self._applied_updates))]
-        return result
+        return self._applied_updates.result() is None
 
     def _request(self, model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
-        """An update's request, or a rejection naming every bad field.
-
-        Handlers take any arguments, untyped, so that none fails in the SDK
-        before this: no argument, extra ones and undecodable JSON are refused
-        here (or by workflows/payloads.py) as InvalidInput, naming the argument.
-        """
+        """An update's request, or a rejection naming every bad field (pool_requests.py);
+        none once the pool is ending."""
         if self._terminate_reason is not None:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )
-        return _parsed(model, raw, what, extra)
+        return pool_requests.parsed(model, raw, what, extra)
 
     def _live_member(self, member_id: str) -> Member:
         member = self._members.get(member_id)
@@ -762,12 +575,111 @@ class ProxyPool:
             raise invalid_input(f"member: no member {member_id!r} in this pool (members: {known})")
         return member
 
-    # ---- one step: the plan applied ----------------------------------------------
+    # ---- the loop's parts: take over, plan and act, hand over, wait ----------------
 
-    def _room(self) -> int:
-        """The removals and rotations this run's events left hold (`pool_plan.command_batch`)."""
-        left = POOL_EVENT_BUDGET - workflow.info().get_current_history_length()
-        return max(0, left // EVENTS_PER_COMMAND)
+    async def _take_over(self, raw: Any, carried: Any, extra: tuple[Any, ...]) -> PoolInput:
+        """The run's input, checked, and the state its previous run carried, taken over."""
+        # Where 0.3.10's runs recorded their release marker: before the first
+        # await, as the input check's local activity resolves in another
+        # activation on replay than when first run.
+        keep_floor(POOL_FLOOR)
+        self._members_queue = _members_queue()
+        self._monitor = PoolMonitor(
+            self._tell_failing, self._alarm.note_change, self._members_queue
+        )
+        feed = taken(PUBLISH_ENDPOINTS_DIGEST)
+        # Untyped, so no argument can fail to decode outside our validation.
+        pool_id = workflow.info().workflow_id
+        state, argument_problems = continued_state(
+            PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
+        )
+        self._early.decide(continued=state is not None)
+        inp = await self._validated(raw, argument_problems, continued=state is not None)
+        self._inp = inp
+        self._checks.task_queue = self._members_queue
+        self._checks.echo_url = inp.exit_echo_url or ""
+        if state is not None:
+            self._restore(state)
+        else:
+            self._replicas = inp.replicas
+            self._last_reconcile = workflow.now()
+        self._early.took_over()
+        self._feed.start(feed, self.endpoints)
+        if inp.autoscale is not None and self._autoscale is None:
+            self._autoscale = pool_autoscale.new_books(inp.autoscale)
+        workflow.upsert_search_attributes([POOL.value_set(pool_id)])
+        return inp
+
+    def _step(self, inp: PoolInput) -> Step:
+        """Plan over the members, apply the plan, and check the endpoints newly reported."""
+        self._autoscale_step()
+        situation = self._situation(room=self._budget.headroom())
+        step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
+        self._apply(step)
+        self._checks.start()
+        return step
+
+    async def _hand_over_when_quiet(self, raw: Any, budget: Reading) -> bool:
+        """Continue as new, the budget spent, once no command is in flight and (holding)
+        no member is on its way to a report; whether the pool waited for its handlers.
+
+        Members just started or rotating report within seconds: a handover
+        they cross would be refused (UnhandledCommand).
+        """
+        unsettled = budget.holding and not pool_plan.settled(self._situation())
+        if not self._commands.idle or unsettled:
+            return False
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._terminate_reason is None and self._commands.idle:
+            if self._monitor is not None:
+                # The next run starts its own; these end quietly within a
+                # round or two, when they ask whether this run is still open
+                # (activities/provider.py).
+                self._monitor.cancel()
+            self._continue_as_new(raw)
+        return True
+
+    def _continue_as_new(self, raw: Any) -> NoReturn:
+        assert self._inp is not None
+        workflow.continue_as_new(
+            args=[raw, self._compact_carry(self._inp)], memo=self._feed.carried()
+        )
+
+    def _next_wake(
+        self,
+        budget: Reading,
+        step: Step | None,
+        counted: pool_plan.Census | None,
+        refresh_at: datetime | None,
+    ) -> Wake | None:
+        """The earliest thing the pool must do on its own: the hold's end, the next batch,
+        or the first of the plan's wake, an autoscale decision, an endpoint check after a
+        quota and a refresh of the monitor (the earlier listed on a tie)."""
+        if budget.holding:
+            hold_ends = self._budget.hold_ends()
+            assert hold_ends is not None
+            return Wake(hold_ends, "stop waiting to continue as new")
+        if step is not None and step.more:
+            return Wake(workflow.now(), "start the next batch of removals and rotations")
+        wakes = [
+            pool_plan.next_wake(self._situation(), self._inp, counted),
+            self._autoscale_wake(),
+            self._checks.next_wake(),
+            None if refresh_at is None else Wake(refresh_at, "refresh the members' monitor"),
+        ]
+        return min((w for w in wakes if w is not None), key=attrgetter("at"), default=None)
+
+    def _step_due(self, *, watch_budget: bool) -> bool:
+        """Whether to step again: something changed, the pool is ending, or (watching
+        the budget, until it is passed) its run has just grown past it: events it
+        ignores (reports of members it does not have, which anyone may send) grow it too."""
+        return (
+            self._alarm.changed
+            or self._terminate_reason is not None
+            or (watch_budget and self._budget.spent())
+        )
+
+    # ---- one step: the plan applied -------------------------------------------------
 
     def _situation(self, room: int | None = None) -> Situation:
         return Situation(
@@ -806,18 +718,15 @@ class ProxyPool:
         drain = pool_plan.drain_seconds(self._inp)
         for victim in pool_autoscale.victims(self._live(), excess):
             victim.remove(SCALED_DOWN, drain)
-            self._spawn(self._drain_then_terminate(victim.member, SCALED_DOWN, drain))
+            self._commands.spawn(self._drain_then_terminate(victim.member, SCALED_DOWN, drain))
 
-    def _next_wake(self, counted: pool_plan.Census | None = None) -> Wake | None:
-        """The plan's next wake, or an autoscale decision falling due, whichever is first."""
-        wake = pool_plan.next_wake(self._situation(), self._inp, counted)
+    def _autoscale_wake(self) -> Wake | None:
+        """When an autoscale decision falls due, for an autoscaled pool."""
         bounds = self._inp.autoscale if self._inp is not None else None
         if bounds is None or self._autoscale is None:
-            return wake
+            return None
         due = pool_autoscale.next_wake(self._autoscale, bounds)
-        if due is not None and (wake is None or due < wake.at):
-            return Wake(due, "autoscale: a decision falls due")
-        return wake
+        return None if due is None else Wake(due, "autoscale: a decision falls due")
 
     def _apply(self, step: Step) -> None:
         """The plan's members and books, then its commands, each in a task of its own, in order."""
@@ -831,17 +740,19 @@ class ProxyPool:
                 f"rotation abandoned, not Ready within the deadline: {', '.join(step.abandoned)}"
             )[:MAX_ERROR_LENGTH]
         for removal in step.removals:
-            self._spawn(self._drain_then_terminate(removal.member, removal.reason, removal.drain))
+            self._commands.spawn(
+                self._drain_then_terminate(removal.member, removal.reason, removal.drain)
+            )
         for start in step.starts:
-            self._starting.add(start.member.member)
-            self._spawn(self._start_child(start))
+            self._commands.starting.add(start.member.member)
+            self._commands.spawn(self._start_child(start))
         for rotation in step.rotations:
             reason = {"reason": f"pool: {rotation.reason}"}
-            self._spawn(self._signal(rotation.member, ROTATE_SIGNAL, reason))
+            self._commands.spawn(self._signal(rotation.member, ROTATE_SIGNAL, reason))
         if step.reconcile:
             self._reconciling = True
             self._last_reconcile = workflow.now()
-            self._spawn(self._reconcile())
+            self._commands.spawn(self._reconcile())
 
     def _refresh_monitor(self) -> datetime | None:
         """Have the pool's monitor watch every member at its confirmed endpoint."""
@@ -856,89 +767,11 @@ class ProxyPool:
         if member is None or member.verified != failing.endpoint:
             return  # moved on since the monitor started
         reason = {"endpoint": failing.endpoint, "reason": f"pool monitor: {failing.detail}"}
-        self._spawn(self._signal(failing.member, INSTANCE_FAILING_SIGNAL, reason))
+        self._commands.spawn(self._signal(failing.member, INSTANCE_FAILING_SIGNAL, reason))
 
-    def _wake_up(self) -> None:
-        self._dirty = True
-
-    def _verify_endpoints(self) -> None:
-        """Ask the provider about every reported endpoint not yet confirmed, once at a time."""
-        now = workflow.now()
-        for member_id in sorted(self._unverified - self._verifying):
-            if len(self._verifying) >= pool_plan.COMMAND_BATCH:
-                break  # the rest when these answer
-            member = self._members.get(member_id)
-            if member is None or member.state != ProxyState.READY or not member.endpoint:
-                self._unverified.discard(member_id)
-                self._verify_after.pop(member_id, None)
-                continue
-            if self._verify_after.get(member_id, now) > now:
-                continue  # waiting out a quota: `_verify_wake` steps then
-            self._verify_after.pop(member_id, None)
-            self._verifying.add(member_id)
-            self._spawn(self._verify(member, member.endpoint))
-
-    def _verify_wake(self) -> Wake | None:
-        """When the first check waiting out a quota is due again, if any is."""
-        due = [at for member, at in self._verify_after.items() if member in self._unverified]
-        return Wake(min(due), "check an endpoint again after a quota") if due else None
-
-    async def _verify(self, member: Member, claimed: str) -> None:
-        try:
-            check: EndpointCheck = await workflow.execute_activity_method(
-                ProviderActivities.verify_endpoint,
-                VerifyEndpointInput(
-                    member.provider,
-                    member.member,
-                    claimed,
-                    self._echo_url(),
-                    generation=member.generation,
-                    placement=dict(member.placement),
-                ),
-                summary=f"verify {member.member} at {claimed}",
-                task_queue=self._members_queue,
-                start_to_close_timeout=policies.VERIFY.start_to_close,
-                schedule_to_close_timeout=policies.VERIFY.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
-            )
-        except FailureError as err:
-            self._last_error = f"could not verify {member.member}'s endpoint: {err}"
-            cause = err.cause
-            if (
-                isinstance(cause, ApplicationError)
-                and cause.type == ErrorType.QUOTA_EXCEEDED
-                and taken(VERIFY_WAITS_OUT_QUOTA)
-            ):
-                # A quota or rate limit passes: still unverified, asked again
-                # once its delay is over (the provider's hint, else minutes).
-                delay = cause.next_retry_delay or QUOTA_RETRY_DELAY
-                self._verify_after[member.member] = workflow.now() + delay
-            elif isinstance(cause, ApplicationError) and (
-                cause.non_retryable or cause.type in policies.NON_RETRYABLE
-            ):
-                # Asking again cannot help (a provider this worker does not
-                # have): refused, or the next step would ask at once, forever.
-                self._unverified.discard(member.member)
-                self._reject(f"{member.member}: {cause.message}")
-            # Otherwise still unverified (the provider's outage outlasted the
-            # retries): asked again on the next step.
-            return
-        finally:
-            self._verifying.discard(member.member)
-        current = self._members.get(member.member)
-        if current is None or current.state != ProxyState.READY or current.endpoint != claimed:
-            return  # overtaken by a later report, which has a check of its own
-        self._unverified.discard(member.member)
-        if check.verified:
-            current.verified, current.exit_address = claimed, check.exit_address
-            if check.exit_problem:
-                self._last_exit_problem = f"{member.member}: {check.exit_problem}"
-        else:
-            self._reject(check.problem)
-
-    def _echo_url(self) -> str:
-        """Where the exit check asks, "" for none (activities/exit_echo.py)."""
-        return (self._inp.exit_echo_url if self._inp is not None else None) or ""
+    def _failed(self, error: str) -> None:
+        """What went wrong last, for `status` and the Web UI."""
+        self._last_error = error
 
     def _reject(self, problem: str) -> None:
         """Count a refused member report (in `status` and the worker's metrics), keep the
@@ -948,11 +781,6 @@ class ProxyPool:
         workflow.logger.warning("member report refused: %s", self._last_rejected)
         # The SDK counts nothing while a task replays: each refusal once.
         workflow.metric_meter().create_counter(REPORTS_REFUSED_METRIC, REPORTS_REFUSED_HELP).add(1)
-
-    async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
-        if drain:
-            await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
-        await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
     def _ended(self, member: Member, state: str, error: str | None) -> None:
         """A member closed: forget it; replace it unless the pool asked for its end."""
@@ -974,24 +802,19 @@ class ProxyPool:
         else:
             self._start_after = failure.start_after
 
-    # ---- commands, each in a task of its own ----------------------------------------
+    # ---- commands, each in a task of its own (pool_commands.py) ---------------------
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(work)
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            self._dirty = True
-
-        task.add_done_callback(done)
+    async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
+        if drain:
+            await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
+        await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
 
     async def _start_child(self, start: pool_plan.Start) -> None:
         member = start.member.member
         # A member the pool monitors runs no monitor of its own.
         body = start.body if self._monitor is None else {**start.body, "monitor": "pool"}
         try:
-            self._children[member] = await workflow.start_child_workflow(
+            self._commands.children[member] = await workflow.start_child_workflow(
                 PROXY_LIFECYCLE,
                 body,
                 id=member,
@@ -1014,7 +837,7 @@ class ProxyPool:
             self._vacancies.append(f"{start.cause}; retried after {member} could not start")
             self._start_after = workflow.now() + policies.REPLACE_BACKOFF.first
         finally:
-            self._starting.discard(member)
+            self._commands.starting.discard(member)
 
     async def _signal(self, member: str, name: str, payload: dict[str, str]) -> None:
         handle = workflow.get_external_workflow_handle(member)
@@ -1031,15 +854,15 @@ class ProxyPool:
     async def _reconcile(self) -> None:
         """Catch members that closed without a report, and strays nobody started."""
         now = workflow.now()
-        settled = [
+        listed = [
             m.member
             for m in self._members.values()
-            if now - datetime.fromisoformat(m.started_at) >= SETTLE
+            if now - datetime.fromisoformat(m.started_at) >= VISIBILITY_LAG
         ]
         try:
             found: MembersOutput = await workflow.execute_activity_method(
                 PoolActivities.closed_members,
-                MembersInput(workflow.info().workflow_id, settled),
+                MembersInput(workflow.info().workflow_id, listed),
                 summary="reconcile members",
                 task_queue=self._members_queue,
                 start_to_close_timeout=RECONCILE.start_to_close,
@@ -1058,105 +881,32 @@ class ProxyPool:
                 state = ProxyState.FAILED if failed else ProxyState.TERMINATED
                 self._ended(member, state, f"closed {closed.status.lower()} without a report")
         for stray in found.strays:
-            if stray not in self._members and stray not in self._starting:
+            if stray not in self._members and stray not in self._commands.starting:
                 handle = workflow.get_external_workflow_handle(stray)
                 with contextlib.suppress(FailureError):
                     await handle.signal(TERMINATE_SIGNAL, {"reason": "pool: not a member"})
 
-    # ---- timers ---------------------------------------------------------------------
+    async def _reconcile_when_due(self) -> None:
+        """A reconcile while members end, if none ran for RECONCILE_BUSY."""
+        if self._last_reconcile is None or workflow.now() - self._last_reconcile >= RECONCILE_BUSY:
+            self._last_reconcile = workflow.now()
+            await self._reconcile()
 
-    def _arm(self, wake: Wake | None) -> None:
-        """One timer for the earliest wake; kept when still early enough."""
-        if wake is None:
-            return
-        if self._alarm is not None and not self._alarm.done():
-            assert self._alarm_at is not None
-            if self._alarm_at <= wake.at:
-                return
-            self._alarm.cancel()
-        # Past deadlines are acted on in the step that computed them; one
-        # still past is retried in a second, never in a busy loop.
-        delay = max(wake.at - workflow.now(), MIN_ALARM)
-        self._alarm_at = wake.at
-        summary = pool_view.alarm_summary(workflow.now() + delay, wake.action)
-        self._alarm = asyncio.create_task(self._ring(delay, summary))
-
-    async def _ring(self, delay: timedelta, summary: str) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await workflow.sleep(delay, summary=summary)
-            self._dirty = True
-
-    # ---- ending ---------------------------------------------------------------------
+    # ---- ending (pool_ending.py) ----------------------------------------------------
 
     async def _end_members(self, hand_over: Callable[[], NoReturn] | None = None) -> None:
-        """Terminate every member and wait until each has ended (its instance deleted).
-
-        `hand_over` continues as new: a run past its budget stops telling
-        members, waits until those told have ended, so no report of theirs
-        can cross the handover (the server would refuse it and the worker
-        replay the run), and hands the rest to the next run. A cancelled
-        pool has none, and ends in its run.
-        """
+        """Terminate every member and wait until each has ended; `hand_over` continues as
+        new once the run is past its budget (a cancelled pool has none)."""
         monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            monitor.cancel()  # waited for below, while the members end
-        self._publish()
-        await workflow.wait_condition(lambda: not self._starting)
-        reason = self._terminate_reason or "pool ending"
-        members = list(self._members.values())
-        if hand_over is not None:
-            # Those still on their way to a report (starting, rotating) are
-            # told first, so a handover waits for them as for the others told.
-            members.sort(key=lambda m: m.served and m.phase is not MemberPhase.ROTATING)
-        told = 0
-        for member in members:
-            # Not before a first batch: a pool told to end on a long run
-            # starts ending at once, and the monitor's shards end meanwhile.
-            if hand_over is not None and told and self._time_to_continue():
-                await self._until_ended(lambda: any(map(_is_removing, self._members.values())))
-                # A member this run started closes as an event of it too,
-                # after its last report.
-                await workflow.wait_condition(self._children_closed)
-                await workflow.wait_condition(lambda: not self._tasks)
-                if monitor is not None:
-                    # A shard's cancellation landing would cross it too.
-                    await monitor.stop()
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                hand_over()
-            # A batch of signals per workflow task, not a thousand at once.
-            await workflow.wait_condition(lambda: len(self._tasks) < pool_plan.COMMAND_BATCH)
-            if member.phase is not MemberPhase.REMOVING and member.member in self._members:
-                member.remove(reason)
-                self._feed.touch()  # out of `endpoints` now, not at the last batch
-                self._spawn(self._drain_then_terminate(member.member, reason, 0))
-                told += 1
-        self._publish()
-        await self._until_ended(lambda: bool(self._members))
-        if self._alarm is not None:
-            self._alarm.cancel()
-        await workflow.wait_condition(lambda: not self._tasks)
-        if monitor is not None:
-            await monitor.stop()  # its shards end within a heartbeat, mostly long before
-        self._publish(PoolState.TERMINATED)
+        await self._ending.end(lambda: self._terminate_reason or "pool ending", monitor, hand_over)
 
-    def _children_closed(self) -> bool:
-        """Every member this run started and no longer has has closed."""
-        return all(h.done() for m, h in self._children.items() if m not in self._members)
+    def _tell_to_end(self, member: Member, reason: str) -> None:
+        """Tell a member to terminate, out of `endpoints` now, not at the last batch."""
+        member.remove(reason)
+        self._feed.touch()
+        self._commands.spawn(self._drain_then_terminate(member.member, reason, 0))
 
-    async def _until_ended(self, ending: Callable[[], bool]) -> None:
-        """Wait while `ending` (members told to end still there), reconciling now and then
-        in case one closed without a report."""
-        while ending():
-            self._arm(Wake(workflow.now() + RECONCILE_BUSY, "check on the members still ending"))
-            self._dirty = False
-            await workflow.wait_condition(lambda: self._dirty or not ending())
-            if ending() and (
-                self._last_reconcile is None
-                or workflow.now() - self._last_reconcile >= RECONCILE_BUSY
-            ):
-                self._last_reconcile = workflow.now()
-                await self._reconcile()
-            self._publish()
+    # ---- continue-as-new ------------------------------------------------------------
 
     def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:
         lifetime = inp.template.max_lifetime_seconds
@@ -1180,7 +930,7 @@ class ProxyPool:
             rejected_reports=self._rejected_reports,
             last_rejected=self._last_rejected,
             vacancies=self._vacancies,
-            applied_updates=[AppliedUpdate(k, r) for k, r in self._applied_updates.items()],
+            applied_updates=self._applied_updates.carried(),
             autoscale=self._autoscale,
             usage=self._usage,
             rotations_abandoned=self._rotations_abandoned,
@@ -1203,16 +953,8 @@ class ProxyPool:
         self._terminate_reason = carried.terminate_reason
         self._rejected_reports = carried.rejected_reports
         self._last_rejected = carried.last_rejected
-        self._applied_updates = {
-            a.key: a.result for a in carried.applied_updates[-REMEMBERED_UPDATES:]
-        }
-        # Carried from a run before endpoints were verified, or a check cut
-        # short by continue-as-new: asked again.
-        self._unverified = {
-            m.member
-            for m in carried.members
-            if m.state == ProxyState.READY and m.endpoint and m.endpoint != m.verified
-        }
+        self._applied_updates = AppliedUpdates(carried.applied_updates)
+        self._checks.ask_again(carried.members)
         self._vacancies = carried.vacancies
         self._autoscale = carried.autoscale
         self._usage = carried.usage
@@ -1258,37 +1000,6 @@ class ProxyPool:
         if self._published is None or details != self._published[1]:
             workflow.set_current_details(details)
         self._published = (state, details)
-
-
-def _is_removing(member: Member) -> bool:
-    return member.phase is MemberPhase.REMOVING
-
-
-def _status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:
-    """The page `status` is asked for (none: the first), or a refusal naming every bad field.
-
-    A query that raises fails that query alone, never the pool.
-    """
-    if request is None and not extra:
-        return StatusRequest()
-    page: StatusRequest = _parsed(StatusRequest, request, "status", extra)
-    return page
-
-
-def _parsed(model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
-    """`raw` as `model`, or InvalidInput naming every bad field and extra argument."""
-    req, problems = parse_model(model, raw, f"(the {what} request)")
-    problems += [f"argument {i}: unexpected extra argument" for i, _ in enumerate(extra, 2)]
-    if problems or req is None:
-        raise invalid_input(f"invalid {what} request: " + "; ".join(problems))
-    return req
-
-
-def _update_key() -> str:
-    """A fixed-size key for the current update's id (a client's string, of any length)."""
-    info = workflow.current_update_info()
-    assert info is not None, "called from an update's handler or validator only"
-    return hashlib.sha256(info.id.encode()).hexdigest()[:32]
 
 
 def _members_queue() -> str | None:
