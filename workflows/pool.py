@@ -21,8 +21,9 @@ reports, updates and the plan move it from one to the next. What a person
 reads of it in the Web UI is written by workflows/pool_view.py.
 
 A run continues as new past its event budget (workflows/pool_budget.py),
-carrying its state (workflows/pool_carried.py); a pool told to terminate
-ends its members first (workflows/pool_ending.py), across runs if need be.
+handing its record (workflows/pool_record.py) to the next; a pool told to
+terminate ends its members first (workflows/pool_ending.py), across runs if
+need be.
 
 A pool started on "<queue>-pools" (contract.POOL_QUEUE_SUFFIX) runs in a
 worker of its own and starts its members, and runs every activity it asks
@@ -38,28 +39,27 @@ updates go through the same queue, bans first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from operator import attrgetter
 from typing import Any, NoReturn
 
 from temporalio import workflow
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ApplicationError, FailureError, WorkflowAlreadyStartedError
-from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    # The modules whose types the pool's activities return, in the sandbox's
+    # modules too (`SANDBOXED`, as the replay test runs it): the SDK resolves
+    # a result's annotations there, and the pool's own modules, passed
+    # through, leave none of their imports in it.
+    import activities.pool  # noqa: F401
     from activities.errors import invalid_input
     from activities.models import FailingMember
-    from activities.pool import MembersInput, MembersOutput, PoolActivities
     from contract import (
         INSTANCE_FAILING_SIGNAL,
         MEMBER_CHANGED_SIGNAL,
         POOL,
-        PROXY_LIFECYCLE,
         PROXY_POOL,
         ROTATE_SIGNAL,
         STATE,
@@ -69,7 +69,6 @@ with workflow.unsafe.imports_passed_through():
         members_task_queue,
     )
     from workflows import (
-        policies,
         pool_autoscale,
         pool_carried,
         pool_feed,
@@ -91,7 +90,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.pool_monitor import PoolMonitor
     from workflows.pool_plan import (
         ENDED,
-        RECONCILE_BUSY,
         SCALED_DOWN,
         Member,
         MemberPhase,
@@ -99,7 +97,8 @@ with workflow.unsafe.imports_passed_through():
         Step,
         Wake,
     )
-    from workflows.pool_requests import AppliedUpdates, status_request
+    from workflows.pool_record import PoolRecord
+    from workflows.pool_requests import status_request
     from workflows.pool_status import PoolStatus
     from workflows.pool_verify import EndpointChecks
 
@@ -113,12 +112,6 @@ REPORTS_REFUSED_METRIC = "proxy_operator_pool_reports_refused"
 REPORTS_REFUSED_HELP = (
     "member_changed reports a pool refused: malformed, stamped in the future, "
     "or naming an endpoint the member's provider does not confirm"
-)
-# A member id missing from visibility this soon after its start is not
-# suspect: visibility lags.
-VISIBILITY_LAG = timedelta(seconds=30)
-RECONCILE = policies.ActivityProfile(
-    start_to_close=timedelta(seconds=30), schedule_to_close=timedelta(minutes=2)
 )
 
 
@@ -158,7 +151,7 @@ def _applied_once(
     @functools.wraps(handler)
     async def once(pool: ProxyPool, request: Any = None, *extra: Any) -> dict[str, Any]:
         await pool._taken_over()
-        applied = pool._applied_updates.result()
+        applied = pool._record.applied_updates.result()
         if applied is not None:
             return applied
         return handler(pool, request, *extra)
@@ -183,54 +176,36 @@ SANDBOXED = False
 class ProxyPool:
     def __init__(self) -> None:
         self._inp: PoolInput | None = None
-        # What a run carries to the next (`_carry`, `_restore`).
-        self._replicas = 0
-        self._members: dict[str, Member] = {}
-        self._next_index = 0
-        self._failures_in_a_row = 0
-        self._last_error: str | None = None
-        self._stopped: str | None = None
-        self._start_after: datetime | None = None
-        self._bans: list[str] = []
-        self._last_reconcile: datetime | None = None
-        self._terminate_reason: str | None = None
-        # Why members the pool did not remove are gone: the causes of their replacements.
-        self._vacancies: list[str] = []
-        self._rejected_reports = 0
-        self._last_rejected: str | None = None
-        self._applied_updates = AppliedUpdates()
-        # An autoscaled pool's books (pool_autoscale.py), and its usage in member-seconds.
-        self._autoscale: pool_autoscale.Books | None = None
-        self._usage = pool_autoscale.Usage()
-        self._rotations_abandoned = 0
-        # The run's own.
+        # What a run hands to the next (pool_record.py); the rest is the run's own.
+        self._record = PoolRecord()
         self._scaling_why: str | None = None
-        self._reconciling = False
         self._published: tuple[str, str] | None = None
         self._early = EarlySignals()
         # The members' monitor, from the run's start until the pool ends.
         self._monitor: PoolMonitor | None = None
-        # Where members and activities run when not on the pool's own queue.
-        self._members_queue: str | None = None
         # The digest of `endpoints` in the memo, for gateways (workflows/pool_feed.py).
         self._feed = pool_feed.EndpointsFeed()
         self._alarm = Alarm()
         self._budget = EventBudget()
-        self._commands = Commands(self._alarm.note_change)
+        self._commands = Commands(
+            record=lambda: self._record,
+            ended=self._alarm.note_change,
+            monitored=lambda: self._monitor is not None,
+            member_closed=self._ended,
+        )
         self._checks = EndpointChecks(
-            members=lambda: self._members,
+            members=lambda: self._record.members,
             commands=self._commands,
             failed=self._failed,
             refuse=self._reject,
         )
         self._ending = Ending(
-            members=lambda: self._members,
+            members=lambda: self._record.members,
             commands=self._commands,
             alarm=self._alarm,
             budget=self._budget,
             publish=self._publish,
             tell_to_end=self._tell_to_end,
-            check_on_members=self._reconcile_when_due,
         )
 
     # ---- the contract: run, signals, queries, updates -------------------------------
@@ -239,18 +214,16 @@ class ProxyPool:
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
         inp = await self._take_over(raw, carried, extra)
         try:
-            while self._terminate_reason is None:
+            while self._record.terminate_reason is None:
                 self._alarm.changed = False
                 budget = self._budget.read(workflow.now())
-                # Plan and act; nothing new while holding for the handover.
-                self._usage = pool_autoscale.counted(
-                    self._usage, len(self._members), workflow.now()
-                )
-                step = None if budget.holding else self._step(inp)
+                # Plan and act: nothing new while holding for the handover.
+                step = self._plan_and_act(inp, budget)
                 refresh_at = self._refresh_monitor()
-                self._usage.members = len(self._members)
+                self._record.usage.members = len(self._record.members)
                 counted = None if step is None else step.census
                 self._publish(counted=counted)
+                # Hand over, past the budget and once quiet.
                 if budget.spent and await self._hand_over_when_quiet(raw, budget):
                     counted = None  # reports may have come in the wait
                 # Wait for a change, or the alarm.
@@ -259,11 +232,13 @@ class ProxyPool:
                     functools.partial(self._step_due, watch_budget=not budget.spent)
                 )
         except asyncio.CancelledError:
-            self._terminate_reason = self._terminate_reason or "pool cancelled"
+            self._record.terminate_reason = self._record.terminate_reason or "pool cancelled"
             await self._end_members()
             raise
         await self._end_members(hand_over=lambda: self._continue_as_new(raw))
-        return PoolResult(PoolState.TERMINATED, self._terminate_reason, self._next_index)
+        return PoolResult(
+            PoolState.TERMINATED, self._record.terminate_reason, self._record.next_index
+        )
 
     @workflow.signal(name=TERMINATE_SIGNAL)
     def terminate(self, request: Any = None, *_extra: Any) -> None:
@@ -271,7 +246,7 @@ class ProxyPool:
 
         Input optional: `{"reason": "..."}`, or just the reason as a string.
         """
-        self._terminate_reason = signal_reason(request, "terminate signal")
+        self._record.terminate_reason = signal_reason(request, "terminate signal")
         self._early.hold(lambda: self.terminate(request))
 
     @workflow.signal(name=MEMBER_CHANGED_SIGNAL)
@@ -291,11 +266,11 @@ class ProxyPool:
         if datetime.fromisoformat(report.at) > workflow.now() + MAX_REPORT_SKEW:
             self._reject(f"report for {report.member[:100]!r} stamped in the future ({report.at})")
             return
-        member = self._members.get(report.member)
+        member = self._record.members.get(report.member)
         if member is None or not report.newer_than(member.report_at, member.report_seq):
             return  # a member already forgotten, or a report overtaken by a later one
         if member.take(report):
-            self._failures_in_a_row = 0  # a new member works: the budget is whole again
+            self._record.failures_in_a_row = 0  # a new member works: the budget is whole again
         if report.state in ENDED:
             self._ended(member, report.state, report.last_error)
         elif report.state == ProxyState.READY and report.endpoint != member.verified:
@@ -309,40 +284,15 @@ class ProxyPool:
         Argument optional: `{"after": <member index>, "limit": <n>}`; the
         answer's `next_page` is the argument for the next page.
         """
-        page = status_request(request, extra)
-        situation = self._situation()
-        counted = pool_plan.census(situation.members)
-        members, next_page = pool_status.member_page(situation.members, page)
-        return PoolStatus(
-            state=pool_plan.pool_state(situation, counted),
-            as_of=workflow.now().isoformat(timespec="seconds"),
-            replicas=self._replicas,
-            ready=counted.serving,
-            members=members,
-            waiting_for=pool_plan.waiting_for(situation, counted),
-            failures_in_a_row=self._failures_in_a_row,
-            last_error=self._last_error,
-            stopped_replacing=self._stopped,
-            terminate_reason=self._terminate_reason,
-            rejected_reports=self._rejected_reports,
-            last_rejected=self._last_rejected,
-            scaling=pool_autoscale.scaling_status(
-                self._autoscale,
-                self._inp.autoscale if self._inp else None,
-                self._replicas,
-                self._scaling_why,
-                self._usage,
-                workflow.now(),
-            ),
-            distinct_exits=pool_plan.distinct_exits(situation.members),
+        return pool_status.answer(
+            self._record,
+            self._situation(),
+            self._inp,
+            status_request(request, extra),
+            scaling_why=self._scaling_why,
             last_exit_problem=self._checks.last_exit_problem,
-            rotations_abandoned=self._rotations_abandoned,
             monitored=0 if self._monitor is None else self._monitor.watched,
-            members_total=len(situation.members),
-            next_page=next_page,
-            bans=pool_plan.ban_standing(self._bans, self._inp.bans, self._replicas, workflow.now())
-            if self._inp
-            else None,
+            now=workflow.now(),
         )
 
     @workflow.query(name="endpoints")
@@ -359,23 +309,27 @@ class ProxyPool:
         """Keep `replicas` members, or (autoscaled) new bounds; also resumes replacing
         after the failure budget ran out."""
         req = self._scale_request(request, extra)
-        self._stopped = None
-        self._failures_in_a_row = 0
-        self._start_after = None
+        self._record.stopped = None
+        self._record.failures_in_a_row = 0
+        self._record.start_after = None
         self._alarm.note_change()
-        if self._autoscale is not None:
-            before = self._autoscale
-            self._autoscale, _ = pool_autoscale.rebound(before, req.min_replicas, req.max_replicas)
-            return self._applied_updates.remember(
+        if self._record.autoscale is not None:
+            before = self._record.autoscale
+            self._record.autoscale, _ = pool_autoscale.rebound(
+                before, req.min_replicas, req.max_replicas
+            )
+            return self._record.applied_updates.remember(
                 {
-                    "min_replicas": self._autoscale.min_replicas,
-                    "max_replicas": self._autoscale.max_replicas,
+                    "min_replicas": self._record.autoscale.min_replicas,
+                    "max_replicas": self._record.autoscale.max_replicas,
                     "previous": [before.min_replicas, before.max_replicas],
                 }
             )
         assert req.replicas is not None  # _scale_request refuses a fixed pool's bounds
-        previous, self._replicas = self._replicas, req.replicas
-        return self._applied_updates.remember({"replicas": req.replicas, "previous": previous})
+        previous, self._record.replicas = self._record.replicas, req.replicas
+        return self._record.applied_updates.remember(
+            {"replicas": req.replicas, "previous": previous}
+        )
 
     @scale.validator
     def _validate_scale(self, request: Any = None, *extra: Any) -> None:
@@ -385,21 +339,7 @@ class ProxyPool:
     def _scale_request(self, request: Any, extra: tuple[Any, ...]) -> ScaleRequest:
         """A `scale` request that fits the pool's mode, or a rejection naming the field."""
         req: ScaleRequest = self._request(ScaleRequest, request, "scale", extra)
-        if self._autoscale is None:
-            if req.replicas is None:
-                raise invalid_input(
-                    "invalid scale request: replicas: field required (this pool is not "
-                    "autoscaled: min_replicas/max_replicas are for autoscaled pools)"
-                )
-            return req
-        if req.replicas is not None or req.min_replicas is req.max_replicas is None:
-            raise invalid_input(
-                "invalid scale request: this pool is autoscaled: give min_replicas "
-                "and/or max_replicas (its bounds), not replicas"
-            )
-        _, problem = pool_autoscale.rebound(self._autoscale, req.min_replicas, req.max_replicas)
-        if problem is not None:
-            raise invalid_input(f"invalid scale request: {problem}")
+        pool_requests.check_scale(req, self._record.autoscale)
         return req
 
     @workflow.update(name="report_demand")
@@ -407,8 +347,8 @@ class ProxyPool:
         """A gateway's demand (workflows/pool_autoscale.py): untrusted, rate-limited, bounded."""
         await self._taken_over()
         report = self._demand_report(request, extra)
-        assert self._autoscale is not None  # _demand_report refuses a fixed pool
-        self._autoscale = pool_autoscale.take(self._autoscale, report, workflow.now())
+        assert self._record.autoscale is not None  # _demand_report refuses a fixed pool
+        self._record.autoscale = pool_autoscale.take(self._record.autoscale, report, workflow.now())
         self._alarm.note_change()
         return self._scaling_answer()
 
@@ -421,7 +361,7 @@ class ProxyPool:
         report: pool_autoscale.Report = self._request(
             pool_autoscale.Report, request, "report_demand", extra
         )
-        books = self._autoscaled_books("report_demand")
+        books = pool_requests.autoscaled(self._record.autoscale, "report_demand")
         refusal = pool_autoscale.report_refusal(books, report, workflow.now())
         if refusal is not None:
             raise invalid_input(refusal)
@@ -434,8 +374,8 @@ class ProxyPool:
         req: pool_autoscale.WakeRequest = self._request(
             pool_autoscale.WakeRequest, request, "wake", extra
         )
-        books = self._autoscaled_books("wake")
-        decision = pool_autoscale.wake(books, self._replicas, req.gateway, workflow.now())
+        books = pool_requests.autoscaled(self._record.autoscale, "wake")
+        decision = pool_autoscale.wake(books, self._record.replicas, req.gateway, workflow.now())
         if decision.changed:
             self._take_decision(decision)
             self._alarm.note_change()
@@ -445,23 +385,14 @@ class ProxyPool:
     def _validate_wake(self, request: Any = None, *extra: Any) -> None:
         if self._checkable(pool_autoscale.WakeRequest, request, "wake", extra):
             self._request(pool_autoscale.WakeRequest, request, "wake", extra)
-            self._autoscaled_books("wake")
-
-    def _autoscaled_books(self, what: str) -> pool_autoscale.Books:
-        if self._autoscale is None:
-            raise ApplicationError(
-                f"{what}: this pool is not autoscaled (no `autoscale` in its input)",
-                type=pool_autoscale.NOT_AUTOSCALED,
-                non_retryable=True,
-            )
-        return self._autoscale
+            pool_requests.autoscaled(self._record.autoscale, "wake")
 
     def _scaling_answer(self) -> dict[str, Any]:
         """What a gateway learns from a report or a wake: the pool's size and cost."""
         return {
-            "replicas": self._replicas,
+            "replicas": self._record.replicas,
             "member_seconds": pool_autoscale.counted(
-                self._usage, self._usage.members, workflow.now()
+                self._record.usage, self._record.usage.members, workflow.now()
             ).member_seconds,
         }
 
@@ -472,12 +403,14 @@ class ProxyPool:
         req = self._request(RotateRequest, request, "rotate", extra)
         # All: every member that has served; one still starting is new already.
         targets = (
-            [m for m in self._live() if m.served] if req.all else [self._members[str(req.member)]]
+            [m for m in self._live() if m.served]
+            if req.all
+            else [self._record.members[str(req.member)]]
         )
         reason = "rotate all" if req.all else "rotate update"
         queued = [member.member for member in targets if member.queue(reason)]
         self._alarm.note_change()
-        return self._applied_updates.remember({"queued": queued})
+        return self._record.applied_updates.remember({"queued": queued})
 
     @rotate.validator
     def _validate_rotate(self, request: Any = None, *extra: Any) -> None:
@@ -496,10 +429,13 @@ class ProxyPool:
             return {"member": member.member, "banned": False, "already": True}
         assert self._inp is not None  # set before the takeover this handler waited for
         now = workflow.now()
-        self._bans = [*pool_plan.recent_bans(self._bans, self._inp.bans, now), now.isoformat()]
+        self._record.bans = [
+            *pool_plan.recent_bans(self._record.bans, self._inp.bans, now),
+            now.isoformat(),
+        ]
         member.ban(req.reason or "reported banned")
         self._alarm.note_change()
-        return self._applied_updates.remember(
+        return self._record.applied_updates.remember(
             {"member": member.member, "banned": True, "already": False}
         )
 
@@ -513,7 +449,9 @@ class ProxyPool:
         if not pool_plan.is_serving(member):
             raise invalid_input(f"member: {req.member} is not serving (state {member.state})")
         assert self._inp is not None
-        refusal = pool_plan.ban_refusal(self._bans, self._inp.bans, self._replicas, workflow.now())
+        refusal = pool_plan.ban_refusal(
+            self._record.bans, self._inp.bans, self._record.replicas, workflow.now()
+        )
         if refusal is not None:
             raise invalid_input(refusal)
 
@@ -529,7 +467,7 @@ class ProxyPool:
     ) -> PoolInput:
         checked = await pool_requests.checked_input(raw, argument_problems, continued=continued)
         if isinstance(checked, str):
-            self._last_error = checked
+            self._record.last_error = checked
             raise invalid_input(checked)
         return checked
 
@@ -557,19 +495,19 @@ class ProxyPool:
         if not self._early.taken_over:
             self._request(model, raw, what, extra)
             return False
-        return self._applied_updates.result() is None
+        return self._record.applied_updates.result() is None
 
     def _request(self, model: Any, raw: Any, what: str, extra: tuple[Any, ...]) -> Any:
         """An update's request, or a rejection naming every bad field (pool_requests.py);
         none once the pool is ending."""
-        if self._terminate_reason is not None:
+        if self._record.terminate_reason is not None:
             raise invalid_input(
                 f"{what}: the pool is {pool_plan.pool_state(self._situation())}, not taking updates"
             )
         return pool_requests.parsed(model, raw, what, extra)
 
     def _live_member(self, member_id: str) -> Member:
-        member = self._members.get(member_id)
+        member = self._record.members.get(member_id)
         if member is None or member.phase is MemberPhase.REMOVING:
             known = ", ".join(m.member for m in self._live()) or "none"
             raise invalid_input(f"member: no member {member_id!r} in this pool (members: {known})")
@@ -583,10 +521,8 @@ class ProxyPool:
         # await, as the input check's local activity resolves in another
         # activation on replay than when first run.
         keep_floor(POOL_FLOOR)
-        self._members_queue = _members_queue()
-        self._monitor = PoolMonitor(
-            self._tell_failing, self._alarm.note_change, self._members_queue
-        )
+        members_queue = _members_queue()
+        self._monitor = PoolMonitor(self._tell_failing, self._alarm.note_change, members_queue)
         feed = taken(PUBLISH_ENDPOINTS_DIGEST)
         # Untyped, so no argument can fail to decode outside our validation.
         pool_id = workflow.info().workflow_id
@@ -596,22 +532,30 @@ class ProxyPool:
         self._early.decide(continued=state is not None)
         inp = await self._validated(raw, argument_problems, continued=state is not None)
         self._inp = inp
-        self._checks.task_queue = self._members_queue
+        self._commands.task_queue = self._checks.task_queue = members_queue
         self._checks.echo_url = inp.exit_echo_url or ""
         if state is not None:
-            self._restore(state)
+            self._record = PoolRecord.taken_over(state)
+            # Carried unconfirmed, or a check cut short by continue-as-new: asked again.
+            self._checks.ask_again(state.members)
         else:
-            self._replicas = inp.replicas
-            self._last_reconcile = workflow.now()
+            self._record.replicas = inp.replicas
+            self._record.last_reconcile = workflow.now()
         self._early.took_over()
         self._feed.start(feed, self.endpoints)
-        if inp.autoscale is not None and self._autoscale is None:
-            self._autoscale = pool_autoscale.new_books(inp.autoscale)
+        if inp.autoscale is not None and self._record.autoscale is None:
+            self._record.autoscale = pool_autoscale.new_books(inp.autoscale)
         workflow.upsert_search_attributes([POOL.value_set(pool_id)])
         return inp
 
-    def _step(self, inp: PoolInput) -> Step:
-        """Plan over the members, apply the plan, and check the endpoints newly reported."""
+    def _plan_and_act(self, inp: PoolInput, budget: Reading) -> Step | None:
+        """Plan over the members, apply the plan, and check the endpoints newly reported;
+        none while the run holds new commands back (the usage is counted all the same)."""
+        self._record.usage = pool_autoscale.counted(
+            self._record.usage, len(self._record.members), workflow.now()
+        )
+        if budget.holding:
+            return None
         self._autoscale_step()
         situation = self._situation(room=self._budget.headroom())
         step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
@@ -630,7 +574,7 @@ class ProxyPool:
         if not self._commands.idle or unsettled:
             return False
         await workflow.wait_condition(workflow.all_handlers_finished)
-        if self._terminate_reason is None and self._commands.idle:
+        if self._record.terminate_reason is None and self._commands.idle:
             if self._monitor is not None:
                 # The next run starts its own; these end quietly within a
                 # round or two, when they ask whether this run is still open
@@ -675,222 +619,100 @@ class ProxyPool:
         ignores (reports of members it does not have, which anyone may send) grow it too."""
         return (
             self._alarm.changed
-            or self._terminate_reason is not None
+            or self._record.terminate_reason is not None
             or (watch_budget and self._budget.spent())
         )
 
     # ---- one step: the plan applied -------------------------------------------------
 
     def _situation(self, room: int | None = None) -> Situation:
-        return Situation(
-            replicas=self._replicas,
-            members=tuple(self._ordered()),
-            next_index=self._next_index,
-            failures_in_a_row=self._failures_in_a_row,
-            stopped=self._stopped,
-            start_after=self._start_after,
-            last_reconcile=self._last_reconcile,
-            reconciling=self._reconciling,
-            ending=self._terminate_reason is not None,
-            vacancies=tuple(self._vacancies),
-            room=room,
-        )
+        return self._record.situation(reconciling=self._commands.reconciling, room=room)
 
     def _autoscale_step(self) -> None:
         """An autoscaled pool's size for this step; a scale-down picks its members itself."""
         assert self._inp is not None
         bounds = self._inp.autoscale
-        if bounds is None or self._autoscale is None or self._terminate_reason is not None:
+        if (
+            bounds is None
+            or self._record.autoscale is None
+            or self._record.terminate_reason is not None
+        ):
             return
         self._take_decision(
-            pool_autoscale.decide(self._autoscale, bounds, self._replicas, workflow.now())
+            pool_autoscale.decide(
+                self._record.autoscale, bounds, self._record.replicas, workflow.now()
+            )
         )
 
     def _take_decision(self, decision: pool_autoscale.Decision) -> None:
         assert self._inp is not None
-        self._autoscale, self._scaling_why = decision.books, decision.reason
-        self._replicas = decision.replicas
+        self._record.autoscale, self._scaling_why = decision.books, decision.reason
+        self._record.replicas = decision.replicas
         if decision.changed:
             workflow.logger.info("autoscale: %s", decision.reason)
         # Banned, not serving, then the youngest go first (pool_plan would
         # remove the oldest): the plan then finds the pool at size.
-        excess = len(self._live()) - self._replicas
+        excess = len(self._live()) - self._record.replicas
         drain = pool_plan.drain_seconds(self._inp)
         for victim in pool_autoscale.victims(self._live(), excess):
             victim.remove(SCALED_DOWN, drain)
-            self._commands.spawn(self._drain_then_terminate(victim.member, SCALED_DOWN, drain))
+            self._commands.drain_then_terminate(victim.member, SCALED_DOWN, drain)
 
     def _autoscale_wake(self) -> Wake | None:
         """When an autoscale decision falls due, for an autoscaled pool."""
         bounds = self._inp.autoscale if self._inp is not None else None
-        if bounds is None or self._autoscale is None:
+        if bounds is None or self._record.autoscale is None:
             return None
-        due = pool_autoscale.next_wake(self._autoscale, bounds)
+        due = pool_autoscale.next_wake(self._record.autoscale, bounds)
         return None if due is None else Wake(due, "autoscale: a decision falls due")
 
     def _apply(self, step: Step) -> None:
         """The plan's members and books, then its commands, each in a task of its own, in order."""
-        self._keep(step.members)
-        self._next_index = step.next_index
-        self._start_after = step.start_after
-        self._vacancies = list(step.vacancies)
-        if step.abandoned:
-            self._rotations_abandoned += len(step.abandoned)
-            self._last_error = (
-                f"rotation abandoned, not Ready within the deadline: {', '.join(step.abandoned)}"
-            )[:MAX_ERROR_LENGTH]
+        self._record.take(step)
         for removal in step.removals:
-            self._commands.spawn(
-                self._drain_then_terminate(removal.member, removal.reason, removal.drain)
-            )
+            self._commands.drain_then_terminate(removal.member, removal.reason, removal.drain)
         for start in step.starts:
-            self._commands.starting.add(start.member.member)
-            self._commands.spawn(self._start_child(start))
+            self._commands.start(start)
         for rotation in step.rotations:
             reason = {"reason": f"pool: {rotation.reason}"}
-            self._commands.spawn(self._signal(rotation.member, ROTATE_SIGNAL, reason))
+            self._commands.signal(rotation.member, ROTATE_SIGNAL, reason)
         if step.reconcile:
-            self._reconciling = True
-            self._last_reconcile = workflow.now()
-            self._commands.spawn(self._reconcile())
+            self._commands.reconcile(workflow.now())
 
     def _refresh_monitor(self) -> datetime | None:
         """Have the pool's monitor watch every member at its confirmed endpoint."""
         if self._monitor is None or self._inp is None:
             return None
-        watched = [(m.member, m.provider, m.verified) for m in self._members.values() if m.verified]
+        watched = [
+            (m.member, m.provider, m.verified) for m in self._record.members.values() if m.verified
+        ]
         return self._monitor.refresh(watched, self._inp.template.health, workflow.now())
 
     def _tell_failing(self, failing: FailingMember) -> None:
         """The monitor found a member's endpoint failing: the member checks it, and acts."""
-        member = self._members.get(failing.member)
+        member = self._record.members.get(failing.member)
         if member is None or member.verified != failing.endpoint:
             return  # moved on since the monitor started
         reason = {"endpoint": failing.endpoint, "reason": f"pool monitor: {failing.detail}"}
-        self._commands.spawn(self._signal(failing.member, INSTANCE_FAILING_SIGNAL, reason))
+        self._commands.signal(failing.member, INSTANCE_FAILING_SIGNAL, reason)
 
     def _failed(self, error: str) -> None:
         """What went wrong last, for `status` and the Web UI."""
-        self._last_error = error
+        self._record.last_error = error
 
     def _reject(self, problem: str) -> None:
         """Count a refused member report (in `status` and the worker's metrics), keep the
         latest reason, and log it."""
-        self._rejected_reports += 1
-        self._last_rejected = problem[:MAX_ERROR_LENGTH]
-        workflow.logger.warning("member report refused: %s", self._last_rejected)
+        self._record.rejected_reports += 1
+        self._record.last_rejected = problem[:MAX_ERROR_LENGTH]
+        workflow.logger.warning("member report refused: %s", self._record.last_rejected)
         # The SDK counts nothing while a task replays: each refusal once.
         workflow.metric_meter().create_counter(REPORTS_REFUSED_METRIC, REPORTS_REFUSED_HELP).add(1)
 
     def _ended(self, member: Member, state: str, error: str | None) -> None:
         """A member closed: forget it; replace it unless the pool asked for its end."""
-        self._members.pop(member.member, None)
-        if member.phase is MemberPhase.REMOVING or self._terminate_reason is not None:
-            return
-        if state != ProxyState.FAILED:
-            # Ended from outside the pool (a user's terminate): replaced at once.
-            self._vacancies.append(f"replaces {member.member}, {state} from outside the pool")
-            return
-        self._vacancies.append(f"replaces {member.member}, ended Failed: {error or 'no reason'}")
         assert self._inp is not None
-        failure = pool_plan.after_failure(
-            self._failures_in_a_row, self._inp.failure_budget, member.member, error, workflow.now()
-        )
-        self._failures_in_a_row, self._last_error = failure.failures_in_a_row, failure.last_error
-        if failure.stopped is not None:
-            self._stopped = failure.stopped
-        else:
-            self._start_after = failure.start_after
-
-    # ---- commands, each in a task of its own (pool_commands.py) ---------------------
-
-    async def _drain_then_terminate(self, member: str, reason: str, drain: int) -> None:
-        if drain:
-            await workflow.sleep(drain, summary=pool_view.drain_summary(member, drain, reason))
-        await self._signal(member, TERMINATE_SIGNAL, {"reason": f"pool: {reason}"})
-
-    async def _start_child(self, start: pool_plan.Start) -> None:
-        member = start.member.member
-        # A member the pool monitors runs no monitor of its own.
-        body = start.body if self._monitor is None else {**start.body, "monitor": "pool"}
-        try:
-            self._commands.children[member] = await workflow.start_child_workflow(
-                PROXY_LIFECYCLE,
-                body,
-                id=member,
-                task_queue=self._members_queue or workflow.info().task_queue,
-                # Members outlive the pool's run: continue-as-new must not end them.
-                parent_close_policy=ParentClosePolicy.ABANDON,
-                search_attributes=TypedSearchAttributes(
-                    [SearchAttributePair(POOL, workflow.info().workflow_id)]
-                ),
-                static_summary=pool_view.start_summary(start.member, start.cause),
-                static_details=pool_view.start_details(
-                    workflow.info().workflow_id, start.member, start.cause
-                ),
-            )
-        except (WorkflowAlreadyStartedError, FailureError) as err:
-            # Say, an id still used by an earlier pool of this name (the
-            # reconcile ends such strays): the next member gets the next id.
-            self._members.pop(member, None)
-            self._last_error = f"could not start {member}: {err}"
-            self._vacancies.append(f"{start.cause}; retried after {member} could not start")
-            self._start_after = workflow.now() + policies.REPLACE_BACKOFF.first
-        finally:
-            self._commands.starting.discard(member)
-
-    async def _signal(self, member: str, name: str, payload: dict[str, str]) -> None:
-        handle = workflow.get_external_workflow_handle(member)
-        label = pool_view.signal_label(name, member, payload.get("reason", ""))
-        try:
-            # The label names the member and the cause in the pool's history.
-            await handle.signal(
-                name, payload, event_groups=[workflow.create_event_group(member, label=label)]
-            )
-        except FailureError:
-            # Already closed: the reconcile finds out how, and soon.
-            self._last_reconcile = None
-
-    async def _reconcile(self) -> None:
-        """Catch members that closed without a report, and strays nobody started."""
-        now = workflow.now()
-        listed = [
-            m.member
-            for m in self._members.values()
-            if now - datetime.fromisoformat(m.started_at) >= VISIBILITY_LAG
-        ]
-        try:
-            found: MembersOutput = await workflow.execute_activity_method(
-                PoolActivities.closed_members,
-                MembersInput(workflow.info().workflow_id, listed),
-                summary="reconcile members",
-                task_queue=self._members_queue,
-                start_to_close_timeout=RECONCILE.start_to_close,
-                schedule_to_close_timeout=RECONCILE.schedule_to_close,
-                retry_policy=policies.TRANSIENT_RETRY,
-            )
-        except FailureError as err:
-            self._last_error = f"reconcile failed: {err}"
-            return
-        finally:
-            self._reconciling = False
-        for closed in found.closed:
-            member = self._members.get(closed.member)
-            if member is not None:
-                failed = closed.status == "FAILED" or closed.state == ProxyState.FAILED
-                state = ProxyState.FAILED if failed else ProxyState.TERMINATED
-                self._ended(member, state, f"closed {closed.status.lower()} without a report")
-        for stray in found.strays:
-            if stray not in self._members and stray not in self._commands.starting:
-                handle = workflow.get_external_workflow_handle(stray)
-                with contextlib.suppress(FailureError):
-                    await handle.signal(TERMINATE_SIGNAL, {"reason": "pool: not a member"})
-
-    async def _reconcile_when_due(self) -> None:
-        """A reconcile while members end, if none ran for RECONCILE_BUSY."""
-        if self._last_reconcile is None or workflow.now() - self._last_reconcile >= RECONCILE_BUSY:
-            self._last_reconcile = workflow.now()
-            await self._reconcile()
+        self._record.ended(member, state, error, self._inp.failure_budget, workflow.now())
 
     # ---- ending (pool_ending.py) ----------------------------------------------------
 
@@ -898,81 +720,29 @@ class ProxyPool:
         """Terminate every member and wait until each has ended; `hand_over` continues as
         new once the run is past its budget (a cancelled pool has none)."""
         monitor, self._monitor = self._monitor, None
-        await self._ending.end(lambda: self._terminate_reason or "pool ending", monitor, hand_over)
+        await self._ending.end(
+            lambda: self._record.terminate_reason or "pool ending", monitor, hand_over
+        )
 
     def _tell_to_end(self, member: Member, reason: str) -> None:
         """Tell a member to terminate, out of `endpoints` now, not at the last batch."""
         member.remove(reason)
         self._feed.touch()
-        self._commands.spawn(self._drain_then_terminate(member.member, reason, 0))
+        self._commands.drain_then_terminate(member.member, reason, 0)
 
     # ---- continue-as-new ------------------------------------------------------------
 
     def _compact_carry(self, inp: PoolInput) -> pool_carried.CompactCarried:
         lifetime = inp.template.max_lifetime_seconds
         lifetimes = None if lifetime is None else Lifetimes(lifetime, inp.lifetime_jitter)
-        return pool_carried.encode(self._carry(), workflow.info().workflow_id, lifetimes)
-
-    def _carry(self) -> PoolCarried:
-        return PoolCarried(
-            replicas=self._replicas,
-            members=list(self._members.values()),
-            next_index=self._next_index,
-            failures_in_a_row=self._failures_in_a_row,
-            last_error=self._last_error,
-            stopped_replacing=self._stopped,
-            start_after=self._start_after.isoformat() if self._start_after else None,
-            bans=pool_plan.recent_bans(self._bans, self._inp.bans, workflow.now())
-            if self._inp is not None
-            else self._bans,
-            last_reconcile=self._last_reconcile.isoformat() if self._last_reconcile else None,
-            terminate_reason=self._terminate_reason,
-            rejected_reports=self._rejected_reports,
-            last_rejected=self._last_rejected,
-            vacancies=self._vacancies,
-            applied_updates=self._applied_updates.carried(),
-            autoscale=self._autoscale,
-            usage=self._usage,
-            rotations_abandoned=self._rotations_abandoned,
-        )
-
-    def _restore(self, carried: PoolCarried) -> None:
-        self._replicas = carried.replicas
-        self._keep(carried.members)
-        self._next_index = carried.next_index
-        self._failures_in_a_row = carried.failures_in_a_row
-        self._last_error = carried.last_error
-        self._stopped = carried.stopped_replacing
-        self._start_after = (
-            datetime.fromisoformat(carried.start_after) if carried.start_after else None
-        )
-        self._bans = carried.bans
-        self._last_reconcile = (
-            datetime.fromisoformat(carried.last_reconcile) if carried.last_reconcile else None
-        )
-        self._terminate_reason = carried.terminate_reason
-        self._rejected_reports = carried.rejected_reports
-        self._last_rejected = carried.last_rejected
-        self._applied_updates = AppliedUpdates(carried.applied_updates)
-        self._checks.ask_again(carried.members)
-        self._vacancies = carried.vacancies
-        self._autoscale = carried.autoscale
-        self._usage = carried.usage
-        self._rotations_abandoned = carried.rotations_abandoned
+        carried = self._record.carried(inp.bans, workflow.now())
+        return pool_carried.encode(carried, workflow.info().workflow_id, lifetimes)
 
     # ---- views ----------------------------------------------------------------------
-
-    def _ordered(self) -> list[Member]:
-        # `_members` is kept in index order (`_keep`): read after every step, not sorted.
-        return list(self._members.values())
 
     def _live(self) -> list[Member]:
         """Members the pool keeps: not told to terminate."""
         return pool_plan.live(self._situation())
-
-    def _keep(self, members: Iterable[Member]) -> None:
-        """The members from now on, in index order (the order every view and plan reads)."""
-        self._members = {m.member: m for m in sorted(members, key=attrgetter("index"))}
 
     def _serving(self) -> list[Member]:
         return [m for m in self._live() if pool_plan.is_serving(m)]
@@ -989,11 +759,11 @@ class ProxyPool:
         state = state or pool_plan.pool_state(situation, counted)
         details = pool_view.current_details(
             state,
-            self._replicas,
+            self._record.replicas,
             counted.serving,
             situation.members,
             pool_plan.waiting_for(situation, counted),
-            self._last_error,
+            self._record.last_error,
         )
         if self._published is None or state != self._published[0]:
             workflow.upsert_search_attributes([STATE.value_set(state)])

@@ -16,7 +16,7 @@ next run, and ends all in its own.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 from temporalio import workflow
@@ -43,18 +43,16 @@ class Ending:
         budget: EventBudget,
         publish: Callable[[PoolState | None], None],
         tell_to_end: Callable[[Member, str], None],
-        check_on_members: Callable[[], Awaitable[None]],
     ) -> None:
         # `members`: the pool's members now. `publish`: show the pool's state
         # (None: as its members make it). `tell_to_end`: a member is told to
-        # terminate for a reason. `check_on_members`: a reconcile, if one is due.
+        # terminate for a reason.
         self._members = members
         self._commands = commands
         self._alarm = alarm
         self._budget = budget
         self._publish = publish
         self._tell_to_end = tell_to_end
-        self._check_on_members = check_on_members
 
     async def end(
         self,
@@ -123,7 +121,7 @@ class Ending:
             self._alarm.changed = False
             await workflow.wait_condition(lambda: self._alarm.changed or not ending())
             if ending():
-                await self._check_on_members()
+                await self._commands.reconcile_when_due()
             self._publish(None)
 
 

@@ -16,12 +16,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import invalid_input
+    from workflows import pool_autoscale
     from workflows.inputs import DEFAULT_HEALTH_TARGET, parse_model
+    from workflows.pool_autoscale import Books
     from workflows.pool_carried import AppliedUpdate
-    from workflows.pool_input import PoolInput, StatusRequest, pool_id_problems
+    from workflows.pool_input import PoolInput, ScaleRequest, StatusRequest, pool_id_problems
     from workflows.target_check import check_target, target_input
 
 # Updates applied lately, by id, with their results: Temporal refuses a
@@ -80,6 +83,37 @@ def status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:
         return StatusRequest()
     page: StatusRequest = parsed(StatusRequest, request, "status", extra)
     return page
+
+
+def check_scale(req: ScaleRequest, books: Books | None) -> None:
+    """Refuse a `scale` request that does not fit the pool's mode, naming the field:
+    `replicas` for a fixed pool, bounds an autoscaled pool (`books`) can take."""
+    if books is None:
+        if req.replicas is None:
+            raise invalid_input(
+                "invalid scale request: replicas: field required (this pool is not "
+                "autoscaled: min_replicas/max_replicas are for autoscaled pools)"
+            )
+        return
+    if req.replicas is not None or req.min_replicas is req.max_replicas is None:
+        raise invalid_input(
+            "invalid scale request: this pool is autoscaled: give min_replicas "
+            "and/or max_replicas (its bounds), not replicas"
+        )
+    _, problem = pool_autoscale.rebound(books, req.min_replicas, req.max_replicas)
+    if problem is not None:
+        raise invalid_input(f"invalid scale request: {problem}")
+
+
+def autoscaled(books: Books | None, what: str) -> Books:
+    """An autoscaled pool's books, or the refusal of `what` for a fixed pool."""
+    if books is None:
+        raise ApplicationError(
+            f"{what}: this pool is not autoscaled (no `autoscale` in its input)",
+            type=pool_autoscale.NOT_AUTOSCALED,
+            non_retryable=True,
+        )
+    return books
 
 
 async def checked_input(
