@@ -9,8 +9,8 @@ sends its pool on a change (workflows/membership.py), plus a reconcile
 against visibility now and then as a safety net (activities/pool.py).
 
 `run` is a loop of three parts. Plan: each time the pool wakes (a report, an
-update, its alarm) it hands `pool_plan.plan` a `Situation` (its members and
-books) and gets a `Step` back. Act: it turns the step into commands, in the
+update, its alarm) it hands `pool_plan.plan` a `Situation` (its members, size
+and backoff, from its record) and gets a `Step` back. Act: it turns the step into commands, in the
 order given (terminate signals after a drain, child starts, rotate signals,
 the reconcile), each in a task of its own (workflows/pool_commands.py), and
 checks the endpoints members report (workflows/pool_verify.py). Wait: it
@@ -217,14 +217,14 @@ class ProxyPool:
             while self._record.terminate_reason is None:
                 self._alarm.changed = False
                 budget = self._budget.read(workflow.now())
-                # Plan and act: nothing new while holding for the handover.
+                # Plan and act: nothing new while holding to continue as new.
                 step = self._plan_and_act(inp, budget)
                 refresh_at = self._refresh_monitor()
                 self._record.usage.members = len(self._record.members)
                 counted = None if step is None else step.census
                 self._publish(counted=counted)
-                # Hand over, past the budget and once quiet.
-                if budget.spent and await self._hand_over_when_quiet(raw, budget):
+                # Continue as new, past the budget and once quiet.
+                if budget.spent and await self._continue_as_new_when_quiet(raw, budget):
                     counted = None  # reports may have come in the wait
                 # Wait for a change, or the alarm.
                 self._alarm.set(self._next_wake(budget, step, counted, refresh_at))
@@ -235,7 +235,7 @@ class ProxyPool:
             self._record.terminate_reason = self._record.terminate_reason or "pool cancelled"
             await self._end_members()
             raise
-        await self._end_members(hand_over=lambda: self._continue_as_new(raw))
+        await self._end_members(continue_as_new=lambda: self._continue_as_new(raw))
         return PoolResult(
             PoolState.TERMINATED, self._record.terminate_reason, self._record.next_index
         )
@@ -361,8 +361,8 @@ class ProxyPool:
         report: pool_autoscale.Report = self._request(
             pool_autoscale.Report, request, "report_demand", extra
         )
-        books = pool_requests.autoscaled(self._record.autoscale, "report_demand")
-        refusal = pool_autoscale.report_refusal(books, report, workflow.now())
+        autoscale = pool_requests.autoscaled(self._record.autoscale, "report_demand")
+        refusal = pool_autoscale.report_refusal(autoscale, report, workflow.now())
         if refusal is not None:
             raise invalid_input(refusal)
         return report
@@ -374,8 +374,10 @@ class ProxyPool:
         req: pool_autoscale.WakeRequest = self._request(
             pool_autoscale.WakeRequest, request, "wake", extra
         )
-        books = pool_requests.autoscaled(self._record.autoscale, "wake")
-        decision = pool_autoscale.wake(books, self._record.replicas, req.gateway, workflow.now())
+        autoscale = pool_requests.autoscaled(self._record.autoscale, "wake")
+        decision = pool_autoscale.wake(
+            autoscale, self._record.replicas, req.gateway, workflow.now()
+        )
         if decision.changed:
             self._take_decision(decision)
             self._alarm.note_change()
@@ -513,7 +515,7 @@ class ProxyPool:
             raise invalid_input(f"member: no member {member_id!r} in this pool (members: {known})")
         return member
 
-    # ---- the loop's parts: take over, plan and act, hand over, wait ----------------
+    # ---- the loop's parts: take over, plan and act, continue as new, wait ---------
 
     async def _take_over(self, raw: Any, carried: Any, extra: tuple[Any, ...]) -> PoolInput:
         """The run's input, checked, and the state its previous run carried, taken over."""
@@ -557,21 +559,21 @@ class ProxyPool:
         if budget.holding:
             return None
         self._autoscale_step()
-        situation = self._situation(room=self._budget.headroom())
+        situation = self._situation(headroom=self._budget.headroom())
         step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
         self._apply(step)
         self._checks.start()
         return step
 
-    async def _hand_over_when_quiet(self, raw: Any, budget: Reading) -> bool:
+    async def _continue_as_new_when_quiet(self, raw: Any, budget: Reading) -> bool:
         """Continue as new, the budget spent, once no command is in flight and (holding)
         no member is on its way to a report; whether the pool waited for its handlers.
 
-        Members just started or rotating report within seconds: a handover
+        Members just started or rotating report within seconds: a continue-as-new
         they cross would be refused (UnhandledCommand).
         """
-        unsettled = budget.holding and not pool_plan.settled(self._situation())
-        if not self._commands.idle or unsettled:
+        reports_due = budget.holding and not pool_plan.settled(self._situation())
+        if not self._commands.idle or reports_due:
             return False
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._record.terminate_reason is None and self._commands.idle:
@@ -625,8 +627,8 @@ class ProxyPool:
 
     # ---- one step: the plan applied -------------------------------------------------
 
-    def _situation(self, room: int | None = None) -> Situation:
-        return self._record.situation(reconciling=self._commands.reconciling, room=room)
+    def _situation(self, headroom: int | None = None) -> Situation:
+        return self._record.situation(reconciling=self._commands.reconciling, headroom=headroom)
 
     def _autoscale_step(self) -> None:
         """An autoscaled pool's size for this step; a scale-down picks its members itself."""
@@ -667,7 +669,7 @@ class ProxyPool:
         return None if due is None else Wake(due, "autoscale: a decision falls due")
 
     def _apply(self, step: Step) -> None:
-        """The plan's members and books, then its commands, each in a task of its own, in order."""
+        """The plan's members and record, then its commands, each in a task of its own, in order."""
         self._record.take(step)
         for removal in step.removals:
             self._commands.drain_then_terminate(removal.member, removal.reason, removal.drain)
@@ -716,12 +718,12 @@ class ProxyPool:
 
     # ---- ending (pool_ending.py) ----------------------------------------------------
 
-    async def _end_members(self, hand_over: Callable[[], NoReturn] | None = None) -> None:
-        """Terminate every member and wait until each has ended; `hand_over` continues as
-        new once the run is past its budget (a cancelled pool has none)."""
+    async def _end_members(self, continue_as_new: Callable[[], NoReturn] | None = None) -> None:
+        """Terminate every member and wait until each has ended; `continue_as_new` once
+        the run is past its budget (a cancelled pool has none)."""
         monitor, self._monitor = self._monitor, None
         await self._ending.end(
-            lambda: self._record.terminate_reason or "pool ending", monitor, hand_over
+            lambda: self._record.terminate_reason or "pool ending", monitor, continue_as_new
         )
 
     def _tell_to_end(self, member: Member, reason: str) -> None:

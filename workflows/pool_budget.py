@@ -7,7 +7,7 @@ short: past it (or when the server suggests it) the run continues as new.
 It keeps that replay to about 0.3 to 0.6 s in process at 1,000 members, a
 run holding for a surge of rotations the longest (docs/benchmarks.md).
 
-A run past its budget cannot always hand over at once: a member it has just
+A run past its budget cannot always continue as new at once: a member it has just
 started or told to rotate reports within seconds, and a report that crosses
 the continue-as-new is refused by the server (the worker then replays the
 run). So the run holds: it issues nothing new, so the commands in flight
@@ -43,7 +43,7 @@ class Reading:
 
     # Time to continue as new: the server suggests it, or the run is past its budget.
     spent: bool
-    # New commands are held back, so those in flight end before the handover.
+    # New commands are held back, so those in flight end before it continues as new.
     holding: bool
 
 

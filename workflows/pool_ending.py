@@ -58,12 +58,12 @@ class Ending:
         self,
         reason: Callable[[], str],
         monitor: PoolMonitor | None,
-        hand_over: Callable[[], NoReturn] | None = None,
+        continue_as_new: Callable[[], NoReturn] | None = None,
     ) -> None:
         """Terminate every member and wait until each has ended (its instance deleted).
 
         `reason`: why, as the pool has it once no start is under way.
-        `hand_over` continues as new, once the run is past its budget.
+        `continue_as_new`: once the run is past its budget, the rest go to the next run.
         """
         if monitor is not None:
             monitor.cancel()  # waited for below, while the members end
@@ -71,16 +71,16 @@ class Ending:
         await workflow.wait_condition(lambda: not self._commands.starting)
         why = reason()
         members = list(self._members().values())
-        if hand_over is not None:
-            # Those still on their way to a report (starting, rotating) are
-            # told first, so a handover waits for them as for the others told.
+        if continue_as_new is not None:
+            # Those still on their way to a report (starting, rotating) are told
+            # first, so a continue-as-new waits for them as for the others told.
             members.sort(key=lambda m: m.served and m.phase is not MemberPhase.ROTATING)
         told = 0
         for member in members:
             # Not before a first batch: a pool told to end on a long run
             # starts ending at once, and the monitor's shards end meanwhile.
-            if hand_over is not None and told and self._budget.spent():
-                await self._hand_over(monitor, hand_over)
+            if continue_as_new is not None and told and self._budget.spent():
+                await self._continue_as_new(monitor, continue_as_new)
             # A batch of signals per workflow task, not a thousand at once.
             await workflow.wait_condition(
                 lambda: self._commands.under_way < pool_plan.COMMAND_BATCH
@@ -96,8 +96,8 @@ class Ending:
             await monitor.stop()  # its shards end within a heartbeat, mostly long before
         self._publish(PoolState.TERMINATED)
 
-    async def _hand_over(
-        self, monitor: PoolMonitor | None, hand_over: Callable[[], NoReturn]
+    async def _continue_as_new(
+        self, monitor: PoolMonitor | None, continue_as_new: Callable[[], NoReturn]
     ) -> NoReturn:
         """Wait until the members told have ended and nothing is in flight, then continue
         as new: the next run goes on telling the rest."""
@@ -109,7 +109,7 @@ class Ending:
             # A shard's cancellation landing would cross it too.
             await monitor.stop()
         await workflow.wait_condition(workflow.all_handlers_finished)
-        hand_over()
+        continue_as_new()
 
     async def _until_ended(self, ending: Callable[[], bool]) -> None:
         """Wait while `ending` (members told to end still there), reconciling now and then

@@ -3,7 +3,7 @@
 A pool's run ends in continue-as-new every few hundred events
 (workflows/pool_budget.py), so everything the pool must not forget (its
 size, its members, its backoff and failure budget, its bans, the updates it
-applied, an autoscaled pool's books) lives here, and the run hands it over
+applied, an autoscaled pool's demand and decisions) lives here, and the run hands it over
 whole: `carried` is its shape on the wire (`PoolCarried`,
 workflows/pool_carried.py), `taken_over` the next run's record from it.
 Whatever is not here is the run's own, and starts afresh in each run.
@@ -28,7 +28,7 @@ from workflows.pool_requests import AppliedUpdates
 
 @dataclass
 class PoolRecord:
-    """The pool's size, members and books: what outlives a run (`PoolCarried` on the wire)."""
+    """The pool's size, members and bookkeeping: what outlives a run (`PoolCarried` on the wire)."""
 
     replicas: int = 0
     # By member id, in index order (`keep`): the order every view and plan reads.
@@ -49,7 +49,8 @@ class PoolRecord:
     # Why members the pool did not remove are gone: the causes of their replacements.
     vacancies: list[str] = field(default_factory=list)
     applied_updates: AppliedUpdates = field(default_factory=AppliedUpdates)
-    # An autoscaled pool's books (pool_autoscale.py), and its usage in member-seconds.
+    # An autoscaled pool's demand and decisions (pool_autoscale.Books), and its
+    # usage in member-seconds.
     autoscale: Books | None = None
     usage: Usage = field(default_factory=Usage)
     rotations_abandoned: int = 0
@@ -58,7 +59,7 @@ class PoolRecord:
         """The members from now on, in index order."""
         self.members = {m.member: m for m in sorted(members, key=attrgetter("index"))}
 
-    def situation(self, *, reconciling: bool = False, room: int | None = None) -> Situation:
+    def situation(self, *, reconciling: bool = False, headroom: int | None = None) -> Situation:
         """What a plan reads (`pool_plan.Situation`)."""
         return Situation(
             replicas=self.replicas,
@@ -72,11 +73,12 @@ class PoolRecord:
             reconciling=reconciling,
             ending=self.terminate_reason is not None,
             vacancies=tuple(self.vacancies),
-            room=room,
+            headroom=headroom,
         )
 
     def take(self, step: Step) -> None:
-        """A step's members and books (its commands are the pool's to issue)."""
+        """A step's members, next index, backoff and vacancies (its commands are the
+        pool's to issue)."""
         self.keep(step.members)
         self.next_index = step.next_index
         self.start_after = step.start_after

@@ -85,10 +85,10 @@ def status_request(request: Any, extra: tuple[Any, ...]) -> StatusRequest:
     return page
 
 
-def check_scale(req: ScaleRequest, books: Books | None) -> None:
+def check_scale(req: ScaleRequest, autoscale: Books | None) -> None:
     """Refuse a `scale` request that does not fit the pool's mode, naming the field:
-    `replicas` for a fixed pool, bounds an autoscaled pool (`books`) can take."""
-    if books is None:
+    `replicas` for a fixed pool, bounds an autoscaled pool (`autoscale`) can take."""
+    if autoscale is None:
         if req.replicas is None:
             raise invalid_input(
                 "invalid scale request: replicas: field required (this pool is not "
@@ -100,20 +100,20 @@ def check_scale(req: ScaleRequest, books: Books | None) -> None:
             "invalid scale request: this pool is autoscaled: give min_replicas "
             "and/or max_replicas (its bounds), not replicas"
         )
-    _, problem = pool_autoscale.rebound(books, req.min_replicas, req.max_replicas)
+    _, problem = pool_autoscale.rebound(autoscale, req.min_replicas, req.max_replicas)
     if problem is not None:
         raise invalid_input(f"invalid scale request: {problem}")
 
 
-def autoscaled(books: Books | None, what: str) -> Books:
-    """An autoscaled pool's books, or the refusal of `what` for a fixed pool."""
-    if books is None:
+def autoscaled(autoscale: Books | None, what: str) -> Books:
+    """An autoscaled pool's demand and decisions, or the refusal of `what` for a fixed pool."""
+    if autoscale is None:
         raise ApplicationError(
             f"{what}: this pool is not autoscaled (no `autoscale` in its input)",
             type=pool_autoscale.NOT_AUTOSCALED,
             non_retryable=True,
         )
-    return books
+    return autoscale
 
 
 async def checked_input(

@@ -48,7 +48,7 @@ class EndpointChecks:
         # (activities/exit_echo.py).
         self.task_queue: str | None = None
         self.echo_url = ""
-        # Members whose reported endpoint awaits its provider's word, and
+        # Members whose reported endpoint awaits its provider's confirmation, and
         # those whose check is under way.
         self._unverified: set[str] = set()
         self._verifying: set[str] = set()
