@@ -90,7 +90,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.pool_monitor import PoolMonitor
     from workflows.pool_plan import (
         ENDED,
-        SCALED_DOWN,
         Member,
         MemberPhase,
         Situation,
@@ -99,6 +98,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.pool_record import PoolRecord
     from workflows.pool_requests import status_request
+    from workflows.pool_scaling import Scaling
     from workflows.pool_status import PoolStatus
     from workflows.pool_verify import EndpointChecks
 
@@ -178,7 +178,6 @@ class ProxyPool:
         self._inp: PoolInput | None = None
         # What a run hands to the next (pool_record.py); the rest is the run's own.
         self._record = PoolRecord()
-        self._scaling_why: str | None = None
         self._published: tuple[str, str] | None = None
         self._early = EarlySignals()
         # The members' monitor, from the run's start until the pool ends.
@@ -199,6 +198,7 @@ class ProxyPool:
             failed=self._failed,
             refuse=self._reject,
         )
+        self._scaling = Scaling(record=lambda: self._record, commands=self._commands)
         self._ending = Ending(
             members=lambda: self._record.members,
             commands=self._commands,
@@ -289,7 +289,7 @@ class ProxyPool:
             self._situation(),
             self._inp,
             status_request(request, extra),
-            scaling_why=self._scaling_why,
+            scaling_why=self._scaling.why,
             last_exit_problem=self._checks.last_exit_problem,
             monitored=0 if self._monitor is None else self._monitor.watched,
             now=workflow.now(),
@@ -350,7 +350,7 @@ class ProxyPool:
         assert self._record.autoscale is not None  # _demand_report refuses a fixed pool
         self._record.autoscale = pool_autoscale.take(self._record.autoscale, report, workflow.now())
         self._alarm.note_change()
-        return self._scaling_answer()
+        return self._scaling.answer(workflow.now())
 
     @report_demand.validator
     def _validate_report_demand(self, request: Any = None, *extra: Any) -> None:
@@ -379,24 +379,15 @@ class ProxyPool:
             autoscale, self._record.replicas, req.gateway, workflow.now()
         )
         if decision.changed:
-            self._take_decision(decision)
+            self._scaling.take(decision)
             self._alarm.note_change()
-        return {**self._scaling_answer(), "woken": decision.changed}
+        return {**self._scaling.answer(workflow.now()), "woken": decision.changed}
 
     @wake.validator
     def _validate_wake(self, request: Any = None, *extra: Any) -> None:
         if self._checkable(pool_autoscale.WakeRequest, request, "wake", extra):
             self._request(pool_autoscale.WakeRequest, request, "wake", extra)
             pool_requests.autoscaled(self._record.autoscale, "wake")
-
-    def _scaling_answer(self) -> dict[str, Any]:
-        """What a gateway learns from a report or a wake: the pool's size and cost."""
-        return {
-            "replicas": self._record.replicas,
-            "member_seconds": pool_autoscale.counted(
-                self._record.usage, self._record.usage.members, workflow.now()
-            ).member_seconds,
-        }
 
     @workflow.update(name="rotate")
     @_applied_once
@@ -536,6 +527,7 @@ class ProxyPool:
         self._inp = inp
         self._commands.task_queue = self._checks.task_queue = members_queue
         self._checks.echo_url = inp.exit_echo_url or ""
+        self._scaling.bounds, self._scaling.drain = inp.autoscale, pool_plan.drain_seconds(inp)
         if state is not None:
             self._record = PoolRecord.taken_over(state)
             # Carried unconfirmed, or a check cut short by continue-as-new: asked again.
@@ -558,7 +550,7 @@ class ProxyPool:
         )
         if budget.holding:
             return None
-        self._autoscale_step()
+        self._scaling.step(workflow.now())
         situation = self._situation(headroom=self._budget.headroom())
         step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
         self._apply(step)
@@ -609,7 +601,7 @@ class ProxyPool:
             return Wake(workflow.now(), "start the next batch of removals and rotations")
         wakes = [
             pool_plan.next_wake(self._situation(), self._inp, counted),
-            self._autoscale_wake(),
+            self._scaling.next_wake(),
             self._checks.next_wake(),
             None if refresh_at is None else Wake(refresh_at, "refresh the members' monitor"),
         ]
@@ -629,44 +621,6 @@ class ProxyPool:
 
     def _situation(self, headroom: int | None = None) -> Situation:
         return self._record.situation(reconciling=self._commands.reconciling, headroom=headroom)
-
-    def _autoscale_step(self) -> None:
-        """An autoscaled pool's size for this step; a scale-down picks its members itself."""
-        assert self._inp is not None
-        bounds = self._inp.autoscale
-        if (
-            bounds is None
-            or self._record.autoscale is None
-            or self._record.terminate_reason is not None
-        ):
-            return
-        self._take_decision(
-            pool_autoscale.decide(
-                self._record.autoscale, bounds, self._record.replicas, workflow.now()
-            )
-        )
-
-    def _take_decision(self, decision: pool_autoscale.Decision) -> None:
-        assert self._inp is not None
-        self._record.autoscale, self._scaling_why = decision.books, decision.reason
-        self._record.replicas = decision.replicas
-        if decision.changed:
-            workflow.logger.info("autoscale: %s", decision.reason)
-        # Banned, not serving, then the youngest go first (pool_plan would
-        # remove the oldest): the plan then finds the pool at size.
-        excess = len(self._live()) - self._record.replicas
-        drain = pool_plan.drain_seconds(self._inp)
-        for victim in pool_autoscale.victims(self._live(), excess):
-            victim.remove(SCALED_DOWN, drain)
-            self._commands.drain_then_terminate(victim.member, SCALED_DOWN, drain)
-
-    def _autoscale_wake(self) -> Wake | None:
-        """When an autoscale decision falls due, for an autoscaled pool."""
-        bounds = self._inp.autoscale if self._inp is not None else None
-        if bounds is None or self._record.autoscale is None:
-            return None
-        due = pool_autoscale.next_wake(self._record.autoscale, bounds)
-        return None if due is None else Wake(due, "autoscale: a decision falls due")
 
     def _apply(self, step: Step) -> None:
         """The plan's members and record, then its commands, each in a task of its own, in order."""
