@@ -208,7 +208,7 @@ class ProxyPool:
             tell_to_end=self._tell_to_end,
         )
 
-    # ---- the contract: run, signals, queries, updates -------------------------------
+    # ---- the run: plan, act, wait ---------------------------------------------------
 
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> PoolResult:
@@ -239,6 +239,119 @@ class ProxyPool:
         return PoolResult(
             PoolState.TERMINATED, self._record.terminate_reason, self._record.next_index
         )
+
+    # ---- the loop's parts: take over, plan and act, continue as new, wait -----------
+
+    async def _take_over(self, raw: Any, carried: Any, extra: tuple[Any, ...]) -> PoolInput:
+        """The run's input, checked, and the state its previous run carried, taken over."""
+        # Where 0.3.10's runs recorded their release marker: before the first
+        # await, as the input check's local activity resolves in another
+        # activation on replay than when first run.
+        keep_floor(POOL_FLOOR)
+        members_queue = _members_queue()
+        self._monitor = PoolMonitor(self._tell_failing, self._alarm.note_change, members_queue)
+        feed = taken(PUBLISH_ENDPOINTS_DIGEST)
+        # Untyped, so no argument can fail to decode outside our validation.
+        pool_id = workflow.info().workflow_id
+        state, argument_problems = continued_state(
+            PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
+        )
+        self._early.decide(continued=state is not None)
+        inp = await self._validated(raw, argument_problems, continued=state is not None)
+        self._inp = inp
+        self._commands.task_queue = self._checks.task_queue = members_queue
+        self._checks.echo_url = inp.exit_echo_url or ""
+        self._scaling.bounds, self._scaling.drain = inp.autoscale, pool_plan.drain_seconds(inp)
+        if state is not None:
+            self._record = PoolRecord.taken_over(state)
+            # Carried unconfirmed, or a check cut short by continue-as-new: asked again.
+            self._checks.ask_again(state.members)
+        else:
+            self._record.replicas = inp.replicas
+            self._record.last_reconcile = workflow.now()
+        self._early.took_over()
+        self._feed.start(feed, self.endpoints)
+        if inp.autoscale is not None and self._record.autoscale is None:
+            self._record.autoscale = pool_autoscale.new_books(inp.autoscale)
+        workflow.upsert_search_attributes([POOL.value_set(pool_id)])
+        return inp
+
+    def _plan_and_act(self, inp: PoolInput, budget: Reading) -> Step | None:
+        """Plan over the members, apply the plan, and check the endpoints newly reported;
+        none while the run holds new commands back (the usage is counted all the same)."""
+        self._record.usage = pool_autoscale.counted(
+            self._record.usage, len(self._record.members), workflow.now()
+        )
+        if budget.holding:
+            return None
+        self._scaling.step(workflow.now())
+        situation = self._situation(headroom=self._budget.headroom())
+        step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
+        self._apply(step)
+        self._checks.start()
+        return step
+
+    async def _continue_as_new_when_quiet(self, raw: Any, budget: Reading) -> bool:
+        """Continue as new, the budget spent, once no command is in flight and (holding)
+        no member is on its way to a report; whether the pool waited for its handlers.
+
+        Members just started or rotating report within seconds: a continue-as-new
+        they cross would be refused (UnhandledCommand).
+        """
+        reports_due = budget.holding and not pool_plan.settled(self._situation())
+        if not self._commands.idle or reports_due:
+            return False
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._record.terminate_reason is None and self._commands.idle:
+            if self._monitor is not None:
+                # The next run starts its own; these end quietly within a
+                # round or two, when they ask whether this run is still open
+                # (activities/provider.py).
+                self._monitor.cancel()
+            self._continue_as_new(raw)
+        return True
+
+    def _continue_as_new(self, raw: Any) -> NoReturn:
+        assert self._inp is not None
+        workflow.continue_as_new(
+            args=[raw, self._compact_carry(self._inp)], memo=self._feed.carried()
+        )
+
+    def _next_wake(
+        self,
+        budget: Reading,
+        step: Step | None,
+        counted: pool_plan.Census | None,
+        refresh_at: datetime | None,
+    ) -> Wake | None:
+        """The earliest thing the pool must do on its own: the hold's end, the next batch,
+        or the first of the plan's wake, an autoscale decision, an endpoint check after a
+        quota and a refresh of the monitor (the earlier listed on a tie)."""
+        if budget.holding:
+            hold_ends = self._budget.hold_ends()
+            assert hold_ends is not None
+            return Wake(hold_ends, "stop waiting to continue as new")
+        if step is not None and step.more:
+            return Wake(workflow.now(), "start the next batch of removals and rotations")
+        wakes = [
+            pool_plan.next_wake(self._situation(), self._inp, counted),
+            self._scaling.next_wake(),
+            self._checks.next_wake(),
+            None if refresh_at is None else Wake(refresh_at, "refresh the members' monitor"),
+        ]
+        return min((w for w in wakes if w is not None), key=attrgetter("at"), default=None)
+
+    def _step_due(self, *, watch_budget: bool) -> bool:
+        """Whether to step again: something changed, the pool is ending, or (watching
+        the budget, until it is passed) its run has just grown past it: events it
+        ignores (reports of members it does not have, which anyone may send) grow it too."""
+        return (
+            self._alarm.changed
+            or self._record.terminate_reason is not None
+            or (watch_budget and self._budget.spent())
+        )
+
+    # ---- signals, queries, updates --------------------------------------------------
 
     @workflow.signal(name=TERMINATE_SIGNAL)
     def terminate(self, request: Any = None, *_extra: Any) -> None:
@@ -505,117 +618,6 @@ class ProxyPool:
             known = ", ".join(m.member for m in self._live()) or "none"
             raise invalid_input(f"member: no member {member_id!r} in this pool (members: {known})")
         return member
-
-    # ---- the loop's parts: take over, plan and act, continue as new, wait ---------
-
-    async def _take_over(self, raw: Any, carried: Any, extra: tuple[Any, ...]) -> PoolInput:
-        """The run's input, checked, and the state its previous run carried, taken over."""
-        # Where 0.3.10's runs recorded their release marker: before the first
-        # await, as the input check's local activity resolves in another
-        # activation on replay than when first run.
-        keep_floor(POOL_FLOOR)
-        members_queue = _members_queue()
-        self._monitor = PoolMonitor(self._tell_failing, self._alarm.note_change, members_queue)
-        feed = taken(PUBLISH_ENDPOINTS_DIGEST)
-        # Untyped, so no argument can fail to decode outside our validation.
-        pool_id = workflow.info().workflow_id
-        state, argument_problems = continued_state(
-            PoolCarried, carried, extra, lambda raw: pool_carried.decode(raw, pool_id)
-        )
-        self._early.decide(continued=state is not None)
-        inp = await self._validated(raw, argument_problems, continued=state is not None)
-        self._inp = inp
-        self._commands.task_queue = self._checks.task_queue = members_queue
-        self._checks.echo_url = inp.exit_echo_url or ""
-        self._scaling.bounds, self._scaling.drain = inp.autoscale, pool_plan.drain_seconds(inp)
-        if state is not None:
-            self._record = PoolRecord.taken_over(state)
-            # Carried unconfirmed, or a check cut short by continue-as-new: asked again.
-            self._checks.ask_again(state.members)
-        else:
-            self._record.replicas = inp.replicas
-            self._record.last_reconcile = workflow.now()
-        self._early.took_over()
-        self._feed.start(feed, self.endpoints)
-        if inp.autoscale is not None and self._record.autoscale is None:
-            self._record.autoscale = pool_autoscale.new_books(inp.autoscale)
-        workflow.upsert_search_attributes([POOL.value_set(pool_id)])
-        return inp
-
-    def _plan_and_act(self, inp: PoolInput, budget: Reading) -> Step | None:
-        """Plan over the members, apply the plan, and check the endpoints newly reported;
-        none while the run holds new commands back (the usage is counted all the same)."""
-        self._record.usage = pool_autoscale.counted(
-            self._record.usage, len(self._record.members), workflow.now()
-        )
-        if budget.holding:
-            return None
-        self._scaling.step(workflow.now())
-        situation = self._situation(headroom=self._budget.headroom())
-        step = pool_plan.plan(situation, inp, workflow.info().workflow_id, workflow.now())
-        self._apply(step)
-        self._checks.start()
-        return step
-
-    async def _continue_as_new_when_quiet(self, raw: Any, budget: Reading) -> bool:
-        """Continue as new, the budget spent, once no command is in flight and (holding)
-        no member is on its way to a report; whether the pool waited for its handlers.
-
-        Members just started or rotating report within seconds: a continue-as-new
-        they cross would be refused (UnhandledCommand).
-        """
-        reports_due = budget.holding and not pool_plan.settled(self._situation())
-        if not self._commands.idle or reports_due:
-            return False
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        if self._record.terminate_reason is None and self._commands.idle:
-            if self._monitor is not None:
-                # The next run starts its own; these end quietly within a
-                # round or two, when they ask whether this run is still open
-                # (activities/provider.py).
-                self._monitor.cancel()
-            self._continue_as_new(raw)
-        return True
-
-    def _continue_as_new(self, raw: Any) -> NoReturn:
-        assert self._inp is not None
-        workflow.continue_as_new(
-            args=[raw, self._compact_carry(self._inp)], memo=self._feed.carried()
-        )
-
-    def _next_wake(
-        self,
-        budget: Reading,
-        step: Step | None,
-        counted: pool_plan.Census | None,
-        refresh_at: datetime | None,
-    ) -> Wake | None:
-        """The earliest thing the pool must do on its own: the hold's end, the next batch,
-        or the first of the plan's wake, an autoscale decision, an endpoint check after a
-        quota and a refresh of the monitor (the earlier listed on a tie)."""
-        if budget.holding:
-            hold_ends = self._budget.hold_ends()
-            assert hold_ends is not None
-            return Wake(hold_ends, "stop waiting to continue as new")
-        if step is not None and step.more:
-            return Wake(workflow.now(), "start the next batch of removals and rotations")
-        wakes = [
-            pool_plan.next_wake(self._situation(), self._inp, counted),
-            self._scaling.next_wake(),
-            self._checks.next_wake(),
-            None if refresh_at is None else Wake(refresh_at, "refresh the members' monitor"),
-        ]
-        return min((w for w in wakes if w is not None), key=attrgetter("at"), default=None)
-
-    def _step_due(self, *, watch_budget: bool) -> bool:
-        """Whether to step again: something changed, the pool is ending, or (watching
-        the budget, until it is passed) its run has just grown past it: events it
-        ignores (reports of members it does not have, which anyone may send) grow it too."""
-        return (
-            self._alarm.changed
-            or self._record.terminate_reason is not None
-            or (watch_budget and self._budget.spent())
-        )
 
     # ---- one step: the plan applied -------------------------------------------------
 
