@@ -247,7 +247,7 @@ class Situation:
     # pool's event budget, those under way included (`command_batch`); None:
     # COMMAND_BATCH a step whatever the run's length (a situation read, not
     # planned for a run: `status`, the unit tests).
-    room: int | None = None
+    headroom: int | None = None
     # Why members the pool did not remove are gone, oldest first: the causes
     # of the starts that replace them (`Start.cause`).
     vacancies: tuple[str, ...] = ()
@@ -395,19 +395,19 @@ def plan(situation: Situation, inp: PoolInput, pool_id: str, now: datetime) -> S
 def command_batch(situation: Situation, counted: Census) -> int:
     """How many removals or rotations a step may start now.
 
-    COMMAND_BATCH a step; with a `room`, also no more than the run's
+    COMMAND_BATCH a step; with a `headroom`, also no more than the run's
     history holds beside those under way (rotating, being removed), each of
     which writes a few events before the pool may hand over. Without that, a
     run that starts a surge just under its budget holds until all of it has
     reported, and the worker that replays it pays for every event past the
-    budget. With nothing under way, one goes whatever the room: it is what
+    budget. With nothing under way, one goes whatever the headroom: it is what
     fills the budget that hands over to a run with room again.
     """
-    if situation.room is None:
+    if situation.headroom is None:
         return COMMAND_BATCH
     under_way = len(counted.rotating) + counted.members - counted.live
     least = 0 if under_way else 1
-    return min(COMMAND_BATCH, max(least, situation.room - under_way))
+    return min(COMMAND_BATCH, max(least, situation.headroom - under_way))
 
 
 def _scale_down(

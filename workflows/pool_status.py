@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from contract import PoolState
-from workflows import pool_autoscale
+from workflows import pool_autoscale, pool_plan
 from workflows.pool_carried import within_budget
-from workflows.pool_input import StatusRequest
-from workflows.pool_plan import BanStanding, Member, MemberPhase, rotate_at
+from workflows.pool_input import PoolInput, StatusRequest
+from workflows.pool_plan import BanStanding, Member, MemberPhase, Situation, rotate_at
+from workflows.pool_record import PoolRecord
 
 # Bytes (as JSON) a page's member texts may take together.
 PAGE_TEXT_BUDGET = 256 * 1024
@@ -134,3 +136,48 @@ def member_page(
     if len(after) <= request.limit:
         return page, None
     return page, {"after": after[request.limit - 1].index, "limit": request.limit}
+
+
+def answer(
+    record: PoolRecord,
+    situation: Situation,
+    inp: PoolInput | None,
+    page: StatusRequest,
+    *,
+    scaling_why: str | None,
+    last_exit_problem: str | None,
+    monitored: int,
+    now: datetime,
+) -> PoolStatus:
+    """The `status` answer: the pool as `record` and `situation` have it, and `page`."""
+    counted = pool_plan.census(situation.members)
+    members, next_page = member_page(situation.members, page)
+    return PoolStatus(
+        state=pool_plan.pool_state(situation, counted),
+        as_of=now.isoformat(timespec="seconds"),
+        replicas=record.replicas,
+        ready=counted.serving,
+        members=members,
+        waiting_for=pool_plan.waiting_for(situation, counted),
+        failures_in_a_row=record.failures_in_a_row,
+        last_error=record.last_error,
+        stopped_replacing=record.stopped,
+        terminate_reason=record.terminate_reason,
+        rejected_reports=record.rejected_reports,
+        last_rejected=record.last_rejected,
+        scaling=pool_autoscale.scaling_status(
+            record.autoscale,
+            inp.autoscale if inp else None,
+            record.replicas,
+            scaling_why,
+            record.usage,
+            now,
+        ),
+        distinct_exits=pool_plan.distinct_exits(situation.members),
+        last_exit_problem=last_exit_problem,
+        rotations_abandoned=record.rotations_abandoned,
+        monitored=monitored,
+        members_total=len(situation.members),
+        next_page=next_page,
+        bans=pool_plan.ban_standing(record.bans, inp.bans, record.replicas, now) if inp else None,
+    )

@@ -17,7 +17,6 @@ from temporalio.converter import default
 from contract import PoolState, ProxyState
 from workflows.inputs import MAX_REASON
 from workflows.membership import MAX_COUNTER, MAX_ENDPOINT_LENGTH, MAX_ERROR_LENGTH
-from workflows.pool import REMEMBERED_LIST, REMEMBERED_UPDATES
 from workflows.pool_autoscale import (
     MAX_GATEWAYS,
     MAX_TUNNELS,
@@ -29,6 +28,7 @@ from workflows.pool_autoscale import (
 from workflows.pool_carried import AppliedUpdate, Lifetimes, PoolCarried
 from workflows.pool_input import MAX_REPLICAS, StatusRequest
 from workflows.pool_plan import Member, MemberPhase
+from workflows.pool_requests import REMEMBERED_LIST, REMEMBERED_UPDATES
 from workflows.pool_status import PoolStatus, member_page
 
 WARNING_SIZE = 512 * 1024  # Temporal's payload size warning

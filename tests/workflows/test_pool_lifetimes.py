@@ -53,7 +53,7 @@ from tests.workflows.test_continue_as_new import (  # noqa: F401 (a fixture)
     SUGGESTED_AT,
     eager_can_env,
 )
-from workflows.pool import EVENTS_PER_COMMAND, POOL_EVENT_BUDGET
+from workflows.pool_budget import EVENTS_PER_COMMAND, POOL_EVENT_BUDGET
 from workflows.pool_plan import COMMAND_BATCH
 
 pytestmark = pytest.mark.slow

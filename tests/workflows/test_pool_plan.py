@@ -164,8 +164,8 @@ def test_a_pool_removes_and_rotates_in_batches_and_says_there_is_more() -> None:
 
 
 def test_a_step_starts_no_more_removals_and_rotations_than_its_runs_events_have_room_for() -> None:
-    """Those under way count against the room; with none under way one goes
-    whatever the room, so a run that must start something always reaches its
+    """Those under way count against the headroom; with none under way one goes
+    whatever the headroom, so a run that must start something always reaches its
     budget and hands over."""
     inp = pool_input(max_surge="100%")
 
@@ -175,19 +175,19 @@ def test_a_step_starts_no_more_removals_and_rotations_than_its_runs_events_have_
             member.queue("rotate all")
         return members
 
-    first = plan(situation(*queued(), room=30), inp, POOL, T0)
-    assert len(first.rotations) == 30 and not first.more, "cut by the room: no step of its own"
+    first = plan(situation(*queued(), headroom=30), inp, POOL, T0)
+    assert len(first.rotations) == 30 and not first.more, "cut by the headroom: no step of its own"
     rotating = first.members
-    assert len(plan(situation(*rotating, room=40), inp, POOL, T0).rotations) == 10
-    assert plan(situation(*rotating, room=20), inp, POOL, T0).rotations == ()
-    assert len(plan(situation(*queued(), room=0), inp, POOL, T0).rotations) == 1
-    roomy = plan(situation(*queued(), room=1_000), inp, POOL, T0)
+    assert len(plan(situation(*rotating, headroom=40), inp, POOL, T0).rotations) == 10
+    assert plan(situation(*rotating, headroom=20), inp, POOL, T0).rotations == ()
+    assert len(plan(situation(*queued(), headroom=0), inp, POOL, T0).rotations) == 1
+    roomy = plan(situation(*queued(), headroom=1_000), inp, POOL, T0)
     assert len(roomy.rotations) == COMMAND_BATCH and roomy.more
 
     members = [ready(n) for n in range(300)]
-    down = plan(situation(*members, replicas=0, room=25), pool_input(), POOL, T0)
+    down = plan(situation(*members, replicas=0, headroom=25), pool_input(), POOL, T0)
     assert len(down.removals) == 25 and not down.more
-    removing = situation(*down.members, replicas=0, room=35)
+    removing = situation(*down.members, replicas=0, headroom=35)
     assert len(plan(removing, pool_input(), POOL, T0).removals) == 10, "being removed is under way"
 
 
