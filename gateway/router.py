@@ -239,6 +239,9 @@ class Router:
             if tried == MAX_TRIES:
                 break
             tried += 1
+            # Its pool as routed: a stand-in answers only once its pool has woken, by
+            # when the member list that replaced it may have come.
+            pool = self._pool_of.get(member.member, "")
             asked = await self._ask(member, head)
             if asked is None:
                 continue
@@ -249,7 +252,6 @@ class Router:
                 writer.write(answer)
                 await writer.drain()
                 if record[0] == "200":
-                    pool = self._pool_of.get(member.member, "")
                     self.granted += 1
                     self._open_by_pool[pool] += 1
                     self._granted_by_pool[pool] += 1

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 
 from gateway.router import Router
+from gateway.routing import STAND_IN
+from squid.gateway import GatewayMember
 from tests.helpers.waiting import wait_for
 
 
@@ -25,3 +29,44 @@ async def test_connections_past_its_descriptors_are_refused_and_the_rest_kept() 
             held_writer.write(b"CONNECT a:443 HTTP/1.1\r\n\r\n")
             assert (await asyncio.wait_for(held_reader.readline(), 5)).startswith(b"HTTP/1.1 407 ")
             held_writer.close()
+
+
+async def test_a_tunnel_a_stand_in_answers_after_its_pool_woke_counts_for_that_pool() -> None:
+    """The holder answers a held CONNECT only once the pool has a member, by when the
+    member list without the stand-in may have reached the router: the tunnel is the
+    pool's demand all the same (the pool would otherwise be sized without it)."""
+    router = Router("proxy", "password", None, io.StringIO())
+    held, woke = asyncio.Event(), asyncio.Event()
+
+    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        held.set()
+        await woke.wait()
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # hold the tunnel until the client closes it
+        writer.close()
+
+    stand_in_server = await asyncio.start_server(holder, "127.0.0.1", 0)
+    stand_in_port = stand_in_server.sockets[0].getsockname()[1]
+    stand_in = GatewayMember(f"{STAND_IN}pool-a", "127.0.0.1", stand_in_port)
+    router.update([stand_in], {stand_in.member: "pool-a"})
+    server = await asyncio.start_server(router.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, stand_in_server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        login = base64.b64encode(b"proxy:password").decode()
+        writer.write(
+            f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode()
+        )
+        await asyncio.wait_for(held.wait(), 10)
+        # The pool woke: its member replaces the stand-in before the holder answers.
+        member = GatewayMember("pool-a/0", "127.0.0.1", 1)
+        router.update([member], {member.member: "pool-a"})
+        woke.set()
+        answer = await asyncio.wait_for(reader.readline(), 10)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        await wait_for(lambda: router.granted == 1, "the tunnel granted")
+        count, _, pools = router.tunnels().removeprefix("tunnels ").partition(" ")
+        assert (count, json.loads(pools)) == ("1", {"pool-a": [1, 1]})
+        writer.close()

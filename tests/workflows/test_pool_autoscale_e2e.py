@@ -66,7 +66,12 @@ async def settled_at(handle: WorkflowHandle[Any, Any], size: int, what: str) -> 
             and len(status["members"]) == size
         )
 
-    await wait_for(settled, what, deadline=DEADLINE)
+    try:
+        await wait_for(settled, what, deadline=DEADLINE)
+    except AssertionError as timed_out:
+        last = seen[-1] if seen else {}
+        shown = {key: last.get(key) for key in ("replicas", "ready", "scaling")}
+        raise AssertionError(f"{timed_out}; the pool's last status: {shown}") from None
     return seen[-1]
 
 
