@@ -35,6 +35,7 @@ from tests.helpers.waiting import (
     wait_for,
     wait_status,
 )
+from workflows.lifecycle import EVENT_BUDGET
 from workflows.lifecycle_carried import ProxyStatus
 
 pytestmark = pytest.mark.slow
@@ -77,10 +78,13 @@ async def handed_over_then_recovered(
     first_run_id: str,
     operation: str,
 ) -> None:
-    """The wait took several runs, each under MAX_EVENTS_PER_RUN; then quota returns."""
+    """The wait took several runs, each under MAX_EVENTS_PER_RUN and each but the last
+    past EVENT_BUDGET (a run hands over for its length, not for every few calls);
+    then quota returns."""
     lengths = [len(run) async for run in run_histories(stack.client, handle.id, first_run_id)]
     assert len(lengths) > 1, f"never continued as new: {lengths} events"
     assert max(lengths) < MAX_EVENTS_PER_RUN, lengths
+    assert min(lengths[:-1]) >= EVENT_BUDGET, lengths
     assert stack.provider.calls[operation] >= WAIT / RETRY_AFTER
     stack.provider.recover(operation)
     await skip_past_pending_timer(env, handle)
