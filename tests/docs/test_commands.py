@@ -1,8 +1,8 @@
 """Every `temporal` command in README.md, docs/operations.md and docs/upgrades.md, run as written.
 
 The commands come out of the Markdown (tests/docs/markdown.py says how), so a
-doc change that breaks one fails here. They run in document order, in bash,
-against a dev server of this module's own, with the real worker
+doc change that breaks one fails here. They run in bash, against a dev server
+of this module's own, with the real worker
 (`worker.py --no-orphan-gc-schedule`, as the schedule section assumes) and
 real local Squids. A workspace stands in for the repository: `.venv/bin/temporal`
 is the pip CLI and `.data/proxy-password` the proxy password.
@@ -15,6 +15,13 @@ demo site `make run` serves (devenv's own, here on a port of this module's),
 trusted by the CA `make run` writes. The worker's config is `make run`'s
 (deploy/local/providers.yaml), whose only way to loopback is the demo site;
 the origin is let through the same way.
+
+The examples about one workflow run in document order, as a reader runs
+them; those about different workflows run side by side, as a reader's
+proxies and pools run at once (the pool examples wait minutes of drains and
+rotations between them). An example that names no workflow, or several
+being run apart, or that checks what it prints, runs alone, after
+everything before it and before anything after it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ TASK_QUEUE = "proxy-operator"
 # A URL's host; not the user of `http://user:$(cat password-file)@$ENDPOINT`.
 URL_HOST = re.compile(r"\bhttps?://([A-Za-z0-9.-]+)\b(?!:\$\()")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
+# The workflows a command names: by id, or a pool by its search attribute.
+WORKFLOW_NAMED = re.compile(r"--workflow-id[ =]([A-Za-z0-9_./-]+)|ProxyPool = '([^']+)'")
 
 
 @dataclass
@@ -223,6 +232,56 @@ async def _failure(reader: Reader, example: Example) -> str | None:
     return None
 
 
+def _workflows(example: Example) -> set[str]:
+    """The workflows an example is about; none for a console transcript, which checks
+    what it prints, so nothing else may run meanwhile."""
+    if example.kind == "console":
+        return set()
+    named = {by_id or pool for by_id, pool in WORKFLOW_NAMED.findall(example.text)}
+    for directive in ("wait", "each-on-fresh"):
+        if words := example.directive(directive):
+            named.add(words[0])
+    return named
+
+
+def _waves(found: list[Example]) -> list[list[list[Example]]]:
+    """`found` as waves run one after another, each of chains run side by side.
+
+    A chain holds the examples about the same workflows, in document order;
+    an example about no workflow, or about workflows of two chains, is a wave
+    of its own.
+    """
+    waves: list[list[list[Example]]] = []
+    chains: list[tuple[set[str], list[Example]]] = []
+    for example in found:
+        named = _workflows(example)
+        joins = [chain for chain in chains if chain[0] & named]
+        if named and len(joins) <= 1:
+            if joins:
+                joins[0][0].update(named)
+                joins[0][1].append(example)
+            else:
+                chains.append((named, [example]))
+            continue
+        if chains:
+            waves.append([chain for _, chain in chains])
+            chains = []
+        waves.append([[example]])
+    if chains:
+        waves.append([chain for _, chain in chains])
+    return waves
+
+
+async def _chain_failures(reader: Reader, chain: list[Example]) -> list[str]:
+    """Run a chain's examples in order; what went wrong in each that failed."""
+    failures = []
+    for example in chain:
+        failure = await _failure(reader, example)
+        if failure is not None:
+            failures.append(f"--- {example.source}\n{failure}")
+    return failures
+
+
 def _missing_in_order(expected: list[str], printed: str) -> str | None:
     """The first expected line not printed after the previous one (whitespace-insensitive)."""
     lines = [" ".join(line.split()) for line in printed.splitlines()]
@@ -242,8 +301,7 @@ async def test_every_temporal_command_in_the_doc_works(reader: Reader, doc: str)
     found = examples(ROOT / doc, ROOT)
     assert found, f"no temporal commands found in {doc}: has the Markdown convention changed?"
     failures = []
-    for example in found:
-        failure = await _failure(reader, example)
-        if failure is not None:
-            failures.append(f"--- {example.source}\n{failure}")
+    for wave in _waves(found):
+        chains = await asyncio.gather(*(_chain_failures(reader, chain) for chain in wave))
+        failures += [failure for chain in chains for failure in chain]
     assert not failures, "\n".join(failures)

@@ -8,6 +8,7 @@ still tunnel through real Squid processes.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import Counter, defaultdict, deque
 
@@ -90,4 +91,12 @@ class FaultyProvider:
             queue = self._faults[operation]
             error = queue.popleft() if queue else self._outages.get(operation)
         if error is not None:
-            raise error
+            # A copy for each call, as a real provider raises a new error
+            # each time: raising one instance again adds each call's frames
+            # to its traceback, so every failure in the history (its stack
+            # trace included) would be longer than the last. A month of quota
+            # calls would then cost minutes of formatting, and its runs would
+            # end on the server's history-size suggestion, not EVENT_BUDGET.
+            fresh = copy.copy(error)
+            fresh.__cause__ = error.__cause__
+            raise fresh
