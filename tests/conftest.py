@@ -83,9 +83,16 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     await env.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
-    """The Java test server: timers (lifetimes, backoffs, quota waits) skip ahead."""
+    """The Java test server: timers (lifetimes, backoffs, quota waits) skip ahead.
+
+    One per module: an activity its workflow closed on without waiting for
+    it (a pool's members' monitor, cancelled as the pool ends) holds a
+    time-skipping lock until it times out, since the server refuses its
+    late completion; virtual time then runs at wall-clock pace for every
+    later test on that server (tests/helpers/time_skipping.py).
+    """
     env = await start_time_skipping_server()
     yield env
     await env.shutdown()
