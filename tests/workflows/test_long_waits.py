@@ -35,8 +35,8 @@ from tests.helpers.waiting import (
     wait_for,
     wait_status,
 )
-from workflows.lifecycle import EVENT_BUDGET
 from workflows.lifecycle_carried import ProxyStatus
+from workflows.lifecycle_handover import EVENT_BUDGET
 
 pytestmark = pytest.mark.slow
 
