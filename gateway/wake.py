@@ -56,7 +56,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
 from temporalio.client import (
     Client,
     WorkflowQueryFailedError,
@@ -315,7 +314,7 @@ async def placed(client: Client, pool: str) -> Placed:
             payloads = event.workflow_execution_started_event_attributes.input.payloads
             raw = (await client.data_converter.decode(payloads[:1]))[0] if payloads else None
             return placed_by(PoolInput.model_validate(raw))
-    except (RPCError, ValidationError, ValueError, TypeError) as err:
+    except Exception as err:  # anyone in the namespace may start a pool with any payload
         log.warning("cannot read pool %s's input, so its stand-in matches no filter: %s", pool, err)
     return Placed()
 
