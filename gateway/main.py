@@ -48,7 +48,7 @@ from gateway.users_follow import UsersFollower, load_users
 from providers.base import split_endpoint
 from providers.config import Config, ConfigError, load_config
 from squid.conf import ProxySettings
-from squid.gateway import GatewayMember
+from squid.gateway import GatewayMember, fleet_login
 
 DEFAULT_LISTEN = "0.0.0.0:8888"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9465"
@@ -261,7 +261,14 @@ async def serve(
     # An autoscaled pool's wake holder is the router's stand-in for it while it has no member.
     holding = contextlib.AsyncExitStack()
     followed.holders = await holding.enter_async_context(
-        wake.holding(args, client, followed.open(), demand.name_of(args, listen), followed.fetch)
+        wake.holding(
+            args,
+            client,
+            followed.open(),
+            demand.name_of(args, listen),
+            followed.fetch,
+            fleet_login(settings.username, settings.password),
+        )
     )
     members = followed.routed()
     private = args.state_dir is None

@@ -132,10 +132,12 @@ POOL_MEMBER_SECONDS = Gauge(
 WAKE_SERVED = "served"
 WAKE_TIMED_OUT = "timed_out"
 WAKE_RETRY_REFUSED = "retry_refused"
+WAKE_REFUSED = "refused"
 WAKES = Counter(
     "proxy_operator_gateway_held_connects",
     "CONNECTs held while the pool had no member: tunnelled once one served, answered "
-    "503 with Retry-After past the wake timeout, or (Squid's retry of one) answered 503 at once",
+    "503 with Retry-After past the wake timeout, or (Squid's retry of one) answered 503 at "
+    "once; and CONNECTs to a holder without the fleet's credentials, answered 407 at once",
     ["outcome"],
 )
 

@@ -9,6 +9,10 @@ import asyncio
 import contextlib
 
 MAX_HEAD = 16384
+# The router's and a holder's peers (the front, the router) send a request's
+# head at once: they have read all of it already. A socket silent for longer
+# is not theirs, and is cut.
+HEAD_TIMEOUT = 10.0
 RELAY_CHUNK = 65536
 
 

@@ -71,7 +71,7 @@ from urllib.parse import quote
 # Run as a script: the copy's root holds gateway/ and providers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.relay import read_head, relay
+from gateway.relay import HEAD_TIMEOUT, read_head, relay
 from gateway.routing import Members
 from gateway.users import Checker, Verdict
 from proxy_operator.username import GatewayUsername, parse_gateway_username
@@ -81,24 +81,23 @@ from squid.gateway import (
     NO_MEMBER_PAGE,
     NO_MEMBER_STATUS,
     NO_MEMBER_TEMPLATE,
+    REALM,
     TUNNEL_LIMIT_PAGE,
     TUNNEL_LIMIT_STATUS,
     TUNNEL_LIMIT_TEMPLATE,
     TUNNEL_REFUSED_HEADER,
     GatewayMember,
     Route,
+    fleet_login,
     peer_name,
 )
 
-# The front sends a request's head at once: it has read all of it already.
-HEAD_TIMEOUT = 10.0
 # A member answers a CONNECT once its own connect to the origin is done or
 # given up (Squid's connect_timeout is a minute).
 ANSWER_TIMEOUT = 75.0
 # Members one request is tried on before it fails, as forward_max_tries.
 MAX_TRIES = 10
 PROBE_SECONDS = 1.0
-REALM = "proxy-operator"
 # Descriptors kept for the log, stdin and the rest; each connection takes two
 # (the client's and its member's).
 DESCRIPTORS_KEPT = 32
@@ -134,7 +133,7 @@ class Router:
         self._open_by_pool: Counter[str] = Counter()
         self._granted_by_pool: Counter[str] = Counter()
         self.max_connections = _descriptors() // 2 - DESCRIPTORS_KEPT
-        self._login = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        self._login = fleet_login(user, password)
 
     def update(self, members: list[GatewayMember], pools: dict[str, str]) -> None:
         """The members in rotation from now on (`pools`: each one's pool); a member that

@@ -23,7 +23,13 @@ the member woken is sure to match. A value the input does not fix (a
 template with no zone, whose provider picks one; a spread over several
 zones or providers) is none on the stand-in, so a filter on it wakes
 nothing and gets 503 at once, unless the pool has members. A pin never goes
-to a stand-in. For each CONNECT it gets, a pool's holder
+to a stand-in: it names one member, and a wake would start another.
+
+A holder's port is open to every process on the gateway's host, not to the
+router alone, so it takes only what the router sends: a CONNECT carrying
+exactly the fleet's credentials (squid/gateway.py, `fleet_login`). Any other
+gets 407 at once and wakes nothing; a socket that sends no head within
+HEAD_TIMEOUT is cut. For each CONNECT with them, a pool's holder
 
 1. asks its pool to `wake` (at most one update in flight, and one per
    WAKE_RESEND, per pool: the pool's handler starts one member for any
@@ -50,6 +56,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -67,9 +74,9 @@ from temporalio.service import RPCError
 import cli
 from gateway import metrics
 from gateway.placement import region_of, zone_of
-from gateway.relay import read_head, relay
+from gateway.relay import HEAD_TIMEOUT, read_head, relay
 from gateway.routing import STAND_IN, is_stand_in
-from squid.gateway import GatewayMember
+from squid.gateway import REALM, GatewayMember
 from workflows.pool_autoscale import AUTOSCALED
 from workflows.pool_input import PoolInput
 
@@ -101,14 +108,17 @@ class Holder:
         gateway: str,
         fetch: Fetch,
         timeout: float,
+        login: str,
     ) -> None:
-        """`fetch` lists `pool`'s members; `where` is what its stand-in matches filters by."""
+        """`fetch` lists `pool`'s members; `where` is what its stand-in matches filters by;
+        `login` is the fleet's Proxy-Authorization value, the only one taken."""
         self.client = client
         self.pool = pool
         self.where = where
         self.gateway = gateway
         self.fetch = fetch
         self.timeout = timeout
+        self._login = login.encode()
         self.port = 0
         self._server: asyncio.Server | None = None
         self._wake: asyncio.Task[None] | None = None
@@ -141,9 +151,18 @@ class Holder:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await read_head(reader)
+            head = await asyncio.wait_for(read_head(reader), HEAD_TIMEOUT)
             if head is None or not head.startswith(b"CONNECT "):
                 return  # Squid's probe of its parent, or not a tunnel
+            if not self._from_router(head):
+                # Not the router: a client without the fleet's credentials costs nothing.
+                metrics.WAKES.labels(outcome=metrics.WAKE_REFUSED).inc()
+                await _refuse(
+                    writer,
+                    "407 Proxy Authentication Required",
+                    f'Proxy-Authenticate: Basic realm="{REALM}"',
+                )
+                return
             if time.monotonic() < self._gave_up_until:
                 # Squid may try a CONNECT its parent answered 503 again:
                 # answered at once, the client waits one timeout.
@@ -153,11 +172,7 @@ class Holder:
                 upstream = await self._held(head, writer)
             if upstream is None:
                 retry = max(1, round(self.timeout))
-                writer.write(
-                    f"HTTP/1.1 503 Service Unavailable\r\nRetry-After: {retry}\r\n"
-                    f"Content-Length: 0\r\nConnection: close\r\n\r\n".encode()
-                )
-                await writer.drain()
+                await _refuse(writer, "503 Service Unavailable", f"Retry-After: {retry}")
                 return
             metrics.WAKES.labels(outcome=metrics.WAKE_SERVED).inc()
             await relay(reader, writer, *upstream)
@@ -165,6 +180,15 @@ class Holder:
             log.info("held CONNECT ended: %s", err)
         finally:
             writer.close()
+
+    def _from_router(self, head: bytes) -> bool:
+        """Whether `head`'s Proxy-Authorization is the fleet's, as the router sends it: any
+        other process on the host may reach the port, and only the router has them."""
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"proxy-authorization":
+                return hmac.compare_digest(value.strip(), self._login)
+        return False
 
     async def _held(
         self, head: bytes, client: asyncio.StreamWriter
@@ -237,6 +261,14 @@ class Holder:
             log.warning("wake of pool %s refused or failed: %s", pool, _cause(err))
             return
         log.info("woke pool %s: %s", pool, answer)
+
+
+async def _refuse(writer: asyncio.StreamWriter, status: str, header: str) -> None:
+    """Answer `status` with `header` and no body; the caller closes the connection."""
+    writer.write(
+        f"HTTP/1.1 {status}\r\n{header}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+    )
+    await writer.drain()
 
 
 def _cause(err: BaseException) -> object:
@@ -326,9 +358,10 @@ async def holding(
     pools: Sequence[str],
     gateway: str,
     fetch: Callable[[str], Awaitable[list[GatewayMember]]],
+    login: str,
 ) -> AsyncIterator[dict[str, Holder]]:
-    """A `Holder` for each autoscaled one among `pools` (`fetch` lists a pool's members),
-    none when `--wake-timeout` is 0."""
+    """A `Holder` for each autoscaled one among `pools` (`fetch` lists a pool's members,
+    `login` is the fleet's Proxy-Authorization value), none when `--wake-timeout` is 0."""
     holders: dict[str, Holder] = {}
     async with contextlib.AsyncExitStack() as started:
         for pool in pools:
@@ -336,7 +369,13 @@ async def holding(
                 continue
             where = await placed(client, pool)
             holder = Holder(
-                client, pool, where, gateway, functools.partial(fetch, pool), args.wake_timeout
+                client,
+                pool,
+                where,
+                gateway,
+                functools.partial(fetch, pool),
+                args.wake_timeout,
+                login,
             )
             await holder.start()
             started.push_async_callback(holder.stop)

@@ -11,10 +11,13 @@ Squid's user, so this module imports the standard library alone.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
 
+# The realm a 407 of the router's, or of a wake holder's, asks for credentials in.
+REALM = "proxy-operator"
 # What the gateway's workers write per request: what its metrics, and which
 # member carried each session (gateway/sessions.py), are read from.
 GATEWAY_LOG_FORMAT = "gateway"
@@ -91,3 +94,13 @@ def peer_name(member: str, route: Route) -> str:
     to the same member: sessions hash this name (gateway/routing.py).
     """
     return f"{route}-{hashlib.sha256(member.encode()).hexdigest()[:16]}"
+
+
+def fleet_login(user: str, password: str) -> str:
+    """The Proxy-Authorization value of the fleet's credentials.
+
+    What the router sends every member a CONNECT with, and so the only one a
+    pool's wake holder (gateway/wake.py), a stand-in member on loopback,
+    takes: both build it here, so they cannot disagree.
+    """
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()

@@ -2,11 +2,13 @@
 
 Reading one process is squid.procfs's (the local provider and the
 gateway use it too); here is what only tests and benchmarks measure: CPU,
-memory, process trees, what a process's environment holds, the machine's load.
+memory, process trees, what a process's environment holds, the ports it
+listens on, the machine's load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -71,6 +73,25 @@ def environment(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return b""
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports `pid` listens on, found as any process of its user on the host can:
+    its descriptors' socket inodes, looked up in /proc/net/tcp and tcp6 (state 0A, LISTEN)."""
+    inodes = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(descriptor)
+            if target.startswith("socket:["):
+                inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:
+                ports.add(int(local.rpartition(":")[2], 16))
+    return ports
 
 
 def comm(pid: int) -> str:
