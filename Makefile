@@ -22,11 +22,17 @@ PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 ## every file checked against its hash), so a clone installs next month what
 ## it installs today; the project itself goes in on top, without resolving
 ## anything more, beside the scrapers' client it imports (clients/python).
+## uv installs them (requirements/installer.txt, put in by pip): a minute
+## less than pip on every fresh clone, most of it compiling in parallel the
+## bytecode that nothing writes later where PYTHONDONTWRITEBYTECODE is set.
 ## `make lock` moves the pins.
-$(STAMP): pyproject.toml clients/python/pyproject.toml requirements/dev.txt requirements/client.txt
+UV = $(BIN)/uv pip install --python $(BIN)/python -q
+$(STAMP): pyproject.toml clients/python/pyproject.toml requirements/dev.txt requirements/client.txt \
+		requirements/installer.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --require-hashes -r requirements/dev.txt
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e ./clients/python -e .
+	$(BIN)/python -m pip install -q --require-hashes -r requirements/installer.txt
+	$(UV) --require-hashes --compile-bytecode -r requirements/dev.txt
+	$(UV) --no-deps --no-build-isolation -e ./clients/python -e .
 	$(BIN)/python -m pip download -q --require-hashes --only-binary :all: -r requirements/client.txt -d $(WHEELHOUSE)
 	touch $@
 
@@ -82,7 +88,8 @@ bench: $(STAMP) tools bytecode
 ## requirements/app.txt (the application, as the Dockerfile installs it),
 ## requirements/dev.txt (it and the test extra, held to app.txt's pins) and
 ## requirements/client.txt (clients/python with its scrapy extra, held to
-## dev.txt's pins: the wheels the client's install test uses).
+## dev.txt's pins: the wheels the client's install test uses) and
+## requirements/installer.txt (uv, which installs the virtualenv).
 ## `make lock UPGRADE='temporalio scrapy'` moves only those and keeps every
 ## other pin (also the way to take in a dependency added to pyproject.toml).
 ## Markers are evaluated for the machine that runs it, so it runs only where
@@ -99,8 +106,9 @@ lock: $(STAMP)
 	$(PIP_COMPILE) --extra test -o requirements/dev.txt pyproject.toml requirements/dev.in
 	$(PIP_COMPILE) --extra scrapy -o requirements/client.txt \
 		clients/python/pyproject.toml requirements/client.in
+	$(PIP_COMPILE) -o requirements/installer.txt requirements/installer.in
 	sed -i '2a # on Linux, where CI and the image run it (the hashes cover every platform)' \
-		requirements/app.txt requirements/dev.txt requirements/client.txt
+		requirements/app.txt requirements/dev.txt requirements/client.txt requirements/installer.txt
 
 ## Removes .data (make run's workflows and proxies), the virtualenv and the
 ## build's leftovers; refuses while workflows are open in .data or make run

@@ -88,11 +88,18 @@ def test_the_client_has_the_operators_version() -> None:
 
 
 def test_make_installs_the_lock_with_hashes_and_the_project_without_resolving() -> None:
-    pips = [line for line in make_dry_run("-B", ".venv/.installed") if " -m pip " in line]
+    installs = [
+        line
+        for line in make_dry_run("-B", ".venv/.installed")
+        if " -m pip " in line or "/uv pip " in line
+    ]
 
-    assert pips == [
-        ".venv/bin/python -m pip install -q --require-hashes -r requirements/dev.txt",
-        ".venv/bin/python -m pip install -q --no-deps --no-build-isolation"
+    assert installs == [
+        # uv, from its own lock, installs the rest.
+        ".venv/bin/python -m pip install -q --require-hashes -r requirements/installer.txt",
+        ".venv/bin/uv pip install --python .venv/bin/python -q --require-hashes"
+        " --compile-bytecode -r requirements/dev.txt",
+        ".venv/bin/uv pip install --python .venv/bin/python -q --no-deps --no-build-isolation"
         " -e ./clients/python -e .",
         # The client's install test installs from these wheels, offline.
         ".venv/bin/python -m pip download -q --require-hashes --only-binary :all:"
