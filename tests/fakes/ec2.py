@@ -82,6 +82,7 @@ from urllib.parse import parse_qs, urlencode
 from xml.sax.saxutils import escape
 
 import boto3
+import botocore.session
 import pytest
 from botocore.config import Config as BotoConfig
 from moto.backends import get_backend
@@ -226,18 +227,28 @@ def _moto_port() -> int:
         return _moto_server[0][1]
 
 
+# One botocore session makes every client: it parses EC2's service model and
+# the endpoint rules (megabytes of JSON) once per test process, where a session
+# per client parsed them for each, about a fifth of the suite's test-process
+# CPU. A session is not safe to make clients from in several threads at once.
+_session = botocore.session.get_session()
+_session_lock = threading.Lock()
+
+
 def make_client(url: str) -> Any:
     """A real boto3 EC2 client for `url`, with the SDK's retries off as the provider's are."""
-    return boto3.session.Session(
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        aws_session_token="testing",
-        region_name=REGION,
-    ).client(
-        "ec2",
-        endpoint_url=url,
-        config=BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}),
-    )
+    with _session_lock:
+        return boto3.session.Session(
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            aws_session_token="testing",
+            region_name=REGION,
+            botocore_session=_session,
+        ).client(
+            "ec2",
+            endpoint_url=url,
+            config=BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}),
+        )
 
 
 class FakeEc2(ServedFake):
