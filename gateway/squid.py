@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -184,6 +185,7 @@ class GatewaySquid:
         self.router = self._new_router()
         # The members in rotation, in the router's order (gateway/routing.py), stand-ins last.
         self.members: tuple[GatewayMember, ...] = ()
+        self._in_force: frozenset[GatewayMember] = frozenset()  # `members`, to compare
         # The router's members (by id, in its order) and stand-ins, and the generation
         # they are; None when unknown (a change unanswered): the next goes whole.
         self._routed: dict[str, GatewayMember] = {}
@@ -345,7 +347,7 @@ class GatewaySquid:
         The router gets what changed, not the members whole: it applies a
         change on the event loop that serves every request (gateway/routing.py).
         """
-        now, before = set(members), set(self.members)
+        now, before = set(members), self._in_force
         if now == before:
             return False
         if self._generation is None:
@@ -372,12 +374,13 @@ class GatewaySquid:
         )
         self._routed, self._stand_ins, self._generation = routed, stand_ins, generation
         self.members = (*routed.values(), *stand_ins)
+        self._in_force = frozenset(members)
 
     def _send_change(
         self,
         members: Sequence[GatewayMember],
-        arrived: set[GatewayMember],
-        departed: set[GatewayMember],
+        arrived: AbstractSet[GatewayMember],
+        departed: AbstractSet[GatewayMember],
     ) -> None:
         """Give the router the change from the members it has to `members` (`arrived`
         and `departed` from one to the other), or `members` whole if it asks."""
@@ -419,6 +422,7 @@ class GatewaySquid:
             self._routed[member.member] = member
         self._stand_ins = stand_ins
         self.members = (*self._routed.values(), *stand_ins)
+        self._in_force = (self._in_force - departed) | arrived
 
     def _listed(self, member: GatewayMember) -> dict[str, object]:
         """`member` as the router reads it (gateway/router.py)."""
