@@ -13,6 +13,7 @@ BENCHMARKS = (
     "bench.orphan_gc",
     "bench.fleet",
     "bench.gateway",
+    "bench.router_change",
     "bench.ban_loop",
     "bench.pool",
     "bench.reconfigure",

@@ -4,24 +4,39 @@
 
     python3 router.py LISTEN_PORT ACCESS_LOG FLEET_USER [--users FILE]
     stdin:  {"password": "..."}              once, first: the fleet's password
-            {"members": [{...}, ...]}        the members in rotation, whole, at each change
+            {"members": [{...}, ...], "generation": <g>}
+                                             the members in rotation, whole: at start
+                                             and to resync
+            {"change": {"after": <g0>, "generation": <g>, "in": [{...}, ...],
+                        "out": ["<member>", ...], "stand_ins": [{...}, ...]}}
+                                             one change to generation <g0>'s members
             {"tunnels": null}                the tunnels members granted, per pool
-    stdout: "listening", then "members <n>" once each change is in force, and
-            'tunnels <n> {"<pool>": [<open>, <granted>], ...}' to each question
+    stdout: "listening", then "members <n> <g>" once generation <g> is in force
+            (<n> members and stand-ins), "resync" for a change it did not apply,
+            and 'tunnels <n> {"<pool>": [<open>, <granted>], ...}' to each question
 
 A member is `{"member", "host", "port"}`, optionally with the `"zone"`,
 `"region"` and `"provider"` filters match and the `"pool"` its tunnels count
-for. A tunnels answer gives the tunnels open now that a member granted
+for. A change's `in` are members new or with new fields, `out` the ids that
+leave, and `stand_ins`, only when they changed, the stand-ins whole, in
+order. The router applies a change only to the generation it was made from
+(`after`), and a line it cannot read not at all: either way it keeps its
+members and answers "resync", for which the gateway sends them whole. So a
+line lost, garbled or sent to a router started since can cost a resync,
+never a drifted index.
+
+A tunnels answer gives the tunnels open now that a member granted
 (answered 200), all of them and per pool, and per pool the tunnels granted
 since the router started: the gateway's demand, each pool's own
 (gateway/demand.py). A pool none of whose members has granted a tunnel is
 not listed.
 
-A membership change replaces an in-memory index (gateway/routing.py) between
-two requests: nothing reloads, no client waits, and a tunnel to a member
-that left keeps flowing until either end closes it (the pool drains a
-leaving member for `drain_seconds`). Choosing a member costs the same at 10
-members as at 10,000.
+A membership change is applied to an in-memory index (gateway/routing.py)
+in place, between two requests, at a cost of what it touches: nothing
+reloads, no client waits, and a tunnel to a member that left keeps flowing
+until either end closes it (the pool drains a leaving member for
+`drain_seconds`). Choosing a member costs the same at 10 members as at
+10,000, and so does a change of one member in and one out.
 
 For each CONNECT the front passes on (with the client's credentials):
 
@@ -82,6 +97,7 @@ from squid.gateway import (
     NO_MEMBER_STATUS,
     NO_MEMBER_TEMPLATE,
     REALM,
+    ROUTER_RESYNC,
     TUNNEL_LIMIT_PAGE,
     TUNNEL_LIMIT_STATUS,
     TUNNEL_LIMIT_TEMPLATE,
@@ -123,6 +139,8 @@ class Router:
         self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="credentials")
         self._log = log
         self.members = Members(())
+        # The gateway's generation of the members in force; None until it sends them whole.
+        self.generation: int | None = None
         self._health: dict[str, Health] = {}
         self._tunnels: Counter[str] = Counter()
         self.connections = 0
@@ -135,15 +153,48 @@ class Router:
         self.max_connections = _descriptors() // 2 - DESCRIPTORS_KEPT
         self._login = fleet_login(user, password)
 
-    def update(self, members: list[GatewayMember], pools: dict[str, str]) -> None:
-        """The members in rotation from now on (`pools`: each one's pool); a member that
-        left keeps its open tunnels, still counted for its pool."""
+    def update(
+        self, members: list[GatewayMember], pools: dict[str, str], generation: int | None = None
+    ) -> None:
+        """The members in rotation from now on, whole (`pools`: each one's pool), as of
+        `generation`; a member that left keeps its open tunnels, still counted for its pool."""
         self.members = Members(members)
         self._pool_of = pools
+        self.generation = generation
         for gone in self._health.keys() - self.members.by_id.keys():
-            health = self._health.pop(gone)
-            if health.probing is not None:
-                health.probing.cancel()
+            self._forget(gone)
+
+    def change(
+        self,
+        entering: list[GatewayMember],
+        leaving: list[str],
+        stand_ins: list[GatewayMember] | None,
+        pools: dict[str, str],
+        generation: int,
+    ) -> None:
+        """One change to the members in rotation (Members.change), as of `generation`;
+        `pools`: the pools of those entering and of the stand-ins given."""
+        if stand_ins is not None:
+            for stand_in in self.members.stand_ins:
+                self._pool_of.pop(stand_in.member, None)
+        self.members.change(entering, leaving, stand_ins)
+        for gone in leaving:
+            if gone not in self.members.by_id:
+                self._pool_of.pop(gone, None)
+                self._forget(gone)
+        self._pool_of.update(pools)
+        self.generation = generation
+
+    def _forget(self, member: str) -> None:
+        """Drop a member's health: it left rotation."""
+        health = self._health.pop(member, None)
+        if health is not None and health.probing is not None:
+            health.probing.cancel()
+
+    @property
+    def routed(self) -> int:
+        """The members in rotation and the stand-ins: the count a change's answer gives."""
+        return len(self.members.by_id) + len(self.members.stand_ins)
 
     # ---- one CONNECT --------------------------------------------------------------------
 
@@ -439,6 +490,33 @@ async def _answer(
     await writer.drain()
 
 
+def answer(router: Router, line: bytes) -> str:
+    """The router's answer to one line of its standard input after the password (the
+    module docstring), applying it first; a line it cannot read changes nothing."""
+    try:
+        message = json.loads(line)
+        if not isinstance(message, dict):
+            return ROUTER_RESYNC
+        if "tunnels" in message:
+            return router.tunnels()
+        if "members" in message:
+            listed = message["members"]
+            router.update([_member(f) for f in listed], _pools(listed), int(message["generation"]))
+        else:
+            change = message["change"]
+            if change["after"] is None or change["after"] != router.generation:
+                return ROUTER_RESYNC
+            entering = [_member(fields) for fields in change["in"]]
+            leaving = [str(member) for member in change["out"]]
+            listed = change.get("stand_ins")
+            stand_ins = None if listed is None else [_member(fields) for fields in listed]
+            pools = _pools([*change["in"], *(listed or [])])
+            router.change(entering, leaving, stand_ins, pools, int(change["generation"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ROUTER_RESYNC
+    return f"members {router.routed} {router.generation}"
+
+
 def _pools(members: list[dict[str, Any]]) -> dict[str, str]:
     """Each member's pool, for those the message names one for."""
     return {str(m["member"]): str(m["pool"]) for m in members if m.get("pool") is not None}
@@ -465,13 +543,7 @@ async def _serve(port: int, log: TextIO, user: str, users: str | None) -> int:
     print("listening", flush=True)
     async with server:
         while line := await stdin.readline():
-            message = json.loads(line)
-            if "members" in message:
-                listed = message["members"]
-                router.update([_member(fields) for fields in listed], _pools(listed))
-                print(f"members {len(listed)}", flush=True)
-            else:
-                print(router.tunnels(), flush=True)
+            print(answer(router, line), flush=True)
     return 0  # the gateway is gone
 
 

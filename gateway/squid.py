@@ -26,6 +26,7 @@ clients send first, never sees it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -37,18 +38,21 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from gateway.routing import is_stand_in
 from proxy_operator import username as username_module
 from squid import gateway as squid_gateway
 from squid import procfs
 from squid.conf import SQUID_USER, ProxySettings, SquidPaths, render_gateway_front
-from squid.gateway import GatewayMember
+from squid.gateway import ROUTER_RESYNC, GatewayMember
 from squid.process import (
     SquidError,
     SquidExited,
@@ -172,10 +176,22 @@ class GatewaySquid:
         self.watchdog: subprocess.Popen[bytes] | None = None
         self.router_process: subprocess.Popen[str] | None = None
         self._router_lock = threading.Lock()
+        # What the router wrote that was not read yet, and the questions whose answers
+        # the gateway stopped waiting for (still to come, in order).
+        self._router_read = b""
+        self._unanswered = 0
         host, port = listen
         self.front = Listener("front", host, port, self.directory / "front.log")
         self.router = self._new_router()
+        # The members in rotation, in the router's order (gateway/routing.py), stand-ins last.
         self.members: tuple[GatewayMember, ...] = ()
+        self._in_force: frozenset[GatewayMember] = frozenset()  # `members`, to compare
+        # The router's members (by id, in its order) and stand-ins, and the generation
+        # they are; None when unknown (a change unanswered): the next goes whole.
+        self._routed: dict[str, GatewayMember] = {}
+        self._stand_ins: tuple[GatewayMember, ...] = ()
+        self._generation: int | None = None
+        self._generations = itertools.count(1)
 
     def _new_router(self) -> Listener:
         return Listener("router", "127.0.0.1", _free_port(), self.directory / "router.log")
@@ -245,6 +261,7 @@ class GatewaySquid:
             command += ["--users", str(self._users_copy)]
         uid, gid = self._account if self._account is not None else (None, None)
         remove_planted(self._router_err)
+        self._router_read, self._unanswered = b"", 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         with os.fdopen(os.open(self._router_err, flags, 0o640), "w") as err:
             # A session of its own, as Squid's: a Ctrl-C to the gateway's process
@@ -325,27 +342,99 @@ class GatewaySquid:
                 os.kill(pid, signal.SIGHUP)
 
     def apply(self, members: Sequence[GatewayMember]) -> bool:
-        """Put `members` in rotation; False when nothing changed. In force on return."""
-        if set(members) == set(self.members):
+        """Put `members` in rotation; False when nothing changed. In force on return.
+
+        The router gets what changed, not the members whole: it applies a
+        change on the event loop that serves every request (gateway/routing.py).
+        """
+        now, before = set(members), self._in_force
+        if now == before:
             return False
-        self._send_members(members)
+        if self._generation is None:
+            self._send_members(members)
+        else:
+            self._send_change(members, now - before, before - now)
         return True
 
     def _send_members(self, members: Sequence[GatewayMember]) -> None:
-        listed = [
-            {
-                "member": m.member,
-                "host": m.host,
-                "port": m.port,
-                "zone": m.zone,
-                "region": m.region,
-                "provider": m.provider,
-                "pool": self._pool_of(m.member),
-            }
-            for m in members
+        """Give the router `members` whole: at start, and whenever its generation is unknown
+        or it asks (a change it did not apply)."""
+        generation = next(self._generations)
+        routed: dict[str, GatewayMember] = {}
+        for member in members:
+            if not is_stand_in(member.member):
+                routed.pop(member.member, None)  # the last of an id, last: as the router
+                routed[member.member] = member
+        stand_ins = tuple(m for m in members if is_stand_in(m.member))
+        self._generation = None
+        self._tell_router(
+            {"members": [self._listed(m) for m in members], "generation": generation},
+            f"members {len(routed) + len(stand_ins)} {generation}",
+            APPLY_DEADLINE,
+        )
+        self._routed, self._stand_ins, self._generation = routed, stand_ins, generation
+        self.members = (*routed.values(), *stand_ins)
+        self._in_force = frozenset(members)
+
+    def _send_change(
+        self,
+        members: Sequence[GatewayMember],
+        arrived: AbstractSet[GatewayMember],
+        departed: AbstractSet[GatewayMember],
+    ) -> None:
+        """Give the router the change from the members it has to `members` (`arrived`
+        and `departed` from one to the other), or `members` whole if it asks."""
+        arriving = {m.member: m for m in arrived if not is_stand_in(m.member)}
+        leaving = [
+            m.member for m in departed if m.member not in arriving and m.member in self._routed
         ]
-        self._tell_router({"members": listed}, f"members {len(listed)}", APPLY_DEADLINE)
-        self.members = tuple(members)
+        # A member whose exit address alone changed: the router routes by none of it.
+        routed = self._routed
+        entering = [m for m in arriving.values() if not _routes_alike(routed.get(m.member), m)]
+        stand_ins = self._stand_ins
+        if any(is_stand_in(m.member) for m in arrived | departed):
+            stand_ins = tuple(m for m in members if is_stand_in(m.member))
+        if entering or leaving or stand_ins != self._stand_ins:
+            generation = next(self._generations)
+            change: dict[str, object] = {
+                "after": self._generation,
+                "generation": generation,
+                "in": [self._listed(m) for m in entering],
+                "out": leaving,
+            }
+            if stand_ins != self._stand_ins:
+                change["stand_ins"] = [self._listed(m) for m in stand_ins]
+            self._generation = None  # unknown until the router answers
+            count = len(self._routed) - len(leaving) + len(arriving.keys() - self._routed.keys())
+            line = self._ask_router({"change": change}, APPLY_DEADLINE)
+            if line == ROUTER_RESYNC:
+                self._send_members(members)
+                return
+            if line != f"members {count + len(stand_ins)} {generation}":
+                raise GatewayError(f"the router answered {line!r}: {self._router_failure()}")
+            self._generation = generation
+        for gone in leaving:
+            del self._routed[gone]
+        moved = {m.member for m in entering}
+        for member in arriving.values():
+            if member.member in moved:
+                self._routed.pop(member.member, None)  # to the end, as the router
+            self._routed[member.member] = member
+        self._stand_ins = stand_ins
+        self.members = (*self._routed.values(), *stand_ins)
+        self._in_force = (self._in_force - departed) | arrived
+
+    def _listed(self, member: GatewayMember) -> dict[str, object]:
+        """`member` as the router reads it (gateway/router.py)."""
+        return {
+            "member": member.member,
+            "host": member.host,
+            "port": member.port,
+            "zone": member.zone,
+            "region": member.region,
+            "provider": member.provider,
+            "pool": self._pool_of(member.member),
+        }
 
     def open_tunnels(self) -> Tunnels:
         """Tunnels open now that a member granted, and per pool: what demand is made of.
@@ -386,10 +475,31 @@ class GatewaySquid:
                 router.stdin.flush()
             except OSError as err:
                 raise GatewayError(f"the router is gone: {self._router_failure()}") from err
-            ready, _, _ = select.select([router.stdout], [], [], deadline)
+            # The router answers every line in turn: the answers to questions that
+            # timed out come first, and are not this one's.
+            self._unanswered += 1
+            end = time.monotonic() + deadline
+            while self._unanswered:
+                try:
+                    line = self._router_line(router.stdout.fileno(), end)
+                except GatewayTimeout:
+                    raise GatewayTimeout(f"the router did not answer in {deadline:.0f}s") from None
+                self._unanswered -= 1
+            return line
+
+    def _router_line(self, stdout: int, end: float) -> str:
+        """The router's next answer line, by monotonic time `end`, read here alone (a
+        buffered reader would hide a second line from `select`)."""
+        while b"\n" not in self._router_read:
+            ready, _, _ = select.select([stdout], [], [], max(0.0, end - time.monotonic()))
             if not ready:
-                raise GatewayTimeout(f"the router did not answer in {deadline:.0f}s")
-            return router.stdout.readline().strip()
+                raise GatewayTimeout("the router did not answer in time")
+            chunk = os.read(stdout, 1 << 16)
+            if not chunk:
+                raise GatewayError(f"the router is gone: {self._router_failure()}")
+            self._router_read += chunk
+        line, _, self._router_read = self._router_read.partition(b"\n")
+        return line.decode(errors="replace").strip()
 
     def _router_failure(self) -> str:
         router = self.router_process
@@ -594,6 +704,11 @@ def _kid_pid(master: int, number: int) -> int | None:
     return next(
         (pid for pid in procfs.children(master) if wanted in procfs.command_line(pid)), None
     )
+
+
+def _routes_alike(before: GatewayMember | None, after: GatewayMember) -> bool:
+    """Whether the router routes `after` as `before` (their exit addresses aside)."""
+    return before is not None and replace(after, exit_address=before.exit_address) == before
 
 
 def _free_port() -> int:

@@ -52,6 +52,9 @@ TUNNEL_LIMIT_PAGE = (
 # The refusal's reason, in a header: Squid relays a parent's refusal's
 # status and headers to the client, not its page.
 TUNNEL_REFUSED_HEADER = "X-Gateway-Refused"
+# The router's answer to a membership change it did not apply (made from other
+# members than it has, or unreadable): the gateway then sends the members whole.
+ROUTER_RESYNC = "resync"
 
 
 class Route(StrEnum):

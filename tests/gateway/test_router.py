@@ -7,7 +7,7 @@ import base64
 import io
 import json
 
-from gateway.router import Router
+from gateway.router import Router, answer
 from gateway.routing import STAND_IN
 from squid.gateway import GatewayMember
 from tests.helpers.waiting import wait_for
@@ -70,3 +70,50 @@ async def test_a_tunnel_a_stand_in_answers_after_its_pool_woke_counts_for_that_p
         count, _, pools = router.tunnels().removeprefix("tunnels ").partition(" ")
         assert (count, json.loads(pools)) == ("1", {"pool-a": [1, 1]})
         writer.close()
+
+
+def listed(n: int, host: str = "10.0.0.1") -> dict[str, object]:
+    return {"member": f"pool-a/{n}", "host": host, "port": 3128 + n, "pool": "pool-a"}
+
+
+def told(router: Router, message: object) -> str:
+    return answer(router, json.dumps(message).encode() + b"\n")
+
+
+def test_a_change_applies_only_to_the_members_it_was_made_from_and_a_resync_heals() -> None:
+    """A change made from other members than the router's (a line lost before it, or a
+    router started since) or a line it cannot read changes nothing and asks for the
+    members whole; whole, they replace whatever the router had."""
+    router = Router("proxy", "password", None, io.StringIO())
+    assert told(router, {"change": {"after": None, "generation": 1, "in": [], "out": []}}) == (
+        "resync"
+    ), "a router that has no members whole yet applies no change"
+    assert told(router, {"members": [listed(0), listed(1)], "generation": 1}) == "members 2 1"
+    change = {"after": 1, "generation": 2, "in": [listed(2)], "out": ["pool-a/0"]}
+    assert told(router, {"change": change}) == "members 2 2"
+    assert [m.member for m in router.members.members] == ["pool-a/1", "pool-a/2"]
+
+    # The change to generation 3 was lost: the one made from it is not applied.
+    lost_after = {"after": 3, "generation": 4, "in": [listed(3)], "out": ["pool-a/1"]}
+    garbled = json.dumps({"change": change})[:-9].encode() + b"\n"
+    bad_port = {"change": {**change, "after": 2, "in": [listed(3) | {"port": "x"}]}}
+    assert told(router, {"change": lost_after}) == "resync"
+    assert answer(router, garbled) == "resync"
+    assert told(router, bad_port) == "resync"
+    assert told(router, ["members"]) == "resync"
+    assert [m.member for m in router.members.members] == ["pool-a/1", "pool-a/2"]
+    assert router.generation == 2
+
+    # Whole, the members are the gateway's again, and changes from them apply.
+    whole = [listed(1, "10.0.0.9"), listed(3)]
+    assert told(router, {"members": whole, "generation": 5}) == "members 2 5"
+    change = {"after": 5, "generation": 6, "in": [listed(4)], "out": ["pool-a/3"]}
+    assert told(router, {"change": change}) == "members 2 6"
+    assert [(m.member, m.host) for m in router.members.members] == [
+        ("pool-a/1", "10.0.0.9"),
+        ("pool-a/4", "10.0.0.1"),
+    ]
+    held = {"member": f"{STAND_IN}pool-b", "host": "127.0.0.1", "port": 4000, "pool": "pool-b"}
+    change = {"after": 6, "generation": 7, "in": [], "out": [], "stand_ins": [held]}
+    assert told(router, {"change": change}) == "members 3 7"
+    assert [m.member for m in router.members.stand_ins] == [f"{STAND_IN}pool-b"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.routing import STAND_IN, Members, userhash_member
+import random
+
+from gateway.routing import MAX_CHANGES_REMEMBERED, STAND_IN, Members, userhash_member
 from proxy_operator.username import parse_gateway_username
 from squid.gateway import GatewayMember
 
@@ -109,3 +111,64 @@ def test_with_every_pool_at_zero_a_plain_request_goes_to_the_first_pool_given() 
     assert [order(members, USER)[0] for _ in range(3)] == [f"{STAND_IN}pool-eu"] * 3
     assert order(members, f"{USER}-session-k")[0] == f"{STAND_IN}pool-eu"
     assert order(members, f"{USER}-provider-aws") == [f"{STAND_IN}pool-us"]
+
+
+ZONES = ("europe-west1-b", "europe-west1-c", "us-east1-c")
+FILTERS = ({}, {"zone": "us-east1-c"}, {"region": "europe-west1"}, {"provider": "aws"})
+
+
+def usernames() -> list[str]:
+    """Every route the index answers: rotation, session keys and pins, with filters."""
+    forms = ["", "-zone-us-east1-c", "-region-europe-west1", "-provider-aws"]
+    found = [f"{USER}{form}-session-k{key}" for form in forms for key in range(12)]
+    return found + [f"{USER}-proxy-pool/{n}" for n in range(0, 90, 7)]
+
+
+def test_an_index_changed_in_place_is_the_index_built_from_scratch() -> None:
+    """Any sequence of changes, and of requests between them, leaves the index a build
+    over the same members in the same order gives: each filter set's admitted list, each
+    session key's members by score (remembered across changes, some across many), pins
+    and stand-ins."""
+    rng = random.Random(45)
+    routed: dict[str, GatewayMember] = {}  # membership order: who entered last, last
+    stand_ins: list[GatewayMember] = []
+    index = Members([])
+    names = usernames()
+    often = names[1::3] + names[2::3]
+
+    def drawn(n: int) -> GatewayMember:
+        zone = rng.choice(ZONES)
+        provider = rng.choice(("gcp", "aws"))
+        return GatewayMember(
+            f"pool/{n}", f"10.0.{n}.{rng.randrange(256)}", 3128, zone, zone[:-2], provider
+        )
+
+    for step in range(MAX_CHANGES_REMEMBERED + 100):
+        leaving = rng.sample(sorted(routed), k=min(len(routed), rng.randrange(4)))
+        entering = [drawn(rng.randrange(90)) for _ in range(rng.randrange(4))]
+        changed = None
+        if rng.random() < 0.1:
+            pools = rng.sample(["pool-eu", "pool-us", "pool-any"], k=rng.randrange(4))
+            changed = [stand_in(pool, rng.choice((*ZONES, None)), "gcp") for pool in pools]
+            stand_ins = changed
+        index.change(entering, leaving, changed)
+        entering_ids = {m.member for m in entering}
+        for member in leaving:
+            if member not in entering_ids:
+                del routed[member]
+        for member in entering:
+            routed.pop(member.member, None)
+            routed[member.member] = member
+
+        built = Members([*routed.values(), *stand_ins])
+        assert index.members == built.members, step
+        assert index.stand_ins == built.stand_ins, step
+        for filters in FILTERS:
+            assert index.admitted(filters) == built.admitted(filters), (step, filters)
+        # Keys asked after most changes, or some; a few only twice, more changes apart
+        # than a choice is remembered across (MAX_CHANGES_REMEMBERED).
+        asked = rng.sample(often, k=len(often) // 2) if step % 50 else often
+        if step in (0, MAX_CHANGES_REMEMBERED + 50):
+            asked = names
+        for username in asked:
+            assert order(index, username) == order(built, username), (step, username)

@@ -30,7 +30,7 @@ import pytest
 
 from gateway import squid as gateway_squid
 from gateway.routing import userhash_member
-from gateway.squid import GatewayError, GatewaySquid, Tunnels
+from gateway.squid import GatewayError, GatewaySquid, GatewayTimeout, Tunnels
 from gateway.users import hash_password
 from providers.base import CreateRequest
 from providers.config import Config
@@ -386,6 +386,34 @@ def test_back_to_back_changes_under_load_break_no_tunnel(
         for line in (members.state_dir / name / "access.log").read_text().splitlines()
     )
     assert set(answers) == {"TCP_TUNNEL/200"}, answers
+
+
+def test_a_change_answered_late_leaves_the_next_one_whole_and_exact(
+    gateway: GatewaySquid,
+    members: Members,
+    tls_origin: TlsOrigin,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A change the gateway stopped waiting for leaves it not knowing which members the
+    router has: its next change goes whole, its late answer is not taken for the next
+    one's, and what is in force is exactly what the gateway was given."""
+    router = gateway.router_process
+    assert router is not None
+    monkeypatch.setattr(gateway_squid, "APPLY_DEADLINE", 1.0)
+    fourth = members.add(3)
+    os.kill(router.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(GatewayTimeout):
+            gateway.apply([*members.by_member.values()])
+    finally:
+        os.kill(router.pid, signal.SIGCONT)  # it applies that change, late
+
+    for kept in ([f"{POOL}/0", fourth.member], [f"{POOL}/0", fourth.member, f"{POOL}/1"]):
+        assert gateway.apply([members.by_member[member] for member in kept])
+        counts = members.tunnels()
+        for _ in range(3 * len(kept)):
+            assert through(gateway, tls_origin, USERNAME).ok
+        assert (members.tunnels() - counts).keys() == set(kept)
 
 
 def test_a_killed_member_is_skipped_without_a_failed_request(
