@@ -13,7 +13,7 @@ WHEELHOUSE = $(VENV)/wheelhouse
 # CI has; a fixed count keeps CI predictable. What each process must own alone
 # (ports, installation id, Squid names) is in tests/helpers/xdist.py.
 # `make test PYTEST_WORKERS=0` runs everything in one process.
-PYTEST_WORKERS ?= 6
+PYTEST_WORKERS ?= 8
 PYTEST_XDIST    = -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: run test test-quick histories lint bench tools test-tools clean bytecode lock
