@@ -15,6 +15,14 @@ from squid.gateway import GatewayMember
 from tests.helpers.waiting import wait_for
 
 
+async def connect(port: int, username: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client's connection to the router at `port`, its CONNECT sent as `username`."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    login = base64.b64encode(f"{username}:password".encode()).decode()
+    writer.write(f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode())
+    return reader, writer
+
+
 async def test_connections_past_its_descriptors_are_refused_and_the_rest_kept() -> None:
     router = Router("proxy", "password", None, io.StringIO())
     router.max_connections = 2
@@ -56,11 +64,7 @@ async def test_a_tunnel_a_stand_in_answers_after_its_pool_woke_counts_for_that_p
     server = await asyncio.start_server(router.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, stand_in_server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        login = base64.b64encode(b"proxy:password").decode()
-        writer.write(
-            f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode()
-        )
+        reader, writer = await connect(port, "proxy")
         await asyncio.wait_for(held.wait(), 10)
         # The pool woke: its member replaces the stand-in before the holder answers.
         member = GatewayMember("pool-a/0", "127.0.0.1", 1)
@@ -143,11 +147,7 @@ async def test_a_session_tunnel_names_its_carrier_while_it_is_still_open() -> No
     server = await asyncio.start_server(router.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, member_server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        login = base64.b64encode(b"proxy-session-shop-1:password").decode()
-        writer.write(
-            f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode()
-        )
+        reader, writer = await connect(port, "proxy-session-shop-1")
         assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200 ")
         for line in log.getvalue().splitlines():
             record_router_line(line, names, sessions)
