@@ -8,7 +8,9 @@ its pool, joined with the session keys each member carried last
 (gateway/sessions.py). A ban is the `report_ban` update of the pool that owns
 the member (the one whose id prefixes it, `<pool>/<n>`), naming the endpoint
 the gateway saw the member at, so a ban of a member that has rotated since
-changes nothing.
+changes nothing. A ban by session names the member that carried the
+session's latest tunnel, whatever joined or left since, at the endpoint it
+carried it from.
 """
 
 from __future__ import annotations
@@ -71,10 +73,13 @@ class PoolControl:
         user: str,
         sessions: SessionMap,
         serving: Callable[[], Sequence[GatewayMember]],
+        catch_up: Callable[[], None] = lambda: None,
     ) -> None:
         """`pools` gives the open pools' ids; `serving` the members the gateway forwards to
         now, with their endpoints; `user` is the account a session key is assumed to come
-        with when none was seen."""
+        with when none was seen; `catch_up` reads into `sessions` what the router logged so
+        far (metrics.LogFollower.catch_up)."""
+        self._catch_up = catch_up
         self._client = client
         self._user = user
         self._pools = pools
@@ -145,15 +150,7 @@ class PoolControl:
         return {**single, "pools": pools, "members": members}
 
     def session_member(self, key: str) -> str | None:
-        return self._route(key)[0]
-
-    def _route(self, key: str) -> tuple[str | None, str | None]:
-        """The member session `key` goes to now, and the endpoint to name in a ban of it.
-
-        The endpoint is the one the session's latest tunnel went to when that
-        was this member (an instance since replaced is not banned again), else
-        the member's endpoint now.
-        """
+        """The member session `key` goes to now, or None if no member can carry it."""
         carrier = self._sessions.get(key)
         username = carrier.username if carrier else f"{self._user}{SESSION_INFIX}{key}"
         # The fleet's user, or a users-file user's (a name without a dash).
@@ -161,20 +158,25 @@ class PoolControl:
             username, username.partition("-")[0]
         )
         if parsed is None:
-            return None, None
+            return None
         # The members its filters admit: the router sends the session to no others.
-        serving = {m.member: m for m in self._serving() if m.matches(parsed.filters)}
-        member = userhash_member(username, list(serving))
-        if member is None:
-            return None, None
-        if carrier is not None and carrier.member == member:
-            return member, carrier.endpoint
-        return member, endpoint_of(serving[member])
+        return userhash_member(
+            username, [m.member for m in self._serving() if m.matches(parsed.filters)]
+        )
 
     async def ban(self, *, member: str | None, session: str | None, reason: str) -> str:
+        """Ban `member`, or the member that carried `session`'s latest tunnel at the endpoint
+        it carried it from (gateway/sessions.py); a session no tunnel carried yet names the
+        member it goes to now."""
         endpoint: str | None = None
         if session is not None:
-            member, endpoint = self._route(session)
+            # The router wrote the carrier before the client saw its tunnel's 200.
+            await asyncio.to_thread(self._catch_up)
+            carrier = self._sessions.get(session)
+            if carrier is not None:
+                member, endpoint = carrier.member, carrier.endpoint
+            else:
+                member = self.session_member(session)
             if member is None:
                 raise ApiError(HTTPStatus.NOT_FOUND, f"session: no member for {session!r} now")
         assert member is not None  # parse_ban gives exactly one of the two

@@ -310,6 +310,7 @@ async def serve(
                 settings.username,
                 sessions,
                 lambda: wake.real(squid.members),
+                follower.catch_up,
             )
             control = ControlApi(
                 pool_control,

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from squid.gateway import GatewayMember, Route, peer_name
+from squid.gateway import TUNNEL_OPENED, GatewayMember, Route, peer_name
 
 REQUESTS = Counter(
     "proxy_operator_gateway_requests",
@@ -195,8 +195,8 @@ class MemberNames:
 
 def count_router_line(line: str, names: MemberNames) -> None:
     fields = line.split()
-    if len(fields) < 5 or fields[4] == "-":
-        return
+    if len(fields) < 5 or fields[4] == "-" or fields[3] == TUNNEL_OPENED:
+        return  # a granted tunnel's line: its CONNECT is counted when it ends
     member, route = names.get(fields[4])
     REQUESTS.labels(member=member, route=route, status=fields[2]).inc()
 
@@ -217,10 +217,15 @@ class LogFollower:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._files: list[tuple[Path, Callable[[str], None]]] = []
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, str] = {}
+        # One reader at a time: the thread, or a caller catching up.
+        self._reading = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="access-logs", daemon=True)
 
     def follow(self, path: Path, handle: Callable[[str], None]) -> None:
         self._files.append((path, handle))
+        self._offsets[path], self._partial[path] = 0, ""
 
     def start(self) -> None:
         self._thread.start()
@@ -230,20 +235,24 @@ class LogFollower:
         if self._thread.is_alive():
             self._thread.join()
 
-    def _run(self) -> None:
-        offsets = dict.fromkeys((path for path, _ in self._files), 0)
-        partial = dict.fromkeys(offsets, "")
-        while True:
-            stopping = self._stop.is_set()
+    def catch_up(self) -> None:
+        """Handle every whole line written so far, now: what a caller needs to have been
+        read (a session's carrier, for a ban) need not wait for the next poll."""
+        with self._reading:
             for path, handle in self._files:
                 with contextlib.suppress(FileNotFoundError):
                     with path.open(errors="replace") as log:
-                        log.seek(offsets[path])
-                        text = partial[path] + log.read()
-                        offsets[path] = log.tell()
-                    *lines, partial[path] = text.split("\n")
+                        log.seek(self._offsets[path])
+                        text = self._partial[path] + log.read()
+                        self._offsets[path] = log.tell()
+                    *lines, self._partial[path] = text.split("\n")
                     for line in lines:
                         handle(line)
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            self.catch_up()
             if stopping:
                 return
             self._stop.wait(POLL_SECONDS)

@@ -56,7 +56,11 @@ For each CONNECT the front passes on (with the client's credentials):
 
 Every CONNECT ends with one access log line in GATEWAY_LOG_FORMAT's fields,
 the member named by its route's peer name, which the gateway's metrics and
-session map read (gateway/metrics.py, gateway/sessions.py).
+session map read (gateway/metrics.py, gateway/sessions.py). A session's
+tunnel also gets a line when its member grants it, of kind TUNNEL_OPENED,
+written before the client sees the 200: by the time a client can report a
+ban on that session, the gateway can read which member carried it, however
+long the tunnel stays open (rotate and pin tunnels get none: nothing asks).
 
 It holds the fleet's password, from its standard input (never its
 environment or arguments), and runs as Squid's user, started by the
@@ -101,6 +105,7 @@ from squid.gateway import (
     TUNNEL_LIMIT_PAGE,
     TUNNEL_LIMIT_STATUS,
     TUNNEL_LIMIT_TEMPLATE,
+    TUNNEL_OPENED,
     TUNNEL_REFUSED_HEADER,
     GatewayMember,
     Route,
@@ -298,6 +303,8 @@ class Router:
             member_reader, member_writer, answer = asked
             peer = peer_name(member.member, route)
             record[0:4] = [_status(answer), peer, member.host, str(member.port)]
+            if record[0] == "200" and route is Route.SESSION:
+                self._write_log(time.time(), record, TUNNEL_OPENED)
             try:
                 writer.write(answer)
                 await writer.drain()
@@ -404,9 +411,12 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._checks, self._credentials.check, username, password)
 
-    def _write_log(self, started: float, record: list[str]) -> None:
+    def _write_log(self, started: float, record: list[str], kind: str | None = None) -> None:
+        """One access log line: a CONNECT's when it ends, or a session tunnel's when granted
+        (`kind` TUNNEL_OPENED; the module docstring)."""
         status, peer, host, port, method, target, username = record
-        kind = "TCP_TUNNEL/FIRSTUP_PARENT" if peer != "-" else "TCP_DENIED/HIER_NONE"
+        if kind is None:
+            kind = "TCP_TUNNEL/FIRSTUP_PARENT" if peer != "-" else "TCP_DENIED/HIER_NONE"
         elapsed = round((time.time() - started) * 1000)
         self._log.write(
             f"{started:.3f} {elapsed} {status} {kind} {peer} {host} {port} "

@@ -1,4 +1,4 @@
-"""Which member a session key goes to: the router's choice, computed, and what its log saw.
+"""Which member a session key goes to, and which member carried its latest tunnel.
 
 Squid cannot add a header to its own `200 Connection established` (Squid 5
 writes that reply as a fixed string, and `reply_header_add` never touches
@@ -7,16 +7,21 @@ instead (`GET /v1/sessions/<key>`, and each member's `sessions` in
 `GET /v1/members`).
 
 The router picks a session's member with gateway/routing.py's
-`userhash_member`, which the API calls on the members in rotation, at once,
-while the session's tunnel is still open (the router logs a CONNECT when
-its tunnel closes). What it cannot see is a member the router skips for
-now (connect failures): the router then takes the next highest.
+`userhash_member`, which the API calls on the members in rotation, at once:
+that is the member the key goes to now. What it cannot see is a member the
+router skips for now (connect failures): the router then takes the next highest.
 
-The router's access log (the username next to the member that carried each CONNECT)
-add the endpoint a session's latest tunnel went to, so a ban names the
-instance the client saw (a member that rotated since is not banned again
-for its old instance's sins), and the session keys each member carried, for
-`/v1/members`. The map keeps the MAX_SESSIONS keys seen last.
+The carrier is another question: the member, and the endpoint it was at,
+that carried the session's latest tunnel, from the router's access log.
+The router writes a session tunnel's line when its member grants it
+(TUNNEL_OPENED), before the client sees the 200, so the carrier is known
+while the tunnel is open, however long a crawler keeps it. A ban by
+session names the carrier, not the member the key hashes to now: members
+that joined or left since move keys, never the exit that served the banned
+page, and a carrier that rotated since is not banned again for its old
+instance's sins (the pool judges the endpoint the ban names). Each
+member's `sessions` in `/v1/members` are the keys it carried last. The map
+keeps the MAX_SESSIONS keys seen last.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from dataclasses import dataclass
 
 from gateway.metrics import MemberNames
 from proxy_operator.username import SESSION_INFIX, SESSION_KEY
+from squid.gateway import TUNNEL_OPENED, Route
 
 MAX_SESSIONS = 100_000
-# A router log line's fields (squid.gateway.GATEWAY_LOG_FORMAT): status, peer
+# A router log line's fields (squid.gateway.GATEWAY_LOG_FORMAT): status, kind, peer
 # name, peer address and port, and the username last.
-_STATUS, _PEER, _ADDRESS, _PORT, _USER = 2, 4, 5, 6, 9
+_STATUS, _KIND, _PEER, _ADDRESS, _PORT, _USER = 2, 3, 4, 5, 6, 9
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class Carrier:
 
 
 class SessionMap:
-    """Session key -> Carrier, bounded; written by the log follower's thread, read by the API."""
+    """Session key -> Carrier, bounded; written by the log follower, read by the API."""
 
     def __init__(self, limit: int = MAX_SESSIONS) -> None:
         self._limit = limit
@@ -82,11 +88,19 @@ def session_key(username: str) -> str | None:
 
 
 def record_router_line(line: str, names: MemberNames, sessions: SessionMap) -> None:
-    """Note the member that carried a session's tunnel, from one router log line."""
+    """Note the member that carried a session's tunnel, from one router log line.
+
+    A session route's tunnel is noted when granted, its line at the end
+    skipped: an older tunnel of the key that closes after a newer one opened
+    does not make its member the carrier again. A pinned username with a
+    session key gets the one line at the end.
+    """
     fields = line.split()
     if len(fields) <= _USER or fields[_STATUS] != "200" or fields[_PEER] == "-":
         return
-    member, _ = names.get(fields[_PEER])
+    member, route = names.get(fields[_PEER])
+    if (route == Route.SESSION) != (fields[_KIND] == TUNNEL_OPENED):
+        return
     key = session_key(fields[_USER])
     if member and key:
         address = fields[_ADDRESS]

@@ -22,6 +22,10 @@ REALM = "proxy-operator"
 # member carried each session (gateway/sessions.py), are read from.
 GATEWAY_LOG_FORMAT = "gateway"
 GATEWAY_LOG_FIELDS = "%ts.%03tu %tr %>Hs %Ss/%Sh %<A %<a %<p %rm %ru %un"
+# The kind (the fourth field) of the router's line for a session's tunnel a member
+# granted, written before the client sees the 200: a ban by session names the
+# member that carried it at once, not only once the tunnel closes. Not a request.
+TUNNEL_OPENED = "TCP_TUNNEL_OPENED/FIRSTUP_PARENT"
 # A member the router fails to connect to this many times in a row is skipped
 # until its probe (a TCP connect a second) sees it answer again; a connect
 # that hangs gives up after MEMBER_CONNECT_TIMEOUT seconds and the request

@@ -7,10 +7,20 @@ import base64
 import io
 import json
 
+from gateway.metrics import MemberNames
 from gateway.router import Router, answer
 from gateway.routing import STAND_IN
+from gateway.sessions import Carrier, SessionMap, record_router_line
 from squid.gateway import GatewayMember
 from tests.helpers.waiting import wait_for
+
+
+async def connect(port: int, username: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client's connection to the router at `port`, its CONNECT sent as `username`."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    login = base64.b64encode(f"{username}:password".encode()).decode()
+    writer.write(f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode())
+    return reader, writer
 
 
 async def test_connections_past_its_descriptors_are_refused_and_the_rest_kept() -> None:
@@ -54,11 +64,7 @@ async def test_a_tunnel_a_stand_in_answers_after_its_pool_woke_counts_for_that_p
     server = await asyncio.start_server(router.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, stand_in_server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        login = base64.b64encode(b"proxy:password").decode()
-        writer.write(
-            f"CONNECT a:443 HTTP/1.1\r\nProxy-Authorization: Basic {login}\r\n\r\n".encode()
-        )
+        reader, writer = await connect(port, "proxy")
         await asyncio.wait_for(held.wait(), 10)
         # The pool woke: its member replaces the stand-in before the holder answers.
         member = GatewayMember("pool-a/0", "127.0.0.1", 1)
@@ -117,3 +123,34 @@ def test_a_change_applies_only_to_the_members_it_was_made_from_and_a_resync_heal
     change = {"after": 6, "generation": 7, "in": [], "out": [], "stand_ins": [held]}
     assert told(router, {"change": change}) == "members 3 7"
     assert [m.member for m in router.members.stand_ins] == [f"{STAND_IN}pool-b"]
+
+
+async def test_a_session_tunnel_names_its_carrier_while_it_is_still_open() -> None:
+    """A crawler keeps its tunnel open and reports a ban on it meanwhile: by the time the
+    client has its 200, the router's log names the member that granted the tunnel, and the
+    session map (the API's source for a ban by session) reads that member and endpoint."""
+    log = io.StringIO()
+    router = Router("proxy", "password", None, log)
+
+    async def member_squid(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # hold the tunnel until the client closes it
+        writer.close()
+
+    member_server = await asyncio.start_server(member_squid, "127.0.0.1", 0)
+    member = GatewayMember("pool-a/1", "127.0.0.1", member_server.sockets[0].getsockname()[1])
+    router.update([member], {member.member: "pool-a"})
+    names, sessions = MemberNames(), SessionMap()
+    names.add(member.member)
+    server = await asyncio.start_server(router.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, member_server:
+        reader, writer = await connect(port, "proxy-session-shop-1")
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200 ")
+        for line in log.getvalue().splitlines():
+            record_router_line(line, names, sessions)
+        carrier = sessions.get("shop-1")
+        assert carrier == Carrier("pool-a/1", f"127.0.0.1:{member.port}", "proxy-session-shop-1")
+        writer.close()

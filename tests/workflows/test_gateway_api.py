@@ -28,6 +28,7 @@ import trustme
 from temporalio.testing import WorkflowEnvironment
 
 from gateway.api import DEFAULT_PER_CLIENT, MAX_CONNECTIONS
+from gateway.routing import userhash_member
 from gateway.users import hash_password
 from tests.docs.markdown import examples
 from tests.helpers.api import TIMEOUT, call, connect_from, raw
@@ -35,6 +36,7 @@ from tests.helpers.config import PASSWORD, PASSWORD_ENV, USERNAME
 from tests.helpers.gateway import GatewayProcess, pool_gateway, through
 from tests.helpers.network import closed_by_peer, free_port
 from tests.helpers.stacks import Stack
+from tests.helpers.tunnel import hold_tunnel
 from tests.helpers.waiting import wait_for
 from tests.workflows.test_gateway import Pool, pool  # noqa: F401  (the pool fixture)
 
@@ -313,6 +315,59 @@ async def test_a_ban_through_the_api_moves_the_session_to_a_new_exit(
         return answer.ok and grew != [old_instance]
 
     await wait_for(moved, "the session carried by another exit than the banned one", deadline=60)
+
+
+async def test_a_ban_by_session_bans_the_exit_carrying_it_though_a_member_joined(
+    stack: Stack,
+    pool: Pool,  # noqa: F811
+    api_gateway: ApiGateway,
+) -> None:
+    """A crawler holds its session's tunnel open; a member joins, and the session's key now
+    hashes to the newcomer; the site bans the page the tunnel brought: the ban by session
+    bans the exit that carried it, not the newcomer."""
+    port, token = api_gateway.port, api_gateway.tokens[0]
+    members = [f"{pool.handle.id}/{n}" for n in range(3)]
+    newcomer = f"{pool.handle.id}/3"
+    endpoints = await pool.endpoints()
+    assert sorted(endpoints) == members
+    # A key that goes to one of the three now and to the newcomer once it joins.
+    key = next(
+        f"shop-{n}"
+        for n in range(1000)
+        if userhash_member(f"{USERNAME}-session-shop-{n}", [*members, newcomer]) == newcomer
+    )
+    carrier = userhash_member(f"{USERNAME}-session-{key}", members)
+    tunnel = await asyncio.to_thread(
+        hold_tunnel,
+        ("127.0.0.1", api_gateway.process.port),
+        (stack.origin.host, stack.origin.port),
+        stack.origin.client_ssl_context,
+        (f"{USERNAME}-session-{key}", PASSWORD),
+    )
+    with tunnel:
+        assert await api(port, "GET", f"/v1/sessions/{key}", token=token) == (
+            200,
+            {"session": key, "member": carrier},
+        )
+        await pool.handle.execute_update("scale", {"replicas": 4})
+
+        async def newcomer_serves() -> bool:
+            answer = await api(port, "GET", f"/v1/sessions/{key}", token=token)
+            return answer == (200, {"session": key, "member": newcomer})
+
+        await wait_for(newcomer_serves, f"{key} going to {newcomer}", deadline=120)
+        joined = await pool.endpoints()
+        answer = await api(
+            port, "POST", "/v1/bans", token=token, body={"session": key, "reason": "403"}
+        )
+        assert answer == (202, {"member": carrier, "accepted": True})
+
+    async def replaced() -> bool:
+        now = await pool.endpoints()
+        return len(now) == 4 and now[carrier] != endpoints[carrier]
+
+    await wait_for(replaced, f"{carrier}, the exit that carried {key}, replaced", deadline=120)
+    assert (await pool.endpoints())[newcomer] == joined[newcomer], "the newcomer kept its exit"
 
 
 async def test_the_api_doc_runs_as_written(
