@@ -13,6 +13,9 @@ from workflows.inputs import MIN_HEARTBEAT_TIMEOUT_SECONDS
 from workflows.lifecycle import ProxyLifecycle, ProxyStatus
 
 DEADLINE = 60.0
+# wait_for's pauses between checks: doubling from the first to the longest.
+FIRST_PAUSE = 0.05
+LONGEST_PAUSE = 0.5
 # A monitor learns of its cancel only at its next heartbeat, which comes as
 # rarely as its heartbeat timeout allows (docs/cost.md): 270 s by default. A
 # test that must see its monitor end (an instance that outlives a terminate,
@@ -38,9 +41,16 @@ async def wait_for(
     what: str,
     deadline: float = DEADLINE,
 ) -> None:
-    """Poll `check` until it is true; fail naming `what` after `deadline` seconds."""
+    """Poll `check` until it is true; fail naming `what` after `deadline` seconds.
+
+    Polled often at first, then every LONGEST_PAUSE: a check is most often a
+    workflow query, which costs the server and the worker a task each time,
+    and a wait of a minute at a steady 10 Hz cost the suite more CPU than
+    what it waited for.
+    """
     loop = asyncio.get_running_loop()
     until = loop.time() + deadline
+    pause = FIRST_PAUSE
     while True:
         result = check()
         if asyncio.iscoroutine(result):
@@ -49,7 +59,8 @@ async def wait_for(
             return
         if loop.time() > until:
             raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, LONGEST_PAUSE)
 
 
 def wait_until(
