@@ -29,7 +29,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import VersioningBehavior
 
-from workflows import pool
+from workflows import lifecycle, pool
 from workflows.lifecycle import ProxyLifecycle, ProxyResult
 from workflows.orphan_gc import GcResult, OrphanGC
 from workflows.pool import PoolResult, ProxyPool
@@ -41,7 +41,11 @@ with workflow.unsafe.imports_passed_through():
 # `run` below that calls its parent's.
 
 
-@workflow.defn(name=PROXY_LIFECYCLE, versioning_behavior=VersioningBehavior.AUTO_UPGRADE)
+@workflow.defn(
+    name=PROXY_LIFECYCLE,
+    versioning_behavior=VersioningBehavior.AUTO_UPGRADE,
+    sandboxed=lifecycle.SANDBOXED,
+)
 class VersionedProxyLifecycle(ProxyLifecycle):
     @workflow.run
     async def run(self, raw: Any = None, carried: Any = None, *extra: Any) -> ProxyResult:

@@ -15,7 +15,7 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from contract import PROXY_POOL
+from contract import PROXY_LIFECYCLE, PROXY_POOL
 from tests.helpers.histories import (
     HISTORIES,
     current_release,
@@ -24,7 +24,7 @@ from tests.helpers.histories import (
     releases,
     workflow_type,
 )
-from tests.helpers.sandboxed import SandboxedProxyPool
+from tests.helpers.sandboxed import SandboxedProxyLifecycle, SandboxedProxyPool
 from workflows.lifecycle import ProxyLifecycle
 from workflows.orphan_gc import OrphanGC
 from workflows.patches import FLOOR_RELEASE
@@ -38,7 +38,10 @@ REGISTRATIONS: dict[str, list[type]] = {
     "unversioned": [ProxyLifecycle, OrphanGC, ProxyPool],
     "versioned": [VersionedProxyLifecycle, VersionedOrphanGC, VersionedProxyPool],
 }
-POOL_RECORDINGS = [(r, n) for r, n in RECORDINGS if workflow_type(r, n) == PROXY_POOL]
+# The workflows that run outside the sandbox (workflows/pool.py, workflows/lifecycle.py).
+UNSANDBOXED_RECORDINGS = [
+    (r, n) for r, n in RECORDINGS if workflow_type(r, n) in {PROXY_POOL, PROXY_LIFECYCLE}
+]
 
 
 def test_the_current_release_has_recordings() -> None:
@@ -74,12 +77,16 @@ async def test_replays_without_nondeterminism(release: str, name: str, registrat
 
 
 @pytest.mark.parametrize(
-    ("release", "name"), POOL_RECORDINGS, ids=[f"{r}/{n}" for r, n in POOL_RECORDINGS]
+    ("release", "name"), UNSANDBOXED_RECORDINGS, ids=[f"{r}/{n}" for r, n in UNSANDBOXED_RECORDINGS]
 )
-async def test_pool_recordings_replay_inside_the_sandbox(release: str, name: str) -> None:
-    """The pool runs unsandboxed (workflows/pool.py): here the sandbox still checks its code."""
+async def test_recordings_replay_inside_the_sandbox(release: str, name: str) -> None:
+    """The pool and the lifecycle run unsandboxed: here the sandbox still checks their code."""
     recorded = load_history(release, name)
     history = WorkflowHistory.from_json(recorded["workflow_id"], recorded["history"])
     namespace = recorded.get("namespace", "default")
-    replayer = Replayer(workflows=[SandboxedProxyPool], namespace=namespace, debug_mode=True)
+    replayer = Replayer(
+        workflows=[SandboxedProxyLifecycle, SandboxedProxyPool],
+        namespace=namespace,
+        debug_mode=True,
+    )
     await replayer.replay_workflow(history)
