@@ -2,6 +2,7 @@
 
     python -m bench.gateway --members N [--seconds 20] [--clients 4] [--squids 3]
                             [--rotate-every 1.0] [--session-keys 2000] [--shared-cores]
+                            [--default-health-interval]
 
 The real `proxy-operator-gateway` process, started from its command line and
 read only through its proxy port, its control API and /proc, in front of
@@ -15,11 +16,16 @@ ceil(N / 1,000) pools, each given to the gateway with its own `--pool`.
 
 The request path (the clients, the gateway, the member Squids and the
 origin) runs on the machine's first core and the control plane (the dev
-server and the pools' workers) on the others, as a gateway host that runs
-no workers and no Temporal would: at 1,000 members the workers' own work
-(monitor shards, reports, rotations) would otherwise take its CPU from the
-request path, and the ratios would measure the workers. `--shared-cores`
-runs everything on every core.
+server, the pools' workers and this benchmark's own rotating, polling and
+probing) on the others, as a gateway host that runs no workers and no
+Temporal would: at 1,000 members the workers' own work (monitor shards,
+reports, rotations) would otherwise take its CPU from the request path, and
+the ratios would measure the workers. `--shared-cores` runs everything on
+every core. The clients and the origin run in a process of their own
+(bench/request_side.py), so this benchmark's work never holds their GIL.
+The members' monitors probe an origin of their own, on the control plane,
+at one probe a second per pool whatever its size (POOL_PROBES_PER_SECOND
+says why; `--default-health-interval` probes every member every 10 s).
 
 In one run, first a 10-member pool with its own gateway, then N members,
 each with `--clients` threads making closed-loop HTTPS requests (CONNECT,
@@ -68,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -90,7 +97,6 @@ from bench.fleet.parameters import FLEET_PROVIDER, INSTALLATION, PASSWORD
 from bench.fleet.squids import SquidGround, create_squids, squid_ground
 from bench.fleet.worker_process import WorkerProcess, worker_spec
 from bench.gateway_load import (
-    Load,
     Phase,
     ProbeLogs,
     gateway_cpu,
@@ -100,6 +106,7 @@ from bench.gateway_load import (
     session_members,
 )
 from bench.pool import generations
+from bench.request_side import LoadOrder, RequestSide, request_side
 from bench.stats import percentile
 from contract import ENDPOINTS_DIGEST_MEMO, POOL_QUEUE_SUFFIX
 from gateway.main import DEFAULT_DEBOUNCE_SECONDS, DEFAULT_POLL_SECONDS
@@ -111,6 +118,7 @@ from tests.helpers.procfs import load_average
 from tests.helpers.run_chain import run_histories
 from tests.helpers.state_dir import local_state_dir
 from tests.helpers.temporal import start_dev_server
+from tests.helpers.tls_origin import TlsOrigin, serve_tls_origin
 from worker import SERVE_POOLS
 from workflows.pool_input import MAX_REPLICAS
 
@@ -132,6 +140,15 @@ SETTLE_SECONDS = 5.0
 # A rotation of every member at `max_surge` 10%: about 150 s at 1,000 (bench.pool).
 ROTATE_ALL_DEADLINE = 900.0
 ROTATE_ALL_POLL = 5.0
+# The members' monitors probe through the member Squids, which serve the
+# clients too, on the request path's core; on a real fleet those probes go
+# from the workers to N member machines and never reach the gateway's host.
+# So here they go to an origin of their own on the control plane's cores
+# (the member Squids still relay them), and each pool's members are probed
+# this often in all, whatever its size: at the default 10 s a member, 1,000
+# members are 100 probes a second, in rounds of a shard's 200 at once
+# (`--default-health-interval` keeps the 10 s).
+POOL_PROBES_PER_SECOND = 1.0
 
 
 @dataclass
@@ -188,6 +205,10 @@ class Bench:
     ground: SquidGround
     pool_queue: str
     probe_logs: ProbeLogs
+    cores: Cores
+    request_side: RequestSide
+    # What the members' monitors probe (POOL_PROBES_PER_SECOND says why not the load's).
+    health_origin: TlsOrigin
 
 
 async def main() -> None:
@@ -199,6 +220,7 @@ async def main() -> None:
     parser.add_argument("--rotate-every", type=float, default=1.0)
     parser.add_argument("--session-keys", type=int, default=2000)
     parser.add_argument("--shared-cores", action="store_true")
+    parser.add_argument("--default-health-interval", action="store_true")
     args = parser.parse_args()
     if not 1 <= args.members <= 100_000:
         parser.error(f"--members: {args.members} is not from 1 to 100000")
@@ -209,46 +231,69 @@ async def main() -> None:
     cores = Cores.split(shared=args.shared_cores)
     print(cores, flush=True)
     metrics_port = free_port()
-    with cores.control_plane():
-        env = await start_dev_server("--metrics-port", str(metrics_port))
+    env = await start_dev_server("--metrics-port", str(metrics_port))
     actions = Actions(f"http://127.0.0.1:{metrics_port}/metrics", env.client.namespace)
     try:
-        async with squid_ground("gateway", bind_address="0.0.0.0") as ground:
-            squids = await create_squids(ground.squids, ground.config, args.squids)
-            spec = worker_spec(env.client, ground.origin, squids, ground.workdir, "gateway")
-            spec["distinct_addresses"] = True
-            pools_spec = {
-                **spec,
-                "task_queue": spec["task_queue"] + POOL_QUEUE_SUFFIX,
-                "serve": SERVE_POOLS,
-            }
-            with cores.control_plane():
-                workers = [
-                    WorkerProcess(_subdirectory(ground.workdir, name), worker)
-                    for name, worker in (("members", spec), ("pools", pools_spec))
-                ]
-            try:
-                for worker in workers:
-                    await worker.wait_ready()
-                squid_dirs = await asyncio.to_thread(_squid_dirs, ground)
-                bench = Bench(
-                    args,
-                    env.client,
-                    actions,
-                    ground,
-                    pools_spec["task_queue"],
-                    ProbeLogs(squid_dirs),
-                )
-                baseline = await measure(bench, BASELINE, full=False)
-                report(baseline)
-                scaled = await measure(bench, args.members, full=True)
-                report(scaled)
-            finally:
-                for worker in workers:
-                    await worker.stop()
+        with (
+            request_side(cores.request_path) as side,
+            serve_tls_origin(ca=side.origin.ca) as health,
+        ):
+            baseline, scaled = await _run(args, cores, env.client, actions, side, health)
     finally:
         await env.shutdown()
     summary(baseline, scaled)
+
+
+async def _run(
+    args: argparse.Namespace,
+    cores: Cores,
+    client: Client,
+    actions: Actions,
+    side: RequestSide,
+    health: TlsOrigin,
+) -> tuple[Size, Size]:
+    """The member Squids and the workers, then the baseline and the N run over them."""
+    async with squid_ground(
+        "gateway", bind_address="0.0.0.0", origin=side.origin, more_ports=[health.port]
+    ) as ground:
+        with cores.on_request_path():
+            squids = await create_squids(ground.squids, ground.config, args.squids)
+        spec = worker_spec(
+            client, ground.origin, squids, ground.workdir, "gateway", more_ports=[health.port]
+        )
+        spec["distinct_addresses"] = True
+        pools_spec = {
+            **spec,
+            "task_queue": spec["task_queue"] + POOL_QUEUE_SUFFIX,
+            "serve": SERVE_POOLS,
+        }
+        workers = [
+            WorkerProcess(_subdirectory(ground.workdir, name), worker)
+            for name, worker in (("members", spec), ("pools", pools_spec))
+        ]
+        try:
+            for worker in workers:
+                await worker.wait_ready()
+            squid_dirs = await asyncio.to_thread(_squid_dirs, ground)
+            bench = Bench(
+                args,
+                client,
+                actions,
+                ground,
+                pools_spec["task_queue"],
+                ProbeLogs(squid_dirs),
+                cores,
+                side,
+                health,
+            )
+            baseline = await measure(bench, BASELINE, full=False)
+            report(baseline)
+            scaled = await measure(bench, args.members, full=True)
+            report(scaled)
+            return baseline, scaled
+        finally:
+            for worker in workers:
+                await worker.stop()
 
 
 @dataclass(frozen=True)
@@ -260,24 +305,24 @@ class Cores:
 
     @classmethod
     def split(cls, *, shared: bool) -> Cores:
-        """The first core for the request path (this process from here on), the rest for
-        the control plane; every core for both when `shared` or with one core."""
+        """The first core for the request path, the rest for the control plane (this
+        process from here on); every core for both when `shared` or with one core."""
         every = frozenset(os.sched_getaffinity(0))
         if shared or len(every) < 2:
             return cls(every, every)
         first = min(every)
         cores = cls(frozenset({first}), every - {first})
-        _pin_this_process(cores.request_path)
+        _pin_this_process(cores.control)
         return cores
 
     @contextlib.contextmanager
-    def control_plane(self) -> Iterator[None]:
-        """Processes started inside run on the control plane's cores (they inherit them)."""
-        _pin_this_process(self.control)
+    def on_request_path(self) -> Iterator[None]:
+        """Processes started inside run on the request path's cores (they inherit them)."""
+        _pin_this_process(self.request_path)
         try:
             yield
         finally:
-            _pin_this_process(self.request_path)
+            _pin_this_process(self.control)
 
     def __str__(self) -> str:
         if self.request_path == self.control:
@@ -317,7 +362,8 @@ async def _measure(
 ) -> Size:
     gateway = _gateway(bench, [pool.id for pool in pools], directory)
     try:
-        await asyncio.to_thread(gateway.start)
+        with bench.cores.on_request_path():
+            await asyncio.to_thread(gateway.start)
         await _until_gateway_lists(gateway, members)
         await asyncio.sleep(SETTLE_SECONDS)
         load_before = load_average()
@@ -364,13 +410,22 @@ def _pool_sizes(members: int) -> list[int]:
 
 
 async def _start_pool(bench: Bench, replicas: int) -> WorkflowHandle[Any, Any]:
-    template = {"provider": FLEET_PROVIDER, "health": {"target": bench.ground.origin.url}}
+    health: dict[str, Any] = {"target": bench.health_origin.url}
+    if not bench.args.default_health_interval:
+        health["interval_seconds"] = _health_interval(replicas)
+    template = {"provider": FLEET_PROVIDER, "health": health}
     return await bench.client.start_workflow(
         "ProxyPool",
         {"replicas": replicas, "template": template, "max_surge": "10%"},
         id=f"bench-gateway-{uuid.uuid4().hex[:8]}",
         task_queue=bench.pool_queue,
     )
+
+
+def _health_interval(replicas: int) -> int:
+    """A member's probe interval that has the pool probe POOL_PROBES_PER_SECOND in all,
+    within what `health.interval_seconds` takes (10 s, the default, at least)."""
+    return min(max(round(replicas / POOL_PROBES_PER_SECOND), 10), 3600)
 
 
 async def _until_ready(pool: WorkflowHandle[Any, Any], replicas: int) -> None:
@@ -455,21 +510,21 @@ async def _phase(
 ) -> Phase:
     """The clients through the gateway for `--seconds`, the rotator running if given."""
     cpu_before = await asyncio.to_thread(gateway_cpu, gateway)
-    proxy = ("127.0.0.1", gateway.port)
-    started = time.monotonic()
+    order = LoadOrder(
+        name, ("127.0.0.1", gateway.port), bench.args.clients, CREDENTIALS, bench.args.seconds
+    )
     print(f"{name}: {bench.args.seconds:.0f} s of load", flush=True)
-    with Load(proxy, bench.ground.origin, bench.args.clients, CREDENTIALS) as load:
-        if rotator is not None:
-            rotator.start(track=True)
-        await asyncio.sleep(bench.args.seconds)
-        if rotator is not None:
-            rotator.halt()
-    seconds = time.monotonic() - started
+    loading = asyncio.create_task(asyncio.to_thread(bench.request_side.load, order))
+    if rotator is not None:
+        rotator.start(track=True)
+    phase = await loading
+    if rotator is not None:
+        rotator.halt()
     cpu = await asyncio.to_thread(gateway_cpu, gateway) - cpu_before
     if rotator is not None:
         await rotator.stop()  # the changes still under way timed, without the load
         await rotator.time_changes()
-    return load.phase(name, seconds, cpu)
+    return dataclasses.replace(phase, gateway_cpu=cpu)
 
 
 class Rotator:

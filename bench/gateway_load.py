@@ -7,6 +7,7 @@ never its code, so the benchmark measures whatever engine the gateway runs.
 from __future__ import annotations
 
 import collections
+import ssl
 import threading
 import time
 from collections.abc import Iterable
@@ -58,30 +59,34 @@ class Phase:
 
 
 class Load:
-    """`clients` threads, each sending one HTTPS request after another through `proxy`."""
+    """`clients` threads, each sending one HTTPS request after another through `proxy` to
+    the origin at `target`, trusted by `context`."""
 
     def __init__(
-        self, proxy: Target, origin: TlsOrigin, clients: int, credentials: tuple[str, str]
+        self,
+        proxy: Target,
+        target: Target,
+        context: ssl.SSLContext,
+        clients: int,
+        credentials: tuple[str, str],
     ) -> None:
         self.latencies: list[float] = []
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.longest_gap = 0.0
         self.longest_request = 0.0
-        self._proxy, self._origin, self._credentials = proxy, origin, credentials
+        self._proxy, self._target, self._context = proxy, target, context
+        self._credentials = credentials
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
         self._started = 0.0
 
     def _run(self) -> None:
-        target = (self._origin.host, self._origin.port)
         last = self._started
         while not self._stop.is_set():
             start = time.monotonic()
             try:
-                answer = request(
-                    self._proxy, *self._credentials, target, self._origin.client_ssl_context
-                )
+                answer = request(self._proxy, *self._credentials, self._target, self._context)
                 outcome = "ok" if answer.ok else f"status {answer.connect_status}"
             except OSError as err:
                 outcome = type(err).__name__

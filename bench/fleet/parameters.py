@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from providers.config import Config
 from tests.helpers.config import build_config, local_entry
@@ -28,11 +29,11 @@ CAPACITY_CONCURRENCY = 20
 CPUS = os.cpu_count() or 1
 
 
-def config_for(origin_port: int, state_dir: str, provider: str) -> Config:
+def config_for(origin_ports: Sequence[int], state_dir: str, provider: str) -> Config:
     """The worker's config: one local-type provider entry named `provider`."""
     return build_config(
         local_entry(state_dir, provider),
-        connect_ports=[origin_port],
+        connect_ports=list(origin_ports),
         installation=INSTALLATION,
         password=PASSWORD,
     )

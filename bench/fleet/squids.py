@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,20 +40,27 @@ class SquidGround:
 
 
 @contextlib.asynccontextmanager
-async def squid_ground(name: str, bind_address: str = "127.0.0.1") -> AsyncIterator[SquidGround]:
+async def squid_ground(
+    name: str,
+    bind_address: str = "127.0.0.1",
+    origin: TlsOrigin | None = None,
+    more_ports: Sequence[int] = (),
+) -> AsyncIterator[SquidGround]:
     """A TLS origin, the config of a local provider for it, that provider and a scratch directory.
 
     Every Squid the provider made is deleted at the end, however the benchmark
     ends; `name` tells the benchmark's directories apart. `bind_address`
     0.0.0.0 makes each Squid answer on every loopback address, for members
-    that must each be a distinct host:port (bench/gateway.py).
+    that must each be a distinct host:port (bench/gateway.py). `origin`: one
+    served elsewhere (bench/request_side.py); by default one on this
+    process's threads. The Squids tunnel to its port and to `more_ports`.
     """
     with (
-        serve_tls_origin() as origin,
+        contextlib.nullcontext(origin) if origin is not None else serve_tls_origin() as origin,
         local_state_dir(f"proxy-operator-{name}-") as state_dir,
         tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir,
     ):
-        config = config_for(origin.port, str(state_dir), SQUID_PROVIDER)
+        config = config_for([origin.port, *more_ports], str(state_dir), SQUID_PROVIDER)
         squids = LocalProvider(
             LocalConfig(state_dir=str(state_dir), bind_address=bind_address), config.installation
         )

@@ -230,7 +230,7 @@ def _write_json(path: Path, data: Any) -> None:
 async def serve_worker(spec: dict[str, Any]) -> None:
     """The worker process: one build_worker over the pool provider (or, for `serve:
     "pools"`, one build_pool_worker), until SIGTERM."""
-    config = config_for(spec["origin_port"], spec["state_dir"], FLEET_PROVIDER)
+    config = config_for(spec["origin_ports"], spec["state_dir"], FLEET_PROVIDER)
     squids = [(ip, port) for ip, port in spec["endpoints"]]
     provider = (
         DistinctAddressProvider(squids) if spec.get("distinct_addresses") else PoolProvider(squids)
@@ -275,10 +275,13 @@ def worker_spec(
     endpoints: Sequence[tuple[str, int]],
     workdir: Path,
     name: str,
+    more_ports: Sequence[int] = (),
 ) -> dict[str, Any]:
     """What `serve_worker` needs: the dev server, a fresh task queue, the Squids and the origin.
 
-    The origin's CA is written under `workdir` for the worker's probes to trust.
+    The origin's CA is written under `workdir` for the worker's probes to trust;
+    its proxies tunnel to the origin's port and `more_ports` (origins with
+    certificates from the same CA).
     """
     ca_file = workdir / "ca.pem"
     origin.ca.cert_pem.write_to_path(str(ca_file))
@@ -287,7 +290,7 @@ def worker_spec(
         "namespace": client.namespace,
         "task_queue": f"bench-{name}-{uuid.uuid4().hex[:8]}",
         "endpoints": endpoints,
-        "origin_port": origin.port,
+        "origin_ports": [origin.port, *more_ports],
         "ca_file": str(ca_file),
         "state_dir": str(workdir / "unused"),
         "parent_pid": os.getpid(),
