@@ -56,6 +56,8 @@ METRICS_ENV = "PROXY_OPERATOR_GATEWAY_METRICS_ADDRESS"
 # One client address's connections at the front, at most: room for a crawler's
 # worth of tunnels, not for one address holding the front's descriptors.
 DEFAULT_CLIENT_CONNECTIONS = 1000
+# A membership change's log line names at most this many members in, and as many out.
+LOGGED_MEMBERS = 10
 # A describe is not billed (docs/cost.md) and the server answers it from the
 # workflow's cached state, so the poll is what a change waits for: 0.5 s puts
 # a change in traffic within about 0.3 s at the median, at two describes a
@@ -364,6 +366,7 @@ async def _run(
     health: GatewayHealth,
 ) -> int:
     async def apply(new: Sequence[GatewayMember]) -> bool:
+        before = _named(squid.members)
         for member in new:
             names.add(member.member)
         try:
@@ -376,7 +379,10 @@ async def _run(
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.set_members(wake.real(new))
         health.routes(new)
-        log.info("members now: %s", ", ".join(m.member for m in new) or "none")
+        now = _named(new)
+        log.info(
+            "members now %d; in: %s; out: %s", len(now), _some(now - before), _some(before - now)
+        )
         return True
 
     stop = asyncio.Event()
@@ -400,6 +406,19 @@ async def _run(
         return 0
     finally:
         following.cancel()
+
+
+def _named(members: Sequence[GatewayMember]) -> set[str]:
+    """Each member as a log line names it: the member and where it listens."""
+    return {f"{m.member} at {m.host}:{m.port}" for m in members}
+
+
+def _some(members: set[str]) -> str:
+    """Members named in a log line: a few, and how many more (one change can bring in
+    or take out a whole pool, up to 1,000 members)."""
+    shown = sorted(members)[:LOGGED_MEMBERS]
+    more = len(members) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "") if shown else "none"
 
 
 def _private_dir() -> Path:

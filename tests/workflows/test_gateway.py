@@ -12,6 +12,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import uuid
@@ -264,6 +265,15 @@ async def test_a_full_rotation_and_a_killed_member_fail_no_request(
     assert not [k for k in samples if k[0] == "proxy_operator_gateway_failures_total"]
     assert set(loop.outcomes) == {"ok"}, (loop.outcomes, _tail(gateway))
     assert loop.outcomes["ok"] > 100
+
+    # The gateway's log tells an operator each change: every old endpoint out, every new in.
+    log = gateway.output.read_text(errors="replace")
+    changes = [line for line in log.splitlines() if "members now" in line]
+    new_endpoints = set((await pool.endpoints()).values())
+    for direction, endpoints in (("out", old_endpoints), ("in", new_endpoints)):
+        for endpoint in endpoints:
+            said = re.compile(rf"{direction}: [^;]* at {re.escape(endpoint)}\b")
+            assert any(said.search(line) for line in changes), (direction, endpoint, changes)
 
     new_instances = set(pool.instance_by_endpoint().values())
     before = pool.tunnels()
