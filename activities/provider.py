@@ -119,6 +119,14 @@ MONITOR_HEARTBEAT_SLACK = timedelta(seconds=60)
 # A monitor scheduled without a heartbeat timeout beats as if it had this one:
 # its heartbeats still carry the last probe and bring a cancel.
 UNTIMED_HEARTBEAT = timedelta(seconds=60)
+# A pool monitor's round starts its probes evenly over this share of the
+# interval: a shard's 200 probes at one instant were 200 TLS handshakes at
+# once on the worker's event loop and, where members share a host or a NAT,
+# a burst on it. A shard restarts for every change of its members'
+# endpoints, so a rotating pool set one off every few seconds. Spread, each
+# member is still probed once an interval, and a failing one is told within
+# half an interval more than before.
+ROUND_SPREAD = 0.5
 # A failing member's detail, as the pool's signal to the member carries it.
 MAX_DETAIL = 200
 
@@ -504,8 +512,9 @@ class ProviderActivities:
 
         What makes a pool member cheap: one heartbeat for up to a shard of
         members (policies.POOL_MONITOR_SHARD) instead of a monitor each. It
-        probes the endpoints the pool advertises, all at once each round,
-        and returns `unhealthy` naming every member that failed
+        probes the endpoints the pool advertises each round, their starts
+        spread over the first half of the interval (ROUND_SPREAD), and
+        returns `unhealthy` naming every member that failed
         `failure_threshold` probes in a row; the pool tells those members,
         and each checks its own instance before it acts. `elapsed` and
         `handover` as the proxy's own monitor.
@@ -558,7 +567,7 @@ class ProviderActivities:
             # A round that starts late means this worker cannot keep up.
             POOL_MONITOR_LATE_SECONDS.observe(max(0.0, tick - due))
             due = tick + inp.interval_seconds
-            results = await asyncio.gather(*(self._probe_member(m, inp) for m in inp.members))
+            results = await self._round(inp)
             probes += len(results)
             advise([m for m, r in zip(inp.members, results, strict=True) if r.ok])
             failing: list[FailingMember] = []
@@ -586,6 +595,17 @@ class ProviderActivities:
             pause = max(0.0, inp.interval_seconds - (time.monotonic() - tick))
             if await _worker_shutting_down_within(pause):
                 return PoolMonitorOutcome(MonitorReason.HANDOVER, [], probes)
+
+    async def _round(self, inp: PoolMonitorInput) -> list[ProbeResult]:
+        """One probe of each member, in the shard's order, their starts spread evenly over
+        ROUND_SPREAD of the interval."""
+        gap = inp.interval_seconds * ROUND_SPREAD / max(len(inp.members), 1)
+
+        async def probe(k: int, member: WatchedMember) -> ProbeResult:
+            await asyncio.sleep(k * gap)
+            return await self._probe_member(member, inp)
+
+        return await asyncio.gather(*(probe(k, m) for k, m in enumerate(inp.members)))
 
     async def _probe_member(self, member: WatchedMember, inp: PoolMonitorInput) -> ProbeResult:
         """One probe through a member's advertised endpoint; an unusable endpoint fails it."""

@@ -146,8 +146,9 @@ ROTATE_ALL_POLL = 5.0
 # So here they go to an origin of their own on the control plane's cores
 # (the member Squids still relay them), and each pool's members are probed
 # this often in all, whatever its size: at the default 10 s a member, 1,000
-# members are 100 probes a second, in rounds of a shard's 200 at once
-# (`--default-health-interval` keeps the 10 s).
+# members are 100 probes a second, a shard's 200 started over 5 s each round
+# (`--default-health-interval` keeps the 10 s; a round spreads its probes over
+# half the interval, activities/provider.py's ROUND_SPREAD).
 POOL_PROBES_PER_SECOND = 1.0
 
 
