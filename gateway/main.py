@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import NoReturn
 
@@ -366,7 +367,7 @@ async def _run(
     health: GatewayHealth,
 ) -> int:
     async def apply(new: Sequence[GatewayMember]) -> bool:
-        before = _named(squid.members)
+        before = squid.in_force
         for member in new:
             names.add(member.member)
         try:
@@ -379,9 +380,12 @@ async def _run(
         metrics.RELOADS.labels(outcome=metrics.RELOAD_OK).inc()
         metrics.set_members(wake.real(new))
         health.routes(new)
-        now = _named(new)
+        after = squid.in_force
         log.info(
-            "members now %d; in: %s; out: %s", len(now), _some(now - before), _some(before - now)
+            "members now %d; in: %s; out: %s",
+            len(squid.members),
+            _some(after - before),
+            _some(before - after),
         )
         return True
 
@@ -408,15 +412,10 @@ async def _run(
         following.cancel()
 
 
-def _named(members: Sequence[GatewayMember]) -> set[str]:
-    """Each member as a log line names it: the member and where it listens."""
-    return {f"{m.member} at {m.host}:{m.port}" for m in members}
-
-
-def _some(members: set[str]) -> str:
-    """Members named in a log line: a few, and how many more (one change can bring in
-    or take out a whole pool, up to 1,000 members)."""
-    shown = sorted(members)[:LOGGED_MEMBERS]
+def _some(members: AbstractSet[GatewayMember]) -> str:
+    """Members named in a log line, with where each listens: a few, and how many more (one
+    change can bring in or take out a whole pool, up to 1,000 members)."""
+    shown = sorted(f"{m.member} at {m.host}:{m.port}" for m in members)[:LOGGED_MEMBERS]
     more = len(members) - len(shown)
     return ", ".join(shown) + (f" and {more} more" if more else "") if shown else "none"
 

@@ -88,29 +88,59 @@ CLOSED = frozenset(
 
 def parse_endpoints(raw: Any) -> list[GatewayMember]:
     """The pool's `endpoints` answer as members; entries that are not one are skipped, said so."""
-    entries = raw.get("endpoints", raw) if isinstance(raw, dict) else raw
-    if not isinstance(entries, list):
-        raise ValueError(f"endpoints query answered {type(raw).__name__}, not a list")
-    members = []
-    for entry in entries:
-        member = entry.get("member") if isinstance(entry, dict) else None
-        endpoint = entry.get("endpoint") if isinstance(entry, dict) else None
-        parsed = split_endpoint(endpoint) if isinstance(endpoint, str) else None
-        if not isinstance(member, str) or not member or parsed is None:
-            log.warning("ignoring endpoints entry %r: needs a member id and host:port", entry)
-            continue
-        provider, exit_address = entry.get("provider"), entry.get("exit_address")
-        members.append(
-            GatewayMember(
-                member,
-                *parsed,
-                zone=zone_of(entry.get("placement")),
-                region=region_of(entry.get("placement")),
-                provider=provider if isinstance(provider, str) and provider else None,
-                exit_address=_address_or_none(exit_address),
-            )
-        )
-    return sorted(set(members), key=lambda m: m.member)
+    return Endpoints().parse(raw)
+
+
+class Endpoints:
+    """A pool's `endpoints` answers read as members, each entry read again only once it changed.
+
+    A pool's answer changes by a member or two at a time; reading its 1,000
+    entries anew at each change was most of what a change cost the gateway's
+    process. An entry that is not a member is said so once while it stays.
+    """
+
+    def __init__(self) -> None:
+        # The last answer's entries that name a member id, with what each was read as.
+        self._read: dict[str, tuple[dict[str, Any], GatewayMember | None]] = {}
+
+    def parse(self, raw: Any) -> list[GatewayMember]:
+        """The answer's members, sorted by id; ValueError for an answer that is no list."""
+        entries = raw.get("endpoints", raw) if isinstance(raw, dict) else raw
+        if not isinstance(entries, list):
+            raise ValueError(f"endpoints query answered {type(raw).__name__}, not a list")
+        read: dict[str, tuple[dict[str, Any], GatewayMember | None]] = {}
+        members = []
+        for entry in entries:
+            member_id = entry.get("member") if isinstance(entry, dict) else None
+            if not isinstance(member_id, str) or not member_id:
+                _entry_member(entry)  # says why it is skipped
+                continue
+            before = self._read.get(member_id)
+            member = before[1] if before and before[0] == entry else _entry_member(entry)
+            read[member_id] = (entry, member)
+            if member is not None:
+                members.append(member)
+        self._read = read
+        return sorted(set(members), key=lambda m: m.member)
+
+
+def _entry_member(entry: Any) -> GatewayMember | None:
+    """One entry of the answer as a member; None, said so, if it is not one."""
+    member = entry.get("member") if isinstance(entry, dict) else None
+    endpoint = entry.get("endpoint") if isinstance(entry, dict) else None
+    parsed = split_endpoint(endpoint) if isinstance(endpoint, str) else None
+    if not isinstance(member, str) or not member or parsed is None:
+        log.warning("ignoring endpoints entry %r: needs a member id and host:port", entry)
+        return None
+    provider, exit_address = entry.get("provider"), entry.get("exit_address")
+    return GatewayMember(
+        member,
+        *parsed,
+        zone=zone_of(entry.get("placement")),
+        region=region_of(entry.get("placement")),
+        provider=provider if isinstance(provider, str) and provider else None,
+        exit_address=_address_or_none(exit_address),
+    )
 
 
 def _address_or_none(value: Any) -> str | None:
@@ -121,15 +151,18 @@ def _address_or_none(value: Any) -> str | None:
         return None
 
 
-async def query_members(client: Client, pool: str) -> list[GatewayMember]:
-    """One `endpoints` query; PoolNotFound if the pool does not exist."""
+async def query_members(
+    client: Client, pool: str, endpoints: Endpoints | None = None
+) -> list[GatewayMember]:
+    """One `endpoints` query, read by `endpoints` (the pool's reader, which remembers its
+    last answer); PoolNotFound if the pool does not exist."""
     try:
         raw = await client.get_workflow_handle(pool).query(ENDPOINTS_QUERY)
     except RPCError as err:
         if err.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.INVALID_ARGUMENT):
             raise PoolNotFound(f"pool {pool!r}: {err.message}") from err
         raise
-    return parse_endpoints(raw)
+    return (endpoints or Endpoints()).parse(raw)
 
 
 async def pool_position(client: Client, pool: str) -> Position:

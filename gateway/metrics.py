@@ -183,8 +183,13 @@ class MemberNames:
 
     def __init__(self) -> None:
         self._members: dict[str, tuple[str, Route]] = {}
+        # The members added: each change names them all, mostly ones already here.
+        self._known: set[str] = set()
 
     def add(self, member: str) -> None:
+        if member in self._known:
+            return
+        self._known.add(member)
         for route in Route:
             self._members[peer_name(member, route)] = (member, route)
 

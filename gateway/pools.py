@@ -108,6 +108,7 @@ class Pools:
         # The autoscaled pools' wake holders, by pool.
         self.holders: dict[str, Holder] = {}
         self._gatekeepers = {pool: Gatekeeper(allowed) for pool in ids}
+        self._endpoints = {pool: membership.Endpoints() for pool in ids}
         self._admitted: dict[str, tuple[GatewayMember, ...]] = dict.fromkeys(ids, ())
         self._closed: set[str] = set()
         # Each routed member's pool, as `routed` last gave them.
@@ -136,7 +137,7 @@ class Pools:
     async def fetch(self, pool: str) -> list[GatewayMember]:
         """`pool`'s members as its `endpoints` query lists them, less any outside the networks."""
         try:
-            listed = await membership.query_members(self.client, pool)
+            listed = await membership.query_members(self.client, pool, self._endpoints[pool])
         except WorkflowQueryFailedError as err:
             raise membership.PoolNotFound(f"pool {pool!r}: {err}") from err
         self.health.answered(pool)

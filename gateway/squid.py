@@ -341,6 +341,11 @@ class GatewaySquid:
             with contextlib.suppress(ProcessLookupError):  # it died: the master starts it anew
                 os.kill(pid, signal.SIGHUP)
 
+    @property
+    def in_force(self) -> frozenset[GatewayMember]:
+        """The members in rotation (`members`) as a set: what the next change is compared with."""
+        return self._in_force
+
     def apply(self, members: Sequence[GatewayMember]) -> bool:
         """Put `members` in rotation; False when nothing changed. In force on return.
 

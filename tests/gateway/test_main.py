@@ -14,7 +14,7 @@ import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from gateway.main import METRICS_ENV, UsageError, checked, parse_args
-from gateway.membership import parse_endpoints
+from gateway.membership import Endpoints, parse_endpoints
 from gateway.users import hash_password
 from providers.base import split_endpoint
 from proxy_operator.username import gateway_account
@@ -163,6 +163,37 @@ def test_endpoints_entries_that_are_not_members_are_skipped() -> None:
     assert split_endpoint("host") is None
     with pytest.raises(ValueError):
         parse_endpoints("not a list")
+
+
+def test_each_answer_is_read_whole_and_a_bad_entry_is_said_once_while_it_stays(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    endpoints = Endpoints()
+    answer = [
+        {"member": "web/0", "endpoint": "10.0.0.5:3128", "placement": {"zone": "europe-west1-b"}},
+        {"member": "web/1", "endpoint": "bad host:3128"},
+    ]
+    assert endpoints.parse(answer) == [
+        GatewayMember("web/0", "10.0.0.5", 3128, zone="europe-west1-b", region="europe-west1")
+    ]
+
+    # The same answer again, then web/0 moved (its zone too) and web/2 new.
+    assert endpoints.parse(answer) == endpoints.parse(list(reversed(answer)))
+    moved = {"member": "web/0", "endpoint": "10.0.0.9:3128", "placement": {"zone": "us-east1-c"}}
+    again = endpoints.parse([moved, answer[1], {"member": "web/2", "endpoint": "10.0.0.6:3128"}])
+
+    assert again == [
+        GatewayMember("web/0", "10.0.0.9", 3128, zone="us-east1-c", region="us-east1"),
+        GatewayMember("web/2", "10.0.0.6", 3128),
+    ]
+    assert [r.getMessage() for r in caplog.records].count(
+        "ignoring endpoints entry {'member': 'web/1', 'endpoint': 'bad host:3128'}: "
+        "needs a member id and host:port"
+    ) == 1
+    # Gone from an answer and back: said again.
+    endpoints.parse([moved])
+    endpoints.parse(answer)
+    assert sum("web/1" in r.getMessage() for r in caplog.records) == 2
 
 
 def run_gateway(
