@@ -14,7 +14,13 @@ process, over the real code:
 - the router's memory per member: what its index of N holds (tracemalloc);
 - the gateway: `GatewaySquid.apply` of one member in and one out, to the
   real router's answer, on a gateway (its Squid and router) started on N
-  members at addresses nothing answers on (no request is sent).
+  members at addresses nothing answers on (no request is sent);
+- the gateway: the `endpoints` answer of the pool that changed (one of up
+  to 1,000 members: a change is one pool's), one member in and one out,
+  decoded from its payload, read into members (`membership.Endpoints`,
+  which reads again only the entries that changed) and admitted to the
+  member networks, as the gateway's pool follower takes it in; and the
+  same with every entry read and every address admitted anew.
 
 Prints the median and p99 of each. Asserts nothing: the figures feed
 docs/benchmarks.md.
@@ -32,7 +38,11 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+from temporalio.converter import DataConverter
+
 from bench.stats import percentile
+from gateway.member_networks import Gatekeeper, MemberNetworks, parse_networks
+from gateway.membership import Endpoints, parse_endpoints
 from gateway.router import Router, answer
 from gateway.routing import Members
 from gateway.squid import GatewaySquid
@@ -40,6 +50,7 @@ from proxy_operator.username import parse_gateway_username
 from squid.gateway import GatewayMember
 from tests.helpers.config import PASSWORD, USERNAME, local_entry, proxy_config
 from tests.helpers.network import free_port
+from workflows.pool_input import MAX_REPLICAS
 
 ZONES = ("europe-west1-b", "europe-west1-c", "us-east1-c")
 SESSION_KEYS = 200
@@ -137,6 +148,43 @@ def gateway_side(n: int, changes: int) -> None:
     print(f"{'gateway, one in and one out, to its answer':<44} {summary(times)}")
 
 
+def entry(m: GatewayMember) -> dict[str, object]:
+    """`m` as its pool's `endpoints` query lists it."""
+    return {
+        "member": m.member,
+        "endpoint": f"{m.host}:{m.port}",
+        "provider": m.provider,
+        "placement": {"zone": m.zone},
+    }
+
+
+def answer_side(n: int, changes: int) -> None:
+    pool = min(n, MAX_REPLICAS)
+    entries = [entry(member(k)) for k in range(pool)]
+    networks = MemberNetworks(parse_networks("127.0.0.0/8", "--member-networks"))
+    endpoints, gatekeeper = Endpoints(), Gatekeeper(networks)
+    gatekeeper.admit(endpoints.parse(entries))
+    # The client's decode, without its codec (none here) and its event loop.
+    converter = DataConverter.default.payload_converter
+    taken_ms, anew_ms = [], []
+    for newest in range(pool, pool + changes):
+        entries = [*entries[1:], entry(member(newest))]
+        payloads = converter.to_payloads([entries])
+
+        def take_in() -> None:
+            raw = converter.from_payloads(payloads)[0]  # noqa: B023
+            gatekeeper.admit(endpoints.parse(raw))
+
+        def take_in_anew() -> None:
+            raw = converter.from_payloads(payloads)[0]  # noqa: B023
+            Gatekeeper(networks).admit(parse_endpoints(raw))
+
+        taken_ms.append(timed_ms(take_in))
+        anew_ms.append(timed_ms(take_in_anew))
+    print(f"{'gateway, a pool answer taken in':<44} {summary(taken_ms)}")
+    print(f"{'gateway, the same, every entry read anew':<44} {summary(anew_ms)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--members", type=int, nargs="+", default=[1000, 10_000])
@@ -148,6 +196,7 @@ def main() -> None:
         print(f"\n{n} members, {args.changes} changes{'':<14} {'p50 ms':>8} {'p99 ms':>8}")
         router_side(n, args.changes)
         gateway_side(n, args.changes)
+        answer_side(n, args.changes)
 
 
 if __name__ == "__main__":
