@@ -96,7 +96,8 @@ class Endpoints:
 
     A pool's answer changes by a member or two at a time; reading its 1,000
     entries anew at each change was most of what a change cost the gateway's
-    process. An entry that is not a member is said so once while it stays.
+    process. An entry that names a member id but no host:port is said so once
+    while it stays; one that names no member id, at every answer.
     """
 
     def __init__(self) -> None:
